@@ -1,0 +1,15 @@
+"""moe_compile: a torch.compile backend for Mixture-of-Experts models.
+
+``import moe_compile`` registers the ``"moe_compile"`` backend (the ``torch_dynamo_backends`` entry
+point does too, so ``torch.compile(model, backend="moe_compile")`` works without the import).
+"""
+
+from moe_compile import ops
+from moe_compile.api import compile
+from moe_compile.backend import moe_backend, register
+from moe_compile.config import MoECompileConfig
+from moe_compile.report import Report, explain
+
+register()
+
+__all__ = ["MoECompileConfig", "Report", "compile", "explain", "moe_backend", "ops"]

@@ -1,0 +1,70 @@
+"""``moe_compile.compile``: torch.compile with the moe_compile backend and MoE-friendly capture."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from moe_compile.backend import ConfiguredBackend
+from moe_compile.config import make_config
+
+# Dynamo graph-breaks on `.tolist()` / `.item()` and on ops with data-dependent output shapes unless
+# these are on (fullgraph=True turns them on implicitly). Host-sized padding regions are only visible
+# to our pre-grad pass when they are captured.
+CAPTURE_FLAGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
+
+
+def compile(  # noqa: A001 - mirrors torch.compile
+    model: Any,
+    *,
+    metrics: bool = False,
+    passes: dict[str, bool] | None = None,
+    debug: bool = False,
+    strict: bool = False,
+    capture_host_syncs: bool = True,
+    **torch_compile_kwargs: Any,
+) -> Any:
+    """``torch.compile(model, backend=moe_compile)`` with MoE-friendly Dynamo settings.
+
+    Use this instead of ``torch.compile(model, backend="moe_compile")`` when the model sizes its
+    expert padding on the host (``counts.tolist()``, ``.item()``, ``torch.split`` by counts) and you
+    do not pass ``fullgraph=True``: without scalar capture Dynamo breaks the graph at the host read,
+    the region runs eagerly, and no pass can make it CUDA-graph safe.
+
+    Args:
+        model: an ``nn.Module`` or a function.
+        metrics: insert on-device router metrics (read them with ``moe_compile.metrics.collect``).
+        passes: ``{pass_name: bool}`` to turn single passes on or off.
+        debug: device-side asserts in the dispatch kernels.
+        strict: a failing pass raises instead of falling back to plain Inductor.
+        capture_host_syncs: trace with ``capture_scalar_outputs`` and
+            ``capture_dynamic_output_shape_ops`` on (the default).
+        **torch_compile_kwargs: ``mode``, ``options``, ``dynamic``, ``fullgraph``, ... as for
+            ``torch.compile``.
+
+    Returns:
+        What ``torch.compile`` returns; for a module, calls go through the capture flags.
+    """
+    if "backend" in torch_compile_kwargs:
+        raise ValueError("moe_compile.compile sets backend= itself; call torch.compile for another backend")
+    config = make_config(metrics=metrics, passes=passes or {}, debug=debug, strict=strict)
+    compiled = torch.compile(model, backend=ConfiguredBackend(config), **torch_compile_kwargs)
+    if not capture_host_syncs:
+        return compiled
+    return _with_capture_flags(compiled)
+
+
+def _with_capture_flags(compiled: Any) -> Any:
+    call = compiled.forward if isinstance(compiled, torch.nn.Module) else compiled
+
+    @functools.wraps(call)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(CAPTURE_FLAGS):
+            return call(*args, **kwargs)
+
+    if isinstance(compiled, torch.nn.Module):
+        compiled.forward = run
+        return compiled
+    return run

@@ -1,0 +1,108 @@
+"""The ``"moe_compile"`` torch.compile backend: Inductor plus moe_compile's graph passes.
+
+Pipeline (one composite :class:`~moe_compile.passes.StagePass` per Inductor hook; the passes of each
+stage run in the order of :data:`moe_compile.passes.PASSES`):
+
+1. ``pre_grad_custom_pass`` (Dynamo's Torch IR, before AOTAutograd): host-sized padding and other
+   regions that are only visible before functionalization.
+2. ``joint_custom_pre_pass`` (the joint forward+backward ATen graph in training, the forward graph in
+   inference): sort/gather dispatch and combine chains, so that the backward is rewritten too.
+3. ``post_grad_custom_post_pass``: checks and late clean-ups.
+
+``mode=`` and ``options=`` behave as with the Inductor backend; option keys starting with ``"moe."``
+configure moe_compile (see :mod:`moe_compile.config`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch._inductor.compile_fx import compile_fx
+
+from moe_compile.config import MoECompileConfig, split_options
+from moe_compile.passes import enabled_passes, stage_passes
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "moe_compile"
+
+
+def inductor_patches(
+    config: MoECompileConfig, mode: str | None, inductor_options: dict[str, Any]
+) -> dict[str, Any]:
+    patches: dict[str, Any] = {}
+    if mode not in (None, "default"):
+        patches.update(torch._inductor.list_mode_options(mode))
+    patches.update(inductor_options)
+    clashing = sorted(set(patches) & set(stage_passes(config)))
+    if clashing:
+        raise ValueError(f"options {clashing} are set by moe_compile itself; turn passes off with 'moe.passes'")
+    patches.update(stage_passes(config))
+    return patches
+
+
+def compile_with_config(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: MoECompileConfig,
+    mode: str | None = None,
+    inductor_options: dict[str, Any] | None = None,
+) -> Any:
+    patches = inductor_patches(config, mode, dict(inductor_options or {}))
+    log.debug("compiling a graph of %d nodes, passes %s", len(gm.graph.nodes), enabled_passes(config))
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def moe_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> Any:
+    """``torch.compile`` backend: Inductor with moe_compile's passes installed."""
+    config, inductor_options = split_options(options)
+    return compile_with_config(gm, example_inputs, config, mode, inductor_options)
+
+
+class ConfiguredBackend:
+    """A backend bound to a config (what :func:`moe_compile.compile` hands to ``torch.compile``)."""
+
+    def __init__(self, config: MoECompileConfig) -> None:
+        self.config = config
+
+    def __call__(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> Any:
+        extra, inductor_options = split_options(options)
+        if extra != MoECompileConfig():
+            raise ValueError("pass moe_compile options as keyword arguments of moe_compile.compile, not in options=")
+        return compile_with_config(gm, example_inputs, self.config, mode, inductor_options)
+
+    def reset(self) -> None:
+        _reset()
+
+
+def _reset() -> None:
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+    reset_cudagraph_trees()
+
+
+moe_backend.reset = _reset  # type: ignore[attr-defined]
+
+
+def register() -> None:
+    """Register ``"moe_compile"`` with Dynamo (idempotent; the entry point does the same lazily)."""
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+
+    # When Dynamo found our entry point first, it registers the backend itself after importing us.
+    if BACKEND_NAME in _COMPILER_FNS or _BACKENDS.get(BACKEND_NAME) is not None:
+        return
+    register_backend(moe_backend, name=BACKEND_NAME)

@@ -1,0 +1,162 @@
+"""The ordered registry of moe_compile's graph passes, and how one stage runs them.
+
+Invariants every pass keeps (after ``torch/_inductor/fx_passes/README.md``, plus our own):
+
+* A pass proves its match or leaves the graph alone, and records why (``ctx.skip``).
+* No mutation before Inductor's reinplacing; no new aliasing between graph inputs and outputs.
+* Inserted nodes get a valid ``meta["val"]`` (use :func:`moe_compile.passes._graph.graph_call`).
+* Collectives (all-to-all) are never touched.
+* Results change by no more than the documented tolerance of the ops a pass inserts.
+
+A pass is a function ``run(graph: torch.fx.Graph, ctx: PassContext) -> None``. If it raises, the
+stage restores the graph as it was before that pass, logs a warning and goes on (plain Inductor for
+that pass), unless the config says ``strict``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+import pathlib
+import time
+import warnings
+from collections.abc import Callable
+from typing import Literal
+
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from moe_compile import report
+from moe_compile.config import MoECompileConfig
+
+log = logging.getLogger(__name__)
+
+Stage = Literal["pre_grad", "joint", "post_grad"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PassEntry:
+    name: str
+    stage: Stage
+    # "module:function", imported lazily so that a broken pass module cannot break `import moe_compile`
+    target: str
+    default: bool = True
+    doc: str = ""
+
+    def load(self) -> Callable[[fx.Graph, PassContext], None]:
+        module, fn = self.target.split(":")
+        return getattr(importlib.import_module(module), fn)
+
+
+# Run order within each stage is the order of this tuple.
+PASSES: tuple[PassEntry, ...] = ()
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What a pass gets besides the graph: config, stage, and the report it writes to."""
+
+    config: MoECompileConfig
+    stage: Stage
+    pass_name: str
+    # True for a joint forward+backward graph (training); False for forward-only graphs.
+    is_training: bool
+
+    def rewrite(self, layer: str, matched: str, replaced_by: str) -> None:
+        log.info("[%s] %s: rewrote %s -> %s", self.pass_name, layer, matched, replaced_by)
+        report.add(report.PassRecord(self.pass_name, self.stage, "rewrite", layer, matched, replaced_by))
+
+    def skip(self, layer: str, reason: str, detail: str = "") -> None:
+        log.info("[%s] %s: skipped (%s) %s", self.pass_name, layer, reason, detail)
+        report.add(report.PassRecord(self.pass_name, self.stage, "skip", layer, reason, detail))
+
+
+def _snapshot(graph: fx.Graph) -> fx.Graph:
+    copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
+    out = copy.graph_copy(graph, {}, return_output_node=True)
+    copy.output(out[0].args[0] if isinstance(out, tuple) else out.args[0])
+    return copy
+
+
+def _restore(graph: fx.Graph, snapshot: fx.Graph) -> None:
+    for node in reversed(list(graph.nodes)):
+        node.users.clear()
+        graph.erase_node(node)
+    out = graph.graph_copy(snapshot, {}, return_output_node=True)
+    graph.output(out[0].args[0] if isinstance(out, tuple) else out.args[0])
+
+
+def _is_training_graph(graph: fx.Graph) -> bool:
+    return any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder"))
+
+
+@functools.cache
+def _source_hash() -> str:
+    root = pathlib.Path(__file__).resolve().parents[1]
+    files = sorted(str(p) for p in root.rglob("*.py"))
+    return get_hash_for_files(tuple(files)).hex()
+
+
+class StagePass(CustomGraphPass):
+    """One Inductor custom pass that runs every enabled moe_compile pass of one stage, in order."""
+
+    def __init__(self, stage: Stage, config: MoECompileConfig) -> None:
+        self.stage = stage
+        self.config = config
+        self.entries = tuple(
+            e for e in PASSES if e.stage == stage and config.pass_enabled(e.name, e.default)
+        )
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if self.stage == "pre_grad":
+            report.graph_compiled()
+        training = _is_training_graph(graph)
+        changed = False
+        for entry in self.entries:
+            ctx = PassContext(self.config, self.stage, entry.name, training)
+            before = _snapshot(graph)
+            start = time.perf_counter()
+            try:
+                entry.load()(graph, ctx)
+                graph.lint()
+            except Exception as exc:  # noqa: BLE001 - any failure falls back to plain Inductor
+                if self.config.strict:
+                    raise
+                _restore(graph, before)
+                msg = f"moe_compile pass {entry.name!r} failed ({type(exc).__name__}: {exc}); " \
+                      "continuing without it for this graph"
+                warnings.warn(msg, stacklevel=2)
+                log.warning(msg, exc_info=log.isEnabledFor(logging.DEBUG))
+                report.add(report.PassRecord(entry.name, self.stage, "error", "<graph>", type(exc).__name__, str(exc)))
+                continue
+            changed = True
+            log.debug("[%s] ran in %.1f ms", entry.name, 1e3 * (time.perf_counter() - start))
+        if changed and self.stage == "joint":
+            # A replacement can leave the joint graph unsorted, and Inductor's constant folding that
+            # runs right after this hook needs topological order.
+            from torch._inductor.pattern_matcher import stable_topological_sort
+
+            stable_topological_sort(graph)
+        if changed and graph.owning_module is not None:
+            graph.owning_module.recompile()
+
+    def uuid(self) -> str:
+        return f"moe_compile:{self.stage}:{_source_hash()}:{self.config.cache_key()}"
+
+
+def stage_passes(config: MoECompileConfig) -> dict[str, StagePass]:
+    """Inductor config patches that install one composite pass per stage."""
+    return {
+        "pre_grad_custom_pass": StagePass("pre_grad", config),
+        "joint_custom_pre_pass": StagePass("joint", config),
+        "post_grad_custom_post_pass": StagePass("post_grad", config),
+    }
+
+
+def enabled_passes(config: MoECompileConfig) -> list[str]:
+    return [e.name for e in PASSES if config.pass_enabled(e.name, e.default)]
+
+
+__all__ = ["PASSES", "PassContext", "PassEntry", "StagePass", "enabled_passes", "stage_passes"]
