@@ -1,0 +1,347 @@
+"""Sync-free grouped GEMM ops: ``torch.ops.moe.grouped_mm`` and its weight-only quantised variants.
+
+Shape suffixes: ``M`` rows of an expert-major buffer (static), ``K`` reduction dim, ``N`` output dim,
+``E`` experts. Every op computes, for each expert ``e`` and each row ``r`` in ``[offs[e-1], offs[e])``,
+
+    y_MN[r] = x_MK[r] @ w_ENK[e]^T          (fp32 accumulate, one cast to x's dtype)
+
+and writes **zeros** to rows ``>= offs[-1]`` (``torch._grouped_mm`` leaves them uninitialised).
+``offs_E`` is a device-side int32 tensor of cumulative END offsets (empty experts allowed); no op
+ever reads it on the host, and every fake is static (output ``[M, N]``).
+
+| op | weight | CUDA | CPU |
+| --- | --- | --- | --- |
+| ``moe::grouped_mm`` | bf16/fp16/fp32 ``[E, N, K]``, any strides | bf16 on sm90/sm100 with 16-byte strides: ``torch._grouped_mm`` (CUTLASS, sync-free); else Triton | ``grouped_mm_reference`` |
+| ``moe::grouped_mm_wgrad`` | returns ``dW_ENK = dY^T X`` per expert | bf16 sm90/sm100: ``torch._grouped_mm`` 2-D x 2-D; else Triton (one program per tile, no atomics) | reference |
+| ``moe::grouped_mm_mxfp8`` | e4m3 ``[E, N, K]`` + e8m0-as-uint8 ``[E, N, K/32]`` | Triton weight-only (dequantise tiles in registers) | dequantise + reference |
+| ``moe::grouped_mm_nvfp4`` | packed e2m1 uint8 ``[E, N, K/2]`` + e4m3 ``[E, N, K/16]`` + fp32 ``[E]`` | Triton weight-only | dequantise + reference |
+
+Autograd: ``grouped_mm`` gives ``dX`` (a ``grouped_mm`` against ``w.transpose(1, 2)``) and ``dW``
+(``grouped_mm_wgrad``), both deterministic. The quantised ops differentiate w.r.t. ``x`` only.
+The dequantisers here reproduce torchao's ``MXTensor.dequantize`` / ``NVFP4Tensor.dequantize`` bit
+for bit, with e8m0 scales held as uint8 (CPU Inductor has no C++ type for float8_e8m0fnu).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from moe_compile.ops.triton import grouped_mm as _kernels
+
+MX_BLOCK = 32
+NV_BLOCK = 16
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# e2m1 code (sign bit 3, exponent bits 1-2, mantissa bit 0) -> value
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+# ===== dequantisation and references (pure PyTorch, sync-free) =====
+
+
+def decode_e8m0(scale_u8: torch.Tensor) -> torch.Tensor:
+    """uint8 biased exponents -> fp32 ``2**(s - 127)`` (255 -> NaN), as torchao's ``get_fp_scale``."""
+    s = scale_u8.view(torch.uint8).to(torch.int32)
+    scale = (s << 23).view(torch.float32)
+    scale = torch.where(s == 0, torch.full_like(scale, 2.0**-127), scale)
+    return torch.where(s == 255, torch.full_like(scale, float("nan")), scale)
+
+
+def dequantize_mxfp8(qdata: torch.Tensor, scale_u8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``qdata`` e4m3 ``[..., N, K]``, ``scale_u8`` ``[..., N, K/32]`` -> ``dtype`` ``[..., N, K]``."""
+    blocks = qdata.to(torch.float32).unflatten(-1, (-1, MX_BLOCK))
+    return (blocks * decode_e8m0(scale_u8).unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def dequantize_nvfp4(
+    qdata: torch.Tensor, scale: torch.Tensor, expert_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Packed e2m1 ``[E, N, K/2]`` (low nibble first), e4m3 ``[E, N, K/16]``, fp32 ``[E]`` -> ``[E, N, K]``."""
+    codes = torch.stack([qdata & 0xF, qdata >> 4], dim=-1).flatten(-2).to(torch.int64)
+    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=qdata.device)
+    values = table[codes].unflatten(-1, (-1, NV_BLOCK))
+    block_scale = expert_scale.view(-1, *([1] * (scale.dim() - 1))) * scale.to(torch.float32)
+    return (values * block_scale.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def _expert_row_masks(offs_E: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Bool ``[E, M]``: row ``r`` belongs to expert ``e``."""
+    rows = torch.arange(num_rows, device=offs_E.device, dtype=torch.int32)
+    ends = offs_E.to(torch.int32)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    return (rows[None, :] >= starts[:, None]) & (rows[None, :] < ends[:, None])
+
+
+def grouped_mm_reference(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Loop over experts (not over ``offs`` values): each row takes its own expert's product, fp32."""
+    masks_EM = _expert_row_masks(offs_E, x_MK.shape[0])
+    x32 = x_MK.to(torch.float32)
+    y = x32.new_zeros(x_MK.shape[0], w_ENK.shape[1])
+    for e in range(w_ENK.shape[0]):
+        y = torch.where(masks_EM[e, :, None], x32 @ w_ENK[e].to(torch.float32).T, y)
+    return y.to(x_MK.dtype)
+
+
+def grouped_mm_wgrad_reference(dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """``dW_ENK[e] = dY[rows of e]^T @ X[rows of e]`` (fp32 accumulate); empty experts give zeros."""
+    masks_EM = _expert_row_masks(offs_E, x_MK.shape[0])
+    dy32, x32 = dy_MN.to(torch.float32), x_MK.to(torch.float32)
+    dw = [torch.where(masks_EM[e, :, None], dy32, 0.0).T @ x32 for e in range(offs_E.shape[0])]
+    return torch.stack(dw).to(x_MK.dtype)
+
+
+# ===== Triton launchers =====
+
+_FORMATS = {"plain": 0, "mxfp8": 1, "nvfp4": 2}
+
+
+def _pick_config(M: int, E: int, N: int, K: int, fmt: str, on_cuda: bool, fp32: bool) -> dict:
+    """Static tile config from shapes only (no autotune: it would bench inside CUDA graphs / compile).
+
+    Decode (<= 16 rows per expert on average) reads each weight tile once: small BLOCK_M, long BLOCK_K
+    for many bytes in flight. Prefill is MMA-bound: square 128 tiles.
+    """
+    if not on_cuda:  # interpreter: smallest legal tiles keep it fast
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
+    rows_per_expert = M / max(E, 1)
+    if rows_per_expert <= 16:
+        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
+    elif rows_per_expert <= 64:
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    if fp32:
+        cfg["BLOCK_K"] = 32
+    min_k = MX_BLOCK if fmt != "plain" else 16
+    cfg["BLOCK_K"] = max(min(cfg["BLOCK_K"], _next_pow2(K)), min_k)
+    cfg["BLOCK_N"] = max(min(cfg["BLOCK_N"], _next_pow2(N)), 16)
+    return cfg
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def launch_grouped_mm(
+    x_MK: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    w_gscale: torch.Tensor | None,
+    offs_E: torch.Tensor,
+    out_MN: torch.Tensor,
+    fmt: str,
+    kernels=None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Launch ``_grouped_mm_kernel`` into ``out_MN``; ``kernels`` swaps in an interpreted kernel module."""
+    kernels = kernels or _kernels
+    M, K = x_MK.shape
+    E, N = offs_E.shape[0], out_MN.shape[1]
+    cfg = dict(config or _pick_config(M, E, N, K, fmt, x_MK.is_cuda, x_MK.dtype == torch.float32))
+    block_m = cfg["BLOCK_M"]
+    grid = (triton.cdiv(M, block_m) + min(E, M) + 1, triton.cdiv(N, cfg["BLOCK_N"]))
+    scale = w_scale if w_scale is not None else w
+    gscale = w_gscale if w_gscale is not None else offs_E
+    kernel = wrap_triton(kernels._grouped_mm_kernel) if x_MK.is_cuda else kernels._grouped_mm_kernel
+    kernel[grid](
+        x_MK, w, scale, gscale, offs_E, out_MN,
+        M, N, K, E,
+        x_MK.stride(0), x_MK.stride(1),
+        w.stride(0), w.stride(1), w.stride(2),
+        scale.stride(0), scale.stride(1), scale.stride(-1),
+        out_MN.stride(0), out_MN.stride(1),
+        W_FORMAT=_FORMATS[fmt], IEEE_DOT=x_MK.dtype == torch.float32 or not x_MK.is_cuda,
+        BLOCK_E=max(_next_pow2(E), 16), **cfg,
+    )  # fmt: skip
+    return out_MN
+
+
+def launch_grouped_mm_wgrad(
+    dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_E: torch.Tensor, out_ENK: torch.Tensor, kernels=None
+) -> torch.Tensor:
+    """Launch ``_grouped_mm_wgrad_kernel`` into ``out_ENK``."""
+    kernels = kernels or _kernels
+    M, K = x_MK.shape
+    N, E = dy_MN.shape[1], offs_E.shape[0]
+    fp32 = x_MK.dtype == torch.float32 or not x_MK.is_cuda
+    if x_MK.is_cuda:
+        bn, bk, bm, warps = (64, 64, 32, 4) if fp32 else (128, 128, 32, 8)
+    else:
+        bn, bk, bm, warps = 16, 16, 16, 4
+    bn, bk = max(min(bn, _next_pow2(N)), 16), max(min(bk, _next_pow2(K)), 16)
+    grid = (E, triton.cdiv(N, bn) * triton.cdiv(K, bk))
+    kernel = wrap_triton(kernels._grouped_mm_wgrad_kernel) if x_MK.is_cuda else kernels._grouped_mm_wgrad_kernel
+    kernel[grid](
+        dy_MN, x_MK, offs_E, out_ENK,
+        M, N, K, E,
+        dy_MN.stride(0), dy_MN.stride(1),
+        x_MK.stride(0), x_MK.stride(1),
+        out_ENK.stride(0), out_ENK.stride(1), out_ENK.stride(2),
+        IEEE_DOT=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+    )  # fmt: skip
+    return out_ENK
+
+
+def _use_cutlass_bf16(x: torch.Tensor, *mats: torch.Tensor) -> bool:
+    """torch._grouped_mm is sync-free only on sm90/sm100 with bf16 and 16-byte aligned strides."""
+    if not x.is_cuda or any(t.dtype != torch.bfloat16 for t in (x, *mats)):
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
+        return False
+    return all(s % 8 == 0 for t in (x, *mats) for s in t.stride()[:-1] if s != 1)
+
+
+def _zero_rows_past(y_MN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    rows = torch.arange(y_MN.shape[0], device=y_MN.device, dtype=torch.int32)
+    return torch.where((rows < offs_E[-1:])[:, None], y_MN, 0)
+
+
+# ===== ops =====
+
+
+@triton_op("moe::grouped_mm", mutates_args=())
+def _grouped_mm_op(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    if x_MK.device.type != "cuda":
+        return grouped_mm_reference(x_MK, w_ENK, offs_E)
+    if _use_cutlass_bf16(x_MK, w_ENK.transpose(-2, -1)):
+        return _zero_rows_past(torch._grouped_mm(x_MK, w_ENK.transpose(-2, -1), offs=offs_E), offs_E)
+    out = x_MK.new_empty(x_MK.shape[0], w_ENK.shape[1])
+    return launch_grouped_mm(x_MK, w_ENK, None, None, offs_E, out, "plain")
+
+
+@triton_op("moe::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad_op(dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    if x_MK.device.type != "cuda":
+        return grouped_mm_wgrad_reference(dy_MN, x_MK, offs_E)
+    if _use_cutlass_bf16(dy_MN.t(), x_MK):
+        dw = torch._grouped_mm(dy_MN.t(), x_MK, offs=offs_E)
+        counts = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
+        return torch.where((counts > 0)[:, None, None], dw, 0)  # empty groups may be left unwritten
+    out = x_MK.new_empty(offs_E.shape[0], dy_MN.shape[1], x_MK.shape[1])
+    return launch_grouped_mm_wgrad(dy_MN, x_MK, offs_E, out)
+
+
+@triton_op("moe::grouped_mm_mxfp8", mutates_args=())
+def _grouped_mm_mxfp8_op(
+    x_MK: torch.Tensor, qdata_ENK: torch.Tensor, scale_ENB: torch.Tensor, offs_E: torch.Tensor
+) -> torch.Tensor:
+    if x_MK.device.type != "cuda":
+        return grouped_mm_reference(x_MK, dequantize_mxfp8(qdata_ENK, scale_ENB, x_MK.dtype), offs_E)
+    out = x_MK.new_empty(x_MK.shape[0], qdata_ENK.shape[1])
+    return launch_grouped_mm(x_MK, qdata_ENK, scale_ENB, None, offs_E, out, "mxfp8")
+
+
+@triton_op("moe::grouped_mm_nvfp4", mutates_args=())
+def _grouped_mm_nvfp4_op(
+    x_MK: torch.Tensor,
+    qdata_ENP: torch.Tensor,
+    scale_ENB: torch.Tensor,
+    expert_scale_E: torch.Tensor,
+    offs_E: torch.Tensor,
+) -> torch.Tensor:
+    if x_MK.device.type != "cuda":
+        w = dequantize_nvfp4(qdata_ENP, scale_ENB, expert_scale_E, x_MK.dtype)
+        return grouped_mm_reference(x_MK, w, offs_E)
+    out = x_MK.new_empty(x_MK.shape[0], qdata_ENP.shape[1])
+    return launch_grouped_mm(x_MK, qdata_ENP, scale_ENB, expert_scale_E, offs_E, out, "nvfp4")
+
+
+# ===== autograd =====
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx, dy_MN):
+    x_MK, w_ENK, offs_E = ctx.saved_tensors
+    dy_MN = dy_MN.contiguous()
+    dx = _grouped_mm_op(dy_MN, w_ENK.transpose(1, 2), offs_E) if ctx.needs_input_grad[0] else None
+    dw = _grouped_mm_wgrad_op(dy_MN, x_MK, offs_E) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+def _mxfp8_backward(ctx, dy_MN):
+    x_MK, qdata, scale, offs_E = ctx.saved_tensors
+    w = dequantize_mxfp8(qdata, scale, dy_MN.dtype)
+    return _grouped_mm_op(dy_MN.contiguous(), w.transpose(1, 2), offs_E), None, None, None
+
+
+def _nvfp4_backward(ctx, dy_MN):
+    x_MK, qdata, scale, expert_scale, offs_E = ctx.saved_tensors
+    w = dequantize_nvfp4(qdata, scale, expert_scale, dy_MN.dtype)
+    return _grouped_mm_op(dy_MN.contiguous(), w.transpose(1, 2), offs_E), None, None, None, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_setup_context)
+_grouped_mm_mxfp8_op.register_autograd(_mxfp8_backward, setup_context=_setup_context)
+_grouped_mm_nvfp4_op.register_autograd(_nvfp4_backward, setup_context=_setup_context)
+
+
+# ===== public wrappers =====
+
+
+def _check_common(x_MK: torch.Tensor, offs_E: torch.Tensor, num_experts: int, k: int) -> None:
+    if x_MK.dim() != 2:
+        raise ValueError(f"x_MK must be 2-D [M, K], got shape {tuple(x_MK.shape)}")
+    if x_MK.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"x_MK.dtype={x_MK.dtype} is not supported; use one of {_FLOAT_DTYPES}")
+    if offs_E.dim() != 1 or offs_E.dtype != torch.int32:
+        raise ValueError(f"offs_E must be a 1-D int32 tensor, got {offs_E.dtype} {tuple(offs_E.shape)}")
+    if offs_E.shape[0] != num_experts:
+        raise ValueError(f"offs_E has {offs_E.shape[0]} entries but the weight has {num_experts} experts")
+    if x_MK.shape[1] != k:
+        raise ValueError(f"x_MK.shape[1]={x_MK.shape[1]} does not match the weight's K={k}")
+
+
+def grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """``y_MN = x_MK @ w_ENK[e]^T`` per expert segment of ``offs_E``; rows ``>= offs[-1]`` are zero.
+
+    Args:
+        x_MK: ``[M, K]`` bf16/fp16/fp32, expert-major rows.
+        w_ENK: ``[E, N, K]``, same dtype as ``x_MK``, any strides (a ``w.transpose(1, 2)`` view works).
+        offs_E: int32 ``[E]`` cumulative end offsets, on ``x_MK``'s device.
+
+    Returns:
+        ``[M, N]`` in ``x_MK.dtype``. Differentiable w.r.t. ``x_MK`` and ``w_ENK`` (deterministic).
+    """
+    if w_ENK.dim() != 3:
+        raise ValueError(f"w_ENK must be 3-D [E, N, K], got shape {tuple(w_ENK.shape)}")
+    _check_common(x_MK, offs_E, w_ENK.shape[0], w_ENK.shape[2])
+    if w_ENK.dtype != x_MK.dtype:
+        raise TypeError(f"w_ENK.dtype={w_ENK.dtype} must equal x_MK.dtype={x_MK.dtype}")
+    return _grouped_mm_op(x_MK, w_ENK, offs_E)
+
+
+def grouped_mm_mxfp8(
+    x_MK: torch.Tensor, qdata_ENK: torch.Tensor, scale_ENB: torch.Tensor, offs_E: torch.Tensor
+) -> torch.Tensor:
+    """Weight-only MXFP8 grouped GEMM: ``qdata_ENK`` float8_e4m3fn, ``scale_ENB`` uint8 e8m0 ``[E, N, K/32]``."""
+    if qdata_ENK.dim() != 3 or qdata_ENK.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"qdata_ENK must be float8_e4m3fn [E, N, K], got {qdata_ENK.dtype} {tuple(qdata_ENK.shape)}")
+    E, N, K = qdata_ENK.shape
+    if scale_ENB.dtype not in (torch.uint8, torch.float8_e8m0fnu) or tuple(scale_ENB.shape) != (E, N, K // MX_BLOCK):
+        raise ValueError(f"scale_ENB must be uint8 [{E}, {N}, {K // MX_BLOCK}], got {scale_ENB.dtype} {tuple(scale_ENB.shape)}")
+    _check_common(x_MK, offs_E, E, K)
+    return _grouped_mm_mxfp8_op(x_MK, qdata_ENK, scale_ENB.view(torch.uint8), offs_E)
+
+
+def grouped_mm_nvfp4(
+    x_MK: torch.Tensor,
+    qdata_ENP: torch.Tensor,
+    scale_ENB: torch.Tensor,
+    expert_scale_E: torch.Tensor,
+    offs_E: torch.Tensor,
+) -> torch.Tensor:
+    """Weight-only NVFP4 grouped GEMM: packed uint8 ``[E, N, K/2]``, e4m3 ``[E, N, K/16]``, fp32 ``[E]``."""
+    if qdata_ENP.dim() != 3 or qdata_ENP.dtype != torch.uint8:
+        raise ValueError(f"qdata_ENP must be uint8 [E, N, K/2], got {qdata_ENP.dtype} {tuple(qdata_ENP.shape)}")
+    E, N, K = qdata_ENP.shape[0], qdata_ENP.shape[1], qdata_ENP.shape[2] * 2
+    if scale_ENB.dtype != torch.float8_e4m3fn or tuple(scale_ENB.shape) != (E, N, K // NV_BLOCK):
+        raise ValueError(f"scale_ENB must be float8_e4m3fn [{E}, {N}, {K // NV_BLOCK}], got {scale_ENB.dtype} {tuple(scale_ENB.shape)}")
+    if expert_scale_E.dtype != torch.float32 or expert_scale_E.numel() != E:
+        raise ValueError(f"expert_scale_E must be fp32 with {E} elements, got {expert_scale_E.dtype} {tuple(expert_scale_E.shape)}")
+    _check_common(x_MK, offs_E, E, K)
+    return _grouped_mm_nvfp4_op(x_MK, qdata_ENP, scale_ENB, expert_scale_E.reshape(E), offs_E)
+

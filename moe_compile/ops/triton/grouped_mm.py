@@ -1,0 +1,194 @@
+"""Triton kernels for the grouped GEMM ops in ``moe_compile.ops.grouped_mm`` (kernels only, no allocation).
+
+Shape suffixes: ``M`` rows of the expert-major buffer, ``K`` reduction dim, ``N`` output dim, ``E`` experts.
+``offs_E`` holds int32 cumulative END offsets: expert ``e`` owns rows ``[offs[e-1], offs[e])``.
+
+NOTE [static grid over M tiles]
+The host never reads ``offs``. Axis 0 of the grid is a static bound on the number of row tiles,
+``cdiv(M, BLOCK_M) + min(E, M) + 1``: every non-empty expert wastes at most one partial tile, plus the
+tail tiles past ``offs[-1]``. Each program loads ``offs`` once, turns it into per-expert tile counts
+and their inclusive prefix sum, and finds its expert with one vector compare:
+
+    offs = [3, 3, 7]  BLOCK_M = 2     counts = [3, 0, 4]   tiles = [2, 0, 2]   tiles_end = [2, 2, 4]
+    pid 0 -> e0 rows 0-1 | pid 1 -> e0 row 2 | pid 2 -> e2 rows 3-4 | pid 3 -> e2 rows 5-6
+    pid 4.. -> tail: rows >= offs[-1] = 7 are written as zeros (if M > 7), later pids do nothing.
+
+Weight formats (``W_FORMAT``): 0 plain (``w`` already in the compute dtype, any strides), 1 MXFP8
+(``w`` float8_e4m3fn ``[E, N, K]``, ``w_scale`` uint8 e8m0 ``[E, N, K/32]``), 2 NVFP4 (``w`` uint8
+``[E, N, K/2]``, two e2m1 codes per byte, low nibble first; ``w_scale`` float8_e4m3fn ``[E, N, K/16]``;
+``w_gscale`` fp32 ``[E]`` per-expert scale). Quantised tiles are decoded in registers with the same
+fp32 arithmetic as the PyTorch reference, so the dequantised tile is bitwise the reference's.
+
+``IEEE_DOT``: upcast both operands to fp32 and multiply without TF32. Used for fp32 data and always
+under ``TRITON_INTERPRET=1`` (the triton 3.9 interpreter's ``tl.dot`` returns garbage for bf16).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+W_PLAIN: tl.constexpr = tl.constexpr(0)
+W_MXFP8: tl.constexpr = tl.constexpr(1)
+W_NVFP4: tl.constexpr = tl.constexpr(2)
+MX_BLOCK: tl.constexpr = tl.constexpr(32)  # MXFP8: one e8m0 scale per 32 values along K
+NV_BLOCK: tl.constexpr = tl.constexpr(16)  # NVFP4: one e4m3 scale per 16 values along K
+
+
+@triton.jit
+def _expert_tile(offs_ptr, E, M, pid_m, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Map row-tile slot ``pid_m`` to ``(is_work, row0, row_hi, e)``; see NOTE [static grid over M tiles].
+
+    ``is_work`` False means a tail slot: zero rows ``[row0, row0 + BLOCK_M)`` (clipped to ``M``).
+    """
+    e_idx = tl.arange(0, BLOCK_E)
+    e_mask = e_idx < E
+    ends = tl.load(offs_ptr + e_idx, mask=e_mask, other=0)
+    starts = tl.load(offs_ptr + e_idx - 1, mask=e_mask & (e_idx > 0), other=0)
+    ends = tl.minimum(ends, M)  # offs[-1] > M is invalid input; never read past the buffer
+    starts = tl.minimum(starts, M)
+    counts = tl.maximum(ends - starts, 0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(tiles, 0)
+    total = tl.sum(tiles, 0)
+    last = tl.max(ends, 0)
+    e = tl.sum((tiles_end <= pid_m).to(tl.int32), 0)
+    sel = e_idx == e
+    tile0 = tl.sum(tl.where(sel, tiles_end - tiles, 0), 0)
+    row_lo = tl.sum(tl.where(sel, starts, 0), 0)
+    row_hi = tl.sum(tl.where(sel, ends, 0), 0)
+    is_work = pid_m < total
+    row0 = tl.where(is_work, row_lo + (pid_m - tile0) * BLOCK_M, last + (pid_m - total) * BLOCK_M)
+    row_hi = tl.where(is_work, row_hi, M)
+    return is_work, row0, row_hi, e
+
+
+@triton.jit
+def _decode_e8m0(s):
+    """uint8 biased exponent -> fp32 ``2**(s - 127)``; 0 -> 2**-127, 255 -> NaN (torchao's ``get_fp_scale``)."""
+    scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    scale = tl.where(s == 0, 5.877471754111438e-39, scale)
+    return tl.where(s == 255, float("nan"), scale)
+
+
+@triton.jit
+def _decode_e2m1(code):
+    """uint8 e2m1 code in the low 4 bits -> fp32 value in {0, 0.5, 1, 1.5, 2, 3, 4, 6} with sign."""
+    c = code.to(tl.int32)
+    exp = (c >> 1) & 3
+    man = c & 1
+    normal_bits = ((exp + 126) << 23) | (man << 22)  # 2**(exp-1) * (1 + man/2)
+    sub_bits = man * 0x3F000000  # exp == 0: man * 0.5
+    bits = tl.where(exp == 0, sub_bits, normal_bits) | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _grouped_mm_kernel(
+    x_ptr, w_ptr, w_scale_ptr, w_gscale_ptr, offs_ptr, y_ptr,
+    M, N, K, E,
+    stride_xm, stride_xk,
+    stride_we, stride_wn, stride_wk,
+    stride_se, stride_sn, stride_sk,
+    stride_ym, stride_yn,
+    W_FORMAT: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """``y[r, :] = x[r, :] @ W[e]^T`` for rows ``r`` of expert ``e``; rows ``>= offs[-1]`` are zeroed."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    is_work, row0, row_hi, e = _expert_tile(offs_ptr, E, M, pid_m, BLOCK_M, BLOCK_E)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = (rows < row_hi) & (rows < M)
+    col_mask = cols < N
+    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if is_work:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        w_base = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        s_base = w_scale_ptr + e.to(tl.int64) * stride_se + cols[:, None].to(tl.int64) * stride_sn
+        if W_FORMAT == W_NVFP4:
+            gscale = tl.load(w_gscale_ptr + e)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            x = tl.load(
+                x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk,
+                mask=row_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            if W_FORMAT == W_PLAIN:
+                w = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            elif W_FORMAT == W_MXFP8:
+                q = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+                sk = k0 // MX_BLOCK + tl.arange(0, BLOCK_K // MX_BLOCK)
+                s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // MX_BLOCK), other=127)
+                scale = _decode_e8m0(s)
+                w = q.to(tl.float32).reshape(BLOCK_N, BLOCK_K // MX_BLOCK, MX_BLOCK) * scale[:, :, None]
+                w = w.reshape(BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
+            else:
+                kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                packed = tl.load(w_base + kp[None, :] * stride_wk, mask=col_mask[:, None] & (kp[None, :] < K // 2), other=0)
+                codes = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, BLOCK_K)
+                sk = k0 // NV_BLOCK + tl.arange(0, BLOCK_K // NV_BLOCK)
+                s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // NV_BLOCK), other=0.0)
+                scale = gscale * s.to(tl.float32)  # same order as torchao: per_tensor_scale * e4m3 scale
+                w = _decode_e2m1(codes).reshape(BLOCK_N, BLOCK_K // NV_BLOCK, NV_BLOCK) * scale[:, :, None]
+                w = w.reshape(BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
+            if IEEE_DOT:
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _grouped_mm_wgrad_kernel(
+    dy_ptr, x_ptr, offs_ptr, dw_ptr,
+    M, N, K, E,
+    stride_dym, stride_dyn,
+    stride_xm, stride_xk,
+    stride_we, stride_wn, stride_wk,
+    IEEE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``dW[e] = dY[rows of e]^T @ X[rows of e]``: one program per (expert, N tile, K tile).
+
+    The rows of an expert are reduced in a fixed order by one program (no atomics, deterministic);
+    an empty expert writes zeros.
+    """
+    e = tl.program_id(0)
+    pid_nk = tl.program_id(1)
+    num_k_tiles = tl.cdiv(K, BLOCK_K)
+    pid_n = pid_nk // num_k_tiles
+    pid_k = pid_nk % num_k_tiles
+    row_hi = tl.minimum(tl.load(offs_ptr + e), M)
+    row_lo = tl.minimum(tl.load(offs_ptr + e - 1, mask=e > 0, other=0), M)
+    cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_mask = cols_n < N
+    k_mask = cols_k < K
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for r0 in range(row_lo, row_hi, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        r_mask = rows < row_hi
+        dy = tl.load(
+            dy_ptr + rows[:, None].to(tl.int64) * stride_dym + cols_n[None, :] * stride_dyn,
+            mask=r_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )
+        x = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols_k[None, :] * stride_xk,
+            mask=r_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        if IEEE_DOT:
+            acc = tl.dot(tl.trans(dy.to(tl.float32)), x.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(dy), x, acc)
+    dw_ptrs = dw_ptr + e.to(tl.int64) * stride_we + cols_n[:, None] * stride_wn + cols_k[None, :] * stride_wk
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
