@@ -1,5 +1,26 @@
 """Custom ops (``torch.ops.moe.*``) with CPU reference and Triton CUDA implementations."""
 
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS, static_row_bound
+from moe_compile.ops.permute_pad import (
+    PermutePadOut,
+    permute_pad,
+    permute_pad_backward_reference,
+    permute_pad_reference,
+)
+from moe_compile.ops.unpad_unpermute import (
+    unpad_unpermute,
+    unpad_unpermute_backward_reference,
+    unpad_unpermute_reference,
+)
 
-__all__ = ["SUPPORTED_ALIGNMENTS", "static_row_bound"]
+__all__ = [
+    "SUPPORTED_ALIGNMENTS",
+    "PermutePadOut",
+    "permute_pad",
+    "permute_pad_backward_reference",
+    "permute_pad_reference",
+    "static_row_bound",
+    "unpad_unpermute",
+    "unpad_unpermute_backward_reference",
+    "unpad_unpermute_reference",
+]

@@ -6,6 +6,8 @@ Shape suffixes used across ``moe_compile.ops``: ``T`` tokens, ``H`` hidden, ``E`
 
 from __future__ import annotations
 
+import torch
+
 SUPPORTED_ALIGNMENTS = (1, 8, 16, 32, 64, 128, 256)
 
 
@@ -24,3 +26,51 @@ def static_row_bound(num_routed: int, num_experts: int, align: int) -> int:
 def check_alignment(align: int, arg: str = "align") -> None:
     if not isinstance(align, int) or align not in SUPPORTED_ALIGNMENTS:
         raise ValueError(f"{arg}={align!r} is not supported; use one of {SUPPORTED_ALIGNMENTS}")
+
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two ``>= max(n, 1)``."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def check_float_tensor(t: torch.Tensor, arg: str, ndim: int) -> None:
+    """Raise ``ValueError`` unless ``t`` is a ``ndim``-D tensor of a supported floating dtype.
+
+    bf16/fp16/fp32 are the supported activation dtypes; fp64 is accepted too (for ``gradcheck``).
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{arg} must have dtype bfloat16, float16 or float32 (float64 for gradcheck), got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{arg} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+def check_int_tensor(t: torch.Tensor, arg: str, ndim: int, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+    """Raise ``ValueError`` unless ``t`` is a ``ndim``-D integer tensor (of one of ``dtypes`` if given)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{arg} must have dtype in {dtypes}, got {t.dtype}")
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise ValueError(f"{arg} must have an integer dtype, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{arg} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
+def check_ids_in_range(ids: torch.Tensor, low: int, high: int, arg: str) -> None:
+    """Host-side range check ``low <= ids < high`` (reads the values: use on CPU tensors only)."""
+    if ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < low or hi >= high:
+        raise ValueError(f"{arg} values must be in [{low}, {high}), got min {lo}, max {hi}")

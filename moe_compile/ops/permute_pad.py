@@ -1,0 +1,257 @@
+"""``torch.ops.moe.permute_pad``: group token rows by expert and pad each group to a multiple of ``align``.
+
+Shapes: ``T`` tokens, ``H`` hidden, ``E`` experts, ``K`` top-k, ``N = T*K`` routed rows,
+``M = static_row_bound(N, E, align)`` rows of the padded buffer.
+
+Contract (see ``shared/notes/dispatch-semantics.md`` section 1):
+
+* ``rows_MH[M, H]`` (dtype of ``x``) is expert-major; inside an expert, rows are in ascending token
+  order (a stable sort of the flattened ids ``t*K + k``). Expert ``e``'s segment starts at
+  ``sum_{j<e} ceil(n_j/a)*a``; its ``n_e`` real rows come first, then ``ceil(n_e/a)*a - n_e`` zero pad
+  rows. Empty experts get 0 rows. Rows past ``offs_E[-1]`` (the tail) are zero.
+* ``probs_M[M]`` (dtype of ``probs``): the routing probs permuted alongside; 0 on pad and tail rows.
+* ``offs_E`` int32: cumulative END offsets over padded counts, ready for ``torch._grouped_mm(offs=)``.
+* ``row_map`` int32 ``[T, 2K]``: ``row_map[t, :K]`` are token ``t``'s destination rows in ascending
+  order (= ascending expert order), ``row_map[t, K:]`` the top-k slot ``k`` each of them came from.
+  Treat it as opaque: only :func:`moe_compile.ops.unpad_unpermute` and the backward ops read it.
+* ``counts_E`` int32: unpadded tokens per expert (``counts_E.sum() == N``).
+
+Everything is computed on the device with static shapes (no host sync, no unbacked symbols), so the op
+is CUDA-graph safe. The data movement is exact (bitwise) and deterministic.
+
+NOTE [zero-prob rule]: TransformerEngine's ``moe_permute_with_probs`` writes a zero row for a routed
+entry whose prob is exactly ``0.0``. We do NOT adopt that rule: these ops are pure data movement, a
+``0.0`` prob routes its token's row like any other prob, and padding only ever comes from explicit pad
+rows. (Adopting it would make the op data dependent and change the prob gradient of genuine zeros.)
+
+CPU (and any non-CUDA device): :func:`permute_pad_reference`, pure PyTorch, sync-free, plus a host check
+that ``expert_idx`` is in ``[0, E)``. CUDA: Triton kernels (``moe_compile/ops/triton/dispatch.py``);
+``debug=True`` adds device-side range asserts on ``expert_idx``.
+Backward: ``moe::permute_pad_backward``, a gather (``dx[t] = sum_k g[row(t,k)]`` in fp32, ascending rows;
+``dprobs[t,k] = g_probs[row(t,k)]``); never a scatter-add.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from moe_compile.ops import _common
+from moe_compile.ops._common import SUPPORTED_ALIGNMENTS, static_row_bound
+from moe_compile.ops.unpad_unpermute import unpad_unpermute_reference
+
+__all__ = ["PermutePadOut", "permute_pad", "permute_pad_backward_reference", "permute_pad_reference"]
+
+
+class PermutePadOut(NamedTuple):
+    """Result of :func:`permute_pad`. The field order is fixed."""
+
+    rows_MH: Tensor  # [M, H] x.dtype, expert-major, pad rows and tail zero
+    probs_M: Tensor | None  # [M] probs.dtype (pad rows 0), or None when no probs were given
+    offs_E: Tensor  # int32 [E] cumulative end offsets over padded counts
+    row_map: Tensor  # int32 [T, 2K], opaque; input of unpad_unpermute
+    counts_E: Tensor  # int32 [E] unpadded tokens per expert
+
+
+# ===== reference =====
+
+
+def permute_pad_reference(
+    x_TH: Tensor, expert_idx_TK: Tensor, probs_TK: Tensor | None, num_experts: int, align: int
+) -> PermutePadOut:
+    """Pure-PyTorch, sync-free permute + pad (the CPU kernel and the test oracle).
+
+    Args:
+        x_TH: ``[T, H]`` token rows.
+        expert_idx_TK: ``[T, K]`` integer expert ids, assumed in ``[0, num_experts)`` (not checked here).
+        probs_TK: optional ``[T, K]`` routing probs, permuted alongside the rows.
+        num_experts: ``E``.
+        align: rows per expert segment are rounded up to a multiple of ``align``.
+
+    Returns:
+        :class:`PermutePadOut` with the same static shapes as the op.
+    """
+    T, H = x_TH.shape
+    K = expert_idx_TK.shape[1]
+    N = T * K
+    M = static_row_bound(N, num_experts, align)
+    device = x_TH.device
+    ids_N = expert_idx_TK.reshape(N).to(torch.int64)
+    sorted_ids_N, order_N = torch.sort(ids_N, stable=True)  # order_N[p] = flat index t*K + k
+    experts_E = torch.arange(num_experts, device=device, dtype=torch.int64)
+    starts_E = torch.searchsorted(sorted_ids_N, experts_E)
+    counts_E = torch.searchsorted(sorted_ids_N, experts_E, right=True) - starts_E
+    padded_E = (counts_E + (align - 1)) // align * align
+    offs_E = torch.cumsum(padded_E, 0)
+    # sorted position p of expert e lands on row seg_start[e] + (p - starts[e])
+    shift_E = offs_E - padded_E - starts_E
+    dest_N = torch.arange(N, device=device, dtype=torch.int64) + shift_E.index_select(0, sorted_ids_N)
+
+    rows_MH = x_TH.new_zeros((M, H)).index_copy(0, dest_N, x_TH.index_select(0, order_N // K))
+    probs_M = None
+    if probs_TK is not None:
+        probs_M = probs_TK.new_zeros((M,)).index_copy(0, dest_N, probs_TK.reshape(N).index_select(0, order_N))
+    dest_flat_N = torch.empty_like(dest_N).index_copy(0, order_N, dest_N)
+    sorted_rows_TK, slots_TK = dest_flat_N.reshape(T, K).sort(dim=1)
+    row_map = torch.cat([sorted_rows_TK, slots_TK], dim=1).to(torch.int32)
+    return PermutePadOut(rows_MH, probs_M, offs_E.to(torch.int32), row_map, counts_E.to(torch.int32))
+
+
+def permute_pad_backward_reference(
+    grad_rows_MH: Tensor, grad_probs_M: Tensor | None, row_map: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """Gradients of :func:`permute_pad_reference` w.r.t. ``x`` and ``probs`` (gathers only).
+
+    Returns ``(grad_x_TH, grad_probs_TK)``: ``grad_x[t] = sum over t's rows r (ascending) of
+    grad_rows[r]`` accumulated in fp32; ``grad_probs[t, k] = grad_probs_M[row(t, k)]`` (None if
+    ``grad_probs_M`` is None).
+    """
+    grad_x_TH = unpad_unpermute_reference(grad_rows_MH, row_map, None)
+    if grad_probs_M is None:
+        return grad_x_TH, None
+    K = row_map.shape[1] // 2
+    rows_TK, slots_TK = row_map[:, :K].long(), row_map[:, K:].long()
+    gathered_TK = grad_probs_M.index_select(0, rows_TK.reshape(-1)).reshape(rows_TK.shape)
+    grad_probs_TK = torch.empty_like(gathered_TK).scatter(1, slots_TK, gathered_TK)
+    return grad_x_TH, grad_probs_TK
+
+
+# ===== validation =====
+
+
+def _check_args(x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts: int, align: int) -> None:
+    _common.check_float_tensor(x, "x", 2)
+    _common.check_int_tensor(expert_idx, "expert_idx", 2)
+    if expert_idx.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"expert_idx must have one row per token of x: expert_idx.shape={tuple(expert_idx.shape)}, "
+            f"x.shape={tuple(x.shape)}"
+        )
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
+    K = expert_idx.shape[1]
+    if K < 1:
+        raise ValueError(f"expert_idx must have at least one column (top-k >= 1), got shape {tuple(expert_idx.shape)}")
+    if K > num_experts:
+        raise ValueError(f"top-k K={K} (expert_idx.shape[1]) must be <= num_experts={num_experts}")
+    if not isinstance(align, int) or align not in SUPPORTED_ALIGNMENTS:
+        raise ValueError(f"align={align!r} is not supported; use one of {SUPPORTED_ALIGNMENTS}")
+    if probs is not None:
+        _common.check_float_tensor(probs, "probs", 2)
+        if probs.shape != expert_idx.shape:
+            raise ValueError(
+                f"probs must have the shape of expert_idx: probs.shape={tuple(probs.shape)}, "
+                f"expert_idx.shape={tuple(expert_idx.shape)}"
+            )
+    _common.check_same_device(x=x, expert_idx=expert_idx, probs=probs)
+
+
+# ===== custom ops =====
+
+
+@torch.library.custom_op("moe::permute_pad", mutates_args=())
+def _permute_pad_op(
+    x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts: int, align: int, debug: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # Default (CPU and any non-CUDA device) kernel: the reference. `probs_M` is an empty tensor when
+    # no probs are given (custom ops cannot return None).
+    _check_args(x, expert_idx, probs, num_experts, align)
+    if x.device.type != "cuda":
+        _common.check_ids_in_range(expert_idx, 0, num_experts, "expert_idx")
+    out = permute_pad_reference(x, expert_idx, probs, num_experts, align)
+    probs_M = out.probs_M if out.probs_M is not None else x.new_empty(0)
+    return out.rows_MH, probs_M, out.offs_E, out.row_map, out.counts_E
+
+
+@_permute_pad_op.register_fake
+def _permute_pad_fake(x, expert_idx, probs, num_experts, align, debug=False):
+    _check_args(x, expert_idx, probs, num_experts, align)
+    T, H = x.shape
+    K = expert_idx.shape[1]
+    M = static_row_bound(T * K, num_experts, align)
+    probs_M = probs.new_empty(M) if probs is not None else x.new_empty(0)
+    return (
+        x.new_empty(M, H),
+        probs_M,
+        x.new_empty(num_experts, dtype=torch.int32),
+        x.new_empty(T, 2 * K, dtype=torch.int32),
+        x.new_empty(num_experts, dtype=torch.int32),
+    )
+
+
+@torch.library.custom_op("moe::permute_pad_backward", mutates_args=())
+def _permute_pad_backward_op(grad_rows: Tensor, grad_probs: Tensor | None, row_map: Tensor) -> tuple[Tensor, Tensor]:
+    # Returns (grad_x [T, H], grad_probs [T, K]); grad_probs is empty when `grad_probs` is None.
+    grad_x, grad_probs_TK = permute_pad_backward_reference(grad_rows, grad_probs, row_map)
+    if grad_probs_TK is None:
+        grad_probs_TK = grad_rows.new_empty(0)
+    return grad_x, grad_probs_TK
+
+
+@_permute_pad_backward_op.register_fake
+def _permute_pad_backward_fake(grad_rows, grad_probs, row_map):
+    T, K = row_map.shape[0], row_map.shape[1] // 2
+    grad_x = grad_rows.new_empty(T, grad_rows.shape[1])
+    grad_probs_TK = grad_probs.new_empty(T, K) if grad_probs is not None else grad_rows.new_empty(0)
+    return grad_x, grad_probs_TK
+
+
+# ===== autograd =====
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, expert_idx, probs, num_experts, align, debug = inputs
+    ctx.has_probs = probs is not None
+    ctx.save_for_backward(output[3])
+
+
+def _backward(ctx, grad_rows, grad_probs_M, grad_offs, grad_row_map, grad_counts):
+    (row_map,) = ctx.saved_tensors
+    grad_x, grad_probs_TK = torch.ops.moe.permute_pad_backward(
+        grad_rows.contiguous(), grad_probs_M.contiguous() if ctx.has_probs else None, row_map
+    )
+    return grad_x, None, (grad_probs_TK if ctx.has_probs else None), None, None, None
+
+
+_permute_pad_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ===== public wrapper =====
+
+
+def permute_pad(
+    x_TH: Tensor,
+    expert_idx_TK: Tensor,
+    probs_TK: Tensor | None = None,
+    num_experts: int | None = None,
+    align: int = 1,
+    debug: bool = False,
+) -> PermutePadOut:
+    """Permute token rows into expert-major order and pad each expert's segment (``torch.ops.moe.permute_pad``).
+
+    Args:
+        x_TH: ``[T, H]`` activations, bf16/fp16/fp32.
+        expert_idx_TK: ``[T, K]`` integer expert ids in ``[0, num_experts)``.
+        probs_TK: optional ``[T, K]`` float routing probs, permuted alongside the rows.
+        num_experts: ``E`` (required), ``>= K``.
+        align: segment alignment, one of ``SUPPORTED_ALIGNMENTS``.
+        debug: on CUDA, add device-side asserts that ``expert_idx`` is in range (no host sync).
+            On CPU the range is always checked.
+
+    Returns:
+        :class:`PermutePadOut` ``(rows_MH, probs_M, offs_E, row_map, counts_E)``, with
+        ``M = static_row_bound(T*K, E, align)``; see the module docstring for the layout.
+
+    Raises:
+        ValueError: wrong dtype/rank/shape/device, ``K > E``, unsupported ``align``, ``num_experts < 1``,
+            or (CPU) expert ids out of range. Messages name the argument.
+    """
+    if num_experts is None:
+        raise ValueError("num_experts is required")
+    _check_args(x_TH, expert_idx_TK, probs_TK, num_experts, align)
+    rows_MH, probs_M, offs_E, row_map, counts_E = torch.ops.moe.permute_pad(
+        x_TH, expert_idx_TK, probs_TK, num_experts, align, debug
+    )
+    return PermutePadOut(rows_MH, probs_M if probs_TK is not None else None, offs_E, row_map, counts_E)

@@ -1,0 +1,199 @@
+"""``torch.ops.moe.unpad_unpermute``: the inverse of ``permute_pad``, a deterministic weighted gather-sum.
+
+Shapes: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``R`` rows of the padded buffer (``M`` of permute_pad).
+
+``y_TH[t] = sum_j probs[t, slot_j] * rows_RH[row_j]`` over token ``t``'s ``K`` rows, where
+``(row_j, slot_j) = (row_map[t, j], row_map[t, K + j])`` and the rows are visited in ascending order
+(= ascending expert id), accumulated in fp32 (fp64 for fp64 inputs) and cast once to ``rows_RH.dtype``.
+Without probs the weights are 1. Pad and tail rows are never read. No atomics anywhere.
+
+NOTE [expert-order gather-sum]: the fixed ascending order makes the result bitwise reproducible, and
+it equals other combines (HF's sum over top-k slots, ``index_add_``) only to a tolerance.
+
+Backward (``moe::unpad_unpermute_backward``):
+``grad_rows[row(t, k)] = (g[t] * p[t, k]).to(rows.dtype)`` (a permute of ``g``), rows not in ``row_map``
+(pad rows, tail) are zero; ``grad_probs[t, k] = <rows[row(t, k)], g[t]>`` in fp32, one program per token
+on CUDA (no atomics across ``H`` tiles).
+
+The zero-prob rule (see ``permute_pad``'s NOTE [zero-prob rule]) is not applied: a ``0.0`` prob simply
+weights its row by zero.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moe_compile.ops import _common
+
+__all__ = ["unpad_unpermute", "unpad_unpermute_backward_reference", "unpad_unpermute_reference"]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ===== reference =====
+
+
+def unpad_unpermute_reference(rows_RH: Tensor, row_map: Tensor, probs_TK: Tensor | None = None) -> Tensor:
+    """Pure-PyTorch, sync-free unpad + unpermute (the CPU kernel and the test oracle).
+
+    Args:
+        rows_RH: ``[R, H]`` expert-major rows (output of the experts).
+        row_map: int32 ``[T, 2K]`` from :func:`moe_compile.ops.permute_pad`.
+        probs_TK: optional ``[T, K]`` merging probs (in top-k slot order, like ``expert_idx``).
+
+    Returns:
+        ``[T, H]`` in ``rows_RH.dtype``: fp32 accumulation in ascending row order, cast once.
+    """
+    T, K = row_map.shape[0], row_map.shape[1] // 2
+    H = rows_RH.shape[1]
+    acc_dtype = _acc_dtype(rows_RH.dtype)
+    rows_TK = row_map[:, :K].long()
+    probs_sorted_TK = None
+    if probs_TK is not None:
+        probs_sorted_TK = probs_TK.gather(1, row_map[:, K:].long()).to(acc_dtype)
+    acc_TH = torch.zeros((T, H), dtype=acc_dtype, device=rows_RH.device)
+    for j in range(K):  # ascending rows: fixed, documented summation order
+        term_TH = rows_RH.index_select(0, rows_TK[:, j]).to(acc_dtype)
+        if probs_sorted_TK is not None:
+            term_TH = term_TH * probs_sorted_TK[:, j : j + 1]
+        acc_TH = acc_TH + term_TH
+    return acc_TH.to(rows_RH.dtype)
+
+
+def unpad_unpermute_backward_reference(
+    grad_y_TH: Tensor, row_map: Tensor, probs_TK: Tensor | None, rows_RH: Tensor | None, num_rows: int
+) -> tuple[Tensor, Tensor | None]:
+    """Gradients of :func:`unpad_unpermute_reference` (gathers and unique writes only).
+
+    Returns ``(grad_rows_RH, grad_probs_TK)``; ``grad_probs_TK`` is None unless both ``probs_TK`` and
+    ``rows_RH`` are given. Rows of ``grad_rows_RH`` that ``row_map`` does not reference are zero.
+    """
+    T, K = row_map.shape[0], row_map.shape[1] // 2
+    H = grad_y_TH.shape[1]
+    acc_dtype = _acc_dtype(grad_y_TH.dtype)
+    rows_TK, slots_TK = row_map[:, :K].long(), row_map[:, K:].long()
+    if probs_TK is None:
+        vals_TKH = grad_y_TH.unsqueeze(1).expand(T, K, H)
+    else:
+        probs_sorted_TK = probs_TK.gather(1, slots_TK).to(acc_dtype)
+        vals_TKH = (grad_y_TH.to(acc_dtype).unsqueeze(1) * probs_sorted_TK.unsqueeze(2)).to(grad_y_TH.dtype)
+    grad_rows_RH = grad_y_TH.new_zeros((num_rows, H)).index_copy(0, rows_TK.reshape(-1), vals_TKH.reshape(T * K, H))
+    if probs_TK is None or rows_RH is None:
+        return grad_rows_RH, None
+    z_TKH = rows_RH.index_select(0, rows_TK.reshape(-1)).reshape(T, K, H).to(acc_dtype)
+    dots_TK = (z_TKH * grad_y_TH.to(acc_dtype).unsqueeze(1)).sum(dim=2)
+    grad_probs_TK = torch.empty_like(probs_TK).scatter(1, slots_TK, dots_TK.to(probs_TK.dtype))
+    return grad_rows_RH, grad_probs_TK
+
+
+# ===== validation =====
+
+
+def _check_args(rows: Tensor, row_map: Tensor, probs: Tensor | None) -> None:
+    _common.check_float_tensor(rows, "rows", 2)
+    _common.check_int_tensor(row_map, "row_map", 2, dtypes=(torch.int32,))
+    width = row_map.shape[1]
+    if width < 2 or width % 2 != 0:
+        raise ValueError(f"row_map must have shape [T, 2K] with K >= 1 (from permute_pad), got {tuple(row_map.shape)}")
+    if probs is not None:
+        _common.check_float_tensor(probs, "probs", 2)
+        if probs.shape[0] != row_map.shape[0] or probs.shape[1] != width // 2:
+            raise ValueError(
+                f"probs must have shape [T, K] = [{row_map.shape[0]}, {width // 2}] to match "
+                f"row_map.shape={tuple(row_map.shape)}, got probs.shape={tuple(probs.shape)}"
+            )
+    _common.check_same_device(rows=rows, row_map=row_map, probs=probs)
+
+
+def _check_rows_in_range(row_map: Tensor, num_rows: int) -> None:
+    K = row_map.shape[1] // 2
+    _common.check_ids_in_range(row_map[:, :K], 0, num_rows, "row_map (rows)")
+
+
+# ===== custom ops =====
+
+
+@torch.library.custom_op("moe::unpad_unpermute", mutates_args=())
+def _unpad_unpermute_op(rows: Tensor, row_map: Tensor, probs: Tensor | None, debug: bool = False) -> Tensor:
+    # Default (CPU and any non-CUDA device) kernel: the reference.
+    _check_args(rows, row_map, probs)
+    if rows.device.type != "cuda":
+        _check_rows_in_range(row_map, rows.shape[0])
+    return unpad_unpermute_reference(rows, row_map, probs)
+
+
+@_unpad_unpermute_op.register_fake
+def _unpad_unpermute_fake(rows, row_map, probs, debug=False):
+    _check_args(rows, row_map, probs)
+    return rows.new_empty(row_map.shape[0], rows.shape[1])
+
+
+@torch.library.custom_op("moe::unpad_unpermute_backward", mutates_args=())
+def _unpad_unpermute_backward_op(
+    grad_y: Tensor, row_map: Tensor, probs: Tensor | None, rows: Tensor | None, num_rows: int
+) -> tuple[Tensor, Tensor]:
+    # Returns (grad_rows [R, H], grad_probs [T, K]); grad_probs is empty unless probs and rows are given.
+    grad_rows, grad_probs = unpad_unpermute_backward_reference(grad_y, row_map, probs, rows, num_rows)
+    if grad_probs is None:
+        grad_probs = grad_y.new_empty(0)
+    return grad_rows, grad_probs
+
+
+@_unpad_unpermute_backward_op.register_fake
+def _unpad_unpermute_backward_fake(grad_y, row_map, probs, rows, num_rows):
+    grad_rows = grad_y.new_empty(num_rows, grad_y.shape[1])
+    if probs is not None and rows is not None:
+        return grad_rows, probs.new_empty(probs.shape)
+    return grad_rows, grad_y.new_empty(0)
+
+
+# ===== autograd =====
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    rows, row_map, probs, debug = inputs
+    ctx.num_rows = rows.shape[0]
+    ctx.has_probs = probs is not None
+    # rows are only needed for the prob gradient: do not keep them alive otherwise
+    ctx.needs_rows = probs is not None and probs.requires_grad
+    ctx.save_for_backward(row_map, probs, rows if ctx.needs_rows else None)
+
+
+def _backward(ctx, grad_y):
+    row_map, probs, rows = ctx.saved_tensors
+    grad_rows, grad_probs = torch.ops.moe.unpad_unpermute_backward(
+        grad_y.contiguous(), row_map, probs, rows, ctx.num_rows
+    )
+    return grad_rows, None, (grad_probs if ctx.needs_rows else None), None
+
+
+_unpad_unpermute_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ===== public wrapper =====
+
+
+def unpad_unpermute(
+    rows_RH: Tensor, row_map: Tensor, probs_TK: Tensor | None = None, debug: bool = False
+) -> Tensor:
+    """Combine expert rows back into token order (``torch.ops.moe.unpad_unpermute``).
+
+    Args:
+        rows_RH: ``[R, H]`` rows in the layout produced by :func:`moe_compile.ops.permute_pad`
+            (``R`` is usually its ``M``), bf16/fp16/fp32.
+        row_map: int32 ``[T, 2K]`` from :func:`moe_compile.ops.permute_pad`.
+        probs_TK: optional ``[T, K]`` float merging probs, in top-k slot order (like ``expert_idx``).
+        debug: on CUDA, add device-side asserts that ``row_map`` rows are in ``[0, R)``.
+
+    Returns:
+        ``y_TH`` ``[T, H]`` in ``rows_RH.dtype``: ``y[t] = sum over t's K rows, ascending, of
+        prob * row``, accumulated in fp32 and cast once.
+
+    Raises:
+        ValueError: wrong dtype/rank/shape/device (messages name the argument), or (CPU) rows out of range.
+    """
+    _check_args(rows_RH, row_map, probs_TK)
+    return torch.ops.moe.unpad_unpermute(rows_RH, row_map, probs_TK, debug)

@@ -1,0 +1,185 @@
+"""CPU tests of ``torch.ops.moe.unpad_unpermute`` (and its backward) against a naive float64 reference."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_compile.ops import (
+    permute_pad,
+    permute_pad_reference,
+    unpad_unpermute,
+    unpad_unpermute_backward_reference,
+    unpad_unpermute_reference,
+)
+
+from ._dispatch_reference import DOT_TOLS, DTYPE_TOLS, ROUTINGS, make_routing, naive_combine, naive_dispatch
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+EK = [(E, K) for E in (1, 7, 16, 64, 256) for K in (1, 2, 5, 8) if K <= E]
+ALIGNS = (1, 16, 32, 128)
+
+
+def _setup(T, H, E, K, a, dtype, routing="uniform", seed=0, probs_dtype=None):
+    """Permuted rows (random content, pad rows random too: they must never be read) and the map."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = make_routing(T, K, E, routing, gen)
+    probs = torch.rand(T, K, generator=gen).to(probs_dtype or dtype)
+    out = permute_pad_reference(torch.zeros(T, H, dtype=dtype), ids, None, E, a)
+    rows = torch.randn(out.rows_MH.shape, generator=gen).to(dtype)
+    dest = naive_dispatch(ids, E, a)["dest_TK"]
+    return rows, out.row_map, probs, dest
+
+
+def _check_case(T, H, E, K, a, dtype, routing="uniform", seed=0, with_probs=True):
+    rows, row_map, probs, dest = _setup(T, H, E, K, a, dtype, routing, seed)
+    probs = probs if with_probs else None
+    y = unpad_unpermute(rows, row_map, probs)
+    assert y.dtype == dtype and y.shape == (T, H)
+    torch.testing.assert_close(y.double(), naive_combine(rows, dest, probs), **DTYPE_TOLS[dtype])
+    # fixed ascending-row fp32 order: equal to the reference bitwise
+    assert torch.equal(y, unpad_unpermute_reference(rows, row_map, probs))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", (0, 1, 37))
+def test_full_product_small(T, dtype):
+    for (E, K), a in itertools.product(EK, ALIGNS):
+        _check_case(T, 8, E, K, a, dtype, seed=T * 1000 + E * 10 + K, with_probs=(E + a) % 2 == 0 or K == 1)
+
+
+def _sampled_large_cases(n=8, seed=4321):
+    rng = random.Random(seed)
+    big = [c for c in itertools.product((37, 4096), (8, 1280), EK, ALIGNS, DTYPES) if c[0] == 4096 or c[1] == 1280]
+    return rng.sample(big, n)
+
+
+@pytest.mark.parametrize("T,H,EK_,a,dtype", _sampled_large_cases(), ids=str)
+def test_sampled_large(T, H, EK_, a, dtype):
+    E, K = EK_
+    _check_case(T, H, E, K, a, dtype, seed=T + H + E + K + a)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_skewed_routing(routing):
+    _check_case(40, 16, 16, 5, 32, torch.float32, routing=routing)
+
+
+def test_mixed_prob_dtype():
+    rows, row_map, probs, dest = _setup(20, 16, 8, 2, 16, torch.bfloat16, probs_dtype=torch.float32)
+    y = unpad_unpermute(rows, row_map, probs)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), naive_combine(rows, dest, probs), **DTYPE_TOLS[torch.bfloat16])
+
+
+def test_roundtrip_without_probs_sums_k_copies():
+    x = torch.randn(30, 8)
+    ids = make_routing(30, 3, 8, "uniform", torch.Generator().manual_seed(0))
+    out = permute_pad(x, ids, None, num_experts=8, align=16)
+    torch.testing.assert_close(unpad_unpermute(out.rows_MH, out.row_map), 3 * x)
+
+
+@pytest.mark.parametrize("with_probs", (True, False))
+@pytest.mark.parametrize("a,T", [(1, 5), (16, 0), (128, 3)])
+def test_opcheck(with_probs, a, T):
+    rows, row_map, probs, _ = _setup(T, 8, 7, 2, a, torch.float32)
+    torch.library.opcheck(torch.ops.moe.unpad_unpermute.default, (rows, row_map, probs if with_probs else None, False))
+
+
+@pytest.mark.parametrize("with_probs", (True, False))
+def test_opcheck_backward_op(with_probs):
+    rows, row_map, probs, _ = _setup(9, 8, 7, 2, 16, torch.float32)
+    g = torch.randn(9, 8)
+    args = (g, row_map, probs, rows, rows.shape[0]) if with_probs else (g, row_map, None, None, rows.shape[0])
+    torch.library.opcheck(torch.ops.moe.unpad_unpermute_backward.default, args)
+
+
+@pytest.mark.parametrize("a", (1, 16))
+def test_gradcheck(a):
+    rows, row_map, probs, _ = _setup(7, 4, 5, 2, a, torch.float64)
+    rows.requires_grad_(True)
+    probs.requires_grad_(True)
+    torch.autograd.gradcheck(lambda z, p: unpad_unpermute(z, row_map, p), (rows, probs))
+    torch.autograd.gradcheck(lambda z: unpad_unpermute(z, row_map), (rows,))
+
+
+def test_gradcheck_through_both_ops():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    ids = make_routing(6, 2, 4, "uniform", gen)
+    p = torch.rand(6, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+
+    def f(x, p):
+        out = permute_pad(x, ids, p, num_experts=4, align=8)
+        return unpad_unpermute(out.rows_MH * out.probs_M.unsqueeze(1), out.row_map, p)
+
+    torch.autograd.gradcheck(f, (x, p))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_matches_naive(dtype):
+    rows, row_map, probs, dest = _setup(33, 16, 16, 5, 32, dtype)
+    rows.requires_grad_(True)
+    probs.requires_grad_(True)
+    g = torch.randn(33, 16).to(dtype)
+    d_rows, d_probs = torch.autograd.grad(unpad_unpermute(rows, row_map, probs), (rows, probs), g)
+    expect_rows = torch.zeros_like(rows)
+    expect_rows[dest.reshape(-1)] = (g.float()[:, None, :] * probs.float()[:, :, None]).to(dtype).reshape(-1, 16)
+    assert torch.equal(d_rows, expect_rows)  # one multiply, one cast: bitwise; unused rows zero
+    dots = (rows.detach().double()[dest] * g.double()[:, None, :]).sum(-1)
+    torch.testing.assert_close(d_probs.double(), dots, **DOT_TOLS[dtype])
+    # without probs: a pure permute of g
+    d_rows2 = torch.autograd.grad(unpad_unpermute(rows, row_map), rows, g)[0]
+    expect_rows.zero_()[dest.reshape(-1)] = g.unsqueeze(1).expand(33, 5, 16).reshape(-1, 16)
+    assert torch.equal(d_rows2, expect_rows)
+
+
+def test_backward_reference_probs_grad_needs_rows():
+    rows, row_map, probs, _ = _setup(5, 8, 4, 2, 8, torch.float32)
+    g = torch.randn(5, 8)
+    assert unpad_unpermute_backward_reference(g, row_map, probs, None, rows.shape[0])[1] is None
+    # probs without requires_grad: no prob grad, rows not saved
+    rows.requires_grad_(True)
+    (d_rows,) = torch.autograd.grad(unpad_unpermute(rows, row_map, probs), (rows,), g)
+    assert d_rows.shape == rows.shape
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(rows=torch.randn(32, 8).to(torch.int64)), "rows must have dtype"),
+        (dict(rows=torch.randn(32)), "rows must be 2-D"),
+        (dict(row_map=torch.zeros(4, 4, dtype=torch.int64)), "row_map must have dtype"),
+        (dict(row_map=torch.zeros(4, 3, dtype=torch.int32)), r"row_map must have shape \[T, 2K\]"),
+        (dict(probs=torch.rand(4, 3)), r"probs must have shape \[T, K\] = \[4, 2\]"),
+        (dict(probs=torch.rand(5, 2)), r"probs must have shape \[T, K\]"),
+        (dict(probs=torch.ones(4, 2, dtype=torch.int32)), "probs must have dtype"),
+        (dict(row_map=torch.full((4, 4), 32, dtype=torch.int32)), r"row_map \(rows\) values must be in \[0, 32\)"),
+    ],
+)
+def test_bad_input_errors(kwargs, match):
+    args = dict(rows=torch.randn(32, 8), row_map=torch.zeros(4, 4, dtype=torch.int32), probs=None)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        unpad_unpermute(args["rows"], args["row_map"], args["probs"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    T=st.integers(0, 40),
+    H=st.integers(1, 24),
+    E=st.integers(1, 40),
+    k_frac=st.floats(0, 1),
+    a=st.sampled_from((1, 8, 16, 32, 64, 128, 256)),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+    with_probs=st.booleans(),
+)
+def test_property_random_shapes(T, H, E, k_frac, a, dtype, seed, with_probs):
+    K = 1 + int(k_frac * (min(E, 8) - 1))
+    _check_case(T, H, E, K, a, dtype, seed=seed, with_probs=with_probs)
