@@ -51,7 +51,10 @@ class PassEntry:
 
 
 # Run order within each stage is the order of this tuple.
-PASSES: tuple[PassEntry, ...] = ()
+PASSES: tuple[PassEntry, ...] = (
+    PassEntry("fuse_dispatch", "pre_grad", "moe_compile.passes.fuse_dispatch:run", default=True,
+              doc="sort-based MoE dispatch -> moe.permute_pad + grouped GEMM + moe.unpad_unpermute"),
+)
 
 
 @dataclasses.dataclass
@@ -73,10 +76,15 @@ class PassContext:
         report.add(report.PassRecord(self.pass_name, self.stage, "skip", layer, reason, detail))
 
 
+def _copy_into(dst: fx.Graph, src: fx.Graph) -> None:
+    value, src_output = dst.graph_copy(src, {}, return_output_node=True)
+    out = dst.output(value, type_expr=src_output.type)
+    out.meta = dict(src_output.meta)
+
+
 def _snapshot(graph: fx.Graph) -> fx.Graph:
     copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
-    out = copy.graph_copy(graph, {}, return_output_node=True)
-    copy.output(out[0].args[0] if isinstance(out, tuple) else out.args[0])
+    _copy_into(copy, graph)
     return copy
 
 
@@ -84,8 +92,7 @@ def _restore(graph: fx.Graph, snapshot: fx.Graph) -> None:
     for node in reversed(list(graph.nodes)):
         node.users.clear()
         graph.erase_node(node)
-    out = graph.graph_copy(snapshot, {}, return_output_node=True)
-    graph.output(out[0].args[0] if isinstance(out, tuple) else out.args[0])
+    _copy_into(graph, snapshot)
 
 
 def _is_training_graph(graph: fx.Graph) -> bool:
