@@ -1,0 +1,145 @@
+"""Find expert weights in a model: stacked 3-D parameters and ModuleLists of per-expert linears.
+
+Two layouts are recognised (``E`` experts, ``N`` output features, ``K`` input features):
+
+* **stacked**: a module holding rank-3 parameters that share ``E = shape[0]``, e.g. Hugging Face
+  ``*Experts`` (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``; ``[E, K, N]`` when the module has
+  ``is_transposed = True``) or torchtitan ``GroupedExperts`` (``w1/w3 [E, I, H]``, ``w2 [E, H, I]``).
+  The module must look like an experts container: its class name or attribute name contains
+  "expert", or it has a ``num_experts`` / ``num_local_experts`` attribute equal to ``E``.
+* **module_list**: an ``nn.ModuleList`` whose attribute name contains "expert" and whose ``E >= 2``
+  items are all ``nn.Linear`` of one shape, or modules of one class with the same ``nn.Linear``
+  children (same paths, shapes and bias presence), e.g. ``experts[e].w1 / w2 / w3``.
+
+Nothing here imports torchao or changes the model; passes and ``quantize_experts`` share it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+from torch import nn
+
+_EXPERT_NAME = re.compile("expert", re.IGNORECASE)
+_NOT_EXPERT_CONTAINERS = (nn.modules.conv._ConvNd, nn.Linear, nn.Embedding, nn.MultiheadAttention)
+
+
+@dataclass(frozen=True)
+class ExpertLinear:
+    """One projection of every expert: a stacked parameter or the same linear path in each expert.
+
+    Attributes:
+        path: stacked: the parameter name on the module (``"gate_up_proj"``); module_list: the linear's
+            path inside one expert (``"w1"``, ``"mlp.up_proj"``, or ``""`` when experts are linears).
+        num_experts: ``E``.
+        out_features: ``N``.
+        in_features: ``K`` (the reduction dim).
+        is_transposed: stored as ``[E, K, N]`` instead of ``[E, N, K]`` (stacked only).
+        has_bias: per-expert bias (module_list: ``Linear.bias``; stacked: a ``<path>_bias`` parameter).
+    """
+
+    path: str
+    num_experts: int
+    out_features: int
+    in_features: int
+    is_transposed: bool = False
+    has_bias: bool = False
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """A module owning the weights of ``E`` experts.
+
+    Attributes:
+        name: qualified module name in the model (``"layers.0.mlp.experts"``).
+        module: the module (stacked) or the ``nn.ModuleList`` (module_list).
+        kind: ``"stacked"`` or ``"module_list"``.
+        linears: the projections, in parameter order.
+    """
+
+    name: str
+    module: nn.Module
+    kind: Literal["stacked", "module_list"]
+    linears: tuple[ExpertLinear, ...]
+
+
+def find_expert_weights(
+    model: nn.Module, filter_fn: Callable[[str, nn.Module], bool] | None = None
+) -> list[ExpertGroup]:
+    """Return every expert group in ``model``, outermost first; nested groups are not searched again.
+
+    Args:
+        model: any ``nn.Module``.
+        filter_fn: optional ``(qualified_name, module) -> bool``; groups for which it returns False are
+            skipped.
+
+    Returns:
+        One ``ExpertGroup`` per experts module, in ``named_modules`` order.
+    """
+    groups: list[ExpertGroup] = []
+    claimed: list[str] = []
+    for name, module in model.named_modules():
+        if any(name == c or name.startswith(c + ".") for c in claimed):
+            continue
+        attr = name.rsplit(".", 1)[-1]
+        group = _as_module_list(name, attr, module) or _as_stacked(name, attr, module)
+        if group is None or (filter_fn is not None and not filter_fn(name, module)):
+            continue
+        groups.append(group)
+        claimed.append(name)
+    return groups
+
+
+def _as_stacked(name: str, attr: str, module: nn.Module) -> ExpertGroup | None:
+    if isinstance(module, (nn.ModuleList, *_NOT_EXPERT_CONTAINERS)):
+        return None
+    params = {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+    if not params:
+        return None
+    num_experts = {p.shape[0] for p in params.values()}
+    if len(num_experts) != 1:
+        return None
+    (E,) = num_experts
+    declared = getattr(module, "num_experts", None) or getattr(module, "num_local_experts", None)
+    looks_like_experts = _EXPERT_NAME.search(type(module).__name__) or _EXPERT_NAME.search(attr) or declared == E
+    if not looks_like_experts or E < 1:
+        return None
+    is_transposed = bool(getattr(module, "is_transposed", False))
+    linears = []
+    for pname, p in params.items():
+        n, k = (p.shape[2], p.shape[1]) if is_transposed else (p.shape[1], p.shape[2])
+        bias = getattr(module, pname + "_bias", None)
+        linears.append(ExpertLinear(pname, E, n, k, is_transposed, isinstance(bias, torch.Tensor)))
+    return ExpertGroup(name, module, "stacked", tuple(linears))
+
+
+def _linears_of(expert: nn.Module) -> dict[str, nn.Linear]:
+    if isinstance(expert, nn.Linear):
+        return {"": expert}
+    return {n: m for n, m in expert.named_modules() if isinstance(m, nn.Linear)}
+
+
+def _as_module_list(name: str, attr: str, module: nn.Module) -> ExpertGroup | None:
+    if not isinstance(module, nn.ModuleList) or len(module) < 2 or not _EXPERT_NAME.search(attr):
+        return None
+    experts = list(module)
+    if len({type(e) for e in experts}) != 1:
+        return None
+    per_expert = [_linears_of(e) for e in experts]
+    first = per_expert[0]
+    if not first:
+        return None
+
+    def signature(linears: dict[str, nn.Linear]) -> list[tuple]:
+        return [(p, tuple(m.weight.shape), m.bias is not None) for p, m in linears.items()]
+
+    if any(signature(lin) != signature(first) for lin in per_expert[1:]):
+        return None
+    E = len(experts)
+    linears = tuple(
+        ExpertLinear(p, E, m.out_features, m.in_features, False, m.bias is not None) for p, m in first.items()
+    )
+    return ExpertGroup(name, module, "module_list", linears)
