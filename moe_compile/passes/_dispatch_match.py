@@ -1,0 +1,1062 @@
+"""Finds sort-based MoE dispatch regions in Dynamo's Torch IR and proves them rewritable.
+
+Used by :mod:`moe_compile.passes.fuse_dispatch`. One :class:`Dispatch` per ascending sort/argsort of
+flattened integer expert ids whose permutation gathers token rows. The proof, step by step:
+
+1. **Sort.** ``ids_sorted, perm = sort(ids_S)`` or ``perm = argsort(ids_S)`` (any ``stable``), with
+   ``ids_S`` a flatten of ``ids_TK`` (or 1-D, then ``K`` comes from the token index).
+2. **Gathers.** Token rows ``x_TH[perm // K]`` (``getitem`` / ``index_select`` / ``gather``),
+   optionally weights ``w_S[perm]`` and ids ``ids_S[perm]``.
+3. **Counts and offsets.** Every grouped GEMM's ``offs`` is, as a linear form
+   (:mod:`~moe_compile.passes._index_algebra`), ``cumsum(counts)`` or ``cumsum(ceil(counts/a)*a)``,
+   where ``counts`` is ``histc``/``bincount``/``one_hot.sum``/``(ids == arange(E)).sum`` of the ids.
+4. **Padding** (optional). The sorted rows are written to padded rows ``dest_S`` of a zero
+   ``[M, H]`` buffer (``index_put``), or a zero sentinel row is gathered through a ``full(M, T)`` index
+   buffer; ``dest_S`` must equal the canonical padded destination; results come back as ``Y[dest_S]``.
+5. **Row-wise region.** Everything between the gathers and the combine only mixes values within a
+   row (elementwise ops, per-row scales, grouped GEMMs with the proven ``offs``, reductions over
+   non-row dims, ...). Only then may rows be reordered: our op sorts stably, HF's ``torch.sort`` does
+   not, and padded layouts differ, but a row-wise region computes the same rows in any order.
+6. **Combine.** ``y[inverse(perm)].view(T, K, H).sum(1)``, or ``zeros(T, H)`` accumulated by
+   ``index_add_`` / ``scatter_add_`` / ``index_put_(accumulate=True)`` at ``perm // K``.
+
+Anything unproven raises :class:`NoMatch` with a reason tag (see ``fuse_dispatch``'s docstring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from moe_compile.passes import _index_algebra as ia
+from moe_compile.passes._graph import (
+    arg,
+    is_inplace,
+    known_int,
+    layer_name,
+    op_name,
+    same_int,
+    same_shape,
+    tensor_val,
+    val,
+)
+
+
+class NoMatch(Exception):
+    """A dispatch candidate that cannot be rewritten: ``reason`` is a tag, ``detail`` a sentence."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+GROUPED_MM = {"_grouped_mm", "grouped_mm", "aten._grouped_mm", "transformers.grouped_mm_fallback", "moe.grouped_mm"}
+_VIEWS_FLAT = {"reshape", "view", "flatten", "contiguous", "ravel"}
+_CASTS = {"to", "float", "double", "half", "bfloat16", "type_as", "type", "contiguous", "clone", "detach",
+          "int", "long"}
+_UNARY = {
+    "neg", "silu", "gelu", "relu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "abs", "clamp", "clamp_min",
+    "clamp_max", "softplus", "leaky_relu", "elu", "hardtanh", "erf", "sin", "cos", "square", "reciprocal", "mish",
+    "relu6", "hardswish", "hardsigmoid", "logsigmoid", "selu", "celu", "silu_", "relu_", "gelu_", "sigmoid_",
+    "tanh_", "clamp_", "nan_to_num", "sign", "floor", "ceil", "round", "trunc", "exp2", "log1p", "expm1",
+    "sinh", "cosh", "logical_not", "bitwise_not",
+}
+_BINARY = {
+    "add", "sub", "mul", "truediv", "div", "pow", "maximum", "minimum", "where", "masked_fill", "add_", "sub_",
+    "mul_", "div_", "truediv_", "masked_fill_", "rsub", "eq", "ne", "lt", "le", "gt", "ge", "fmod", "remainder",
+    "mod", "and", "or", "logical_and", "logical_or", "bitwise_and", "bitwise_or", "lerp", "addcmul", "addcdiv",
+    "copysign", "atan2", "hypot", "xlogy", "float_power",
+}
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "norm", "var", "std", "logsumexp", "max", "min", "all", "any"}
+_SOFTMAX = {"softmax", "log_softmax", "glu", "normalize", "cumsum", "cumprod"}
+_SPLITS = {"chunk", "split", "tensor_split", "unbind", "split_with_sizes"}
+
+
+@dataclasses.dataclass
+class Combine:
+    kind: str  # "inverse_perm_sum" | "index_add" | "scatter_add" | "index_put"
+    source: fx.Node  # the region node combined ([S, H] sorted rows)
+    result: fx.Node  # the node whose value is the combined [T, H]
+    inplace_buffer: fx.Node | None  # the zeros buffer an in-place accumulate mutated
+    nodes: list[fx.Node]  # combine nodes to erase after rewiring
+
+
+@dataclasses.dataclass
+class Padding:
+    align: int
+    num_rows: Any  # M of the user's buffer (int or SymInt)
+    dest: fx.Node  # padded destination rows of the sorted rows [S]
+    seeds: list[fx.Node]  # padded [M, H] row buffers (replaced by rows_MH)
+    prob_seeds: list[fx.Node]  # padded [M] probs buffers (replaced by probs_M)
+    writes: list[fx.Node]  # in-place writes that build the padded buffers (erased)
+    unpads: list[fx.Node]  # Y[dest] gathers back to sorted rows (replaced by Y)
+
+
+@dataclasses.dataclass
+class Dispatch:
+    layer: str
+    sort: fx.Node
+    perm: fx.Node
+    ids_flat: fx.Node
+    ids_TK: fx.Node | None  # 2-D [T, K] source of ids_flat, if any
+    top_k: Any  # K (int or SymInt node)
+    num_experts: int
+    x_TH: fx.Node
+    token_gathers: list[fx.Node]
+    probs_flat: fx.Node | None
+    probs_TK: fx.Node | None
+    weight_gathers: list[fx.Node]
+    grouped_mms: list[fx.Node]
+    region: dict[fx.Node, str]  # node -> row space ("S" sorted rows, "M" padded rows)
+    combine: Combine
+    padding: Padding | None
+    counts_kind: str
+    matched: list[str]
+
+    @property
+    def align(self) -> int:
+        return self.padding.align if self.padding else 1
+
+
+# ----------------------------------------------------------------------------------------------
+# small structural helpers
+
+
+def _users_in_order(node: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
+    return sorted(node.users, key=lambda u: order.get(u, 0))
+
+
+def _is_int_tensor(node: Any, ndim: int | None = None) -> bool:
+    v = tensor_val(node)
+    if v is None or v.is_floating_point() or v.is_complex() or v.dtype == torch.bool:
+        return False
+    return ndim is None or v.dim() == ndim
+
+
+def _is_float_tensor(node: Any, ndim: int | None = None) -> bool:
+    v = tensor_val(node)
+    return v is not None and v.is_floating_point() and (ndim is None or v.dim() == ndim)
+
+
+def _flat_source(node: fx.Node) -> fx.Node:
+    """Walk back through flatten-like views (``reshape(-1)``, ``view(-1)``, ``flatten()``)."""
+    while isinstance(node, fx.Node) and op_name(node) in _VIEWS_FLAT:
+        src = node.args[0]
+        sv = tensor_val(src)
+        if sv is None or sv.numel() != tensor_val(node).numel():
+            break
+        node = src
+    return node
+
+
+def _index_of_floordiv(node: Any, perm: fx.Node) -> Any:
+    """If ``node`` is ``perm // K`` in any spelling, return ``K`` (int or SymInt node), else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    name = op_name(node)
+    if name in ("floordiv", "floor_divide") or (
+        name in ("div", "div_") and node.kwargs.get("rounding_mode") == "floor"
+    ):
+        if node.args[0] is perm:
+            return node.args[1]
+    return None
+
+
+def _expanded_index(node: Any) -> Any:
+    """``idx.unsqueeze(-1).expand(-1, H)`` (and ``view(-1, 1)``, ``idx[:, None]``, ``expand_as``) -> idx."""
+    if not isinstance(node, fx.Node) or op_name(node) not in ("expand", "expand_as", "repeat"):
+        return None
+    inner = node.args[0]
+    if not isinstance(inner, fx.Node):
+        return None
+    name = op_name(inner)
+    iv = tensor_val(inner)
+    if iv is None or iv.dim() != 2 or iv.shape[1] != 1:
+        return None
+    if name == "unsqueeze" and arg(inner, 1, "dim") in (1, -1):
+        return inner.args[0]
+    if name in ("view", "reshape"):
+        return inner.args[0]
+    if name == "getitem" and isinstance(inner.args[1], tuple) and len(inner.args[1]) == 2 \
+            and inner.args[1][0] == slice(None) and inner.args[1][1] is None:
+        return inner.args[0]
+    return None
+
+
+def _gather_parts(node: fx.Node) -> tuple[Any, Any] | None:
+    """``(src, idx)`` for a row gather ``src[idx]`` / ``index_select(src, 0, idx)`` / ``gather(src, 0, idx2d)``."""
+    name = op_name(node)
+    if name == "getitem":
+        idx = node.args[1]
+        if isinstance(idx, fx.Node) and _is_int_tensor(idx, 1):
+            return node.args[0], idx
+        return None
+    if name == "index_select":
+        if known_int(arg(node, 1, "dim")) == 0:
+            return node.args[0], arg(node, 2, "index")
+        return None
+    if name == "gather":
+        if known_int(arg(node, 1, "dim")) != 0:
+            return None
+        idx = arg(node, 2, "index")
+        src = node.args[0]
+        sv = tensor_val(src)
+        if sv is not None and sv.dim() == 1:
+            return src, idx
+        inner = _expanded_index(idx)
+        return (src, inner) if inner is not None else None
+    return None
+
+
+def _sentinel_base(node: Any) -> fx.Node | None:
+    """``x`` for ``cat([x, zeros(1, H)])`` or ``F.pad(x, (0, 0, 0, 1))`` (x with a zero row at index T)."""
+    if not isinstance(node, fx.Node):
+        return None
+    name = op_name(node)
+    if name == "cat":
+        parts = arg(node, 0, "tensors")
+        if known_int(arg(node, 1, "dim", 0)) != 0 or not isinstance(parts, (list, tuple)) or len(parts) != 2:
+            return None
+        first, zero = parts
+        zv, fv = tensor_val(zero), tensor_val(first)
+        if fv is not None and fv.dim() == 2 and zv is not None and zv.dim() == 2 and zv.shape[0] == 1 \
+                and ia.is_zeros_creation(zero):
+            return first
+        return None
+    if name == "pad":
+        pad = tuple(arg(node, 1, "pad"))
+        fv = tensor_val(node.args[0])
+        if fv is not None and fv.dim() == 2 and pad == (0, 0, 0, 1) and arg(node, 3, "value", None) in (None, 0, 0.0):
+            return node.args[0]
+    return None
+
+
+def _zeros_buffer_shape(node: Any) -> tuple[Any, ...] | None:
+    if not ia.is_zeros_creation(node):
+        return None
+    v = tensor_val(node)
+    return tuple(v.shape) if v is not None else None
+
+
+# ----------------------------------------------------------------------------------------------
+# the matcher
+
+
+class Matcher:
+    """Analyses one sort/argsort anchor. :meth:`match` returns a :class:`Dispatch` or raises."""
+
+    def __init__(self, graph: fx.Graph, sort: fx.Node, order: dict[fx.Node, int]) -> None:
+        self.graph = graph
+        self.sort = sort
+        self.order = order
+        self.layer = layer_name(sort)
+        self.matched: list[str] = []
+
+    # -- 1. sort -------------------------------------------------------------------------------
+    def _sort_parts(self) -> tuple[fx.Node, fx.Node, fx.Node | None]:
+        node = self.sort
+        name = op_name(node)
+        ids = node.args[0]
+        dim = arg(node, 1, "dim", -1)
+        if name == "sort":
+            # torch.sort(input, dim=-1, descending=False, stable=False) / sort(input, *, stable, dim, descending)
+            descending = node.kwargs.get("descending", node.args[2] if len(node.args) > 2 else False)
+        else:
+            descending = arg(node, 2, "descending", False)
+        if not _is_int_tensor(ids, 1):
+            raise NoMatch("not_expert_ids", "sorted tensor is not a 1-D integer tensor")
+        if dim not in (0, -1):
+            raise NoMatch("not_expert_ids", f"sort along dim={dim}")
+        if descending:
+            raise NoMatch("descending_sort", "expert ids sorted in descending order")
+        if name == "argsort":
+            perm, ids_sorted = node, None
+        else:
+            perm = ids_sorted = None
+            for u in node.users:
+                if op_name(u) == "getitem" and u.args[1] == 1:
+                    perm = u
+                elif op_name(u) == "getitem" and u.args[1] == 0:
+                    ids_sorted = u
+                elif u.op == "call_function" and u.target is getattr and u.args[1] == "indices":
+                    perm = u
+                elif u.op == "call_function" and u.target is getattr and u.args[1] == "values":
+                    ids_sorted = u
+            if perm is None:
+                raise NoMatch("not_expert_ids", "sort without a permutation output")
+        return ids, perm, ids_sorted
+
+    def match(self) -> Dispatch:
+        ids_flat, perm, ids_sorted = self._sort_parts()
+        self.ids_flat, self.perm = ids_flat, perm
+        self.S = tensor_val(perm).shape[0]
+        self.sorted_ids = {n for n in (ids_sorted,) if n is not None}
+        for n in (ids_flat, *self.sorted_ids):
+            for u in n.users:
+                if is_inplace(u) and u.args and u.args[0] is n:
+                    raise NoMatch("expert_ids_mutated", f"{u.name} mutates the expert ids in place "
+                                  "(expert-parallel sentinel ids are not supported)")
+        self.matched.append(("argsort" if op_name(self.sort) == "argsort" else "sort") + "(ids)")
+
+        # -- 2. gathers --------------------------------------------------------------------------
+        token_gathers, x_TH, top_k, weight_gathers, probs_flat = self._gathers()
+        self.x_TH, self.top_k = x_TH, top_k
+        ids_src = _flat_source(ids_flat)
+        ids_TK = ids_src if _is_int_tensor(ids_src, 2) and same_int(tensor_val(ids_src).shape[1], top_k) else None
+        probs_TK = None
+        if probs_flat is not None:
+            src = _flat_source(probs_flat)
+            if _is_float_tensor(src, 2) and same_int(tensor_val(src).shape[1], top_k):
+                probs_TK = src
+        T = tensor_val(x_TH).shape[0]
+        if not same_int(self.S, T * val(top_k)):
+            raise NoMatch("token_gather_not_matched", "number of routed rows is not tokens x top-k")
+        self.T = T
+
+        # -- 3. padding (optional), region and combine -----------------------------------------------
+        padding = self._padding(token_gathers, weight_gathers)
+        region, grouped_mms, combine = self._region(token_gathers, weight_gathers, padding)
+        # -- 4. offsets of every grouped GEMM ------------------------------------------------------
+        num_experts, counts_kind = self._check_offsets(grouped_mms, padding)
+        if padding is not None:
+            self._check_destination(padding, num_experts)
+        return Dispatch(
+            layer=self.layer, sort=self.sort, perm=perm, ids_flat=ids_flat, ids_TK=ids_TK, top_k=top_k,
+            num_experts=num_experts, x_TH=x_TH, token_gathers=token_gathers, probs_flat=probs_flat,
+            probs_TK=probs_TK, weight_gathers=weight_gathers, grouped_mms=grouped_mms, region=region,
+            combine=combine, padding=padding, counts_kind=counts_kind, matched=self.matched,
+        )
+
+    # -- 2. gathers ------------------------------------------------------------------------------
+    def _gathers(self):
+        perm = self.perm
+        token_gathers: list[fx.Node] = []
+        weight_gathers: list[fx.Node] = []
+        x_TH = probs_flat = None
+        top_k: Any = None
+        suspicious: list[str] = []
+        candidates: list[tuple[fx.Node, Any]] = []  # (gather node, K or None for a plain perm index)
+        for u in perm.users:
+            k = _index_of_floordiv(u, perm)
+            if k is not None:
+                for g in u.users:
+                    parts = _gather_parts(g)
+                    if parts is not None and parts[1] is u:
+                        candidates.append((g, k))
+                continue
+            parts = _gather_parts(u)
+            if parts is not None and parts[1] is perm:
+                candidates.append((u, None))
+        for g, k in sorted(candidates, key=lambda c: self.order[c[0]]):
+            src, _ = _gather_parts(g)
+            sv = tensor_val(src)
+            if sv is None:
+                continue
+            if k is not None and sv.dim() == 2 and sv.is_floating_point():
+                if x_TH is not None and src is not x_TH:
+                    raise NoMatch("multiple_gather_sources", f"token rows gathered from {x_TH.name} and {src.name}")
+                if top_k is not None and not same_int(top_k, k):
+                    raise NoMatch("token_index_mismatch", "token rows gathered with two different top-k")
+                x_TH, top_k = src, k
+                token_gathers.append(g)
+            elif k is None and sv.dim() == 1 and sv.is_floating_point() and same_int(sv.shape[0], self.S):
+                if probs_flat is not None and src is not probs_flat:
+                    raise NoMatch("multiple_gather_sources", "two different weight vectors gathered by perm")
+                probs_flat = src
+                weight_gathers.append(g)
+            elif k is None and sv.dim() == 1 and not sv.is_floating_point() and (
+                src is self.ids_flat or _flat_source(src) is _flat_source(self.ids_flat)
+            ):
+                self.sorted_ids.add(g)  # ids_flat[perm] == sorted ids
+            elif k is None and sv.dim() == 2 and sv.is_floating_point():
+                suspicious.append(g)
+        if x_TH is None and suspicious:
+            g = suspicious[0]
+            src = _gather_parts(g)[0]
+            if self._is_weighted_rows(src):
+                raise NoMatch("weights_before_gather", "combine not matched: weights applied before gather "
+                              f"({g.name} gathers already-weighted [T*K, H] rows by perm)")
+            raise NoMatch("token_gather_not_matched",
+                          f"{g.name} gathers [T*K, H] rows by perm instead of token rows by perm // K")
+        if x_TH is None:
+            x_TH, top_k = self._sentinel_source()
+        if x_TH is None:
+            raise NoMatch("token_gather_not_matched", "no x[perm // K] / index_select / gather of token rows")
+        if token_gathers and not same_int(tensor_val(token_gathers[0]).shape[0], self.S):
+            raise NoMatch("token_gather_not_matched", "token gather does not produce one row per routed pair")
+        # K must be the width of the ids: flat index t*K + k
+        ids_src = _flat_source(self.ids_flat)
+        iv = tensor_val(ids_src)
+        if iv.dim() == 2 and not same_int(iv.shape[1], top_k):
+            raise NoMatch("token_index_mismatch", f"token index is perm // {top_k} but ids have {iv.shape[1]} columns")
+        desc = f"gather(x[perm//K] x{len(token_gathers)})"
+        if weight_gathers:
+            desc += "+weights[perm]"
+        self.matched.append(desc)
+        return token_gathers, x_TH, top_k, weight_gathers, probs_flat
+
+    def _sentinel_source(self) -> tuple[Any, Any]:
+        """``(x, K)`` for ``full(M, T)[dest] = perm // K`` gathered from ``x`` plus a zero sentinel row."""
+        for u in self.perm.users:
+            k = _index_of_floordiv(u, self.perm)
+            if k is None:
+                continue
+            for w in u.users:
+                if op_name(w) not in ("setitem", "index_put_", "index_copy_") or w.args[0] is u:
+                    continue
+                for g in w.args[0].users:
+                    parts = _gather_parts(g)
+                    if parts is not None and parts[1] is w.args[0]:
+                        base = _sentinel_base(parts[0])
+                        if base is not None:
+                            return base, k
+        return None, None
+
+    def _is_weighted_rows(self, node: Any) -> bool:
+        """``(x.unsqueeze(1) * w.unsqueeze(-1)).reshape(T*K, H)``-like: a product with routing weights."""
+        node = _flat_source(node)
+        seen = 0
+        while isinstance(node, fx.Node) and seen < 8:
+            seen += 1
+            name = op_name(node)
+            if name in ("mul", "mul_", "truediv"):
+                return True
+            if name in _VIEWS_FLAT | _CASTS | {"unsqueeze", "expand"}:
+                node = node.args[0]
+                continue
+            return False
+        return False
+
+    # -- padding -----------------------------------------------------------------------------------
+    def _padding(self, token_gathers: list[fx.Node], weight_gathers: list[fx.Node]) -> Padding | None:
+        """Detect a device-padded layout built from the sorted rows (proved later in _check_destination)."""
+        writes: list[fx.Node] = []
+        seeds: list[fx.Node] = []
+        prob_seeds: list[fx.Node] = []
+        dest = None
+        num_rows = None
+
+        def padded_write(buf: fx.Node, value: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+            # buf[dest] = value / buf.index_put_((dest,), value) / buf.index_copy_(0, dest, value)
+            for w in buf.users:
+                name = op_name(w)
+                if name == "setitem" and w.args[0] is buf and w.args[2] is value and isinstance(w.args[1], fx.Node):
+                    return w, w.args[1]
+                if name == "index_put_" and w.args[0] is buf and arg(w, 2, "values") is value \
+                        and not arg(w, 3, "accumulate", False):
+                    idx = arg(w, 1, "indices")
+                    if isinstance(idx, (list, tuple)) and len(idx) == 1:
+                        return w, idx[0]
+                if name == "index_copy_" and w.args[0] is buf and known_int(arg(w, 1, "dim")) == 0 \
+                        and arg(w, 3, "source") is value:
+                    return w, arg(w, 2, "index")
+            return None
+
+        # (a) zeros[M, H] written at dest with the gathered token rows
+        for g in token_gathers:
+            for w in list(g.users):
+                name = op_name(w)
+                if name in ("setitem", "index_put_", "index_copy_") and w.args[0] is not g \
+                        and ia.is_zeros_creation(w.args[0]):
+                    found = padded_write(w.args[0], g)
+                    if found is None or found[0] is not w:
+                        continue
+                    if dest is not None and found[1] is not dest:
+                        raise NoMatch("padding_not_proven", "two different padded destinations")
+                    dest = found[1]
+                    writes.append(w)
+                    seeds.append(w.args[0])
+        # (b) sentinel gather: src = full((M,), T); src[dest] = perm // K; cat([x, zeros(1, H)])[src]
+        for u in self.perm.users:
+            if _index_of_floordiv(u, self.perm) is None:
+                continue
+            for w in u.users:
+                if op_name(w) not in ("setitem", "index_put_", "index_copy_") or w.args[0] is u:
+                    continue
+                buf = w.args[0]
+                if op_name(buf) not in ("full", "new_full") or not same_int(
+                    arg(buf, 1 if op_name(buf) == "full" else 2, "fill_value"), self._num_tokens()
+                ):
+                    continue
+                found = padded_write(buf, u)
+                if found is None or found[0] is not w:
+                    continue
+                for g in buf.users:
+                    parts = _gather_parts(g)
+                    if parts is None or parts[1] is not buf or not self._is_sentinel_extended(parts[0]):
+                        continue
+                    if dest is not None and found[1] is not dest:
+                        raise NoMatch("padding_not_proven", "two different padded destinations")
+                    dest = found[1]
+                    seeds.append(g)
+                    writes.append(w)
+        if dest is None:
+            return None
+        # probs written into a padded zeros[M] buffer at the same dest
+        for g in weight_gathers:
+            for w in list(g.users):
+                if op_name(w) in ("setitem", "index_put_", "index_copy_") and w.args[0] is not g \
+                        and ia.is_zeros_creation(w.args[0]):
+                    found = padded_write(w.args[0], g)
+                    if found is not None and found[0] is w and found[1] is dest:
+                        writes.append(w)
+                        prob_seeds.append(w.args[0])
+        rows = {tensor_val(s).shape[0] for s in seeds + prob_seeds}
+        num_rows = tensor_val(seeds[0]).shape[0]
+        if not all(same_int(r, num_rows) for r in rows):
+            raise NoMatch("padding_not_proven", "padded buffers of different sizes")
+        unpads = []
+        self.matched.append("pad(index_put into zeros)" if op_name(seeds[0]) != "getitem" else "pad(sentinel row)")
+        return Padding(align=0, num_rows=num_rows, dest=dest, seeds=seeds, prob_seeds=prob_seeds,
+                       writes=writes, unpads=unpads)
+
+    def _num_tokens(self) -> Any:
+        return tensor_val(self.x_TH).shape[0]
+
+    def _is_sentinel_extended(self, node: Any) -> bool:
+        return _sentinel_base(node) is self.x_TH
+
+    # -- 5./6. region and combine -------------------------------------------------------------------
+    def _region(self, token_gathers, weight_gathers, padding: Padding | None):
+        region: dict[fx.Node, str] = {}
+        skip_users: set[fx.Node] = set()
+        seeds: dict[fx.Node, str] = {}
+        if padding is not None:
+            skip_users.update(padding.writes)
+            for s in padding.seeds + padding.prob_seeds:
+                seeds[s] = "M"
+        for g in token_gathers + weight_gathers:
+            seeds[g] = "S"
+        # 1. everything reachable from the seeds, stopping at combines
+        reach: set[fx.Node] = set()
+        combines: list[Combine] = []
+        work = list(seeds)
+        while work:
+            node = work.pop()
+            for u in node.users:
+                if u in reach or u in seeds or u in skip_users:
+                    continue
+                if u.op == "output":
+                    raise NoMatch("rows_escape_region", f"permuted rows {node.name} are a graph output")
+                combine = self._combine(node, u)
+                if combine is not None:
+                    combines.append(combine)
+                    skip_users.update(combine.nodes)
+                    continue
+                reach.add(u)
+                work.append(u)
+        # 2. classify in topological order, so every operand from the region is known first
+        region.update(seeds)
+        grouped_mms: list[fx.Node] = []
+        n_rowwise = 0
+        for u in sorted(reach, key=self.order.__getitem__):
+            if u in skip_users:
+                continue
+            node = next((a for a in u.all_input_nodes if a in region), None)
+            if padding is not None and node is not None and region[node] == "M" and self._is_unpad(u, node, padding):
+                padding.unpads.append(u)
+                region[u] = "S"
+                continue
+            region[u] = self._rowwise(u, region)
+            if op_name(u) in GROUPED_MM:
+                grouped_mms.append(u)
+            n_rowwise += 1
+            if is_inplace(u) and u.args and isinstance(u.args[0], fx.Node) and u.args[0] not in region:
+                raise NoMatch("region_not_rowwise", f"{u.name} writes routed rows into {u.args[0].name}")
+        if not combines:
+            raise NoMatch("combine_not_matched", "no inverse-permutation gather + sum, index_add_, scatter_add_ "
+                          "or index_put_(accumulate=True) of the expert outputs")
+        if len(combines) > 1:
+            raise NoMatch("combine_not_matched", f"{len(combines)} combines of one dispatch")
+        combine = combines[0]
+        if region[combine.source] != "S" and padding is not None:
+            raise NoMatch("combine_not_matched", "combine reads padded rows directly")
+        if not grouped_mms:
+            raise NoMatch("no_grouped_gemm", "no grouped GEMM between the gathers and the combine")
+        if padding is not None and not padding.unpads:
+            raise NoMatch("padding_not_proven", "padded rows never gathered back at dest")
+        self.matched.append(f"{len(grouped_mms)}x grouped_mm")
+        self.matched.append(f"row-wise region ({n_rowwise} ops)")
+        self.matched.append(f"combine({combine.kind})")
+        return region, grouped_mms, combine
+
+    def _is_unpad(self, u: fx.Node, node: fx.Node, padding: Padding) -> bool:
+        parts = _gather_parts(u)
+        return parts is not None and parts[0] is node and parts[1] is padding.dest
+
+    def _operand_ok(self, x: Any, out: torch.Tensor, region: dict[fx.Node, str], spaces: set[str]) -> bool:
+        """A tensor operand of a row-wise op: in the region, or broadcast along rows."""
+        if isinstance(x, fx.Node) and x in region:
+            spaces.add(region[x])
+            return True
+        if isinstance(x, (list, tuple)):
+            return all(self._operand_ok(y, out, region, spaces) for y in x)
+        if not isinstance(x, fx.Node):
+            return True
+        v = tensor_val(x)
+        if v is None:
+            return True  # SymInt / scalar node
+        if v.dim() < out.dim() or (v.dim() == out.dim() and v.dim() > 0 and same_int(v.shape[0], 1)):
+            return True
+        if self._is_sorted_ids_function(x):
+            spaces.add("S")
+            return True
+        return False
+
+    def _is_sorted_ids_function(self, node: Any, depth: int = 0) -> bool:
+        """Values that only depend on the sorted ids (identical in any expert-sorted row order)."""
+        if depth > 12 or not isinstance(node, fx.Node):
+            return not isinstance(node, fx.Node)
+        if node in self.sorted_ids:
+            return True
+        name = op_name(node)
+        if name == "getitem" and isinstance(node.args[1], fx.Node):
+            table = tensor_val(node.args[0])
+            return table is not None and self._is_sorted_ids_function(node.args[1], depth + 1) \
+                and not self._depends_on_rows(node.args[0])
+        if name in _UNARY | _BINARY | _CASTS | {"unsqueeze"}:
+            return all(
+                self._is_sorted_ids_function(a, depth + 1) or (isinstance(a, fx.Node) and tensor_val(a) is not None
+                                                               and tensor_val(a).dim() == 0)
+                for a in node.args if isinstance(a, fx.Node)
+            )
+        return False
+
+    def _depends_on_rows(self, node: fx.Node) -> bool:
+        v = tensor_val(node)
+        return v is not None and v.dim() >= 1 and same_int(v.shape[0], self.S)
+
+    def _rowwise(self, u: fx.Node, region: dict[fx.Node, str]) -> str:
+        """The row space of ``u`` if it is row-wise in its region inputs, else raise NoMatch."""
+        name = op_name(u)
+        out = tensor_val(u)
+        spaces: set[str] = set()
+
+        def fail(why: str) -> NoMatch:
+            return NoMatch("region_not_rowwise", f"{u.name} ({name}) {why}")
+
+        def one_space() -> str:
+            if len(spaces) != 1:
+                raise NoMatch("region_not_rowwise", f"{u.name} ({name}) mixes padded and unpadded rows")
+            return spaces.pop()
+
+        if name in GROUPED_MM:
+            x, w = u.args[0], u.args[1]
+            if x not in region or (isinstance(w, fx.Node) and w in region):
+                raise fail("grouped GEMM whose input rows are not the routed rows")
+            if arg(u, 3, "bias") is not None:
+                raise fail("grouped GEMM with a bias")
+            spaces.add(region[x])
+            return one_space()
+        if name == "getitem" and isinstance(u.args[1], int) and op_name(u.args[0]) in _SPLITS:
+            spaces.add(region[u.args[0]])
+            return one_space()
+        if out is None and not isinstance(val(u), (tuple, list)):
+            raise fail("has no tensor value")
+        if name in _SPLITS:
+            dim = arg(u, 2 if name != "unbind" else 1, "dim", 0)
+            src = tensor_val(u.args[0])
+            if dim is None or dim % src.dim() == 0:
+                raise fail("splits along the row dimension")
+            spaces.add(region[u.args[0]])
+            return one_space()
+        if out is None:
+            raise fail("has no tensor value")
+        if name in _CASTS or name in _UNARY:
+            if u.args[0] not in region:
+                raise fail("is not applied to the routed rows")
+            if name == "type_as" and not self._operand_ok(u.args[1], out, region, spaces):
+                raise fail("casts like a row-aligned tensor")
+            spaces.add(region[u.args[0]])
+            return one_space()
+        if name in ("dropout", "dropout_", "feature_alpha_dropout", "alpha_dropout"):
+            p = arg(u, 1, "p", 0.5)
+            training = arg(u, 2, "training", True)
+            if p not in (0, 0.0) and training:
+                raise fail("random dropout (row order changes the random mask)")
+            spaces.add(region[u.args[0]])
+            return one_space()
+        if name in _BINARY:
+            tensors = [a for a in u.args if isinstance(a, fx.Node)] + [
+                v for v in u.kwargs.values() if isinstance(v, fx.Node)]
+            if not all(self._operand_ok(a, out, region, spaces) for a in tensors):
+                raise fail("combines the routed rows with a row-aligned tensor in another order")
+            if out.dim() == 0 or not same_int(out.shape[0], self._rows_of(u, region)):
+                raise fail("changes the number of rows")
+            return one_space()
+        if name in ("linear", "matmul", "mm"):
+            x, w = u.args[0], u.args[1]
+            bias = arg(u, 2, "bias") if name == "linear" else None
+            wv = tensor_val(w)
+            if x not in region or w in region or wv is None or wv.dim() > 2 or (
+                isinstance(bias, fx.Node) and bias in region
+            ):
+                raise fail("is not a dense projection of the routed rows")
+            spaces.add(region[x])
+            return one_space()
+        if name in ("layer_norm", "rms_norm", "group_norm"):
+            if u.args[0] not in region or any(isinstance(a, fx.Node) and a in region for a in u.args[1:]):
+                raise fail("normalizes with row-aligned parameters")
+            if name == "group_norm":
+                raise fail("group_norm mixes rows")
+            spaces.add(region[u.args[0]])
+            return one_space()
+        if name in _REDUCTIONS | _SOFTMAX:
+            src = tensor_val(u.args[0])
+            dim = arg(u, 1, "dim", None)
+            if u.args[0] not in region or dim is None:
+                raise fail("reduces over all elements")
+            dims = dim if isinstance(dim, (list, tuple)) else (dim,)
+            if any(not isinstance(d, int) or d % src.dim() == 0 for d in dims):
+                raise fail("reduces over the row dimension")
+            spaces.add(region[u.args[0]])
+            return one_space()
+        if name in ("unsqueeze", "squeeze"):
+            src = tensor_val(u.args[0])
+            dim = arg(u, 1, "dim")
+            if name == "unsqueeze" and (dim == 0 or (dim < 0 and dim % (src.dim() + 1) == 0)):
+                raise fail("adds a leading dimension")
+            if name == "squeeze" and (dim is None or dim % src.dim() == 0):
+                raise fail("may squeeze the row dimension")
+            spaces.add(region[u.args[0]])
+            return one_space()
+        if name in ("view", "reshape", "flatten", "unflatten", "expand", "expand_as", "permute", "transpose",
+                    "movedim", "contiguous"):
+            src = tensor_val(u.args[0])
+            if u.args[0] not in region:
+                raise fail("reshapes a row-aligned tensor")
+            if name in ("permute", "transpose", "movedim"):
+                raise fail("moves the row dimension")
+            if name == "flatten" and arg(u, 1, "start_dim", 0) % max(src.dim(), 1) == 0:
+                raise fail("flattens the row dimension")
+            if out.dim() == 0 or src.dim() == 0 or not same_int(out.shape[0], src.shape[0]):
+                raise fail("changes the number of rows")
+            if name == "unflatten" and arg(u, 1, "dim") % src.dim() == 0:
+                raise fail("splits the row dimension")
+            spaces.add(region[u.args[0]])
+            return one_space()
+        if name == "getitem":
+            return self._rowwise_getitem(u, region, spaces, fail, one_space)
+        if name == "cat":
+            parts = arg(u, 0, "tensors")
+            dim = arg(u, 1, "dim", 0)
+            if dim % out.dim() == 0:
+                raise fail("concatenates along rows")
+            if not all(isinstance(p, fx.Node) and p in region for p in parts):
+                raise fail("concatenates routed rows with other tensors")
+            for p in parts:
+                spaces.add(region[p])
+            return one_space()
+        raise fail("is not known to be row-wise")
+
+    def _rowwise_getitem(self, u, region, spaces, fail, one_space) -> str:
+        src, index = u.args[0], u.args[1]
+        sv = tensor_val(src)
+        if src not in region:
+            # table[ids_sorted]: per-row lookups of per-expert values (same in any expert-sorted order)
+            if isinstance(index, fx.Node) and index in region and self._is_sorted_ids_function(index):
+                spaces.add(region[index])
+                return one_space()
+            raise fail("indexes with routed rows")
+        items = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(i, fx.Node) or i is None for i in items):
+            raise fail("indexes the routed rows with tensors or adds dimensions")
+        explicit = [i for i in items if i is not Ellipsis]
+        if items[0] is Ellipsis:
+            if len(explicit) >= sv.dim():
+                raise fail("indexes the row dimension")
+        elif items[0] != slice(None, None, None):
+            raise fail("slices the row dimension")
+        spaces.add(region[src])
+        return one_space()
+
+    def _rows_of(self, u: fx.Node, region: dict[fx.Node, str]) -> Any:
+        for a in u.all_input_nodes:
+            if a in region:
+                return tensor_val(a).shape[0]
+        return None
+
+    # -- combine ------------------------------------------------------------------------------------
+    def _combine(self, y: fx.Node, u: fx.Node) -> Combine | None:
+        name = op_name(u)
+        yv = tensor_val(y)
+        if yv is None or yv.dim() != 2:
+            return None
+        # (a) y[inverse(perm)].view(T, K, H).sum(1)
+        if name == "getitem" and u.args[0] is y and isinstance(u.args[1], fx.Node) \
+                and self._is_inverse_perm(u.args[1], u):
+            if len(u.users) != 1:
+                raise NoMatch("combine_not_matched", f"unpermuted rows {u.name} have other users")
+            view = next(iter(u.users))
+            if op_name(view) not in ("view", "reshape", "unflatten"):
+                raise NoMatch("combine_not_matched", f"unpermuted rows are not viewed as [T, K, H] ({view.name})")
+            vv = tensor_val(view)
+            if vv is None or not same_shape(vv.shape, (self._num_tokens(), val(self.top_k), yv.shape[1])):
+                raise NoMatch("combine_not_matched", f"{view.name} is not a [T, K, H] view of the unpermuted rows")
+            if len(view.users) != 1:
+                raise NoMatch("combine_not_matched", f"{view.name} has other users")
+            total = next(iter(view.users))
+            dim = arg(total, 1, "dim")
+            dims = dim if isinstance(dim, (list, tuple)) else (dim,)
+            if op_name(total) != "sum" or len(dims) != 1 or not isinstance(dims[0], int) or dims[0] % 3 != 1 \
+                    or arg(total, 2, "keepdim", False) or total.kwargs.get("dtype") is not None:
+                raise NoMatch("combine_not_matched", f"{total.name} is not a sum over the top-k slots")
+            return Combine("inverse_perm_sum", y, total, None, [u, view, total])
+        # (b) zeros[T, H] accumulated at perm // K
+        if name in ("index_add_", "index_add"):
+            if arg(u, 3, "source") is not y or u.args[0] is y or known_int(arg(u, 1, "dim")) != 0:
+                return None
+            if arg(u, 4, "alpha", 1) != 1:
+                raise NoMatch("combine_not_matched", f"{u.name}: index_add with alpha != 1")
+            return self._accumulate(u, y, arg(u, 2, "index"), "index_add")
+        if name in ("scatter_add_", "scatter_add"):
+            if arg(u, 3, "src") is not y or u.args[0] is y or known_int(arg(u, 1, "dim")) != 0:
+                return None
+            return self._accumulate(u, y, _expanded_index(arg(u, 2, "index")), "scatter_add")
+        if name in ("index_put_", "index_put"):
+            if arg(u, 2, "values") is not y or u.args[0] is y:
+                return None
+            if not arg(u, 3, "accumulate", False):
+                return None
+            idx = arg(u, 1, "indices")
+            if not isinstance(idx, (list, tuple)) or len(idx) != 1:
+                return None
+            return self._accumulate(u, y, idx[0], "index_put")
+        return None
+
+    def _accumulate(self, u: fx.Node, y: fx.Node, index: Any, kind: str) -> Combine:
+        k = _index_of_floordiv(index, self.perm)
+        if k is None or not same_int(k, self.top_k):
+            raise NoMatch("combine_not_matched", f"{u.name} ({kind}) does not accumulate at perm // K")
+        buf = u.args[0]
+        shape = _zeros_buffer_shape(buf)
+        if shape is None:
+            raise NoMatch("combine_not_matched", f"{u.name} ({kind}) accumulates into a non-zero buffer")
+        if not same_shape(shape, (self._num_tokens(), tensor_val(y).shape[1])):
+            raise NoMatch("combine_not_matched", f"{u.name} ({kind}) buffer is not [T, H]")
+        if tensor_val(buf).dtype != tensor_val(y).dtype:
+            raise NoMatch("combine_not_matched", f"{u.name} ({kind}) buffer dtype differs from the rows")
+        inplace = op_name(u).endswith("_")
+        if inplace:
+            for other in buf.users:
+                if other is not u and self.order[other] < self.order[u]:
+                    raise NoMatch("combine_not_matched", f"zeros buffer {buf.name} is used before the accumulate")
+        return Combine(kind, y, u, buf if inplace else None, [u])
+
+    def _is_inverse_perm(self, inv: fx.Node, reader: fx.Node) -> bool:
+        name = op_name(inv)
+        if name == "argsort" and inv.args[0] is self.perm:
+            return True
+        if name not in ("empty_like", "zeros_like", "empty", "zeros", "new_empty", "new_zeros"):
+            return False
+        writes = [w for w in inv.users if w is not reader]
+        if len(writes) != 1:
+            return False
+        w = writes[0]
+        wname = op_name(w)
+        if self.order[w] > self.order[reader]:
+            return False
+        if wname == "setitem" and w.args[0] is inv and w.args[1] is self.perm:
+            values = w.args[2]
+        elif wname == "index_put_" and w.args[0] is inv and tuple(arg(w, 1, "indices")) == (self.perm,) \
+                and not arg(w, 3, "accumulate", False):
+            values = arg(w, 2, "values")
+        elif wname == "scatter_" and w.args[0] is inv and known_int(arg(w, 1, "dim")) == 0 \
+                and arg(w, 2, "index") is self.perm:
+            values = arg(w, 3, "src")
+        else:
+            return False
+        try:
+            return ia.LinearForms(lambda n: False, lambda n: False, lambda r: same_int(r, self.S))(values) \
+                == ia.Form.atom(ia.ARANGE)
+        except ia.NotLinear:
+            return False
+
+    # -- 3. counts and offsets -------------------------------------------------------------------
+    def _counts_of(self, node: fx.Node) -> tuple[int, str] | None:
+        """``(E, kind)`` if ``node`` counts the routed expert ids per expert."""
+        name = op_name(node)
+        if name == "histc":
+            inp = ia.strip_casts(node.args[0])
+            bins = known_int(arg(node, 1, "bins", 100))
+            lo, hi = arg(node, 2, "min", 0), arg(node, 3, "max", 0)
+            if bins is None or not self._is_ids(inp) or lo != 0 or hi not in (bins - 1, bins):
+                return None
+            return bins, "histc"
+        if name == "bincount":
+            inp = ia.strip_casts(node.args[0])
+            if arg(node, 1, "weights") is not None or not self._is_ids(inp):
+                return None
+            minlength = known_int(arg(node, 2, "minlength", 0))
+            return (minlength, "bincount") if minlength else None
+        if name == "sum":
+            inp = node.args[0]
+            dim = arg(node, 1, "dim")
+            dims = tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
+            inner = ia.strip_casts(inp)
+            iv = tensor_val(inner)
+            if iv is None or iv.dim() < 2 or sorted(d % iv.dim() for d in dims if isinstance(d, int)) \
+                    != list(range(iv.dim() - 1)):
+                return None
+            E = known_int(iv.shape[-1])
+            if op_name(inner) == "one_hot":
+                if self._is_ids(inner.args[0]) and known_int(arg(inner, 1, "num_classes", -1)) == E and E:
+                    return E, "one_hot.sum"
+                return None
+            if op_name(inner) == "eq":
+                a, b = inner.args[0], inner.args[1]
+                for ids_side, ar_side in ((a, b), (b, a)):
+                    if self._is_ids_column(ids_side) and self._is_expert_arange(ar_side, E):
+                        return E, "(ids == arange(E)).sum"
+            return None
+        return None
+
+    def _is_ids(self, node: Any) -> bool:
+        """The routed expert ids in any order or flattening (what counts may be computed from)."""
+        node = ia.strip_casts(node)
+        if not isinstance(node, fx.Node):
+            return False
+        if node in self.sorted_ids:
+            return True
+        return _flat_source(node) is _flat_source(self.ids_flat)
+
+    def _is_ids_column(self, node: Any) -> bool:
+        """``ids.unsqueeze(-1)`` / ``ids[..., None]`` / ``ids.view(-1, 1)``."""
+        if not isinstance(node, fx.Node):
+            return False
+        name = op_name(node)
+        if name == "unsqueeze" and arg(node, 1, "dim") in (-1, tensor_val(node).dim() - 1):
+            return self._is_ids(node.args[0])
+        if name == "getitem" and isinstance(node.args[1], tuple) and node.args[1][-1] is None \
+                and all(i in (slice(None), Ellipsis) for i in node.args[1][:-1]):
+            return self._is_ids(node.args[0])
+        if name in ("view", "reshape") and tensor_val(node).shape[-1] == 1:
+            return self._is_ids(node.args[0])
+        return False
+
+    def _is_expert_arange(self, node: Any, E: int | None) -> bool:
+        node = ia.strip_casts(node)
+        if not isinstance(node, fx.Node) or E is None:
+            return False
+        if op_name(node) in ("view", "reshape", "unsqueeze"):
+            return self._is_expert_arange(node.args[0], E)
+        if op_name(node) == "getitem" and isinstance(node.args[1], tuple) and all(
+            i in (None, slice(None), Ellipsis) for i in node.args[1]
+        ):
+            return self._is_expert_arange(node.args[0], E)
+        if op_name(node) != "arange":
+            return False
+        args = node.args
+        start, end, step = (0, args[0], 1) if len(args) == 1 else (arg(node, 0, "start", 0), arg(node, 1, "end"),
+                                                                  arg(node, 2, "step", 1))
+        return known_int(start) == 0 and known_int(end) == E and known_int(step) == 1
+
+    def _check_offsets(self, grouped_mms: list[fx.Node], padding: Padding | None) -> tuple[int, str]:
+        found: dict[str, Any] = {}
+
+        def is_counts(node: fx.Node) -> bool:
+            c = self._counts_of(node)
+            if c is None:
+                return False
+            if "E" in found and found["E"] != c[0]:
+                raise NoMatch("offsets_not_matched", f"counts over {found['E']} and {c[0]} experts")
+            found["E"], found["kind"] = c
+            return True
+
+        forms = ia.LinearForms(is_counts, lambda n: n in self.sorted_ids, lambda r: same_int(r, self.S))
+        align = None
+        for mm in grouped_mms:
+            offs = arg(mm, 2, "offs")
+            if not isinstance(offs, fx.Node):
+                raise NoMatch("offsets_not_matched", f"{mm.name} has no device offsets")
+            ov = tensor_val(offs)
+            if ov is None or ov.dtype != torch.int32 or ov.dim() != 1:
+                raise NoMatch("offsets_not_matched", f"{mm.name} offsets are not a 1-D int32 tensor")
+            try:
+                form = forms(offs)
+            except ia.NotLinear as exc:
+                raise NoMatch("offsets_not_matched", f"{mm.name} offsets are not cumsum(counts of ids): {exc}") from None
+            a = _alignment_of_offsets(form)
+            if a is None:
+                raise NoMatch("offsets_not_matched", f"{mm.name} offsets are not cumsum of (padded) expert counts")
+            if align is not None and a != align:
+                raise NoMatch("offsets_not_matched", "grouped GEMMs use different offsets")
+            align = a
+            w = tensor_val(mm.args[1])
+            if w is None or w.dim() != 3 or known_int(w.shape[0]) != found.get("E"):
+                raise NoMatch("offsets_not_matched", f"{mm.name} weight does not have one matrix per expert")
+        E = found["E"]
+        if padding is None and align != 1:
+            raise NoMatch("padding_not_proven", f"offsets are padded to {align} but no padded buffer was found")
+        if padding is not None:
+            if align == 1:
+                raise NoMatch("padding_not_proven", "padded buffer used with unpadded offsets")
+            from moe_compile.ops._common import SUPPORTED_ALIGNMENTS
+
+            if align not in SUPPORTED_ALIGNMENTS:
+                raise NoMatch("unsupported_alignment", f"padding to {align} rows (supported: {SUPPORTED_ALIGNMENTS})")
+            padding.align = align
+            self._forms = forms
+        self.matched.append(f"counts({found['kind']})->cumsum offsets" + (f" padded to {align}" if align != 1 else ""))
+        return E, found["kind"]
+
+    def _check_destination(self, padding: Padding, num_experts: int) -> None:
+        from moe_compile.ops._common import static_row_bound
+
+        try:
+            form = self._forms(padding.dest)
+        except ia.NotLinear as exc:
+            raise NoMatch("padding_not_proven", f"padded destination is not understood: {exc}") from None
+        if form != ia.expected_destination(padding.align):
+            raise NoMatch("padding_not_proven", "padded destination rows differ from the per-expert "
+                          f"{padding.align}-aligned layout")
+        bound = static_row_bound(self.S, num_experts, padding.align)
+        if not same_int(bound, padding.num_rows):
+            from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+            if not statically_known_true(padding.num_rows >= bound):
+                raise NoMatch("padding_not_proven", f"padded buffer has {padding.num_rows} rows, fewer than the "
+                              f"worst case {bound}")
+
+
+def _alignment_of_offsets(form: ia.Form) -> int | None:
+    """``a`` if ``form`` is ``cumsum(ceil(counts / a) * a)`` (``cumsum(counts)`` for ``a == 1``)."""
+    if form == ia.expected_offsets(1):
+        return 1
+    if form.const or len(form.terms) != 1:
+        return None
+    (atom, coef), = form.terms
+    if atom[0] == "cumsum" and atom[1][0] == "ceil" and atom[1][2] == coef and form == ia.expected_offsets(coef):
+        return coef
+    return None
+
+
+def find_dispatch_anchors(graph: fx.Graph) -> list[fx.Node]:
+    """Sorts / argsorts of 1-D integer tensors whose permutation is used to index something."""
+    anchors = []
+    for node in graph.nodes:
+        if op_name(node) not in ("sort", "argsort") or node.op not in ("call_function", "call_method"):
+            continue
+        ids = node.args[0] if node.args else None
+        if not _is_int_tensor(ids, 1):
+            continue
+        anchors.append(node)
+    return anchors
+
+
+def looks_like_dispatch(sort: fx.Node) -> bool:
+    """The permutation (or ``perm // K``) indexes a floating tensor: worth a skip record if unmatched."""
+    perms = [sort] if op_name(sort) == "argsort" else [u for u in sort.users if op_name(u) == "getitem"
+                                                      and u.args[1] == 1]
+    for perm in perms:
+        for u in perm.users:
+            targets = [u] + (list(u.users) if _index_of_floordiv(u, perm) is not None else [])
+            for t in targets:
+                parts = _gather_parts(t)
+                if parts is not None and _is_float_tensor(parts[0]):
+                    return True
+    return False

@@ -1,0 +1,194 @@
+"""Rewrite sort-based MoE dispatch into ``moe.permute_pad`` + grouped GEMM + ``moe.unpad_unpermute``.
+
+Matches:
+    An ascending ``sort`` / ``argsort`` (stable or not) of flattened integer expert ids ``ids_S``, the
+    token gather ``x_TH[perm // K]`` (``getitem`` / ``index_select`` / ``gather``), optionally the
+    weight gather ``w_S[perm]``; counts on the device (``histc`` on float or int ids, ``bincount`` with
+    ``minlength``, ``one_hot(...).sum``, ``(ids == arange(E)).sum``) -> ``cumsum`` -> int32 ``offs``
+    of every grouped GEMM (``torch._grouped_mm``, ``transformers::grouped_mm_fallback``,
+    ``moe::grouped_mm``); optional device padding to ``a`` rows per expert with a static bound
+    (``zeros[M, H][dest] = x[perm // K]``, or a zero sentinel row gathered through
+    ``full(M, T)[dest] = perm // K``; ``Y[dest]`` back); a row-wise region between gathers and combine
+    (elementwise ops, GLU chunks, casts, per-row scales such as the routing weight after the MLP, in
+    fp32 or between the two GEMMs, reductions over non-row dims, dense projections); and the combine
+    ``y[inverse(perm)].view(T, K, H).sum(1)`` or ``zeros(T, H)`` accumulated at ``perm // K`` by
+    ``index_add_`` / ``scatter_add_`` / ``index_put_(accumulate=True)``. This is transformers'
+    ``grouped_mm`` experts implementation (Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE, ...).
+
+Rewrites to:
+    ``permute_pad(x_TH, ids_TK, w_TK, E, a)`` (rows, probs, offs); the gathered rows, gathered
+    weights and padded buffers become ``rows_MH`` / ``probs_M``, every grouped GEMM of the region takes
+    ``offs_E``; the combine becomes ``unpad_unpermute(y, row_map)``. The region itself, the router,
+    shared experts and the aux loss are left as they are. The original sort, gathers, inverse
+    permutation and scatter-adds are erased. Forward and backward are then sync-free gathers with
+    deterministic autograd (no ``index_put(accumulate=True)`` / atomic adds from ``x[perm // K]``).
+
+Fires when:
+    every step above is proven (see ``_dispatch_match``): in particular the region is row-wise, so
+    the row order inside an expert (HF's unstable sort vs our stable one) and the padded layout do not
+    change any combined value.
+
+Skips when (reason tags, reported through ``explain``):
+    ``descending_sort``, ``expert_ids_mutated`` (in-place writes to the ids, e.g. expert-parallel
+    sentinels), ``token_gather_not_matched``, ``weights_before_gather`` (rows weighted before the
+    gather), ``multiple_gather_sources``, ``token_index_mismatch``, ``offsets_not_matched``,
+    ``no_grouped_gemm``, ``padding_not_proven``, ``unsupported_alignment``, ``region_not_rowwise``
+    (an op between gather and combine mixes rows), ``rows_escape_region`` (permuted rows are a graph
+    output), ``combine_not_matched``, ``ops_unavailable``.
+
+Stage:
+    pre-grad (Dynamo's Torch IR). AOTAutograd then traces our ops' registered autograd, so one
+    rewrite fixes forward and backward, for inference and training graphs and ``dynamic=True``
+    alike; the joint graph would need the backward's ``index_put(accumulate=True)`` nodes matched too.
+
+Seen in:
+    transformers 5.x ``integrations/moe.py::grouped_mm_experts_forward`` (default experts
+    implementation of ``*ForCausalLM`` models); hand-written sort + index_select + scatter_add_ layers
+    and FP8-style device-padded layers (``tests/models/handwritten.py``).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from moe_compile.passes import PassContext
+from moe_compile.passes._dispatch_match import (
+    Dispatch,
+    Matcher,
+    NoMatch,
+    find_dispatch_anchors,
+    looks_like_dispatch,
+)
+from moe_compile.passes._graph import arg, erase_dead, graph_call, op_name, same_int, tensor_val, topo_index
+
+
+def run(graph: fx.Graph, ctx: PassContext) -> None:
+    """Find and rewrite every provable dispatch region of ``graph``."""
+    for sort in find_dispatch_anchors(graph):
+        if sort.graph is not graph or getattr(sort, "_erased", False):
+            continue
+        matcher = Matcher(graph, sort, topo_index(graph))
+        try:
+            dispatch = matcher.match()
+        except NoMatch as exc:
+            if looks_like_dispatch(sort):
+                ctx.skip(matcher.layer, exc.reason, exc.detail)
+            continue
+        if not _ops_available():
+            ctx.skip(dispatch.layer, "ops_unavailable", "torch.ops.moe.permute_pad / unpad_unpermute not registered")
+            continue
+        replaced_by = rewrite(graph, dispatch)
+        ctx.rewrite(dispatch.layer, " + ".join(dispatch.matched), replaced_by)
+
+
+def _ops_available() -> bool:
+    try:
+        import moe_compile.ops  # noqa: F401 - registers torch.ops.moe.*
+
+        return hasattr(torch.ops.moe, "permute_pad") and hasattr(torch.ops.moe, "unpad_unpermute")
+    except Exception:  # noqa: BLE001 - a broken ops module must not break compilation
+        return False
+
+
+def _call(graph: fx.Graph, meta_from: fx.Node, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+    return graph_call(graph, target, *args, meta_from=meta_from, **kwargs)
+
+
+def rewrite(graph: fx.Graph, d: Dispatch) -> str:
+    """Apply the rewrite for a proven :class:`Dispatch`; returns a description of what replaced it."""
+    order = topo_index(graph)
+    inputs = [n for n in (d.x_TH, d.ids_TK or d.ids_flat, d.probs_TK or d.probs_flat, d.top_k)
+              if isinstance(n, fx.Node)]
+    anchor = max(inputs, key=order.__getitem__)
+    meta = d.sort
+
+    with graph.inserting_before(anchor.next):
+        ids_TK = d.ids_TK
+        if ids_TK is None:
+            ids_TK = _call(graph, meta, torch.reshape, d.ids_flat, (-1, d.top_k))
+        probs_TK = d.probs_TK
+        if probs_TK is None and d.probs_flat is not None:
+            probs_TK = _call(graph, meta, torch.reshape, d.probs_flat, (-1, d.top_k))
+        use_probs = probs_TK is not None and bool(d.weight_gathers or (d.padding and d.padding.prob_seeds))
+        pp = _call(graph, meta, torch.ops.moe.permute_pad.default, d.x_TH, ids_TK,
+                   probs_TK if use_probs else None, d.num_experts, d.align)
+        rows = _call(graph, meta, operator.getitem, pp, 0)
+        probs_M = _call(graph, meta, operator.getitem, pp, 1) if use_probs else None
+        offs = _call(graph, meta, operator.getitem, pp, 2)
+        row_map = _call(graph, meta, operator.getitem, pp, 3)
+
+    dead: list[fx.Node] = []
+    padding = d.padding
+    if padding is not None:
+        for w in padding.writes:  # the padded buffers are rebuilt by permute_pad
+            dead.append(w)
+        rows_in_user_buffer = rows
+        if not same_int(tensor_val(rows).shape[0], padding.num_rows):
+            with graph.inserting_after(row_map):
+                extra = padding.num_rows - tensor_val(rows).shape[0]
+                rows_in_user_buffer = _call(graph, meta, torch.nn.functional.pad, rows, (0, 0, 0, extra))
+                if probs_M is not None:
+                    probs_M = _call(graph, meta, torch.nn.functional.pad, probs_M, (0, extra))
+        for seed in padding.seeds:
+            _replace(seed, rows_in_user_buffer, dead)
+        for seed in padding.prob_seeds:
+            _replace(seed, probs_M, dead)
+        for unpad in padding.unpads:
+            _replace(unpad, unpad.args[0], dead)
+        if not same_int(padding.num_rows, tensor_val(d.perm).shape[0]):
+            _fix_row_counts(d)
+    for g in d.token_gathers:
+        _replace(g, rows, dead)
+    for g in d.weight_gathers:
+        if probs_M is None:
+            raise AssertionError("weight gather without probs")
+        _replace(g, probs_M, dead)
+    for mm in d.grouped_mms:
+        old = arg(mm, 2, "offs")
+        if len(mm.args) > 2:
+            mm.update_arg(2, offs)
+        else:
+            mm.update_kwarg("offs", offs)
+        dead.append(old)
+
+    c = d.combine
+    with graph.inserting_before(c.result):
+        combined = _call(graph, c.result, torch.ops.moe.unpad_unpermute.default, c.source, row_map, None)
+    c.result.replace_all_uses_with(combined)
+    if c.inplace_buffer is not None:
+        after = {n for n in c.inplace_buffer.users if n is not c.result}
+        order = topo_index(graph)
+        for user in after:
+            if order[user] > order[c.result]:
+                user.replace_input_with(c.inplace_buffer, combined)
+        dead.append(c.inplace_buffer)
+    dead.extend(c.nodes)
+    dead.append(d.sort)
+    erase_dead(graph, dead)
+
+    parts = [f"moe.permute_pad(E={d.num_experts}, align={d.align}{', probs' if probs_M is not None else ''})",
+             f"{len(d.grouped_mms)}x grouped_mm(offs_E)", "moe.unpad_unpermute"]
+    return " + ".join(parts)
+
+
+def _replace(old: fx.Node, new: fx.Node, dead: list[fx.Node]) -> None:
+    dead_set = set(dead)
+    old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in dead_set)
+    dead.append(old)
+
+
+def _fix_row_counts(d: Dispatch) -> None:
+    """Views in sorted-row space that name the row count get ``-1`` (rows are now the padded rows)."""
+    for node, space in d.region.items():
+        if space != "S" or op_name(node) not in ("view", "reshape"):
+            continue
+        shape = list(node.args[1:])
+        if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
+            shape = list(shape[0])
+            node.args = (node.args[0], tuple([-1, *shape[1:]]))
+        else:
+            node.args = (node.args[0], -1, *shape[1:])
