@@ -52,6 +52,10 @@ class PassEntry:
 
 # Run order within each stage is the order of this tuple.
 PASSES: tuple[PassEntry, ...] = (
+    PassEntry("fuse_expert_loop", "pre_grad", "moe_compile.passes.fuse_expert_loop:run", default=True,
+              doc="Python loop over split chunks through per-expert MLPs -> one grouped GEMM per layer"),
+    PassEntry("strip_host_padding", "pre_grad", "moe_compile.passes.strip_host_padding:run", default=True,
+              doc="host-sized split/pad/unpad (tolist counts) -> moe.permute_pad + offs_E + moe.unpad_unpermute"),
     PassEntry("fuse_dispatch", "pre_grad", "moe_compile.passes.fuse_dispatch:run", default=True,
               doc="sort-based MoE dispatch -> moe.permute_pad + grouped GEMM + moe.unpad_unpermute"),
 )

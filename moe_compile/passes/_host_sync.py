@@ -1,0 +1,437 @@
+"""FX helpers for the host-sync passes (``strip_host_padding``, ``fuse_expert_loop``), on Dynamo's Torch IR.
+
+* Arguments: :func:`kwarg` reads an argument by name whether it was passed by position or keyword
+  (``self`` counts as position 0; op names from ``_graph.op_name``).
+* Host reads: :func:`host_reads` finds ``C[i].item()`` (what ``C.tolist()`` becomes) and maps each unbacked
+  symbol to the device tensor element it came from.
+* Symbolic values: :func:`int_vector` evaluates small int tensors (counts, offsets) as lists of sympy
+  expressions in per-element leaf symbols, so that "the host offsets equal cumsum(ceil(counts/a)*a)" or
+  "this pad length is 0" are checked by evaluating both sides on sample values (:func:`same_on_samples`).
+* Clean-up: :func:`erase_dead_host_reads` erases host reads whose values no longer reach a tensor op,
+  together with their ``_assert_scalar`` checks (side-effecting, so plain DCE keeps them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import operator
+import random
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from moe_compile.passes._graph import op_name, val
+
+# ---------------------------------------------------------------------------------------------------
+# op names and arguments
+# ---------------------------------------------------------------------------------------------------
+
+ASSERT_TARGETS = {
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+    torch._check,
+    torch._check_is_size,
+}
+
+
+_PARAMS: dict[str, tuple[str, ...]] = {
+    "split": ("self", "split_size_or_sections", "dim"),
+    "split_with_sizes": ("self", "split_sizes", "dim"),
+    "chunk": ("self", "chunks", "dim"),
+    "cat": ("tensors", "dim"),
+    "pad": ("input", "pad", "mode", "value"),
+    "narrow": ("self", "dim", "start", "length"),
+    "index_select": ("self", "dim", "index"),
+    "masked_select": ("self", "mask"),
+    "index_add_": ("self", "dim", "index", "source", "alpha"),
+    "index_add": ("self", "dim", "index", "source", "alpha"),
+    "scatter_add_": ("self", "dim", "index", "src"),
+    "scatter_add": ("self", "dim", "index", "src"),
+    "scatter": ("self", "dim", "index", "src", "value"),
+    "scatter_": ("self", "dim", "index", "src", "value"),
+    "argsort": ("self", "dim", "descending", "stable"),
+    "sort": ("self", "dim", "descending", "stable"),
+    "cumsum": ("self", "dim", "dtype"),
+    "_grouped_mm": ("self", "mat2", "offs", "bias", "out_dtype"),
+    "grouped_mm": ("self", "mat2", "offs", "bias", "out_dtype"),
+    "moe.grouped_mm": ("self", "mat2", "offs"),
+    "one_hot": ("self", "num_classes"),
+    "sum": ("self", "dim", "keepdim", "dtype"),
+    "transpose": ("self", "dim0", "dim1"),
+    "expand": ("self",),
+    "unsqueeze": ("self", "dim"),
+    "new_zeros": ("self", "size"),
+    "linear": ("input", "weight", "bias"),
+    "gather": ("self", "dim", "index"),
+    "diff": ("self", "n", "dim", "prepend", "append"),
+    "histc": ("self", "bins", "min", "max"),
+}
+
+
+def kwarg(node: fx.Node, name: str, default: Any = None) -> Any:
+    """Keyword-or-positional argument ``name`` of ``node`` (positions from :data:`_PARAMS`)."""
+    params = _PARAMS.get(op_name(node) or "", ())
+    if name in params and params.index(name) < len(node.args):
+        return node.args[params.index(name)]
+    return node.kwargs.get(name, default)
+
+
+def is_call(node: Any, *names: str) -> bool:
+    return isinstance(node, fx.Node) and op_name(node) in names
+
+
+example_value = val
+
+
+def tensor_value(node: Any) -> torch.Tensor | None:
+    value = example_value(node)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def has_unbacked_shape(node: Any) -> bool:
+    value = example_value(node)
+    if isinstance(value, (list, tuple)):
+        return any(has_unbacked_shape(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return bool(free_unbacked_symbols(value.shape))
+    return False
+
+
+def dim_index(dim: Any, ndim: int) -> int | None:
+    return dim % ndim if isinstance(dim, int) and ndim > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# host reads and symbolic integers
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRead:
+    """``tensor[index].item()`` (``index`` None for a 0-d ``tensor.item()``), producing ``symbol``."""
+
+    item: fx.Node
+    tensor: fx.Node
+    index: int | None
+    symbol: sympy.Symbol
+
+
+def host_reads(graph: fx.Graph) -> dict[sympy.Symbol, HostRead]:
+    reads: dict[sympy.Symbol, HostRead] = {}
+    for node in graph.nodes:
+        if op_name(node) not in ("item", "aten._local_scalar_dense"):
+            continue
+        value = example_value(node)
+        if not isinstance(value, torch.SymInt) or not isinstance(value.node.expr, sympy.Symbol):
+            continue
+        source = node.args[0]
+        tensor, index = source, None
+        if is_call(source, "getitem") and isinstance(source.args[1], int):
+            tensor, index = source.args[0], source.args[1]
+        reads[value.node.expr] = HostRead(node, tensor, index, value.node.expr)
+    return reads
+
+
+def sym_expr(value: Any) -> sympy.Expr | None:
+    """The sympy expression of an int, a SymInt, or a node whose example value is one."""
+    value = example_value(value)
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return sympy.Integer(value)
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    return None
+
+
+def same_on_samples(
+    pairs: Sequence[tuple[sympy.Expr, sympy.Expr]],
+    symbols: Iterable[sympy.Symbol],
+    num_samples: int = 24,
+    high: int = 600,
+) -> bool:
+    """True if every ``lhs == rhs`` holds on edge-case and random non-negative values of ``symbols``.
+
+    The expressions are piecewise-linear in counts (floor division by an alignment <= 256), so values
+    around 0, 1 and a few periods plus random draws exercise every branch that matters.
+    """
+    symbols = sorted(set(symbols), key=str)
+    rng = random.Random(0)
+    edge = (0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 127, 128, 129, 255, 256, 257)
+    samples = [dict.fromkeys(symbols, v) for v in edge]
+    samples += [{s: rng.randrange(high) for s in symbols} for _ in range(num_samples)]
+    for sample in samples:
+        subs = {s: sympy.Integer(v) for s, v in sample.items()}
+        for lhs, rhs in pairs:
+            a, b = sympy.sympify(lhs).xreplace(subs), sympy.sympify(rhs).xreplace(subs)
+            if not (a.is_number and b.is_number) or a != b:
+                return False
+    return True
+
+
+def ceil_align(n: sympy.Expr, align: int) -> sympy.Expr:
+    from torch.utils._sympy.functions import FloorDiv
+
+    return align * FloorDiv(n + (align - 1), align)
+
+
+def leaf_vector(node: fx.Node, length: int) -> list[sympy.Expr]:
+    return [sympy.Symbol(f"{node.name}__{i}", integer=True, nonnegative=True) for i in range(length)]
+
+
+def int_vector(
+    node: Any, reads: dict[sympy.Symbol, HostRead], leaves: Callable[[fx.Node], list[sympy.Expr] | None] | None = None
+) -> list[sympy.Expr] | None:
+    """Evaluate a small 1-D int tensor as sympy expressions, or None if it is not understood.
+
+    Understood: ``torch.tensor(list of SymInts/ints)``, ``cumsum(0)``, dtype/device casts, elementwise
+    ``+ - * //`` with ints, ``diff`` (with ``prepend``), ``cat`` and ``leaves(node)`` for tensors the caller
+    knows (e.g. counts). Any other 1-D tensor becomes a vector of leaf symbols.
+    Host reads of a tensor are replaced by the symbols of that tensor's elements.
+    """
+    return IntVectorEval(reads, leaves).eval(node)
+
+
+class IntVectorEval:
+    def __init__(self, reads: dict[sympy.Symbol, HostRead], leaves: Callable | None) -> None:
+        self.reads = reads
+        self.leaves = leaves
+        self.cache: dict[fx.Node, list[sympy.Expr] | None] = {}
+
+    def scalar(self, value: Any) -> sympy.Expr | None:
+        expr = sym_expr(value)
+        if expr is None:
+            return None
+        subs = {}
+        for sym in expr.free_symbols:
+            read = self.reads.get(sym)
+            if read is None or read.index is None:
+                return None
+            vec = self.eval(read.tensor)
+            if vec is None or read.index >= len(vec):
+                return None
+            subs[sym] = vec[read.index]
+        return expr.xreplace(subs)
+
+    def eval(self, node: Any) -> list[sympy.Expr] | None:
+        if not isinstance(node, fx.Node):
+            return None
+        if node not in self.cache:
+            self.cache[node] = None  # cycles are impossible in a DAG, but keep recursion bounded
+            self.cache[node] = self._eval(node)
+        return self.cache[node]
+
+    def _eval(self, node: fx.Node) -> list[sympy.Expr] | None:
+        if self.leaves is not None:
+            known = self.leaves(node)
+            if known is not None:
+                return known
+        value = tensor_value(node)
+        name = op_name(node)
+        if name == "tensor":
+            items = node.args[0]
+            if not isinstance(items, (list, tuple)):
+                return None
+            out = [self.scalar(x) for x in items]
+            return None if any(x is None for x in out) else out
+        if value is None or value.dim() != 1 or not isinstance(value.shape[0], int):
+            return None
+        if value.dtype.is_floating_point or value.dtype == torch.bool:
+            return None
+        if name in ("to", "int", "long", "type", "contiguous", "clone", "detach", "cuda", "cpu"):
+            return self.eval(node.args[0])
+        if name == "cumsum":
+            base = self.eval(node.args[0])
+            dim = kwarg(node, "dim")
+            if base is None or dim not in (0, -1):
+                return None
+            return [sympy.Add(*base[: i + 1]) for i in range(len(base))]
+        if name in ("add", "sub", "mul", "floordiv", "__add__", "__sub__", "__mul__", "__floordiv__"):
+            a, b = node.args[0], node.args[1]
+            va = self.eval(a) if isinstance(a, fx.Node) and tensor_value(a) is not None else None
+            vb = self.eval(b) if isinstance(b, fx.Node) and tensor_value(b) is not None else None
+            if va is None and (tensor_value(a) is not None):
+                return None
+            if vb is None and (tensor_value(b) is not None):
+                return None
+            n = len(va if va is not None else vb)
+            xa = va if va is not None else [sympy.Integer(a)] * n if isinstance(a, int) else None
+            xb = vb if vb is not None else [sympy.Integer(b)] * n if isinstance(b, int) else None
+            if xa is None or xb is None or len(xa) != len(xb):
+                return None
+            from torch.utils._sympy.functions import FloorDiv
+
+            fn = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "floordiv": FloorDiv}
+            return [fn[name.strip("_")](p, q) for p, q in zip(xa, xb)]
+        if name == "diff":
+            base = self.eval(node.args[0])
+            prepend = kwarg(node, "prepend")
+            if base is None or kwarg(node, "n", 1) != 1 or kwarg(node, "append") is not None:
+                return None
+            if prepend is not None:
+                pre = self.eval(prepend)
+                if pre is None:
+                    return None
+                base = pre + base
+            return [base[i + 1] - base[i] for i in range(len(base) - 1)]
+        if name in ("cat", "concat", "concatenate"):
+            parts = [self.eval(p) for p in node.args[0]]
+            return None if any(p is None for p in parts) else [x for p in parts for x in p]
+        if name in ("new_zeros", "zeros_like", "new_full", "zeros"):
+            if name in ("new_zeros", "zeros", "zeros_like"):
+                return [sympy.Integer(0)] * value.shape[0]
+        return leaf_vector(node, value.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# clean-up
+# ---------------------------------------------------------------------------------------------------
+
+
+def _is_scalar_node(node: fx.Node) -> bool:
+    if node.op != "call_function" and node.op != "call_method":
+        return False
+    if node.target in ASSERT_TARGETS:
+        return True
+    value = example_value(node)
+    return isinstance(value, (torch.SymInt, torch.SymBool, torch.SymFloat, int, bool, float)) and not isinstance(
+        value, torch.Tensor
+    )
+
+
+def _is_pure(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        name = str(node.target)
+        return not (name.endswith("_") and not name.endswith("__"))
+    if node.op == "call_function":
+        if node.target in ASSERT_TARGETS:
+            return False
+        return not node.is_impure()
+    return False
+
+
+def erase_if_dead(nodes: Iterable[fx.Node]) -> int:
+    """Erase pure nodes without users among ``nodes``, then their inputs, transitively. Returns the count."""
+    work = list(nodes)
+    erased = 0
+    seen: set[fx.Node] = set()
+    while work:
+        node = work.pop()
+        if node in seen or node.graph is None or node.users or not _is_pure(node):
+            continue
+        if node.op == "placeholder" or node.op == "output":
+            continue
+        seen.add(node)
+        inputs = list(node.all_input_nodes)
+        node.graph.erase_node(node)
+        erased += 1
+        work.extend(inputs)
+    return erased
+
+
+def erase_dead_host_reads(graph: fx.Graph) -> list[fx.Node]:
+    """Erase host reads (``item``, ``sym_size`` of unbacked tensors) whose values reach no tensor op.
+
+    An ``_assert_scalar`` (or ``torch._check``) is kept only if every host read it depends on stays;
+    it does not keep a read alive by itself. Returns the ``item`` nodes that remain.
+    """
+    scalar = [n for n in graph.nodes if _is_scalar_node(n)]
+    scalar_set = set(scalar)
+    live: set[fx.Node] = set()
+
+    def mark(node: fx.Node) -> None:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n not in live and n in scalar_set:
+                live.add(n)
+                stack.extend(n.all_input_nodes)
+
+    def roots(node: fx.Node) -> set[fx.Node]:
+        out: set[fx.Node] = set()
+        stack, seen = [node], set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            parents = [a for a in n.all_input_nodes if a in scalar_set]
+            if not parents and n is not node:
+                out.add(n)
+            stack.extend(parents)
+        return out
+
+    for node in scalar:
+        if node.target not in ASSERT_TARGETS and any(u not in scalar_set for u in node.users):
+            mark(node)
+    for node in scalar:
+        if node.target in ASSERT_TARGETS and roots(node) <= live:
+            live.add(node)
+            for inp in node.all_input_nodes:
+                mark(inp)
+    inputs: list[fx.Node] = []
+    for node in reversed(scalar):
+        if node in live or node.users:
+            continue
+        inputs.extend(i for i in node.all_input_nodes if i not in scalar_set)
+        graph.erase_node(node)
+    erase_if_dead(inputs)
+    return [n for n in graph.nodes if op_name(n) in ("item", "aten._local_scalar_dense")]
+
+
+def replace_uses_after(old: fx.Node, new: fx.Node, after: fx.Node) -> None:
+    """Point the uses of ``old`` that come after ``after`` in graph order at ``new``."""
+    order = {n: i for i, n in enumerate(old.graph.nodes)}
+    for user in list(old.users):
+        if order[user] > order[after] and user is not new:
+            user.replace_input_with(old, new)
+
+
+def fake_mode_of(values: Iterable[Any]) -> Any:
+    """The fake mode of the first fake tensor in ``values`` (not the tracing context's: in the pre-grad
+    stage Inductor's context holds a different mode than Dynamo's example values)."""
+    for v in torch.utils._pytree.tree_leaves(list(values)):
+        mode = getattr(v, "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+def fake_value(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], method: bool = False) -> Any:
+    """Run ``target`` (a callable, or a method name when ``method``) on the example values of its inputs."""
+    args_v, kwargs_v = fx.node.map_arg((args, kwargs), val)
+    mode = fake_mode_of([args_v, kwargs_v])
+    with mode if mode is not None else contextlib.nullcontext():
+        if method:
+            return getattr(args_v[0], target)(*args_v[1:], **kwargs_v)
+        return target(*args_v, **kwargs_v)
+
+
+def call(graph: fx.Graph, target: Any, *args: Any, meta_from: fx.Node | None = None, **kwargs: Any) -> fx.Node:
+    """Insert ``call_function(target)`` at the insertion point with its ``example_value`` (Dynamo IR)."""
+    node = graph.call_function(target, tuple(args), dict(kwargs))
+    node.meta["example_value"] = fake_value(target, tuple(args), dict(kwargs))
+    if meta_from is not None:
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
+            if key in meta_from.meta:
+                node.meta[key] = meta_from.meta[key]
+    return node
+
+
+def refresh_example_values(nodes: Iterable[fx.Node]) -> None:
+    """Recompute ``meta["example_value"]`` of ``nodes`` (given in graph order) from their inputs."""
+    for node in nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        try:
+            value = fake_value(node.target, node.args, node.kwargs, method=node.op == "call_method")
+        except Exception:  # noqa: BLE001 - stale metadata is tolerable; AOTAutograd re-traces anyway
+            continue
+        node.meta["example_value"] = value
+        node.meta.pop("val", None)

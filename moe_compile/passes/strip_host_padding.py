@@ -1,0 +1,849 @@
+"""Strip host-sized expert padding: make a host-padded MoE dispatch static-shape and CUDA-graph safe.
+
+Shape suffixes: ``T`` tokens, ``H`` hidden, ``E`` experts, ``K`` top-k, ``N = T*K`` routed rows, ``P``
+host-sized padded rows, ``M = static_row_bound(N, E, a)`` (static).
+
+Matches (Dynamo Torch IR, one region per combine)::
+
+    permute   x_NH = x_TH[argsort(idx_TK.flatten()) // K]                         (or index_select)
+              | x_NH = x_TH.index_select(0, arange(T).expand(E, T).masked_select(map_ET))
+    counts    s_0..s_{E-1} = C.tolist()  (getitem + item per element), C a histogram of idx_TK
+              (one_hot(...).sum(0), (idx == arange(E)).sum(0), routing_map.sum(0), histc)
+    pad       x_PH = cat([F.pad(c_e, (0, 0, 0, q_e)) | cat([c_e, zeros(q_e, H)]) for c_e in split(x_NH, s)])
+              with q_e == ceil(s_e / a) * a - s_e                                     (optional)
+    experts   row-wise ops and grouped GEMMs whose ``offs`` equal cumsum of the padded sizes
+              (torch.tensor(host list) [.cumsum(0)] .to(int32), or cumsum of C on the device)
+    unpad     y_NH = cat([narrow(y_e, 0, 0, s_e) | y_e[:s_e] for y_e in split(y_PH, padded sizes)])  (optional)
+    combine   zeros(T, H).index_add_(0, token_N, (y_NH * probs_N[:, None]).to(dtype))
+              | zeros(T, H).scatter_add_(0, token_N[:, None].expand(-1, H), ...)
+              with probs_N = probs_TK.flatten()[order] | probs_TE.T.masked_select(map_ET)  (optional)
+
+Rewrites to::
+
+    rows_MH, _, offs_E, row_map, _ = moe.permute_pad(x_TH, idx_TK, None, E, a)
+    y_MH = experts(rows_MH) with offs=offs_E
+    y_TH = moe.unpad_unpermute(y_MH, row_map, probs_TK) [.to(dtype)]
+
+then erases the host reads (``item``) that no longer feed a tensor op, with their ``_assert_scalar``
+checks (side-effecting: DCE would keep them). A model that pads on the host right after
+``moe.permute_pad`` (sizes from the op's ``offs_E`` or from ``ceil_div(counts, a) * a``) has its pad,
+narrow and host offsets removed: the rows are already aligned and are not padded twice.
+
+Fires when: every step above is proven. The permutation is proven from the graph (ascending argsort of
+the same ids whose histogram gives the split sizes, or ``masked_select`` over a routing map scattered
+from top-k ids), the pad lengths, padded sizes and offsets are proven by evaluating their symbolic
+expressions on sample counts (:func:`moe_compile.passes._host_sync.same_on_samples`), and every op between
+pad and unpad is row-wise, so the row order inside an expert and the static buffer change no output.
+
+Skips when (reason tags):
+    ``combine_buffer_reused`` (the zeros buffer is read before the combine), ``combine_index_not_matched``,
+    ``permute_not_matched`` (no argsort / masked_select permute behind the combine index),
+    ``routing_map_not_topk`` (a routing map not scattered from top-k ids), ``counts_not_histogram``
+    (split sizes not proven to be the per-expert counts of the permuted ids), ``pad_not_matched``,
+    ``alignment_unsupported``, ``unpad_not_matched``, ``offsets_not_matched``, ``probs_not_matched``
+    (the combine weight is not the routing prob permuted alongside), ``region_not_rowwise`` (an op
+    between pad and unpad mixes rows), ``host_size_in_expert_region``, ``expert_region_escapes`` (a
+    padded tensor is used outside the region), ``ops_unavailable``, ``host_read_kept`` (recorded after
+    the rewrites when host reads still feed tensor ops, e.g. a logging ``.item()``: the graph stays
+    CUDA-graph unsafe), ``already_aligned`` (the host pad is a no-op on rows that are already aligned:
+    it is removed, nothing is padded again).
+
+Stage: pre-grad. Only Dynamo's Torch IR still shows ``tolist`` / ``split`` / ``F.pad`` as such; after the
+rewrite AOTAutograd traces the ops' registered autograd, so forward and backward are both static.
+Needs the region to be captured: ``fullgraph=True`` or ``moe_compile.compile`` (capture flags).
+
+Seen in: torchao / legacy torchtitan ``_permute`` + host-padded grouped GEMM, TransformerEngine
+``Fp8Padding`` / ``Fp8Unpadding`` with host ``m_splits``, Megatron-LM's unfused ``permute`` /
+``unpermute`` (``masked_select`` + ``scatter_add_``) with ``tokens_per_expert.tolist()``
+(``tests/models/host_padded.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+
+from moe_compile.ops._common import SUPPORTED_ALIGNMENTS
+from moe_compile.passes import PassContext
+from moe_compile.passes._graph import erase_dead, layer_name, op_name, topo_index
+from moe_compile.passes._host_sync import (
+    HostRead,
+    call,
+    refresh_example_values,
+    IntVectorEval,
+    ceil_align,
+    erase_dead_host_reads,
+    has_unbacked_shape,
+    host_reads,
+    int_vector,
+    is_call,
+    kwarg,
+    leaf_vector,
+    replace_uses_after,
+    same_on_samples,
+    sym_expr,
+    tensor_value,
+)
+
+
+class _Skip(Exception):
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(reason)
+        self.reason, self.detail = reason, detail
+
+
+CASTS = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous"}
+FLAT_VIEWS = {"reshape", "view", "flatten", "ravel", "contiguous"}
+GROUPED_MM = {"_grouped_mm", "grouped_mm", "moe.grouped_mm"}
+UNARY_ROWWISE = {
+    "silu", "gelu", "relu", "sigmoid", "tanh", "neg", "exp", "square", "abs", "softplus", "mish", "elu",
+    "leaky_relu", "hardswish", "sqrt", "rsqrt", "clone", "detach", "silu_", "relu_",
+} | CASTS
+BINARY_ROWWISE = {"mul", "add", "sub", "truediv", "div", "pow", "maximum", "minimum", "clamp"}
+LAST_DIM_SPLITS = {"chunk", "split", "unbind", "tensor_split", "narrow"}
+COMBINES = {"index_add_", "index_add", "scatter_add_", "scatter_add"}
+
+
+@dataclasses.dataclass
+class Permute:
+    x_TH: fx.Node
+    idx_TK: fx.Node
+    num_experts: int
+    x_NH: fx.Node
+    kind: str  # "argsort" | "masked_select"
+    order: fx.Node | None = None  # argsort result (for probs_N = probs.flatten()[order])
+    map_ET: fx.Node | None = None  # routing map (for probs_N = probs_ET.masked_select(map_ET))
+
+
+@dataclasses.dataclass
+class Region:
+    layer: str
+    sink: fx.Node
+    dest: fx.Node
+    permute: Permute
+    X: fx.Node  # first padded tensor (the pad cat), or x_NH without pad block
+    Y: fx.Node  # last padded tensor (input of the unpad split), or the unpadded expert output
+    middle: list[fx.Node]
+    offs_uses: list[fx.Node]  # grouped GEMMs whose offs are replaced
+    probs_TK: fx.Node | None
+    probs_TE_gather: fx.Node | None  # dense [T, E] probs to gather with idx_TK
+    align: int
+    pad_was_noop: bool
+    matched: list[str]
+    dead: list[fx.Node]
+
+
+# ---------------------------------------------------------------------------------------------------
+# small structural helpers
+# ---------------------------------------------------------------------------------------------------
+
+
+def _peel(node: Any, names: set[str]) -> Any:
+    while isinstance(node, fx.Node) and op_name(node) in names and node.args:
+        if op_name(node) == "to" and any(isinstance(a, fx.Node) for a in node.args[1:]):
+            break
+        node = node.args[0]
+    return node
+
+
+def _flat_base(node: Any) -> Any:
+    """``idx_TK`` for ``idx_TK.reshape(-1)`` / ``.view(-1)`` / ``.flatten()``; else the node."""
+    node = _peel(node, {"contiguous"})
+    if is_call(node, "reshape", "view", "flatten", "ravel"):
+        value, base = tensor_value(node), tensor_value(node.args[0])
+        if value is not None and base is not None and value.dim() == 1 and base.dim() == 2:
+            return node.args[0]
+    return node
+
+
+def _transposed_base(node: Any) -> Any:
+    """``m_TE`` for ``m_TE.T`` / ``.t()`` / ``.transpose(0, 1)`` / ``.permute(1, 0)`` [``.contiguous()``]."""
+    node = _peel(node, {"contiguous"})
+    if not isinstance(node, fx.Node):
+        return None
+    name = op_name(node)
+    if name == "getattr" and node.args[1] in ("T", "mT"):
+        return node.args[0]
+    if name == "t":
+        return node.args[0]
+    if name == "transpose" and set(node.args[1:3]) in ({0, 1}, {-1, -2}, {0, -1}, {1, -2}):
+        return node.args[0]
+    if name == "permute" and tuple(node.args[1:]) in ((1, 0), ((1, 0),)):
+        return node.args[0]
+    return None
+
+
+def _is_zeros(node: Any) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    name = op_name(node)
+    if name in ("zeros", "zeros_like", "new_zeros"):
+        return True
+    if name in ("full", "new_full", "full_like"):
+        fill = node.args[2] if name == "new_full" and len(node.args) > 2 else kwarg(node, "fill_value")
+        if name == "full" and len(node.args) > 1:
+            fill = node.args[1]
+        if name == "full_like" and len(node.args) > 1:
+            fill = node.args[1]
+        return fill == 0
+    return False
+
+
+def _topk_indices(node: Any) -> bool:
+    return is_call(node, "getitem") and node.args[1] == 1 and is_call(node.args[0], "topk")
+
+
+def _int_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+# ---------------------------------------------------------------------------------------------------
+# permute recognition
+# ---------------------------------------------------------------------------------------------------
+
+
+def _argsort_of(order: Any) -> fx.Node | None:
+    """The 1-D ids sorted by ``order`` (ascending ``argsort`` / ``sort(...)[1]``), or None."""
+    if is_call(order, "argsort"):
+        descending = _int_arg(order, 2, "descending", False)
+        dim = _int_arg(order, 1, "dim", -1)
+        return order.args[0] if descending is False and dim in (0, -1) else None
+    if is_call(order, "getitem") and order.args[1] == 1 and is_call(order.args[0], "sort"):
+        sort = order.args[0]
+        descending = _int_arg(sort, 2, "descending", False)
+        return sort.args[0] if descending is False and _int_arg(sort, 1, "dim", -1) in (0, -1) else None
+    return None
+
+
+def _floordiv_by(node: Any) -> tuple[fx.Node, int] | None:
+    if is_call(node, "floordiv", "__floordiv__") and isinstance(node.args[1], int):
+        return node.args[0], node.args[1]
+    if is_call(node, "div") and kwarg(node, "rounding_mode") == "floor" and isinstance(node.args[1], int):
+        return node.args[0], node.args[1]
+    return None
+
+
+def _routing_map_ids(map_TE: Any) -> fx.Node | None:
+    """``idx_TK`` for ``zeros(T, E, bool).scatter(1, idx_TK, True)`` (top-k ids, distinct per row)."""
+    map_TE = _peel(map_TE, {"bool", "to", "contiguous"})
+    if is_call(map_TE, "scatter", "scatter_") and _int_arg(map_TE, 1, "dim") in (1, -1):
+        src = map_TE.args[3] if len(map_TE.args) > 3 else map_TE.kwargs.get("value", map_TE.kwargs.get("src"))
+        if _is_zeros(map_TE.args[0]) and src in (True, 1):
+            return map_TE.args[2]
+    if is_call(map_TE, "sum") and is_call(map_TE.args[0], "one_hot") and _int_arg(map_TE, 1, "dim") in (1, -2):
+        return map_TE.args[0].args[0]
+    return None
+
+
+def _match_permute(token_N: fx.Node) -> Permute:
+    """Prove how ``token_N`` (source token of each permuted row) and the gathered rows were built."""
+    gathers = [
+        u for u in token_N.users
+        if (is_call(u, "getitem") and u.args[1] is token_N)
+        or (is_call(u, "index_select") and u.args[2] is token_N and _int_arg(u, 1, "dim") == 0)
+    ]
+    if len(gathers) != 1:
+        raise _Skip("permute_not_matched", f"{len(gathers)} row gathers by {token_N.name}")
+    x_NH = gathers[0]
+    x_TH = x_NH.args[0]
+    if tensor_value(x_TH) is None or tensor_value(x_TH).dim() != 2:
+        raise _Skip("permute_not_matched", "gathered tensor is not [T, H]")
+    split = _floordiv_by(token_N)
+    if split is not None:
+        order, K = split
+        ids = _argsort_of(order)
+        idx_TK = _flat_base(ids) if ids is not None else None
+        value = tensor_value(idx_TK)
+        if idx_TK is None or value is None or value.dim() != 2 or value.shape[1] != K:
+            raise _Skip("permute_not_matched", f"{token_N.name} is not argsort(ids.flatten()) // K")
+        return Permute(x_TH, idx_TK, -1, x_NH, "argsort", order=order)
+    if is_call(token_N, "masked_select"):
+        tokens, map_ET = token_N.args[0], token_N.args[1]
+        base = tokens
+        while is_call(base, "expand", "unsqueeze", "expand_as", "repeat", "contiguous"):
+            base = base.args[0]
+        T = tensor_value(x_TH).shape[0]
+        if not (is_call(base, "arange") and tuple(base.args) in ((T,), (0, T))):
+            raise _Skip("permute_not_matched", "masked_select source is not arange(T) expanded over experts")
+        map_TE = _transposed_base(map_ET)
+        idx_TK = _routing_map_ids(map_TE) if map_TE is not None else None
+        if idx_TK is None:
+            raise _Skip("routing_map_not_topk", "routing map not proven to hold exactly K distinct experts per token")
+        if not _topk_indices(idx_TK):
+            raise _Skip("routing_map_not_topk", f"{idx_TK.name} is not the indices of a topk")
+        E = tensor_value(map_ET).shape[0]
+        return Permute(x_TH, idx_TK, E, x_NH, "masked_select", map_ET=map_ET)
+    raise _Skip("permute_not_matched", f"{token_N.name} is neither argsort // K nor masked_select(arange)")
+
+
+def _histogram_ids(counts: Any) -> tuple[fx.Node, int] | None:
+    """``(idx_TK, E)`` when ``counts`` is the per-expert count of the ids in ``idx_TK``."""
+    counts = _peel(counts, {"to", "int", "long", "type", "contiguous"})
+    if not isinstance(counts, fx.Node):
+        return None
+    value = tensor_value(counts)
+    if value is None or value.dim() != 1 or not isinstance(value.shape[0], int):
+        return None
+    E = value.shape[0]
+    name = op_name(counts)
+    if name == "sum":
+        src, dim = counts.args[0], _int_arg(counts, 1, "dim")
+        if is_call(src, "one_hot"):
+            ids = src.args[0]
+            ids_dim = tensor_value(ids).dim()
+            ok = (ids_dim == 1 and dim in (0, (0,), [0])) or (ids_dim == 2 and dim in ((0, 1), [0, 1]))
+            return (_flat_base(ids), E) if ok else None
+        if is_call(src, "eq", "__eq__"):
+            a, b = src.args[0], src.args[1]
+            for ids_col, rng in ((a, b), (b, a)):
+                if is_call(ids_col, "unsqueeze") and is_call(rng, "arange") and dim in (0, (0,), [0]):
+                    if ids_col.args[1] in (1, -1) and tuple(rng.args) in ((E,), (0, E)):
+                        return _flat_base(ids_col.args[0]), E
+            return None
+        if dim in (0, (0,), [0]):
+            ids = _routing_map_ids(src)
+            return (ids, E) if ids is not None else None
+    if name == "histc":
+        ids = _peel(counts.args[0], {"float", "to", "double"})
+        bins, lo, hi = (_int_arg(counts, 1, "bins", 100), _int_arg(counts, 2, "min", 0), _int_arg(counts, 3, "max", 0))
+        if bins == E and lo == 0 and hi in (E - 1, E):
+            return _flat_base(ids), E
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# region matching
+# ---------------------------------------------------------------------------------------------------
+
+
+def _combine_parts(sink: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """``(dest, token_N, src)`` of an ``index_add_`` / ``scatter_add_`` along dim 0."""
+    name = op_name(sink)
+    dest, dim, index = sink.args[0], kwarg(sink, "dim"), kwarg(sink, "index")
+    src = kwarg(sink, "source") if name.startswith("index_add") else kwarg(sink, "src")
+    if dim != 0 or not isinstance(index, fx.Node) or not isinstance(src, fx.Node):
+        raise _Skip("combine_index_not_matched", f"{sink.name}: not a row combine along dim 0")
+    if name.startswith("index_add"):
+        if kwarg(sink, "alpha", 1) != 1:
+            raise _Skip("combine_index_not_matched", f"{sink.name}: alpha != 1")
+        return dest, index, src
+    token = index
+    if is_call(token, "expand", "expand_as"):
+        token = token.args[0]
+    if is_call(token, "unsqueeze") and token.args[1] in (1, -1):
+        return dest, token.args[0], src
+    if is_call(token, "view", "reshape") and tuple(token.args[1:]) in ((-1, 1), ((-1, 1),)):
+        return dest, token.args[0], src
+    raise _Skip("combine_index_not_matched", f"{sink.name}: scatter index is not token_N[:, None].expand(-1, H)")
+
+
+def _probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx.Node | None]:
+    """``(probs_TK, None)`` or ``(None, probs_TE)`` for the permuted combine weight ``probs_col`` ([N, 1])."""
+    node = _peel(probs_col, CASTS)
+    if is_call(node, "unsqueeze") and node.args[1] in (1, -1):
+        node = node.args[0]
+    elif is_call(node, "view", "reshape") and tuple(node.args[1:]) in ((-1, 1), ((-1, 1),)):
+        node = node.args[0]
+    elif is_call(node, "getitem") and isinstance(node.args[1], tuple) and len(node.args[1]) == 2 \
+            and node.args[1][1] is None and node.args[1][0] == slice(None):
+        node = node.args[0]
+    else:
+        raise _Skip("probs_not_matched", f"{probs_col.name} is not a column of permuted probs")
+    node = _peel(node, CASTS)
+    if perm.kind == "argsort" and is_call(node, "getitem") and node.args[1] is perm.order:
+        probs_TK = _flat_base(node.args[0])
+        value, ids = tensor_value(probs_TK), tensor_value(perm.idx_TK)
+        if value is not None and value.dim() == 2 and tuple(value.shape) == tuple(ids.shape):
+            return probs_TK, None
+    if perm.kind == "masked_select" and is_call(node, "masked_select") and node.args[1] is perm.map_ET:
+        probs_TE = _transposed_base(node.args[0])
+        if probs_TE is not None:
+            if is_call(probs_TE, "scatter", "scatter_") and _is_zeros(probs_TE.args[0]) \
+                    and probs_TE.args[2] is perm.idx_TK and _int_arg(probs_TE, 1, "dim") in (1, -1):
+                src = probs_TE.args[3] if len(probs_TE.args) > 3 else probs_TE.kwargs.get("src")
+                if isinstance(src, fx.Node) and tensor_value(src) is not None \
+                        and tuple(tensor_value(src).shape) == tuple(tensor_value(perm.idx_TK).shape):
+                    return src, None
+            value = tensor_value(probs_TE)
+            if value is not None and value.dim() == 2 and value.dtype.is_floating_point:
+                return None, probs_TE
+    raise _Skip("probs_not_matched", f"{probs_col.name} is not the routing probs permuted alongside the rows")
+
+
+@dataclasses.dataclass
+class _Unpad:
+    split: fx.Node
+    cat: fx.Node
+    padded_sizes: list[Any]
+    lengths: list[Any]
+
+
+def _match_unpad(y_NH: fx.Node) -> _Unpad | None:
+    """``cat([narrow(y_e, 0, 0, s_e) | y_e[:s_e] for y_e in split(Y, sizes)])``, else None."""
+    if not is_call(y_NH, "cat") or kwarg(y_NH, "dim", 0) != 0:
+        return None
+    pieces = y_NH.args[0]
+    split, lengths = None, []
+    for i, piece in enumerate(pieces):
+        if is_call(piece, "narrow") and kwarg(piece, "dim") == 0 and kwarg(piece, "start") == 0:
+            chunk, length = piece.args[0], kwarg(piece, "length")
+        elif is_call(piece, "getitem") and isinstance(piece.args[1], slice) \
+                and piece.args[1].start in (None, 0) and piece.args[1].step in (None, 1):
+            chunk, length = piece.args[0], piece.args[1].stop
+        elif is_call(piece, "getitem") and isinstance(piece.args[1], tuple) and len(piece.args[1]) >= 1 \
+                and isinstance(piece.args[1][0], slice) and piece.args[1][0].start in (None, 0) \
+                and all(s == slice(None) or s is Ellipsis for s in piece.args[1][1:]):
+            chunk, length = piece.args[0], piece.args[1][0].stop
+        else:
+            return None
+        if not (is_call(chunk, "getitem") and chunk.args[1] == i and is_call(chunk.args[0], "split", "split_with_sizes")):
+            return None
+        if split is None:
+            split = chunk.args[0]
+        elif chunk.args[0] is not split:
+            return None
+        lengths.append(length)
+    sizes = split.args[1] if len(split.args) > 1 else kwarg(split, "split_size_or_sections")
+    if split is None or not isinstance(sizes, (list, tuple)) or len(sizes) != len(pieces):
+        return None
+    if _int_arg(split, 2, "dim", 0) != 0:
+        return None
+    return _Unpad(split, y_NH, list(sizes), lengths)
+
+
+@dataclasses.dataclass
+class _Pad:
+    split: fx.Node
+    cat: fx.Node
+    sizes: list[Any]
+    pads: list[Any]
+    nodes: list[fx.Node]
+
+
+def _match_pad(x_NH: fx.Node) -> _Pad | None:
+    """``cat([F.pad(c_e, (0, 0, 0, q_e)) | cat([c_e, zeros(q_e, H)]) | c_e for c_e in split(x_NH, s)])``."""
+    splits = [u for u in x_NH.users if is_call(u, "split", "split_with_sizes")]
+    if len(splits) != 1:
+        return None
+    split = splits[0]
+    sizes = split.args[1] if len(split.args) > 1 else kwarg(split, "split_size_or_sections")
+    if not isinstance(sizes, (list, tuple)) or _int_arg(split, 2, "dim", 0) != 0:
+        return None
+    chunks: dict[int, fx.Node] = {}
+    for u in split.users:
+        if not (is_call(u, "getitem") and isinstance(u.args[1], int)):
+            return None
+        chunks[u.args[1]] = u
+    if sorted(chunks) != list(range(len(sizes))):
+        return None
+    cat, pads, nodes = None, [], []
+    for i in range(len(sizes)):
+        chunk = chunks[i]
+        # `chunk.new_zeros(q, H)` only borrows dtype and device from the chunk
+        users = [u for u in chunk.users if not (is_call(u, "new_zeros") and u.args[0] is chunk)]
+        if len(users) != 1:
+            return None
+        user = users[0]
+        padded, pad = user, None
+        if is_call(user, "pad"):
+            spec = kwarg(user, "pad")
+            mode, value = kwarg(user, "mode", "constant"), kwarg(user, "value")
+            if not (isinstance(spec, (list, tuple)) and len(spec) == 4 and list(spec[:3]) == [0, 0, 0]):
+                return None
+            if mode != "constant" or value not in (None, 0, 0.0):
+                return None
+            pad = spec[3]
+            nodes.append(user)
+        elif is_call(user, "cat") and len(user.args[0]) == 2 and user.args[0][0] is chunk \
+                and kwarg(user, "dim", 0) == 0 and _is_zeros(user.args[0][1]):
+            zeros = user.args[0][1]
+            shape = tensor_value(zeros).shape
+            if len(shape) != 2 or len(zeros.users) != 1:
+                return None
+            pad = _zeros_rows_arg(zeros)
+            if pad is None:
+                return None
+            nodes += [user, zeros]
+        else:
+            pad, padded = 0, chunk
+        pads.append(pad)
+        if cat is None:
+            if not (is_call(next(iter(padded.users), None), "cat") and len(padded.users) == 1):
+                return None
+            cat = next(iter(padded.users))
+        if padded not in cat.args[0] or list(cat.args[0]).index(padded) != i or len(padded.users) != 1:
+            return None
+    if cat is None or len(cat.args[0]) != len(sizes) or kwarg(cat, "dim", 0) != 0:
+        return None
+    return _Pad(split, cat, list(sizes), pads, nodes)
+
+
+def _zeros_rows_arg(zeros: fx.Node) -> Any:
+    """The row count argument of ``new_zeros(q, H)`` / ``zeros(q, H)`` / ``new_zeros((q, H))``."""
+    args = zeros.args[1:] if op_name(zeros) == "new_zeros" else zeros.args
+    if len(args) == 1 and isinstance(args[0], (list, tuple)):
+        args = tuple(args[0])
+    return args[0] if len(args) == 2 else None
+
+
+def _region_nodes(X: fx.Node, Y: fx.Node) -> list[fx.Node]:
+    """Nodes on a path from ``X`` to ``Y`` (``Y`` included, ``X`` excluded), in graph order."""
+    forward: set[fx.Node] = set()
+    stack = [X]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u not in forward:
+                forward.add(u)
+                stack.append(u)
+    backward: set[fx.Node] = set()
+    stack = [Y]
+    while stack:
+        n = stack.pop()
+        if n in backward:
+            continue
+        backward.add(n)
+        stack.extend(a for a in n.all_input_nodes if a in forward)
+    order = topo_index(X.graph)
+    return sorted(forward & backward, key=order.__getitem__)
+
+
+def _check_rowwise(node: fx.Node, inside: set[fx.Node], num_experts: int | None) -> list[fx.Node]:
+    """Raise unless ``node`` maps row r of its region inputs to row r of its output. Returns offs nodes."""
+    name = op_name(node)
+    value = tensor_value(node)
+    for a in node.all_input_nodes:
+        if a not in inside and tensor_value(a) is None and sym_expr(a) is not None:
+            raise _Skip("host_size_in_expert_region", f"{node.name} uses host size {a.name}")
+    outside = [a for a in node.all_input_nodes if a not in inside]
+    for a in outside:
+        if has_unbacked_shape(a):
+            raise _Skip("region_not_rowwise", f"{node.name} mixes in {a.name}, a host-sized tensor outside the region")
+    if name in GROUPED_MM:
+        x, w = node.args[0], node.args[1]
+        offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
+        if x not in inside or w in inside or not isinstance(offs, fx.Node) or offs in inside:
+            raise _Skip("region_not_rowwise", f"{node.name}: grouped GEMM not over the region's rows")
+        wv = tensor_value(w)
+        if wv is None or wv.dim() != 3 or (num_experts is not None and wv.shape[0] != num_experts):
+            raise _Skip("region_not_rowwise", f"{node.name}: grouped GEMM weight is not [E, ., .]")
+        if len(node.args) > 3 or set(node.kwargs) - {"offs", "out_dtype"}:
+            raise _Skip("region_not_rowwise", f"{node.name}: grouped GEMM with bias")
+        return [offs]
+    if name in ("linear", "matmul", "__matmul__"):
+        if node.args[0] not in inside or any(a in inside for a in node.args[1:] if isinstance(a, fx.Node)):
+            raise _Skip("region_not_rowwise", f"{node.name}: {name} is not rows @ shared weight")
+        w = tensor_value(node.args[1])
+        if w is None or (name != "linear" and w.dim() != 2):
+            raise _Skip("region_not_rowwise", f"{node.name}: {name} weight is not 2-D")
+        return []
+    if name == "getitem":
+        src, index = node.args
+        if isinstance(tensor_value(src), torch.Tensor):
+            ok = isinstance(index, tuple) and len(index) >= 2 and (index[0] is Ellipsis or index[0] == slice(None)) \
+                and all(not isinstance(i, fx.Node) for i in index)
+            if not ok:
+                raise _Skip("region_not_rowwise", f"{node.name}: indexing over rows")
+        elif not isinstance(index, int):
+            raise _Skip("region_not_rowwise", f"{node.name}: unsupported getitem")
+        return []
+    if name in LAST_DIM_SPLITS:
+        src = tensor_value(node.args[0])
+        dim = kwarg(node, "dim", 0) if name != "chunk" else _int_arg(node, 2, "dim", 0)
+        if name == "narrow":
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if src is None or src.dim() < 2 or not isinstance(dim, int) or dim % src.dim() == 0:
+            raise _Skip("region_not_rowwise", f"{node.name}: {name} over the row dim")
+        return []
+    if name in UNARY_ROWWISE or name in BINARY_ROWWISE:
+        if value is None and name not in CASTS:
+            raise _Skip("region_not_rowwise", f"{node.name}: {name} without a tensor value")
+        for a in outside:
+            av = tensor_value(a)
+            if av is not None and value is not None and av.dim() >= value.dim() and av.shape[0] != 1:
+                raise _Skip("region_not_rowwise", f"{node.name}: {name} with a per-row operand {a.name}")
+        return []
+    raise _Skip("region_not_rowwise", f"{node.name}: {name} is not a supported row-wise op")
+
+
+class _Matcher:
+    def __init__(self, graph: fx.Graph, reads: dict[sympy.Symbol, HostRead]) -> None:
+        self.graph = graph
+        self.reads = reads
+        self.counts_node: fx.Node | None = None
+        self.counts: list[sympy.Expr] | None = None
+
+    def match(self, sink: fx.Node) -> Region:
+        dest, token_N, src = _combine_parts(sink)
+        order = topo_index(self.graph)
+        if not _is_zeros(dest):
+            raise _Skip("combine_buffer_reused", f"{sink.name} accumulates into {dest.name}, not a fresh zeros buffer")
+        if any(order[u] < order[sink] for u in dest.users if u is not sink):
+            raise _Skip("combine_buffer_reused", f"{dest.name} is used before the combine")
+        perm = _match_permute(token_N)
+        matched = [perm.kind, op_name(sink)]
+
+        # combine source: casts, optional probs multiply, casts
+        tail = {src}
+        y = _peel(src, CASTS)
+        tail |= _chain_to(src, y)
+        probs_TK = probs_TE = None
+        if is_call(y, "mul", "__mul__") and len(y.args) == 2 and all(isinstance(a, fx.Node) for a in y.args):
+            a, b = y.args
+            va, vb = tensor_value(a), tensor_value(b)
+            if vb is not None and vb.dim() == 2 and vb.shape[1] == 1:
+                y, col = a, b
+            elif va is not None and va.dim() == 2 and va.shape[1] == 1:
+                y, col = b, a
+            else:
+                raise _Skip("probs_not_matched", f"{y.name}: neither operand is a [N, 1] column")
+            probs_TK, probs_TE = _probs_source(col, perm)
+            mul = y.users and next(u for u in y.users if is_call(u, "mul", "__mul__"))
+            tail.add(mul)
+            y0 = y
+            y = _peel(y, CASTS)
+            tail |= _chain_to(y0, y)
+
+        # unpad block (optional), the expert region, the pad block (optional) or x_NH
+        unpad = _match_unpad(y)
+        pad = _match_pad(perm.x_NH)
+        Y = unpad.split.args[0] if unpad is not None else y
+        X = pad.cat if pad is not None else perm.x_NH
+        if unpad is None and pad is not None:
+            raise _Skip("unpad_not_matched", f"{y.name}: padded rows reach the combine without an unpad")
+        middle = _region_nodes(X, Y)
+        if Y not in middle:
+            raise _Skip("region_not_rowwise", f"{Y.name} is not computed from {X.name}")
+
+        inside = set(middle) | {X}
+        offs_uses: list[fx.Node] = []
+        offs_nodes: list[fx.Node] = []
+        E_hint = perm.num_experts if perm.num_experts > 0 else None
+        for node in middle:
+            found = _check_rowwise(node, inside, E_hint)
+            if found:
+                offs_uses.append(node)
+                offs_nodes += [o for o in found if o not in offs_nodes]
+            allowed = inside | ({unpad.split} if unpad is not None else tail)
+            escaping = [u for u in node.users if u not in allowed] if node is Y else \
+                [u for u in node.users if u not in inside]
+            if escaping:
+                raise _Skip("expert_region_escapes", f"{node.name} is also used by {escaping[0].name}")
+        escaping = [u for u in X.users if u not in inside]
+        if escaping:
+            raise _Skip("expert_region_escapes", f"{X.name} is also used by {escaping[0].name}")
+        if not offs_uses:
+            raise _Skip("offsets_not_matched", "no grouped GEMM in the expert region")
+
+        sizes = pad.sizes if pad is not None else unpad.lengths if unpad is not None else None
+        E = self._counts(sizes, perm, offs_nodes)
+        perm.num_experts = E
+        for node in offs_uses:
+            w = tensor_value(node.args[1])
+            if w.shape[0] != E:
+                raise _Skip("offsets_not_matched", f"{node.name}: weight has {w.shape[0]} groups for {E} experts")
+        align, noop = self._check_sizes(pad, unpad, offs_nodes, E)
+        if align not in SUPPORTED_ALIGNMENTS:
+            raise _Skip("alignment_unsupported", f"alignment {align} not in {SUPPORTED_ALIGNMENTS}")
+        if pad is not None:
+            matched.append(f"split+pad(a={align})")
+        if unpad is not None:
+            matched.append("split+narrow+cat")
+        if probs_TK is not None or probs_TE is not None:
+            matched.append("probs")
+        dead = [perm.x_NH, *offs_nodes, *tail]
+        return Region(
+            layer_name(sink), sink, dest, perm, X, Y, middle, offs_uses, probs_TK, probs_TE, align, noop,
+            matched, dead,
+        )
+
+    def _counts(self, sizes: list[Any] | None, perm: Permute, offs_nodes: list[fx.Node]) -> int:
+        """Prove the split sizes (or the device offsets' counts) are the per-expert counts of the ids."""
+        if sizes is None:
+            # no host split: the offsets must be a cumsum of a device histogram of the ids
+            base = _peel(offs_nodes[0], {"to", "int", "long", "type", "contiguous"})
+            if not is_call(base, "cumsum"):
+                raise _Skip("offsets_not_matched", f"{offs_nodes[0].name} is not a cumsum of device counts")
+            counts_node = base.args[0]
+        else:
+            tensors = set()
+            for s in sizes:
+                expr = sym_expr(s)
+                if expr is None:
+                    raise _Skip("counts_not_histogram", f"split size {s} is not an int")
+                for sym in expr.free_symbols:
+                    read = self.reads.get(sym)
+                    if read is None or read.index is None:
+                        raise _Skip("counts_not_histogram", f"split size {expr} is not read from a device tensor")
+                    tensors.add(read.tensor)
+            if len(tensors) != 1:
+                raise _Skip("counts_not_histogram", f"split sizes read from {len(tensors)} tensors")
+            counts_node = tensors.pop()
+        source = _histogram_ids(counts_node)
+        if source is None or source[0] is not perm.idx_TK:
+            raise _Skip("counts_not_histogram", f"{counts_node.name} is not the per-expert count of {perm.idx_TK.name}")
+        E = source[1]
+        if perm.num_experts > 0 and perm.num_experts != E:
+            raise _Skip("counts_not_histogram", f"{E} counts for {perm.num_experts} experts")
+        self.counts_node, self.counts = counts_node, leaf_vector(counts_node, E)
+        if sizes is not None:
+            if len(sizes) != E:
+                raise _Skip("counts_not_histogram", f"{len(sizes)} split sizes for {E} experts")
+            got = [self._scalar(s) for s in sizes]
+            if not same_on_samples(list(zip(got, self.counts)), self.counts):
+                raise _Skip("counts_not_histogram", "split sizes are not counts[0..E-1] in order")
+        return E
+
+    def _leaves(self, node: fx.Node) -> list[sympy.Expr] | None:
+        return self.counts if node is self.counts_node else None
+
+    def _scalar(self, value: Any) -> sympy.Expr:
+        expr = IntVectorEval(self.reads, self._leaves).scalar(value)
+        if expr is None:
+            raise _Skip("pad_not_matched", f"size {value} is not an expression of the device counts")
+        return expr
+
+    def _check_sizes(
+        self, pad: _Pad | None, unpad: _Unpad | None, offs_nodes: list[fx.Node], E: int
+    ) -> tuple[int, bool]:
+        """Prove pad lengths, padded sizes, unpad lengths and offsets; returns (alignment, pad was a no-op)."""
+        counts = self.counts
+        padded = counts
+        if pad is not None:
+            padded = [self._scalar(s) + self._scalar(q) for s, q in zip(pad.sizes, pad.pads)]
+        if unpad is not None:
+            got_padded = [self._scalar(s) for s in unpad.padded_sizes]
+            got_lengths = [self._scalar(n) for n in unpad.lengths]
+            if not same_on_samples(list(zip(got_padded, padded)) + list(zip(got_lengths, counts)), counts):
+                raise _Skip("unpad_not_matched", "unpad sizes are not the padded sizes, or lengths not the counts")
+        for a in SUPPORTED_ALIGNMENTS:
+            if same_on_samples([(p, ceil_align(c, a)) for p, c in zip(padded, counts)], counts):
+                align = a
+                break
+        else:
+            raise _Skip("pad_not_matched", "padded sizes are not ceil(count / a) * a for a supported a")
+        noop = pad is not None and align == 1 and bool(pad.nodes)
+        for offs in offs_nodes:
+            vec = int_vector(offs, self.reads, self._leaves)
+            value = tensor_value(offs)
+            if vec is None or len(vec) != E or value is None or value.dtype != torch.int32:
+                raise _Skip("offsets_not_matched", f"{offs.name} is not an int32 [E] expression of the counts")
+            expected = [sympy.Add(*padded[: i + 1]) for i in range(E)]
+            symbols = set(counts).union(*(v.free_symbols for v in vec))
+            if not same_on_samples(list(zip(vec, expected)), symbols):
+                raise _Skip("offsets_not_matched", f"{offs.name} is not the cumsum of the padded counts")
+        return align, noop
+
+
+def _chain_to(src: fx.Node, y: fx.Node) -> set[fx.Node]:
+    """Nodes from ``y`` (exclusive) to ``src`` (inclusive) along first arguments."""
+    chain, node = set(), src
+    while isinstance(node, fx.Node) and node is not y:
+        chain.add(node)
+        node = node.args[0] if node.args else None
+    return chain
+
+
+# ---------------------------------------------------------------------------------------------------
+# rewrite
+# ---------------------------------------------------------------------------------------------------
+
+
+def _rewrite(graph: fx.Graph, r: Region) -> str:
+    perm = r.permute
+    order = topo_index(graph)
+    first_middle = min(r.middle, key=order.__getitem__)
+    meta = r.sink
+    with graph.inserting_before(first_middle):
+        pp = call(graph, torch.ops.moe.permute_pad.default, perm.x_TH, perm.idx_TK, None,
+                        perm.num_experts, r.align, meta_from=meta)
+        rows = call(graph, operator.getitem, pp, 0, meta_from=meta)
+        offs = call(graph, operator.getitem, pp, 2, meta_from=meta)
+        row_map = call(graph, operator.getitem, pp, 3, meta_from=meta)
+    for node in r.middle:
+        node.replace_input_with(r.X, rows)
+    for node in r.offs_uses:
+        if len(node.args) > 2:
+            node.update_arg(2, offs)
+        else:
+            node.update_kwarg("offs", offs)
+    refresh_example_values(r.middle)
+    with graph.inserting_after(r.Y if order[r.Y] > order[r.sink] else r.sink):
+        probs = r.probs_TK
+        if r.probs_TE_gather is not None:
+            probs = call(graph, torch.gather, r.probs_TE_gather, 1, perm.idx_TK, meta_from=meta)
+        y = call(graph, torch.ops.moe.unpad_unpermute.default, r.Y, row_map, probs, meta_from=meta)
+        out_dtype = tensor_value(r.dest).dtype
+        if tensor_value(y).dtype != out_dtype:
+            y = call(graph, torch.Tensor.to, y, out_dtype, meta_from=meta)
+    r.sink.replace_all_uses_with(y)
+    replace_uses_after(r.dest, y, r.sink)
+    inputs = list(r.sink.all_input_nodes)
+    graph.erase_node(r.sink)
+    erase_dead(graph, inputs + r.dead + [r.X])
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    stable_topological_sort(graph)
+    probs_note = ", probs" if (r.probs_TK is not None or r.probs_TE_gather is not None) else ""
+    return f"moe.permute_pad(align={r.align}) + offs_E + moe.unpad_unpermute{probs_note}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# entry point
+# ---------------------------------------------------------------------------------------------------
+
+
+def _ops_available() -> bool:
+    try:
+        import moe_compile.ops  # noqa: F401 - registers torch.ops.moe.*
+
+        return hasattr(torch.ops.moe, "permute_pad") and hasattr(torch.ops.moe, "unpad_unpermute")
+    except Exception:  # noqa: BLE001 - a broken ops module must not break compilation
+        return False
+
+
+def _host_sized(sink: fx.Node) -> bool:
+    try:
+        _, token, src = _combine_parts(sink)
+    except _Skip:
+        return False
+    return has_unbacked_shape(src) or has_unbacked_shape(token)
+
+
+def run(graph: fx.Graph, ctx: PassContext) -> None:
+    """Rewrite every provable host-padded MoE region of ``graph`` (see the module docstring)."""
+    reads = host_reads(graph)
+    sinks = [n for n in graph.nodes if op_name(n) in COMBINES and _host_sized(n)]
+    touched: list[str] = []
+    for sink in sinks:
+        if sink.graph is not graph or getattr(sink, "_erased", False):
+            continue
+        layer = layer_name(sink)
+        try:
+            region = _Matcher(graph, reads).match(sink)
+        except _Skip as skip:
+            ctx.skip(layer, skip.reason, skip.detail)
+            touched.append(layer)
+            continue
+        if not _ops_available():
+            ctx.skip(layer, "ops_unavailable", "torch.ops.moe.permute_pad / unpad_unpermute not registered")
+            continue
+        if region.pad_was_noop:
+            ctx.skip(layer, "already_aligned", "host pad lengths are provably 0: pad removed, not padded again")
+        ctx.rewrite(layer, " + ".join(region.matched), _rewrite(graph, region))
+        touched.append(layer)
+        reads = host_reads(graph)
+    touched += _strip_pad_after_permute_pad(graph, ctx)
+    remaining = erase_dead_host_reads(graph)
+    if remaining and touched:
+        ctx.skip(touched[0], "host_read_kept", f"{len(remaining)} host read(s) still feed tensor ops: "
+                 + ", ".join(n.name for n in remaining[:4]))
+
+
+def _strip_pad_after_permute_pad(graph: fx.Graph, ctx: PassContext) -> list[str]:
+    return []
