@@ -73,20 +73,26 @@ def _expert_row_masks(offs_E: torch.Tensor, num_rows: int) -> torch.Tensor:
     return (rows[None, :] >= starts[:, None]) & (rows[None, :] < ends[:, None])
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32  # fp64 only for gradcheck
+
+
 def grouped_mm_reference(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """Loop over experts (not over ``offs`` values): each row takes its own expert's product, fp32."""
     masks_EM = _expert_row_masks(offs_E, x_MK.shape[0])
-    x32 = x_MK.to(torch.float32)
+    acc = _acc_dtype(x_MK.dtype)
+    x32 = x_MK.to(acc)
     y = x32.new_zeros(x_MK.shape[0], w_ENK.shape[1])
     for e in range(w_ENK.shape[0]):
-        y = torch.where(masks_EM[e, :, None], x32 @ w_ENK[e].to(torch.float32).T, y)
+        y = torch.where(masks_EM[e, :, None], x32 @ w_ENK[e].to(acc).T, y)
     return y.to(x_MK.dtype)
 
 
 def grouped_mm_wgrad_reference(dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """``dW_ENK[e] = dY[rows of e]^T @ X[rows of e]`` (fp32 accumulate); empty experts give zeros."""
     masks_EM = _expert_row_masks(offs_E, x_MK.shape[0])
-    dy32, x32 = dy_MN.to(torch.float32), x_MK.to(torch.float32)
+    acc = _acc_dtype(x_MK.dtype)
+    dy32, x32 = dy_MN.to(acc), x_MK.to(acc)
     dw = [torch.where(masks_EM[e, :, None], dy32, 0.0).T @ x32 for e in range(offs_E.shape[0])]
     return torch.stack(dw).to(x_MK.dtype)
 

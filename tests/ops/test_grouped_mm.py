@@ -1,0 +1,176 @@
+"""``torch.ops.moe.grouped_mm`` and the MXFP8/NVFP4 weight-only variants on CPU (reference paths)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_compile.ops import grouped_mm as gmm
+
+TOLS = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+# counts per expert: empty experts, E=7, everything on one expert, fewer rows than experts
+ROUTINGS = [[3, 0, 5, 2], [2, 0, 0, 1, 4, 0, 3], [0, 0, 9], [0, 1, 0, 0, 0, 1, 0, 0]]
+
+
+def _offs(counts: list[int]) -> torch.Tensor:
+    return torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+
+
+def _loop_reference(x_MK, w_ENK, counts):
+    """Per-expert slices with host offsets (fine in a test): the semantics written out."""
+    out, start = torch.zeros(x_MK.shape[0], w_ENK.shape[1], dtype=x_MK.dtype), 0
+    for e, c in enumerate(counts):
+        out[start : start + c] = (x_MK[start : start + c].double() @ w_ENK[e].double().T).to(x_MK.dtype)
+        start += c
+    return out
+
+
+@pytest.mark.parametrize("counts", ROUTINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_matches_loop(counts, dtype):
+    torch.manual_seed(0)
+    M = sum(counts) + 3  # rows past offs[-1] must come back zero
+    x, w = torch.randn(M, 32, dtype=dtype), torch.randn(len(counts), 24, 32, dtype=dtype)
+    y = gmm.grouped_mm(x, w, _offs(counts))
+    torch.testing.assert_close(y, _loop_reference(x, w, counts), **TOLS[dtype])
+    assert torch.all(y[sum(counts) :] == 0)
+
+
+def test_grouped_mm_matches_torch_grouped_mm_bf16():
+    torch.manual_seed(1)
+    counts = [3, 0, 5, 2]
+    x, w = torch.randn(10, 32, dtype=torch.bfloat16), torch.randn(4, 16, 32, dtype=torch.bfloat16)
+    ref = torch._grouped_mm(x, w.transpose(-2, -1), offs=_offs(counts))
+    torch.testing.assert_close(gmm.grouped_mm(x, w, _offs(counts)), ref, **TOLS[torch.bfloat16])
+
+
+def test_grouped_mm_gradcheck_fp64():
+    """The op and its backward ops (the reference paths accept fp64) pass gradcheck, empty experts included."""
+    torch.manual_seed(2)
+    offs = _offs([2, 0, 3])
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: torch.ops.moe.grouped_mm(a, b, offs), (x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_backward_deterministic_and_correct(dtype):
+    torch.manual_seed(3)
+    counts = [2, 0, 0, 1, 4, 0, 3]
+    offs = _offs(counts)
+    x = torch.randn(13, 32, dtype=dtype, requires_grad=True)
+    w = torch.randn(7, 16, 32, dtype=dtype, requires_grad=True)
+    dy = torch.randn(13, 16, dtype=dtype)
+    grads = []
+    for _ in range(2):
+        gx, gw = torch.autograd.grad(gmm.grouped_mm(x, w, offs), (x, w), dy)
+        grads.append((gx, gw))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    x_ref, w_ref = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    gx_ref, gw_ref = torch.autograd.grad(_loop_reference(x_ref, w_ref, counts), (x_ref, w_ref), dy.double())
+    torch.testing.assert_close(grads[0][0], gx_ref.to(dtype), **TOLS[dtype])
+    torch.testing.assert_close(grads[0][1], gw_ref.to(dtype), **TOLS[dtype])
+    assert torch.all(grads[0][1][torch.tensor(counts) == 0] == 0)  # empty experts: zero weight grad
+    assert torch.all(grads[0][0][sum(counts) :] == 0)
+
+
+def test_opcheck_plain_and_wgrad():
+    torch.manual_seed(4)
+    offs = _offs([2, 0, 3])
+    x, w = torch.randn(6, 8, requires_grad=True), torch.randn(3, 16, 8, requires_grad=True)
+    torch.library.opcheck(torch.ops.moe.grouped_mm, (x, w, offs))
+    torch.library.opcheck(torch.ops.moe.grouped_mm_wgrad, (torch.randn(6, 16), x.detach(), offs))
+
+
+def _quantized(recipe: str, E=3, N=16, K=64):
+    from moe_compile.grouped_weight import quantize_stored
+
+    return quantize_stored(torch.randn(E, N, K, dtype=torch.bfloat16), recipe)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_quantized_ops_equal_dequantize_then_plain(recipe):
+    torch.manual_seed(5)
+    qdata, scale, expert_scale = _quantized(recipe)
+    offs = _offs([2, 0, 3])
+    x = torch.randn(7, 64, dtype=torch.bfloat16, requires_grad=True)
+    if recipe == "mxfp8":
+        y, w = gmm.grouped_mm_mxfp8(x, qdata, scale, offs), gmm.dequantize_mxfp8(qdata, scale, torch.bfloat16)
+    else:
+        y = gmm.grouped_mm_nvfp4(x, qdata, scale, expert_scale, offs)
+        w = gmm.dequantize_nvfp4(qdata, scale, expert_scale, torch.bfloat16)
+    x2 = x.detach().clone().requires_grad_()
+    y_ref = gmm.grouped_mm(x2, w, offs)
+    assert torch.equal(y, y_ref)
+    dy = torch.randn_like(y)
+    assert torch.equal(torch.autograd.grad(y, x, dy)[0], torch.autograd.grad(y_ref, x2, dy)[0])
+
+
+def test_opcheck_quantized_ops():
+    """test_schema is left out (it perturbs every input with ``mul``, which CPU lacks for float8); the
+    slow AOT check runs for one of the two ops (they share the wrapper and backward structure)."""
+    torch.manual_seed(6)
+    offs = _offs([2, 0, 3])
+    x = torch.randn(6, 64, dtype=torch.bfloat16, requires_grad=True)
+    qdata, scale, _ = _quantized("mxfp8")
+    torch.library.opcheck(torch.ops.moe.grouped_mm_mxfp8, (x, qdata, scale, offs), test_utils=("test_faketensor",))
+    qdata, scale, expert_scale = _quantized("nvfp4")
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.moe.grouped_mm_nvfp4, (x, qdata, scale, expert_scale, offs), test_utils=utils)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantize_matches_torchao_bitwise(recipe, dtype):
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    torch.manual_seed(7)
+    w = torch.randn(3, 8, 64, dtype=torch.bfloat16)
+    w[1, 2, :32] = 0  # an all-zero block
+    w[2, 5, 32:] *= 1e-30  # tiny block: e8m0 code near the bottom of the range
+    if recipe == "mxfp8":
+        mx = MXTensor.to_mx(w, torch.float8_e4m3fn, 32)
+        ours, theirs = gmm.dequantize_mxfp8(mx.qdata, mx.scale.view(torch.uint8), dtype), mx.dequantize(dtype)
+    else:
+        scale = per_tensor_amax_to_scale(w.abs().amax(dim=(1, 2)).float())
+        nv = NVFP4Tensor.to_nvfp4(w, 16, per_tensor_scale=scale.view(3, 1, 1))
+        ours, theirs = gmm.dequantize_nvfp4(nv.qdata, nv.scale, scale, dtype), nv.dequantize(dtype)
+    assert torch.equal(ours, theirs)
+
+
+def test_compiled_grouped_mm_fp32_static_shapes():
+    """Inductor, fullgraph, fp32 (what replaces transformers' syncing fallback): static output, grads match."""
+    torch.manual_seed(8)
+    offs = _offs([2, 0, 3, 1])
+    x = torch.randn(9, 16, requires_grad=True)
+    w = torch.randn(4, 8, 16, requires_grad=True)
+
+    def f(x, w, offs):
+        return torch.ops.moe.grouped_mm(x, w, offs).pow(2).sum()
+
+    eager = torch.autograd.grad(f(x, w, offs), (x, w))
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    got = torch.autograd.grad(compiled(x, w, offs), (x, w))
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, **TOLS[torch.float32])
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: gmm.grouped_mm(torch.randn(2, 3, 8), torch.randn(2, 4, 8), _offs([1, 1])), "x_MK must be 2-D"),
+        (lambda: gmm.grouped_mm(torch.randn(2, 8), torch.randn(4, 8), _offs([1, 1])), "w_ENK must be 3-D"),
+        (lambda: gmm.grouped_mm(torch.randn(2, 8), torch.randn(2, 4, 8), _offs([1, 1]).long()), "offs_E must be a 1-D int32"),
+        (lambda: gmm.grouped_mm(torch.randn(2, 8), torch.randn(3, 4, 8), _offs([1, 1])), "offs_E has 2 entries"),
+        (lambda: gmm.grouped_mm(torch.randn(2, 6), torch.randn(2, 4, 8), _offs([1, 1])), "does not match the weight's K"),
+        (lambda: gmm.grouped_mm(torch.randn(2, 8), torch.randn(2, 4, 8).half(), _offs([1, 1])), "w_ENK.dtype"),
+        (lambda: gmm.grouped_mm(torch.ones(2, 8, dtype=torch.int32), torch.ones(2, 4, 8, dtype=torch.int32), _offs([1, 1])), "x_MK.dtype"),
+        (lambda: gmm.grouped_mm_mxfp8(torch.randn(2, 64), torch.zeros(2, 4, 64), torch.zeros(2, 4, 2, dtype=torch.uint8), _offs([1, 1])), "qdata_ENK must be float8_e4m3fn"),
+        (lambda: gmm.grouped_mm_mxfp8(torch.randn(2, 64), torch.zeros(2, 4, 64).to(torch.float8_e4m3fn), torch.zeros(2, 4, 4, dtype=torch.uint8), _offs([1, 1])), "scale_ENB must be uint8"),
+        (lambda: gmm.grouped_mm_nvfp4(torch.randn(2, 64), torch.zeros(2, 4, 32, dtype=torch.uint8), torch.zeros(2, 4, 4).to(torch.float8_e4m3fn), torch.ones(3), _offs([1, 1])), "expert_scale_E must be fp32 with 2"),
+    ],
+)
+def test_bad_input_errors_name_the_argument(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()

@@ -1,0 +1,140 @@
+"""Runs the grouped GEMM Triton kernels through their launchers on CPU tensors under TRITON_INTERPRET=1.
+
+Started in a fresh interpreter by ``test_grouped_mm_kernels.py``: the variable must be set before
+``triton`` is first imported (the interpreter needs interpreted ``tl.cumsum`` & co.), which a pytest
+process cannot guarantee. Prints one JSON line ``{case name: "ok" | traceback}``. ``CASES`` is plain
+data so the parent can import it cheaply.
+
+Interpreter quirks (triton 3.9): ``tl.dot`` is wrong for bf16 inputs, so the launchers use the
+fp32-ieee dot on CPU tensors (``IEEE_DOT``); the fp32 -> bf16 cast truncates, so bf16 outputs are
+compared within one bf16 ulp and fp32 outputs tightly. Quantised weights are random valid encodings
+(every e2m1 code, e8m0 exponents around 2**0), so no torchao import is needed.
+"""
+
+from __future__ import annotations
+
+# name: (kernel, counts per expert, M, N, K, dtype name)
+CASES = {
+    "plain_fp32_empty_experts": ("plain", [3, 0, 5, 2], 12, 24, 40, "float32"),
+    "plain_bf16_e7_tail_rows": ("plain", [2, 0, 0, 1, 4, 0, 3], 14, 24, 40, "bfloat16"),
+    "plain_fp16_one_expert": ("plain", [0, 0, 9], 9, 16, 24, "float16"),
+    "plain_fp32_fewer_rows_than_experts": ("plain", [0, 1, 0, 0, 0, 1, 0, 0], 2, 16, 16, "float32"),
+    "plain_fp32_strided_weight": ("plain_strided", [4, 0, 5], 9, 40, 24, "float32"),
+    "plain_fp32_no_rows": ("plain", [0, 0, 0], 4, 16, 16, "float32"),
+    "mxfp8_fp32_empty_experts": ("mxfp8", [3, 0, 5, 2], 12, 24, 96, "float32"),
+    "mxfp8_bf16_e7_tail_rows": ("mxfp8", [2, 0, 0, 1, 4, 0, 3], 14, 24, 64, "bfloat16"),
+    "mxfp8_fp32_special_scales": ("mxfp8_special", [2, 3], 5, 16, 64, "float32"),
+    "nvfp4_fp32_empty_experts": ("nvfp4", [3, 0, 5, 2], 12, 24, 96, "float32"),
+    "nvfp4_bf16_e7_tail_rows": ("nvfp4", [2, 0, 0, 1, 4, 0, 3], 14, 24, 48, "bfloat16"),
+    "nvfp4_fp32_one_expert": ("nvfp4", [0, 7], 7, 16, 32, "float32"),
+    "wgrad_fp32_empty_experts": ("wgrad", [3, 0, 5, 2], 12, 24, 40, "float32"),
+    "wgrad_fp32_tail_rows": ("wgrad", [1, 0, 6], 10, 16, 48, "float32"),
+    "wgrad_bf16_one_expert": ("wgrad", [0, 0, 9], 9, 16, 24, "bfloat16"),
+    "deterministic_nvfp4": ("repeat", [3, 0, 5, 2], 12, 16, 64, "bfloat16"),
+}
+
+
+def _assert_close(torch, got, want):
+    """fp32: tight. bf16/fp16: the interpreter truncates casts (dequantised tiles too), so allow a
+    couple of ulps of the output's magnitude."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    else:
+        scale = want.float().abs().max().item() + 1.0
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=1.6e-2)
+
+
+def _random_mxfp8(torch, gen, E, N, K):
+    qdata = (torch.randn(E, N, K, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.randint(120, 135, (E, N, K // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+    return qdata, scale
+
+
+def _random_nvfp4(torch, gen, E, N, K):
+    qdata = torch.randint(0, 256, (E, N, K // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    scale = (torch.rand(E, N, K // 16, generator=gen) * 8 + 0.01).to(torch.float8_e4m3fn)
+    expert_scale = torch.rand(E, generator=gen) + 0.5
+    return qdata, scale, expert_scale
+
+
+def _run_case(gmm, kind, counts, M, N, K, dtype_name):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(len(kind) + M)
+    E = len(counts)
+    offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+
+    def launch(w, scale, gscale, fmt):
+        out = torch.full((M, N), float("nan"), dtype=dtype)
+        return gmm.launch_grouped_mm(x, w, scale, gscale, offs, out, fmt)
+
+    if kind == "wgrad":
+        dy = torch.randn(M, N, generator=gen).to(dtype)
+        dw = torch.full((E, N, K), float("nan"), dtype=dtype)
+        gmm.launch_grouped_mm_wgrad(dy, x, offs, dw)
+        _assert_close(torch, dw, gmm.grouped_mm_wgrad_reference(dy, x, offs))
+        assert torch.all(dw[torch.tensor(counts) == 0] == 0)
+        return
+    if kind in ("plain", "plain_strided"):
+        w = torch.randn(E, N, K, generator=gen).to(dtype)
+        if kind == "plain_strided":  # a w.transpose(1, 2) view, as the dX operand of the backward
+            w = torch.randn(E, K, N, generator=gen).to(dtype).transpose(1, 2)
+        y, w_ref = launch(w, None, None, "plain"), w
+    elif kind.startswith("mxfp8"):
+        qdata, scale = _random_mxfp8(torch, gen, E, N, K)
+        if kind == "mxfp8_special":  # e8m0 code 0 (2**-127) and an all-zero block
+            scale[0, 3, 1] = 0
+            qdata[1, 5, :32] = 0
+        y, w_ref = launch(qdata, scale, None, "mxfp8"), gmm.dequantize_mxfp8(qdata, scale, dtype)
+    else:
+        qdata, scale, expert_scale = _random_nvfp4(torch, gen, E, N, K)
+        y = launch(qdata, scale, expert_scale, "nvfp4")
+        w_ref = gmm.dequantize_nvfp4(qdata, scale, expert_scale, dtype)
+        if kind == "repeat":
+            assert torch.equal(y, launch(qdata, scale, expert_scale, "nvfp4"))
+    _assert_close(torch, y, gmm.grouped_mm_reference(x, w_ref, offs))
+    assert torch.all(y[int(offs[-1]) :] == 0), "rows past offs[-1] must be zero"
+
+
+def _import_ops_only():
+    """Import ``moe_compile.ops.grouped_mm`` without the package ``__init__`` (it pulls in Inductor)."""
+    import pathlib
+    import sys
+    import types
+
+    root = pathlib.Path(__file__).resolve().parents[3] / "moe_compile"
+    for name, path in (("moe_compile", root), ("moe_compile.ops", root / "ops"), ("moe_compile.ops.triton", root / "ops" / "triton")):
+        if name not in sys.modules:
+            module = types.ModuleType(name)
+            module.__path__ = [str(path)]
+            sys.modules[name] = module
+    import importlib
+
+    return importlib.import_module("moe_compile.ops.grouped_mm")
+
+
+def main() -> None:
+    import json
+    import os
+    import traceback
+
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    gmm = _import_ops_only()
+    kernels = [k for k in vars(gmm._kernels) if k.endswith("_kernel")]
+    assert all(isinstance(getattr(gmm._kernels, k), InterpretedFunction) for k in kernels)
+    results = {"_kernels": sorted(kernels)}
+    for name, case in CASES.items():
+        try:
+            _run_case(gmm, *case)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
