@@ -74,3 +74,17 @@ def check_ids_in_range(ids: torch.Tensor, low: int, high: int, arg: str) -> None
     lo, hi = int(ids.min()), int(ids.max())
     if lo < low or hi >= high:
         raise ValueError(f"{arg} values must be in [{low}, {high}), got min {lo}, max {hi}")
+
+
+def row_block(H: int, elem_size: int, max_bytes: int = 8192) -> tuple[int, int]:
+    """``(BLOCK_H, num_warps)`` for kernels that stream one row slice per program.
+
+    Up to ``max_bytes`` per program (8 KiB: two 16-byte vectors per thread at 8 warps), so each
+    program has enough bytes in flight while short rows still get one program per row.
+    """
+    block = min(next_power_of_2(H), max(16, max_bytes // elem_size))
+    return block, min(8, max(1, block * elem_size // 1024))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from moe_compile.ops import _common
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS, static_row_bound
-from moe_compile.ops.unpad_unpermute import unpad_unpermute_reference
+from moe_compile.ops.unpad_unpermute import launch_gather_sum_triton, unpad_unpermute_reference
 
 __all__ = ["PermutePadOut", "permute_pad", "permute_pad_backward_reference", "permute_pad_reference"]
 
@@ -148,6 +148,83 @@ def _check_args(x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts
     _common.check_same_device(x=x, expert_idx=expert_idx, probs=probs)
 
 
+# ===== Triton launchers (CUDA; also run on CPU tensors under TRITON_INTERPRET=1 in the tests) =====
+
+# Largest E handled by the Triton index kernels (one program scans an [NB, E_PAD] table); beyond it
+# the CUDA kernel falls back to the (sync-free, slower) reference.
+MAX_TRITON_EXPERTS = 8192
+
+
+def _launch_triton(
+    x: Tensor,
+    expert_idx: Tensor,
+    probs: Tensor | None,
+    num_experts: int,
+    align: int,
+    debug: bool = False,
+    *,
+    block_n: int | None = None,
+    block_h: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Four launches, no host sync: histogram, offsets, destination rows, permute (+ zero rows).
+
+    See ``moe_compile/ops/triton/dispatch.py`` NOTE [destination rows in three passes]. ``block_n`` /
+    ``block_h`` override the block sizes (tests use small ones to cover several blocks).
+    """
+    from moe_compile.ops.triton import dispatch as kernels
+
+    T, H = x.shape
+    K = expert_idx.shape[1]
+    N = T * K
+    M = static_row_bound(N, num_experts, align)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    ids = expert_idx.contiguous()
+    probs_c = probs.contiguous() if probs is not None else None
+    dev = x.device
+    i32 = torch.int32
+    e_pad = max(16, _common.next_power_of_2(num_experts))
+    block_n = block_n or min(1024, max(16, _common.next_power_of_2(N)))
+    num_blocks = _common.cdiv(N, block_n)
+
+    hist = torch.empty((num_blocks, e_pad), dtype=i32, device=dev)
+    base = torch.empty((num_blocks + 1, e_pad), dtype=i32, device=dev)
+    counts = torch.empty(num_experts, dtype=i32, device=dev)
+    offs = torch.empty(num_experts, dtype=i32, device=dev)
+    dest = torch.empty(N, dtype=i32, device=dev)
+    kernels._expert_histogram_kernel[(num_blocks,)](
+        ids, hist, N, num_experts, BLOCK_N=block_n, E_PAD=e_pad, DEBUG=debug, num_warps=4, debug=debug
+    )
+    block_b = max(1, min(_common.next_power_of_2(num_blocks), 8192 // e_pad))
+    kernels._expert_offsets_kernel[(1,)](
+        hist, base, counts, offs, num_blocks, num_experts, ALIGN=align, E_PAD=e_pad, BLOCK_B=block_b, num_warps=8
+    )
+    kernels._assign_rows_kernel[(num_blocks,)](
+        ids, base, dest, N, num_experts, num_blocks, BLOCK_N=block_n, E_PAD=e_pad, num_warps=4
+    )
+
+    rows = torch.empty((M, H), dtype=x.dtype, device=dev)
+    probs_M = torch.empty(M, dtype=probs.dtype, device=dev) if probs is not None else x.new_empty(0)
+    row_map = torch.empty((T, 2 * K), dtype=i32, device=dev)
+    bh, num_warps = _common.row_block(H, x.element_size())
+    bh = block_h or bh
+    zero_rows = max(2, min(16, 4096 // bh, 16384 // e_pad))
+    num_zero_rows = M - N
+    grid = (T + _common.cdiv(num_zero_rows, zero_rows), _common.cdiv(H, bh))
+    kernels._permute_rows_kernel[grid](
+        x, dest, probs_c if probs_c is not None else x, counts, rows,
+        probs_M if probs is not None else rows, row_map,
+        T, H, x.stride(0), num_experts, M, num_zero_rows,
+        K=K, K_PAD=max(2, _common.next_power_of_2(K)), ALIGN=align, E_PAD=e_pad,
+        HAS_PROBS=probs is not None, BLOCK_H=bh, ZERO_ROWS=zero_rows, num_warps=num_warps,
+    )  # fmt: skip
+    return rows, probs_M, offs, row_map, counts
+
+
+def _use_triton(x: Tensor, expert_idx: Tensor, num_experts: int) -> bool:
+    return x.numel() > 0 and expert_idx.numel() > 0 and num_experts <= MAX_TRITON_EXPERTS
+
+
 # ===== custom ops =====
 
 
@@ -181,13 +258,25 @@ def _permute_pad_fake(x, expert_idx, probs, num_experts, align, debug=False):
     )
 
 
+@_permute_pad_op.register_kernel("cuda")
+def _permute_pad_cuda(x, expert_idx, probs, num_experts, align, debug=False):
+    _check_args(x, expert_idx, probs, num_experts, align)
+    if not _use_triton(x, expert_idx, num_experts):
+        out = permute_pad_reference(x, expert_idx, probs, num_experts, align)
+        probs_M = out.probs_M if out.probs_M is not None else x.new_empty(0)
+        return out.rows_MH, probs_M, out.offs_E, out.row_map, out.counts_E
+    return _launch_triton(x, expert_idx, probs, num_experts, align, debug)
+
+
 @torch.library.custom_op("moe::permute_pad_backward", mutates_args=())
 def _permute_pad_backward_op(grad_rows: Tensor, grad_probs: Tensor | None, row_map: Tensor) -> tuple[Tensor, Tensor]:
     # Returns (grad_x [T, H], grad_probs [T, K]); grad_probs is empty when `grad_probs` is None.
+    return _permute_pad_backward_default(grad_rows, grad_probs, row_map)
+
+
+def _permute_pad_backward_default(grad_rows, grad_probs, row_map):
     grad_x, grad_probs_TK = permute_pad_backward_reference(grad_rows, grad_probs, row_map)
-    if grad_probs_TK is None:
-        grad_probs_TK = grad_rows.new_empty(0)
-    return grad_x, grad_probs_TK
+    return grad_x, (grad_probs_TK if grad_probs_TK is not None else grad_rows.new_empty(0))
 
 
 @_permute_pad_backward_op.register_fake
@@ -196,6 +285,14 @@ def _permute_pad_backward_fake(grad_rows, grad_probs, row_map):
     grad_x = grad_rows.new_empty(T, grad_rows.shape[1])
     grad_probs_TK = grad_probs.new_empty(T, K) if grad_probs is not None else grad_rows.new_empty(0)
     return grad_x, grad_probs_TK
+
+
+@_permute_pad_backward_op.register_kernel("cuda")
+def _permute_pad_backward_cuda(grad_rows, grad_probs, row_map):
+    if grad_rows.shape[1] == 0 or row_map.shape[0] == 0:
+        return _permute_pad_backward_default(grad_rows, grad_probs, row_map)
+    grad_x, grad_probs_TK = launch_gather_sum_triton(grad_rows, row_map, None, grad_probs_M=grad_probs)
+    return grad_x, (grad_probs_TK if grad_probs_TK is not None else grad_rows.new_empty(0))
 
 
 # ===== autograd =====

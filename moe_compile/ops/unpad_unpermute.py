@@ -113,6 +113,96 @@ def _check_rows_in_range(row_map: Tensor, num_rows: int) -> None:
     _common.check_ids_in_range(row_map[:, :K], 0, num_rows, "row_map (rows)")
 
 
+# ===== Triton launchers (CUDA; also run on CPU tensors under TRITON_INTERPRET=1 in the tests) =====
+
+
+def _acc_tl_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def launch_gather_sum_triton(
+    rows: Tensor,
+    row_map: Tensor,
+    probs: Tensor | None,
+    debug: bool = False,
+    *,
+    grad_probs_M: Tensor | None = None,
+    block_h: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """``y[t] = sum_j p_j * rows[row_j]`` (one launch). With ``grad_probs_M`` (permute_pad backward) it
+    also gathers ``grad_probs[t, k] = grad_probs_M[row(t, k)]``. Returns ``(y_TH, grad_probs_TK or None)``.
+    Needs ``T > 0`` and ``H > 0``.
+    """
+    from moe_compile.ops.triton import dispatch as kernels
+
+    T, K = row_map.shape[0], row_map.shape[1] // 2
+    R, H = rows.shape
+    rows, row_map = rows.contiguous(), row_map.contiguous()
+    probs = probs.contiguous() if probs is not None else None
+    out = torch.empty((T, H), dtype=rows.dtype, device=rows.device)
+    grad_probs = None
+    if grad_probs_M is not None:
+        grad_probs_M = grad_probs_M.contiguous()
+        grad_probs = torch.empty((T, K), dtype=grad_probs_M.dtype, device=rows.device)
+    bh, num_warps = _common.row_block(H, rows.element_size())
+    bh = block_h or bh
+    kernels._unpermute_rows_kernel[(T, _common.cdiv(H, bh))](
+        rows, row_map, probs if probs is not None else rows, out,
+        grad_probs_M if grad_probs_M is not None else rows, grad_probs if grad_probs is not None else out,
+        R, H, K=K, K_PAD=max(2, _common.next_power_of_2(K)), HAS_PROBS=probs is not None,
+        GATHER_PROB_GRAD=grad_probs_M is not None, ACC_DTYPE=_acc_tl_dtype(rows.dtype), BLOCK_H=bh,
+        DEBUG=debug, num_warps=num_warps, debug=debug, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out, grad_probs
+
+
+def launch_unpad_unpermute_backward_triton(
+    grad_y: Tensor,
+    row_map: Tensor,
+    probs: Tensor | None,
+    rows: Tensor | None,
+    num_rows: int,
+    debug: bool = False,
+    *,
+    block_h: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Two launches after a ``num_rows``-byte memset: mark referenced rows, then one kernel that writes
+    ``grad_rows`` (token programs, plus zero programs for unreferenced rows) and the prob gradient.
+    Needs ``H > 0``.
+    """
+    from moe_compile.ops.triton import dispatch as kernels
+
+    T, K = row_map.shape[0], row_map.shape[1] // 2
+    H = grad_y.shape[1]
+    dev = grad_y.device
+    grad_y, row_map = grad_y.contiguous(), row_map.contiguous()
+    need_prob_grad = probs is not None and rows is not None
+    probs = probs.contiguous() if probs is not None else None
+    rows = rows.contiguous() if need_prob_grad else None
+    grad_rows = torch.empty((num_rows, H), dtype=grad_y.dtype, device=dev)
+    grad_probs = torch.empty((T, K), dtype=probs.dtype, device=dev) if need_prob_grad else None
+    used = torch.zeros(num_rows, dtype=torch.int8, device=dev)
+    if T * K > 0:
+        kernels._mark_used_rows_kernel[(_common.cdiv(T * K, 1024),)](row_map, used, T * K, num_rows, K=K, BLOCK=1024)
+    k_pad = max(2, _common.next_power_of_2(K))
+    # tiles are [K_PAD, BLOCK_H]: keep them at <= 8 KiB of activations
+    bh, num_warps = _common.row_block(H, grad_y.element_size(), max_bytes=max(256, 8192 // k_pad))
+    bh = block_h or bh
+    num_warps = max(num_warps, 4)
+    zero_rows = max(2, min(16, 4096 // bh))
+    grid = (T + _common.cdiv(num_rows, zero_rows), 1 if need_prob_grad else _common.cdiv(H, bh))
+    kernels._unpermute_backward_kernel[grid](
+        grad_y, rows if need_prob_grad else grad_y, row_map, probs if probs is not None else grad_y, used,
+        grad_rows, grad_probs if need_prob_grad else grad_rows,
+        T, num_rows, H, K=K, K_PAD=k_pad, HAS_PROBS=probs is not None, NEED_PROB_GRAD=need_prob_grad,
+        LOOP_H=need_prob_grad, ACC_DTYPE=_acc_tl_dtype(grad_y.dtype), BLOCK_H=bh, ZERO_ROWS=zero_rows,
+        DEBUG=debug, num_warps=num_warps, debug=debug, enable_fp_fusion=False,
+    )  # fmt: skip
+    return grad_rows, grad_probs
+
+
 # ===== custom ops =====
 
 
@@ -123,6 +213,14 @@ def _unpad_unpermute_op(rows: Tensor, row_map: Tensor, probs: Tensor | None, deb
     if rows.device.type != "cuda":
         _check_rows_in_range(row_map, rows.shape[0])
     return unpad_unpermute_reference(rows, row_map, probs)
+
+
+@_unpad_unpermute_op.register_kernel("cuda")
+def _unpad_unpermute_cuda(rows, row_map, probs, debug=False):
+    _check_args(rows, row_map, probs)
+    if rows.shape[1] == 0 or row_map.shape[0] == 0:
+        return unpad_unpermute_reference(rows, row_map, probs)
+    return launch_gather_sum_triton(rows, row_map, probs, debug)[0]
 
 
 @_unpad_unpermute_op.register_fake
@@ -137,9 +235,16 @@ def _unpad_unpermute_backward_op(
 ) -> tuple[Tensor, Tensor]:
     # Returns (grad_rows [R, H], grad_probs [T, K]); grad_probs is empty unless probs and rows are given.
     grad_rows, grad_probs = unpad_unpermute_backward_reference(grad_y, row_map, probs, rows, num_rows)
-    if grad_probs is None:
-        grad_probs = grad_y.new_empty(0)
-    return grad_rows, grad_probs
+    return grad_rows, (grad_probs if grad_probs is not None else grad_y.new_empty(0))
+
+
+@_unpad_unpermute_backward_op.register_kernel("cuda")
+def _unpad_unpermute_backward_cuda(grad_y, row_map, probs, rows, num_rows):
+    if grad_y.shape[1] == 0:
+        grad_rows, grad_probs = unpad_unpermute_backward_reference(grad_y, row_map, probs, rows, num_rows)
+    else:
+        grad_rows, grad_probs = launch_unpad_unpermute_backward_triton(grad_y, row_map, probs, rows, num_rows)
+    return grad_rows, (grad_probs if grad_probs is not None else grad_y.new_empty(0))
 
 
 @_unpad_unpermute_backward_op.register_fake

@@ -1,0 +1,327 @@
+"""Triton kernels for ``moe::permute_pad`` / ``moe::unpad_unpermute`` and their backward ops.
+
+Kernels only: the launchers (allocation, grids, block sizes) live in ``moe_compile/ops/permute_pad.py``
+and ``moe_compile/ops/unpad_unpermute.py``. Shape suffixes as there: ``T`` tokens, ``H`` hidden, ``E``
+experts, ``K`` top-k, ``N = T*K`` routed entries (flat index ``i = t*K + k``), ``M`` padded rows,
+``NB`` blocks of ``BLOCK_N`` flat entries. No atomics anywhere: every output element has one writer,
+so results are bitwise reproducible, and nothing is read back on the host (CUDA-graph safe).
+
+NOTE [destination rows in three passes]
+The padded destination row of entry ``i`` (expert ``e``) is
+``seg_start[e] + #{j < i : ids[j] == e}`` (stable: ascending token, then slot). With blocks of flat
+entries it splits into ``seg_start[e] + before_blocks[b, e] + rank_in_block(i)``, and the rank in the
+block is ``p - before_experts[b, e]`` where ``p`` is the position of ``i`` after sorting the block's
+keys ``e * BLOCK_N + local_index`` (a stable sort by expert). Worked example, ``E = 3``, ``a = 4``,
+``BLOCK_N = 4``, ids ``[[2, 0], [1, 2], [0, 2], [2, 1]]`` (flat ``[2, 0, 1, 2 | 0, 2, 2, 1]``):
+
+    pass 1 (_expert_histogram_kernel)  hist = [[1, 1, 2], [1, 1, 2]]
+    pass 2 (_expert_offsets_kernel)    counts = [2, 2, 4], padded = [4, 4, 4], offs = [4, 8, 12]
+                                       base[b] = before_blocks - before_experts = [[0, -1, -2], [1, 0, 0]]
+                                       base[NB] = seg_start = [0, 4, 8]
+    pass 3 (_assign_rows_kernel)       block 0 sorted keys [1, 6, 8, 11] -> e = [0, 1, 2, 2],
+                                       local = [1, 2, 0, 3], dest = base + seg_start + p = [0, 4, 8, 9]
+                                       dest (flat order) = [8, 0, 4, 9 | 1, 10, 11, 5]
+    pass 4 (_permute_rows_kernel)      token programs copy x[t] to dest[t*K + k] and write
+                                       row_map[t] = [sorted rows | slots], e.g. t0 -> [0, 8 | 1, 0];
+                                       zero programs fill the M - N = 8 non-real rows 2, 3, 6, 7, 12..15
+
+NOTE [zero rows without a memset]
+The rows that hold no token are exactly ``M - N`` (a static count): pad rows, expert by expert, then
+the tail. The ``j``-th of them is row ``j + sum(counts[e] for e with pad_before[e] <= j)`` where
+``pad_before`` is the exclusive prefix sum of per-expert pad lengths; so the zero programs find their
+rows with one vector compare against ``counts``, and only those rows are written.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _expert_histogram_kernel(
+    ids_ptr,  # [N] expert ids, any integer dtype
+    hist_ptr,  # int32 [NB, E_PAD] out
+    N,
+    num_experts,
+    BLOCK_N: tl.constexpr,
+    E_PAD: tl.constexpr,
+    DEBUG: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_bounds = offs < N
+    ids = tl.load(ids_ptr + offs, mask=in_bounds, other=0)
+    valid = in_bounds & (ids >= 0) & (ids < num_experts)
+    if DEBUG:
+        tl.device_assert(valid | ~in_bounds, "expert_idx out of range [0, num_experts)")
+    experts = tl.where(valid, ids, 0).to(tl.int32)
+    hist = tl.histogram(experts, E_PAD, mask=valid)
+    tl.store(hist_ptr + pid * E_PAD + tl.arange(0, E_PAD), hist)
+
+
+@triton.jit
+def _expert_offsets_kernel(
+    hist_ptr,  # int32 [NB, E_PAD]
+    base_ptr,  # int32 [NB + 1, E_PAD] out: per-block bases, then seg_start in row NB
+    counts_ptr,  # int32 [E] out
+    offs_ptr,  # int32 [E] out
+    num_blocks,
+    num_experts,
+    ALIGN: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    # one program: the scan over blocks and experts is tiny (NB * E entries)
+    experts = tl.arange(0, E_PAD)
+    expert_mask = experts < num_experts
+    running = tl.zeros([E_PAD], dtype=tl.int32)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        block_mask = blocks < num_blocks
+        tile = blocks[:, None] * E_PAD + experts[None, :]
+        hist = tl.load(hist_ptr + tile, mask=block_mask[:, None] & expert_mask[None, :], other=0)
+        before_blocks = tl.cumsum(hist, 0) - hist + running[None, :]
+        before_experts = tl.cumsum(hist, 1) - hist
+        tl.store(base_ptr + tile, before_blocks - before_experts, mask=block_mask[:, None])
+        running += tl.sum(hist, 0)
+    padded = (running + (ALIGN - 1)) // ALIGN * ALIGN
+    offs = tl.cumsum(padded, 0)
+    tl.store(counts_ptr + experts, running, mask=expert_mask)
+    tl.store(offs_ptr + experts, offs, mask=expert_mask)
+    tl.store(base_ptr + num_blocks * E_PAD + experts, offs - padded)
+
+
+@triton.jit
+def _assign_rows_kernel(
+    ids_ptr,  # [N] expert ids
+    base_ptr,  # int32 [NB + 1, E_PAD] from _expert_offsets_kernel
+    dest_ptr,  # int32 [N] out: padded destination row of each flat entry (-1 for invalid ids)
+    N,
+    num_experts,
+    num_blocks,
+    BLOCK_N: tl.constexpr,
+    E_PAD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    local = tl.arange(0, BLOCK_N)
+    start = pid.to(tl.int64) * BLOCK_N
+    in_bounds = start + local < N
+    ids = tl.load(ids_ptr + start + local, mask=in_bounds, other=0)
+    valid = in_bounds & (ids >= 0) & (ids < num_experts)
+    experts = tl.where(valid, ids, E_PAD).to(tl.int32)  # invalid and out-of-bounds entries sort last
+    keys = tl.sort(experts * BLOCK_N + local)  # stable sort by expert: the local index breaks ties
+    sorted_experts = keys // BLOCK_N
+    sorted_local = keys % BLOCK_N
+    sorted_valid = sorted_experts < num_experts
+    base = tl.load(base_ptr + pid * E_PAD + sorted_experts, mask=sorted_valid, other=0)
+    seg_start = tl.load(base_ptr + num_blocks * E_PAD + sorted_experts, mask=sorted_valid, other=0)
+    dest = tl.where(sorted_valid, base + seg_start + local, -1)  # `local` is the sorted position here
+    tl.store(dest_ptr + start + sorted_local, dest, mask=start + sorted_local < N)
+
+
+@triton.jit
+def _permute_rows_kernel(
+    x_ptr,  # [T, H] (row stride stride_x)
+    dest_ptr,  # int32 [N]
+    probs_ptr,  # [T, K] (if HAS_PROBS)
+    counts_ptr,  # int32 [E]
+    rows_ptr,  # [M, H] out
+    probs_out_ptr,  # [M] out (if HAS_PROBS)
+    row_map_ptr,  # int32 [T, 2K] out
+    num_tokens,
+    H,
+    stride_x,
+    num_experts,
+    num_rows,  # M
+    num_zero_rows,  # M - N
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    ALIGN: tl.constexpr,
+    E_PAD: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ZERO_ROWS: tl.constexpr,
+):
+    # grid (T + cdiv(M - N, ZERO_ROWS), cdiv(H, BLOCK_H)): token programs, then zero programs
+    pid = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    if pid < num_tokens:
+        t = pid.to(tl.int64)
+        vals = tl.load(x_ptr + t * stride_x + cols, mask=col_mask)  # each source row is read once
+        for k in tl.static_range(K):
+            dest = tl.load(dest_ptr + t * K + k)
+            # (cols * 0 + dest): a vector, because the interpreter cannot AND a vector with a scalar mask
+            tl.store(rows_ptr + dest.to(tl.int64) * H + cols, vals, mask=col_mask & ((cols * 0 + dest) >= 0))
+        if pid_h == 0:
+            slots = tl.arange(0, K_PAD)
+            slot_mask = slots < K
+            dest = tl.load(dest_ptr + t * K + slots, mask=slot_mask, other=-1)
+            dest_ok = slot_mask & (dest >= 0)
+            if HAS_PROBS:
+                p = tl.load(probs_ptr + t * K + slots, mask=slot_mask)
+                tl.store(probs_out_ptr + dest, p, mask=dest_ok)
+            # row_map[t] = [rows ascending | their slots]: slot k goes to position rank(k), the number
+            # of slots with a smaller key (keys are distinct; invalid rows sort last and read -1)
+            keys = tl.where(dest_ok, dest, num_rows).to(tl.int64) * K_PAD + slots
+            rank = tl.sum((keys[None, :] < keys[:, None]).to(tl.int32), 1)
+            row_map_t = row_map_ptr + t * (2 * K)
+            tl.store(row_map_t + rank, tl.where(dest_ok, dest, -1), mask=slot_mask)
+            tl.store(row_map_t + K + rank, slots, mask=slot_mask)
+    else:
+        # NOTE [zero rows without a memset]
+        j = (pid - num_tokens) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
+        j_mask = j < num_zero_rows
+        experts = tl.arange(0, E_PAD)
+        counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+        pad = (counts + (ALIGN - 1)) // ALIGN * ALIGN - counts
+        pad_before = tl.cumsum(pad, 0) - pad
+        row = j + tl.sum(tl.where(pad_before[None, :] <= j[:, None], counts[None, :], 0), 1)
+        zeros = tl.zeros([ZERO_ROWS, BLOCK_H], dtype=rows_ptr.dtype.element_ty)
+        row_mask = j_mask & (row < num_rows)
+        ptrs = rows_ptr + row.to(tl.int64)[:, None] * H + cols[None, :]
+        tl.store(ptrs, zeros, mask=row_mask[:, None] & col_mask[None, :])
+        if HAS_PROBS:
+            if pid_h == 0:
+                tl.store(probs_out_ptr + row, tl.zeros([ZERO_ROWS], dtype=probs_out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _unpermute_rows_kernel(
+    rows_ptr,  # [R, H]
+    row_map_ptr,  # int32 [T, 2K]
+    probs_ptr,  # [T, K] (if HAS_PROBS)
+    out_ptr,  # [T, H] out
+    grad_probs_M_ptr,  # [R] (if GATHER_PROB_GRAD): the permute_pad backward's prob gather
+    grad_probs_ptr,  # [T, K] out (if GATHER_PROB_GRAD)
+    num_rows,
+    H,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    GATHER_PROB_GRAD: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    DEBUG: tl.constexpr,
+):
+    # grid (T, cdiv(H, BLOCK_H)); y[t] = sum_j p_j * rows[row_j], rows ascending, one rounding at the end.
+    # Launched with fp fusion off, so `acc + p * z` rounds like the PyTorch reference (bitwise equal).
+    t = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=ACC_DTYPE)
+    for j in tl.static_range(K):
+        row = tl.load(row_map_ptr + t * (2 * K) + j)
+        if DEBUG:
+            tl.device_assert((row >= 0) & (row < num_rows), "row_map row out of range [0, rows.shape[0])")
+        row_vec = cols * 0 + row
+        row_mask = col_mask & (row_vec >= 0) & (row_vec < num_rows)
+        vals = tl.load(rows_ptr + row.to(tl.int64) * H + cols, mask=row_mask, other=0.0).to(ACC_DTYPE)
+        if HAS_PROBS:
+            slot = tl.load(row_map_ptr + t * (2 * K) + K + j)
+            vals = vals * tl.load(probs_ptr + t * K + slot).to(ACC_DTYPE)
+        acc = acc + vals
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+    if GATHER_PROB_GRAD:
+        if pid_h == 0:
+            slots = tl.arange(0, K_PAD)
+            slot_mask = slots < K
+            rows = tl.load(row_map_ptr + t * (2 * K) + slots, mask=slot_mask, other=-1)
+            src_slots = tl.load(row_map_ptr + t * (2 * K) + K + slots, mask=slot_mask, other=0)
+            rows_ok = slot_mask & (rows >= 0) & (rows < num_rows)
+            g = tl.load(grad_probs_M_ptr + rows, mask=rows_ok, other=0.0)
+            tl.store(grad_probs_ptr + t * K + src_slots, g, mask=slot_mask)
+
+
+@triton.jit
+def _mark_used_rows_kernel(
+    row_map_ptr,  # int32 [T, 2K]
+    used_ptr,  # int8 [R], zero-initialised; out: 1 for every row that row_map references
+    num_entries,  # T * K
+    num_rows,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < num_entries
+    rows = tl.load(row_map_ptr + (i // K) * (2 * K) + i % K, mask=mask, other=-1)
+    ones = tl.full([BLOCK], 1, dtype=tl.int8)
+    tl.store(used_ptr + rows, ones, mask=mask & (rows >= 0) & (rows < num_rows))  # same value: no race
+
+
+@triton.jit
+def _unpermute_backward_kernel(
+    grad_y_ptr,  # [T, H]
+    rows_ptr,  # [R, H] (if NEED_PROB_GRAD)
+    row_map_ptr,  # int32 [T, 2K]
+    probs_ptr,  # [T, K] (if HAS_PROBS)
+    used_ptr,  # int8 [R] from _mark_used_rows_kernel
+    grad_rows_ptr,  # [R, H] out
+    grad_probs_ptr,  # [T, K] out (if NEED_PROB_GRAD)
+    num_tokens,
+    num_rows,
+    H,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    NEED_PROB_GRAD: tl.constexpr,
+    LOOP_H: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ZERO_ROWS: tl.constexpr,
+    DEBUG: tl.constexpr,
+):
+    # grid (T + cdiv(R, ZERO_ROWS), 1 if LOOP_H else cdiv(H, BLOCK_H)). Token programs write
+    # grad_rows[row_j] = g[t] * p_j and (NEED_PROB_GRAD, then LOOP_H: one program per token, so no
+    # atomics across H tiles) grad_probs[t, slot_j] = <rows[row_j], g[t]>; zero programs zero the rows
+    # that no token references (pad rows, tail).
+    pid = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    if LOOP_H:
+        h_start = 0
+        h_end = H
+    else:
+        h_start = pid_h * BLOCK_H
+        h_end = h_start + BLOCK_H
+    if pid < num_tokens:
+        t = pid.to(tl.int64)
+        slots = tl.arange(0, K_PAD)
+        slot_mask = slots < K
+        rows = tl.load(row_map_ptr + t * (2 * K) + slots, mask=slot_mask, other=-1)
+        rows_ok = slot_mask & (rows >= 0) & (rows < num_rows)
+        if DEBUG:
+            tl.device_assert(rows_ok | ~slot_mask, "row_map row out of range [0, rows.shape[0])")
+        rows64 = rows.to(tl.int64)
+        src_slots = tl.load(row_map_ptr + t * (2 * K) + K + slots, mask=slot_mask, other=0)
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + t * K + src_slots, mask=slot_mask, other=0.0).to(ACC_DTYPE)
+        dots = tl.zeros([K_PAD, BLOCK_H], dtype=ACC_DTYPE)
+        for h0 in range(h_start, h_end, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            col_mask = cols < H
+            g = tl.load(grad_y_ptr + t * H + cols, mask=col_mask, other=0.0)
+            if HAS_PROBS:
+                grad_vals = (g.to(ACC_DTYPE)[None, :] * p[:, None]).to(grad_rows_ptr.dtype.element_ty)
+            else:
+                grad_vals = tl.broadcast_to(g[None, :], [K_PAD, BLOCK_H])
+            tile_mask = rows_ok[:, None] & col_mask[None, :]
+            tl.store(grad_rows_ptr + rows64[:, None] * H + cols[None, :], grad_vals, mask=tile_mask)
+            if NEED_PROB_GRAD:
+                z = tl.load(rows_ptr + rows64[:, None] * H + cols[None, :], mask=tile_mask, other=0.0)
+                dots += z.to(ACC_DTYPE) * g.to(ACC_DTYPE)[None, :]
+        if NEED_PROB_GRAD:
+            dot = tl.sum(dots, 1)
+            tl.store(grad_probs_ptr + t * K + src_slots, dot.to(grad_probs_ptr.dtype.element_ty), mask=slot_mask)
+    else:
+        r = (pid - num_tokens).to(tl.int64) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
+        r_mask = r < num_rows
+        used = tl.load(used_ptr + r, mask=r_mask, other=1)
+        zero_mask = r_mask & (used == 0)
+        zeros = tl.zeros([ZERO_ROWS, BLOCK_H], dtype=grad_rows_ptr.dtype.element_ty)
+        for h0 in range(h_start, h_end, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            ptrs = grad_rows_ptr + r[:, None] * H + cols[None, :]
+            tl.store(ptrs, zeros, mask=zero_mask[:, None] & (cols < H)[None, :])

@@ -1,0 +1,187 @@
+"""Runs every dispatch Triton kernel through its launcher on CPU tensors under ``TRITON_INTERPRET=1``.
+
+Started in a fresh interpreter by ``test_dispatch_kernels.py`` (the variable must be set before
+``triton`` is first imported, which a pytest process cannot guarantee). Prints one JSON line:
+``{case name: "ok" | traceback}``. ``CASES`` is plain data so the parent can import it cheaply.
+"""
+
+from __future__ import annotations
+
+# name: (T, H, E, K, align, dtype name, with_probs, routing, block_n, block_h)
+CASES = {
+    "multi_block_h_not_multiple": (13, 40, 7, 5, 16, "bfloat16", True, "uniform", 16, 16),
+    "e7_k5_default_blocks": (9, 24, 7, 5, 32, "float16", True, "uniform", None, None),
+    "t0": (0, 16, 7, 2, 32, "float32", True, "uniform", None, None),
+    "t1_e1_k1_a1": (1, 8, 1, 1, 1, "float32", True, "uniform", None, None),
+    "no_probs_a128": (10, 20, 4, 2, 128, "float16", False, "uniform", 16, None),
+    "e64_k8_many_blocks": (9, 8, 64, 8, 8, "float32", True, "uniform", 16, None),
+    "all_tokens_one_expert": (12, 24, 8, 1, 16, "bfloat16", True, "one_expert", None, 16),
+    "fewer_rows_than_experts": (3, 16, 64, 2, 8, "bfloat16", True, "uniform", None, None),
+    "fp64_int32_ids": (7, 12, 5, 3, 8, "float64", True, "int32_ids", 16, 8),
+    "strided_x": (6, 24, 6, 2, 16, "float32", True, "strided_x", None, None),
+}
+DEBUG_CASES = ("debug_assert_expert_idx", "debug_assert_row_map")
+
+
+def _inputs(T, H, E, K, dtype, routing, seed):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    ids = torch.rand(T, E, generator=gen).argsort(1)[:, :K]
+    if routing == "one_expert":
+        ids = torch.full((T, K), E // 2, dtype=torch.int64)
+    if routing == "int32_ids":
+        ids = ids.to(torch.int32)
+    if routing == "strided_x":
+        x = torch.randn(T, 2 * H, generator=gen).to(dtype)[:, :H]  # row stride 2H, unit column stride
+    probs = torch.rand(T, K, generator=gen).to(dtype)
+    return x, ids, probs
+
+
+def _run_case(name, T, H, E, K, a, dtype_name, with_probs, routing, block_n, block_h):
+    import importlib
+
+    import torch
+
+    pp = importlib.import_module("moe_compile.ops.permute_pad")
+    uu = importlib.import_module("moe_compile.ops.unpad_unpermute")
+    dtype = getattr(torch, dtype_name)
+    x, ids, probs = _inputs(T, H, E, K, dtype, routing, seed=len(name))
+    probs = probs if with_probs else None
+    if routing == "strided_x":
+        assert x.stride(0) == 2 * H and x.stride(1) == 1
+
+    # The CUDA kernel functions (fallbacks included) with default blocks, or the launchers with the
+    # case's small blocks (several blocks per axis); compared with the references.
+    use_launchers = T > 0 and (block_n is not None or block_h is not None)
+    ref = pp.permute_pad_reference(x, ids, probs, E, a)
+    ref = (ref.rows_MH, ref.probs_M if probs is not None else x.new_empty(0), ref.offs_E, ref.row_map, ref.counts_E)
+    if use_launchers:
+        out = pp._launch_triton(x, ids, probs, E, a, block_n=block_n, block_h=block_h)
+    else:
+        out = pp._permute_pad_cuda(x, ids, probs, E, a)
+    for got, want, what in zip(out, ref, ("rows", "probs", "offs", "row_map", "counts")):
+        assert got.dtype == want.dtype and got.shape == want.shape, (what, got.shape, want.shape)
+        assert torch.equal(got, want), what  # data movement: bitwise
+    rows, _, _, row_map, _ = ref
+    M = rows.shape[0]
+    gen = torch.Generator().manual_seed(1)
+    z = torch.randn(M, H, generator=gen).to(dtype)  # pad rows nonzero too: they must never be read
+
+    def computed_equal(got, want):
+        """Bitwise, except bf16: the interpreter casts fp32 -> bf16 by truncation (the GPU rounds to
+        nearest even), so computed bf16 values may differ by one ulp there."""
+        if dtype != torch.bfloat16:
+            return torch.equal(got, want)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)
+        return True
+
+    # unpad_unpermute forward: fixed order, separate multiply and add
+    y_ref = uu.unpad_unpermute_reference(z, row_map, probs)
+    if use_launchers:
+        y = uu.launch_gather_sum_triton(z, row_map, probs, block_h=block_h)[0]
+    else:
+        y = uu._unpad_unpermute_cuda(z, row_map, probs)
+    assert computed_equal(y, y_ref)
+
+    # permute_pad backward: gather-sum of grad rows + prob gather (bitwise)
+    g_rows = torch.randn(M, H, generator=gen).to(dtype)
+    g_probs = torch.randn(M, generator=gen).to(dtype) if probs is not None else None
+    gx_ref, gp_ref = pp.permute_pad_backward_reference(g_rows, g_probs, row_map)
+    if use_launchers:
+        gx, gp = uu.launch_gather_sum_triton(g_rows, row_map, None, grad_probs_M=g_probs, block_h=block_h)
+    else:
+        gx, gp = pp._permute_pad_backward_cuda(g_rows, g_probs, row_map)
+    assert computed_equal(gx, gx_ref)
+    assert torch.equal(gp, gp_ref) if probs is not None else gp is None or gp.numel() == 0
+
+    # unpad_unpermute backward, with and without the prob gradient: grad rows (unreferenced rows zero;
+    # a copy without probs), prob grads to fp32-dot tolerance (the reduction order over H differs)
+    g_y = torch.randn(T, H, generator=gen).to(dtype)
+    for saved_rows in ((z, None) if probs is not None else (None,)):
+        dz_ref, dp_ref = uu.unpad_unpermute_backward_reference(g_y, row_map, probs, saved_rows, M)
+        if use_launchers:
+            dz, dp = uu.launch_unpad_unpermute_backward_triton(g_y, row_map, probs, saved_rows, M, block_h=block_h)
+        else:
+            dz, dp = uu._unpad_unpermute_backward_cuda(g_y, row_map, probs, saved_rows, M)
+        assert computed_equal(dz, dz_ref) if probs is not None else torch.equal(dz, dz_ref)
+        if dp_ref is None:
+            assert dp is None or dp.numel() == 0
+        else:
+            tol = 1e-12 if dtype == torch.float64 else 2e-2 if dtype != torch.float32 else 1e-5
+            torch.testing.assert_close(dp.double(), dp_ref.double(), rtol=tol, atol=tol)
+
+
+def _run_debug_case(name):
+    import dataclasses
+    import importlib
+
+    import torch
+    from triton.runtime import interpreter
+
+    pp = importlib.import_module("moe_compile.ops.permute_pad")
+    uu = importlib.import_module("moe_compile.ops.unpad_unpermute")
+    builder = interpreter.interpreter_builder
+    saved = builder.options
+    builder.options = dataclasses.replace(saved, debug=True)  # the interpreter's device_assert switch
+    try:
+        x = torch.randn(4, 8)
+        if name == "debug_assert_expert_idx":
+            pp._launch_triton(x, torch.tensor([[0, 1], [2, 3], [4, 7], [0, 1]]), None, 8, 16, debug=True)  # ok ids
+            bad = torch.tensor([[0, 1], [2, 3], [4, 9], [0, 1]])
+        else:
+            rows, _, _, row_map, _ = pp._launch_triton(x, torch.tensor([[0, 1], [2, 3], [4, 7], [0, 1]]), None, 8, 16)
+            uu.launch_gather_sum_triton(rows, row_map, None, debug=True)  # ok rows
+            bad_map = row_map.clone()
+            bad_map[2, 1] = rows.shape[0]
+        try:
+            if name == "debug_assert_expert_idx":
+                pp._launch_triton(x, bad, None, 8, 16, debug=True)
+            else:
+                uu.launch_gather_sum_triton(rows, bad_map, None, debug=True)
+        except Exception as e:  # the interpreter raises the assert as an InterpreterError
+            expected = "expert_idx out of range" if name == "debug_assert_expert_idx" else "row_map row out of range"
+            assert expected in str(e), str(e)
+        else:
+            raise AssertionError("device_assert did not fire")
+    finally:
+        builder.options = saved
+
+
+def main() -> None:
+    import json
+    import os
+    import time
+    import traceback
+
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    import triton
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from moe_compile.ops.triton import dispatch
+
+    kernels = [k for k in vars(dispatch) if k.endswith("_kernel")]
+    assert all(isinstance(getattr(dispatch, k), InterpretedFunction) for k in kernels), triton.__version__
+    results = {"_kernels": sorted(kernels)}
+    timings = results["_seconds"] = {}
+    for name, case in CASES.items():
+        try:
+            t0 = time.perf_counter()
+            _run_case(name, *case)
+            results[name] = "ok"
+            timings[name] = round(time.perf_counter() - t0, 2)
+        except Exception:
+            results[name] = traceback.format_exc()
+    for name in DEBUG_CASES:
+        try:
+            _run_debug_case(name)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
