@@ -1,0 +1,253 @@
+"""GPU tests of the Triton path of ``moe::permute_pad`` / ``moe::unpad_unpermute`` (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_compile.ops import (
+    permute_pad,
+    permute_pad_backward_reference,
+    permute_pad_reference,
+    static_row_bound,
+    unpad_unpermute,
+    unpad_unpermute_backward_reference,
+    unpad_unpermute_reference,
+)
+
+from ._dispatch_reference import DOT_TOLS, DTYPE_TOLS, check_invariants, make_routing
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEV = "cuda"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# (T, H, E, K, align, dtype); H=70: not a multiple of the vector width or the block
+SHAPES = [
+    (1, 8, 1, 1, 1, torch.float32),
+    (37, 70, 7, 5, 16, torch.bfloat16),
+    (513, 1280, 16, 2, 32, torch.float16),
+    (4096, 1280, 256, 8, 32, torch.bfloat16),
+    (4096, 1280, 64, 8, 128, torch.float32),
+    (3000, 2048, 8, 2, 1, torch.bfloat16),
+    (2, 512, 256, 8, 128, torch.bfloat16),  # T*K < E
+]
+
+
+def _inputs(T, H, E, K, dtype, routing="uniform", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    ids = make_routing(T, K, E, routing, gen)
+    probs = torch.rand(T, K, generator=gen).to(dtype)
+    return x.to(DEV), ids.to(DEV), probs.to(DEV)
+
+
+def _ref_tuple(x, ids, probs, E, a):
+    out = permute_pad_reference(x, ids, probs, E, a)
+    return out.rows_MH, out.probs_M, out.offs_E, out.row_map, out.counts_E
+
+
+@pytest.mark.parametrize("T,H,E,K,a,dtype", SHAPES, ids=str)
+def test_forward_matches_reference_bitwise(T, H, E, K, a, dtype):
+    x, ids, probs = _inputs(T, H, E, K, dtype, seed=T + E)
+    out = permute_pad(x, ids, probs, num_experts=E, align=a)
+    for got, want in zip(out, _ref_tuple(x, ids, probs, E, a)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+    check_invariants(out, ids.cpu(), E, a)
+    out_np = permute_pad(x, ids.to(torch.int32), None, num_experts=E, align=a)
+    assert out_np.probs_M is None and torch.equal(out_np.rows_MH, out.rows_MH)
+    z = torch.randn_like(out.rows_MH)
+    for p in (probs, None):
+        # launched with fp fusion off: the fixed-order fp32 combine equals the reference bitwise
+        y = unpad_unpermute(z, out.row_map, p)
+        assert torch.equal(y, unpad_unpermute_reference(z, out.row_map, p))
+
+
+@pytest.mark.parametrize("T,H,E,K,a,dtype", SHAPES, ids=str)
+def test_backward_matches_reference(T, H, E, K, a, dtype):
+    x, ids, probs = _inputs(T, H, E, K, dtype, seed=T + E + 1)
+    out = permute_pad(x, ids, probs, num_experts=E, align=a)
+    M = out.rows_MH.shape[0]
+    g_rows, g_probs = torch.randn_like(out.rows_MH), torch.randn_like(out.probs_M)
+    gx, gp = torch.ops.moe.permute_pad_backward(g_rows, g_probs, out.row_map)
+    gx_ref, gp_ref = permute_pad_backward_reference(g_rows, g_probs, out.row_map)
+    assert torch.equal(gx, gx_ref) and torch.equal(gp, gp_ref)
+
+    z, g_y = torch.randn_like(out.rows_MH), torch.randn_like(x)
+    for p, rows in ((probs, z), (probs, None), (None, None)):
+        dz, dp = torch.ops.moe.unpad_unpermute_backward(g_y, out.row_map, p, rows, M)
+        dz_ref, dp_ref = unpad_unpermute_backward_reference(g_y, out.row_map, p, rows, M)
+        assert torch.equal(dz, dz_ref)  # unreferenced rows zero, one multiply and cast per element
+        if dp_ref is None:
+            assert dp.numel() == 0
+        else:
+            torch.testing.assert_close(dp, dp_ref, **DOT_TOLS[dtype])
+
+
+def test_autograd_end_to_end_matches_cpu():
+    x, ids, probs = _inputs(300, 256, 16, 4, torch.float32, seed=5)
+    w = torch.randn(256, 256, device=DEV) / 16
+
+    def run(x, ids, probs):
+        x = x.clone().requires_grad_(True)
+        probs = probs.clone().requires_grad_(True)
+        out = permute_pad(x, ids, probs, num_experts=16, align=32)
+        h = torch.tanh(out.rows_MH @ w) * out.probs_M.unsqueeze(1)
+        y = unpad_unpermute(h, out.row_map, probs)
+        y.square().sum().backward()
+        return y, x.grad, probs.grad
+
+    got = run(x, ids, probs)
+    want = run(x.cpu(), ids.cpu(), probs.cpu())
+    for g, w_ in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w_, rtol=1e-4, atol=1e-4)
+
+
+def test_bitwise_deterministic_forward_backward_k8():
+    x, ids, probs = _inputs(4096, 2048, 64, 8, torch.bfloat16, seed=9)
+    g_y = torch.randn_like(x)
+
+    def run():
+        xx, pp = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        out = permute_pad(xx, ids, pp, num_experts=64, align=32)
+        h = out.rows_MH * out.probs_M.unsqueeze(1)
+        y = unpad_unpermute(h, out.row_map, pp)
+        y.backward(g_y)
+        return [y, xx.grad, pp.grad, *out]
+
+    first = run()
+    for _ in range(2):
+        for a, b in zip(first, run()):
+            assert torch.equal(a, b)
+
+
+def test_large_offsets_int64_addressing():
+    # N * H > 2^31 elements: row offsets must be computed in int64
+    T, H, E, K = 32768, 8448, 8, 8
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    ids = torch.arange(K, device=DEV).expand(T, K).contiguous()  # every token to every expert
+    out = permute_pad(x, ids, None, num_experts=E, align=32)
+    assert out.rows_MH.shape[0] * H > 2**31
+    last = out.row_map[-4:, :K].long()  # the highest rows belong to the last tokens
+    assert int(last.max()) * H > 2**31
+    for j in range(K):
+        assert torch.equal(out.rows_MH[last[:, j]], x[-4:])
+    y = unpad_unpermute(out.rows_MH, out.row_map)
+    torch.testing.assert_close(y[-4:].float(), K * x[-4:].float(), **DTYPE_TOLS[torch.bfloat16])
+    del out, y
+
+
+@pytest.mark.parametrize("with_probs", (True, False))
+def test_opcheck_cuda(with_probs):
+    x, ids, probs = _inputs(40, 64, 7, 2, torch.float32, seed=3)
+    p = probs if with_probs else None
+    torch.library.opcheck(torch.ops.moe.permute_pad.default, (x, ids, p, 7, 16, False))
+    out = permute_pad(x, ids, p, num_experts=7, align=16)
+    torch.library.opcheck(torch.ops.moe.unpad_unpermute.default, (out.rows_MH, out.row_map, p, False))
+
+
+def test_empty_and_tiny_cases():
+    for T, E, K, a in ((0, 8, 2, 32), (1, 1, 1, 1), (3, 64, 2, 16)):
+        x, ids, probs = _inputs(T, 32, E, K, torch.float16, seed=T)
+        out = permute_pad(x, ids, probs, num_experts=E, align=a)
+        assert out.rows_MH.shape == (static_row_bound(T * K, E, a), 32)
+        for got, want in zip(out, _ref_tuple(x, ids, probs, E, a)):
+            assert torch.equal(got, want)
+        assert unpad_unpermute(out.rows_MH, out.row_map, probs).shape == (T, 32)
+
+
+def test_compile_reduce_overhead_strict_cudagraph():
+    import torch._inductor.cudagraph_trees
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+
+    T, H, E, K, a = 256, 128, 16, 2, 32
+    w = torch.randn(H, H, device=DEV, dtype=torch.bfloat16) / 8
+
+    def layer(x, ids, probs):
+        out = permute_pad(x, ids, probs, num_experts=E, align=a)
+        h = torch.nn.functional.silu(out.rows_MH @ w)
+        return unpad_unpermute(h, out.row_map, probs), out.offs_E
+
+    torch._dynamo.reset()
+    counters.clear()
+    with inductor_config.patch({"graph_partition": False, "triton.cudagraph_or_error": True}):
+        compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+        for step in range(4):  # warm-up, record, replays with new routing
+            x, ids, probs = _inputs(T, H, E, K, torch.bfloat16, seed=100 + step)
+            torch.compiler.cudagraph_mark_step_begin()
+            y, offs = compiled(x, ids, probs)
+            y, offs = y.clone(), offs.clone()
+            y_ref, offs_ref = layer(x, ids, probs)
+            assert torch.equal(offs, offs_ref)
+            torch.testing.assert_close(y, y_ref, **DTYPE_TOLS[torch.bfloat16])
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    manager = torch._inductor.cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    assert manager is not None and manager.new_graph_id().id >= 1
+    torch._dynamo.reset()
+
+
+def test_compile_training_fullgraph_matches_eager():
+    T, H, E, K, a = 128, 64, 8, 2, 16
+    x, ids, probs = _inputs(T, H, E, K, torch.float32, seed=7)
+
+    def step(x, probs):
+        out = permute_pad(x, ids, probs, num_experts=E, align=a)
+        return unpad_unpermute(out.rows_MH.sin(), out.row_map, probs).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    grads = []
+    for fn in (step, compiled):
+        xx, pp = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        fn(xx, pp).backward()
+        grads.append((xx.grad, pp.grad))
+    torch.testing.assert_close(grads[0], grads[1])
+    torch._dynamo.reset()
+
+
+def _run_script(body: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(body)], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize("op", ("permute_pad", "unpad_unpermute"))
+def test_debug_device_assert(op):
+    # a device-side assert poisons the CUDA context: run it in a subprocess
+    script = """
+        import torch
+        from moe_compile.ops import permute_pad, unpad_unpermute
+        x = torch.randn(8, 64, device="cuda")
+        ids = torch.randint(0, 4, (8, 2), device="cuda")
+        {bad}
+        out = permute_pad(x, ids, None, num_experts=4, align=16, debug={debug_pp})
+        row_map = out.row_map.clone()
+        {bad_map}
+        unpad_unpermute(out.rows_MH, row_map, None, debug={debug_uu})
+        torch.cuda.synchronize()
+        print("finished")
+    """
+    if op == "permute_pad":
+        fmt = dict(bad="ids[3, 1] = 9", bad_map="", debug_uu=False)
+        key = "debug_pp"
+    else:
+        fmt = dict(bad="", bad_map="row_map[2, 0] = out.rows_MH.shape[0] + 5", debug_pp=False)
+        key = "debug_uu"
+    ok = _run_script(script.format(**fmt, **{key: False}))  # no debug: memory-safe, no assert
+    assert ok.returncode == 0 and "finished" in ok.stdout, ok.stderr[-3000:]
+    bad = _run_script(script.format(**fmt, **{key: True}))
+    assert bad.returncode != 0 and "finished" not in bad.stdout
+    assert "assert" in bad.stderr.lower(), bad.stderr[-3000:]
