@@ -1,0 +1,214 @@
+"""Benchmark ``moe::permute_pad`` / ``moe::unpad_unpermute`` (forward and backward) on one GPU.
+
+Compares, per shape (bf16, align 32, uniform top-k routing):
+
+* ``ours``: the Triton ops (backward: the ``moe::*_backward`` ops directly);
+* ``eager``: the usual PyTorch formulation: stable argsort, ``counts.tolist()`` to size the padded
+  buffer on the host, ``index_select``/``index_copy`` permute, ``index_add`` combine (backward: autograd);
+* ``inductor``: the same function under ``torch.compile`` (default backend; it graph-breaks at the
+  host sync);
+* ``floor``: bytes that must move / measured device-to-device copy bandwidth.
+
+Usage: ``python benchmarks/bench_dispatch.py --json benchmarks/results/dispatch.json [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    T: int
+    H: int
+    E: int
+    K: int
+    align: int = 32
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def name(self) -> str:
+        return f"T{self.T}_H{self.H}_E{self.E}_K{self.K}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    config: str
+    op: str
+    direction: str
+    impl: str
+    time_us: float
+    gbps: float  # floor bytes / time
+    x_floor: float  # time / floor time
+
+
+def get_configs(quick: bool) -> list[Config]:
+    configs = [Config(8192, 4096, 8, 2), Config(16384, 2048, 64, 8), Config(4096, 7168, 256, 8)]
+    return configs[:1] if quick else configs
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), from a 1 GiB copy."""
+    from triton.testing import do_bench
+
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+# ===== the PyTorch formulation (eager and under plain Inductor) =====
+
+
+def eager_permute_pad(x_TH, ids_TK, probs_TK, num_experts: int, align: int):
+    T, K = ids_TK.shape
+    flat_N = ids_TK.reshape(-1)
+    order_N = torch.argsort(flat_N, stable=True)
+    sorted_ids_N = flat_N[order_N]
+    counts_E = torch.bincount(flat_N, minlength=num_experts)
+    counts = counts_E.tolist()  # host sync: sizes the padded buffer
+    padded = [(c + align - 1) // align * align for c in counts]
+    seg_start = [0]
+    for p in padded[:-1]:
+        seg_start.append(seg_start[-1] + p)
+    seg_start_E = torch.tensor(seg_start, device=x_TH.device)
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    dest_N = seg_start_E[sorted_ids_N] + torch.arange(flat_N.numel(), device=x_TH.device) - start_E[sorted_ids_N]
+    tok_N = order_N // K
+    rows = x_TH.new_zeros(sum(padded), x_TH.shape[1]).index_copy(0, dest_N, x_TH.index_select(0, tok_N))
+    probs_M = probs_TK.new_zeros(sum(padded)).index_copy(0, dest_N, probs_TK.reshape(-1)[order_N])
+    offs_E = torch.tensor([s + p for s, p in zip(seg_start, padded)], dtype=torch.int32, device=x_TH.device)
+    return rows, probs_M, offs_E, dest_N, tok_N, order_N
+
+
+def eager_combine(rows_MH, dest_N, tok_N, order_N, probs_TK, T: int):
+    z_NH = rows_MH.index_select(0, dest_N) * probs_TK.reshape(-1)[order_N].unsqueeze(1)
+    return z_NH.new_zeros(T, rows_MH.shape[1]).index_add(0, tok_N, z_NH)
+
+
+# ===== measurement =====
+
+
+def run_experiment(cfg: Config, bw: float, rep: int) -> list[Result]:
+    from triton.testing import do_bench
+
+    from moe_compile.ops import permute_pad, static_row_bound, unpad_unpermute
+
+    dev = "cuda"
+    T, H, E, K, a, s = cfg.T, cfg.H, cfg.E, cfg.K, cfg.align, cfg.dtype.itemsize
+    N, M = T * K, static_row_bound(T * K, E, a)
+    torch.manual_seed(0)
+    x = torch.randn(T, H, device=dev, dtype=cfg.dtype)
+    ids = torch.rand(T, E, device=dev).topk(K, dim=1).indices
+    probs = torch.rand(T, K, device=dev, dtype=cfg.dtype)
+    out = permute_pad(x, ids, probs, num_experts=E, align=a)
+    z = torch.randn_like(out.rows_MH)
+    g_rows, g_probs, g_y = torch.randn_like(out.rows_MH), torch.randn_like(out.probs_M), torch.randn_like(x)
+
+    floor_bytes = {  # what must be read and written (probs, ids, maps are < 1% and ignored)
+        ("permute_pad", "fwd"): (T + M) * H * s,
+        ("permute_pad", "bwd"): (N + T) * H * s,
+        ("unpad_unpermute", "fwd"): (N + T) * H * s,
+        ("unpad_unpermute", "bwd"): (T + N + M) * H * s,
+    }
+
+    def bench(fn) -> float:
+        return do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median") * 1e3
+
+    timings: dict[tuple[str, str, str], float] = {}
+    timings["permute_pad", "fwd", "ours"] = bench(lambda: permute_pad(x, ids, probs, num_experts=E, align=a))
+    timings["unpad_unpermute", "fwd", "ours"] = bench(lambda: unpad_unpermute(z, out.row_map, probs))
+    timings["permute_pad", "bwd", "ours"] = bench(lambda: torch.ops.moe.permute_pad_backward(g_rows, g_probs, out.row_map))
+    timings["unpad_unpermute", "bwd", "ours"] = bench(
+        lambda: torch.ops.moe.unpad_unpermute_backward(g_y, out.row_map, probs, z, M)
+    )
+
+    for impl in ("eager", "inductor"):
+        torch._dynamo.reset()
+        permute_fn = eager_permute_pad if impl == "eager" else torch.compile(eager_permute_pad, dynamic=False)
+        combine_fn = eager_combine if impl == "eager" else torch.compile(eager_combine, dynamic=False)
+        xr, pr = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        rows, probs_M, _, dest, tok, order = permute_fn(xr, ids, pr, E, a)
+        zr = torch.randn_like(rows).requires_grad_(True)
+        y = combine_fn(zr, dest, tok, order, pr, T)
+        gr, gp, gy = torch.randn_like(rows), torch.randn_like(probs_M), torch.randn_like(y)
+        # forward timed on inputs that require grad (training): reuses the graphs compiled above
+        timings["permute_pad", "fwd", impl] = bench(lambda: permute_fn(xr, ids, pr, E, a))
+        timings["unpad_unpermute", "fwd", impl] = bench(lambda: combine_fn(zr, dest, tok, order, pr, T))
+        timings["permute_pad", "bwd", impl] = bench(
+            lambda: torch.autograd.grad((rows, probs_M), (xr, pr), (gr, gp), retain_graph=True)
+        )
+        timings["unpad_unpermute", "bwd", impl] = bench(lambda: torch.autograd.grad(y, (zr, pr), gy, retain_graph=True))
+        del rows, probs_M, y, zr
+    torch._dynamo.reset()
+
+    results = []
+    for (op, direction, impl), us in timings.items():
+        floor_us = floor_bytes[op, direction] / bw * 1e6
+        results.append(Result(cfg.name, op, direction, impl, us, floor_bytes[op, direction] / (us * 1e-6) / 1e9, us / floor_us))
+    for (op, direction), nbytes in floor_bytes.items():
+        results.append(Result(cfg.name, op, direction, "floor", nbytes / bw * 1e6, bw / 1e9, 1.0))
+    return results
+
+
+def summarize(results: list[Result]) -> list[dict]:
+    rows: dict[tuple[str, str, str], dict] = {}
+    for r in results:
+        row = rows.setdefault((r.config, r.op, r.direction), {"config": r.config, "op": r.op, "dir": r.direction})
+        row[f"{r.impl}_us"] = round(r.time_us, 1)
+        if r.impl == "ours":
+            row["ours_GBps"] = round(r.gbps, 1)
+            row["ours_x_floor"] = round(r.x_floor, 3)
+    for row in rows.values():
+        row["speedup_vs_eager"] = round(row["eager_us"] / row["ours_us"], 2)
+        row["speedup_vs_inductor"] = round(row["inductor_us"] / row["ours_us"], 2)
+    return list(rows.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--quick", action="store_true", help="first shape only, fewer repetitions")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_dispatch: no CUDA device; nothing to benchmark (this benchmark needs a GPU).")
+        return
+    import triton
+
+    rep = 20 if args.quick else 40
+    bw = copy_bandwidth()
+    results: list[Result] = []
+    start = time.perf_counter()
+    for cfg in get_configs(args.quick):
+        results += run_experiment(cfg, bw, rep)
+        torch.cuda.empty_cache()
+        print(f"{cfg.name}: done at {time.perf_counter() - start:.0f} s", flush=True)
+    summary = summarize(results)
+    env = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_bandwidth_GBps": round(bw / 1e9, 1),
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "summary": summary, "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
+    print(f"device={env['device']} torch={env['torch']} triton={env['triton']} copy={env['copy_bandwidth_GBps']} GB/s")
+    keys = list(summary[0].keys())
+    widths = [max(len(k), *(len(str(r.get(k))) for r in summary)) for k in keys]
+    print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
+    for r in summary:
+        print("  ".join(str(r.get(k)).ljust(w) for k, w in zip(keys, widths)))
+    if any(math.isnan(r.time_us) for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
