@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 # One tolerance table for every combine comparison (after TE's dtype_tols). Data movement is bitwise.
@@ -99,9 +100,10 @@ def check_invariants(out, ids_TK, num_experts, align):
     assert bool((offs[1:] >= offs[:-1]).all()) if num_experts > 1 else True
     assert int(offs[-1]) <= M
     starts = offs - padded
+    # real rows: [starts[e], starts[e] + counts[e]) for every expert
+    within = torch.arange(T * K) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
     used = torch.zeros(M, dtype=torch.bool)
-    for e in range(num_experts):
-        used[starts[e] : starts[e] + counts[e]] = True
+    used[torch.repeat_interleave(starts, counts) + within] = True
     assert not bool(rows[~used.to(rows.device)].any())
     if out.probs_M is not None:
         assert not bool(out.probs_M[~used.to(rows.device)].any())
@@ -128,3 +130,12 @@ def make_routing(T: int, K: int, num_experts: int, kind: str, gen: torch.Generat
         ids = others.argsort(1)[:, : K - 1]
         return torch.cat([torch.full((T, 1), hot, dtype=torch.int64), ids], 1)
     raise ValueError(kind)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_intra_op_thread():
+    """These tests run thousands of tiny ops: the intra-op thread pool only adds wake-up latency."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from moe_compile.ops import PermutePadOut, permute_pad, permute_pad_reference, static_row_bound, unpad_unpermute
 
-from ._dispatch_reference import (
+from ._dispatch_reference import (  # noqa: F401 (_single_intra_op_thread is an autouse fixture)
     ROUTINGS,
+    _single_intra_op_thread,
     check_invariants,
     check_row_map,
     make_routing,

@@ -18,7 +18,15 @@ from moe_compile.ops import (
     unpad_unpermute_reference,
 )
 
-from ._dispatch_reference import DOT_TOLS, DTYPE_TOLS, ROUTINGS, make_routing, naive_combine, naive_dispatch
+from ._dispatch_reference import (  # noqa: F401 (_single_intra_op_thread is an autouse fixture)
+    DOT_TOLS,
+    DTYPE_TOLS,
+    ROUTINGS,
+    _single_intra_op_thread,
+    make_routing,
+    naive_combine,
+    naive_dispatch,
+)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 EK = [(E, K) for E in (1, 7, 16, 64, 256) for K in (1, 2, 5, 8) if K <= E]

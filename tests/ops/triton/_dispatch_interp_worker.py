@@ -156,7 +156,10 @@ def main() -> None:
     import traceback
 
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    import torch
     import triton
+
+    torch.set_num_threads(1)  # tiny numpy/torch ops only
 
     from triton.runtime.interpreter import InterpretedFunction
 
