@@ -195,7 +195,7 @@ def _launch_triton(
     kernels._expert_histogram_kernel[(num_blocks,)](
         ids, hist, N, num_experts, BLOCK_N=block_n, E_PAD=e_pad, DEBUG=debug, num_warps=4, debug=debug
     )
-    block_b = max(1, min(_common.next_power_of_2(num_blocks), 8192 // e_pad))
+    block_b = max(2, min(_common.next_power_of_2(num_blocks), 8192 // e_pad))
     kernels._expert_offsets_kernel[(1,)](
         hist, base, counts, offs, num_blocks, num_experts, ALIGN=align, E_PAD=e_pad, BLOCK_B=block_b, num_warps=8
     )

@@ -158,17 +158,17 @@ def _permute_rows_kernel(
         if pid_h == 0:
             slots = tl.arange(0, K_PAD)
             slot_mask = slots < K
-            dest = tl.load(dest_ptr + t * K + slots, mask=slot_mask, other=-1)
-            dest_ok = slot_mask & (dest >= 0)
+            dest_K = tl.load(dest_ptr + t * K + slots, mask=slot_mask, other=-1)
+            dest_ok = slot_mask & (dest_K >= 0)
             if HAS_PROBS:
                 p = tl.load(probs_ptr + t * K + slots, mask=slot_mask)
-                tl.store(probs_out_ptr + dest, p, mask=dest_ok)
+                tl.store(probs_out_ptr + dest_K, p, mask=dest_ok)
             # row_map[t] = [rows ascending | their slots]: slot k goes to position rank(k), the number
             # of slots with a smaller key (keys are distinct; invalid rows sort last and read -1)
-            keys = tl.where(dest_ok, dest, num_rows).to(tl.int64) * K_PAD + slots
+            keys = tl.where(dest_ok, dest_K, num_rows).to(tl.int64) * K_PAD + slots
             rank = tl.sum((keys[None, :] < keys[:, None]).to(tl.int32), 1)
             row_map_t = row_map_ptr + t * (2 * K)
-            tl.store(row_map_t + rank, tl.where(dest_ok, dest, -1), mask=slot_mask)
+            tl.store(row_map_t + rank, tl.where(dest_ok, dest_K, -1), mask=slot_mask)
             tl.store(row_map_t + K + rank, slots, mask=slot_mask)
     else:
         # NOTE [zero rows without a memset]
@@ -321,7 +321,8 @@ def _unpermute_backward_kernel(
         used = tl.load(used_ptr + r, mask=r_mask, other=1)
         zero_mask = r_mask & (used == 0)
         zeros = tl.zeros([ZERO_ROWS, BLOCK_H], dtype=grad_rows_ptr.dtype.element_ty)
-        for h0 in range(h_start, h_end, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            ptrs = grad_rows_ptr + r[:, None] * H + cols[None, :]
-            tl.store(ptrs, zeros, mask=zero_mask[:, None] & (cols < H)[None, :])
+        if tl.max(zero_mask.to(tl.int32), 0) > 0:  # most row blocks are fully referenced: skip them
+            for h0 in range(h_start, h_end, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                ptrs = grad_rows_ptr + r[:, None] * H + cols[None, :]
+                tl.store(ptrs, zeros, mask=zero_mask[:, None] & (cols < H)[None, :])
