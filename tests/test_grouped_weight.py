@@ -215,9 +215,10 @@ class _Experts(nn.Module):
         return torch._grouped_mm(x, self.w.transpose(-2, -1), offs=offs)
 
 
-@pytest.mark.parametrize("recipe,master", [("mxfp8", False), ("nvfp4", True)])
+@pytest.mark.parametrize("recipe,master", [("mxfp8", False)])
 def test_compile_inductor_forward_backward(recipe, master):
-    """CPU Inductor compiles the subclass (uint8 e8m0 scales), fullgraph; outputs and grads bitwise."""
+    """CPU Inductor compiles the subclass (uint8 e8m0 scales), fullgraph; outputs and grads bitwise.
+    (nvfp4 with masters is compiled through the moe_compile backend in test_quantize.)"""
     torch._dynamo.reset()
     model = _Experts(GroupedQuantWeight.from_hp(_weight(), recipe, keep_master=master))
     x, offs = torch.randn(9, 64, dtype=torch.bfloat16, requires_grad=True), _offs([4, 0, 5])
