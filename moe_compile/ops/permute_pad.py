@@ -228,7 +228,13 @@ def _use_triton(x: Tensor, expert_idx: Tensor, num_experts: int) -> bool:
 # ===== custom ops =====
 
 
-@torch.library.custom_op("moe::permute_pad", mutates_args=())
+@torch.library.custom_op(
+    "moe::permute_pad",
+    mutates_args=(),
+    # plain `int`s (not SymInt): E and align are static, they size the output and pick kernels
+    schema="(Tensor x, Tensor expert_idx, Tensor? probs, int num_experts, int align, bool debug=False) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
 def _permute_pad_op(
     x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts: int, align: int, debug: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
