@@ -339,8 +339,16 @@ def erase_dead_host_reads(graph: fx.Graph) -> list[fx.Node]:
     """Erase host reads (``item``, ``sym_size`` of unbacked tensors) whose values reach no tensor op.
 
     An ``_assert_scalar`` (or ``torch._check``) is kept only if every host read it depends on stays;
-    it does not keep a read alive by itself. Returns the ``item`` nodes that remain.
+    it does not keep a read alive by itself. Repeats until nothing changes (erasing a ``sym_size`` can
+    free the tensor it read, whose size expression kept other reads alive). Returns the ``item`` nodes
+    that remain.
     """
+    while _erase_dead_host_reads_once(graph):
+        pass
+    return [n for n in graph.nodes if op_name(n) in ("item", "aten._local_scalar_dense")]
+
+
+def _erase_dead_host_reads_once(graph: fx.Graph) -> int:
     scalar = [n for n in graph.nodes if _is_scalar_node(n)]
     scalar_set = set(scalar)
     live: set[fx.Node] = set()
@@ -376,13 +384,14 @@ def erase_dead_host_reads(graph: fx.Graph) -> list[fx.Node]:
             for inp in node.all_input_nodes:
                 mark(inp)
     inputs: list[fx.Node] = []
+    erased = 0
     for node in reversed(scalar):
         if node in live or node.users:
             continue
         inputs.extend(i for i in node.all_input_nodes if i not in scalar_set)
         graph.erase_node(node)
-    erase_if_dead(inputs)
-    return [n for n in graph.nodes if op_name(n) in ("item", "aten._local_scalar_dense")]
+        erased += 1
+    return erased + erase_if_dead(inputs)
 
 
 def replace_uses_after(old: fx.Node, new: fx.Node, after: fx.Node) -> None:

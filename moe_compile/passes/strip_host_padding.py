@@ -845,5 +845,153 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
                  + ", ".join(n.name for n in remaining[:4]))
 
 
+# ---------------------------------------------------------------------------------------------------
+# a host pad after our fused permute (already aligned)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _permute_pad_leaves(pp: fx.Node) -> tuple[Any, list[sympy.Expr], int]:
+    """Symbolic ``offs_E`` / ``counts_E`` of a ``moe.permute_pad`` node in its per-expert counts ``n_e``."""
+    E, align = pp.args[3], pp.args[4]
+    counts = leaf_vector(pp, E)
+    padded = [ceil_align(n, align) for n in counts]
+    offs = [sympy.Add(*padded[: i + 1]) for i in range(E)]
+
+    def leaves(node: fx.Node) -> list[sympy.Expr] | None:
+        if is_call(node, "getitem") and node.args[0] is pp:
+            return {2: offs, 4: counts}.get(node.args[1])
+        return None
+
+    return leaves, counts, align
+
+
+def _match_pad_after_permute_pad(pp: fx.Node, reads: dict[sympy.Symbol, HostRead]) -> tuple[str, dict] | None:
+    """Match ``rows_MH[:used]`` -> host split + pad -> experts -> ``F.pad(y, (0, 0, 0, M - used))``."""
+    outs = {u.args[1]: u for u in pp.users if is_call(u, "getitem")}
+    rows, row_map = outs.get(0), outs.get(3)
+    if rows is None or row_map is None:
+        return None
+    narrowed = [
+        u for u in rows.users
+        if (is_call(u, "getitem") and isinstance(u.args[1], slice) and u.args[1].start in (None, 0)
+            and u.args[1].step in (None, 1) and isinstance(u.args[1].stop, fx.Node))
+        or (is_call(u, "narrow") and kwarg(u, "dim") == 0 and kwarg(u, "start") == 0)
+    ]
+    if len(narrowed) != 1:
+        return None
+    R = narrowed[0]
+    used = R.args[1].stop if is_call(R, "getitem") else kwarg(R, "length")
+    pad = _match_pad(R)
+    X = pad.cat if pad is not None else R
+    pad_back = [
+        n for n in _forward_set(X)
+        if is_call(n, "pad") and any(is_call(u, "moe.unpad_unpermute") and u.args[1] is row_map for u in n.users)
+    ]
+    if len(pad_back) != 1:
+        raise _Skip("pad_not_matched", f"{R.name}: the expert output is not padded back to the rows of {pp.name}")
+    back = pad_back[0]
+    Y = back.args[0]
+    spec = kwarg(back, "pad")
+    if not (isinstance(spec, (list, tuple)) and len(spec) == 4 and list(spec[:3]) == [0, 0, 0]):
+        raise _Skip("pad_not_matched", f"{back.name} is not a row pad")
+    middle = _region_nodes(X, Y)
+    if Y not in middle:
+        raise _Skip("region_not_rowwise", f"{Y.name} is not computed from {X.name}")
+    inside = set(middle) | {X}
+    offs_uses, offs_nodes = [], []
+    E = pp.args[3]
+    for node in middle:
+        found = _check_rowwise(node, inside, E)
+        if found:
+            offs_uses.append(node)
+            offs_nodes += [o for o in found if o not in offs_nodes]
+        allowed = inside | ({back} if node is Y else set())
+        bad = [u for u in node.users if u not in allowed]
+        if bad:
+            raise _Skip("expert_region_escapes", f"{node.name} is also used by {bad[0].name}")
+    leaves, counts, align = _permute_pad_leaves(pp)
+    ev = IntVectorEval(reads, leaves)
+
+    def scalar(v: Any) -> sympy.Expr:
+        expr = ev.scalar(v)
+        if expr is None:
+            raise _Skip("pad_not_matched", f"size {v} is not an expression of {pp.name}'s outputs")
+        return expr
+
+    segments = [ceil_align(n, align) for n in counts]
+    pairs = [(scalar(used), sympy.Add(*segments))]
+    M = tensor_value(rows).shape[0]
+    pairs.append((scalar(spec[3]) + scalar(used), sympy.Integer(M)))
+    padded = segments
+    if pad is not None:
+        if len(pad.sizes) != E:
+            raise _Skip("pad_not_matched", f"{len(pad.sizes)} host groups for {E} experts")
+        pairs += [(scalar(s), seg) for s, seg in zip(pad.sizes, segments)]
+        if not same_on_samples(pairs, counts):
+            raise _Skip("pad_not_matched", f"host groups are not the segments of {pp.name}")
+        if not same_on_samples([(scalar(q), sympy.Integer(0)) for q in pad.pads], counts):
+            raise _Skip("alignment_unsupported", f"the host pads rows of {pp.name}(align={align}) to a larger alignment")
+    elif not same_on_samples(pairs, counts):
+        raise _Skip("pad_not_matched", f"{R.name} does not keep exactly the used rows of {pp.name}")
+    for offs in offs_nodes:
+        vec = int_vector(offs, reads, leaves)
+        if vec is None or len(vec) != E or tensor_value(offs).dtype != torch.int32:
+            raise _Skip("offsets_not_matched", f"{offs.name} is not an int32 [E] expression of {pp.name}")
+        expected = [sympy.Add(*padded[: i + 1]) for i in range(E)]
+        if not same_on_samples(list(zip(vec, expected)), counts):
+            raise _Skip("offsets_not_matched", f"{offs.name} is not the offsets of {pp.name}")
+    return "ok", dict(rows=rows, offs=outs.get(2), R=R, X=X, Y=Y, back=back, middle=middle, pad=pad,
+                      offs_uses=offs_uses, offs_nodes=offs_nodes, align=align)
+
+
+def _forward_set(start: fx.Node) -> list[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [start]
+    while stack:
+        for u in stack.pop().users:
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    order = topo_index(start.graph)
+    return sorted(seen, key=order.__getitem__)
+
+
 def _strip_pad_after_permute_pad(graph: fx.Graph, ctx: PassContext) -> list[str]:
-    return []
+    """Remove a host pad (and the host slicing around it) that follows ``moe.permute_pad``."""
+    touched = []
+    for pp in [n for n in graph.nodes if op_name(n) == "moe.permute_pad"]:
+        layer = layer_name(pp)
+        try:
+            found = _match_pad_after_permute_pad(pp, host_reads(graph))
+        except _Skip as skip:
+            ctx.skip(layer, skip.reason, skip.detail)
+            touched.append(layer)
+            continue
+        if found is None:
+            continue
+        m = found[1]
+        offs = m["offs"]
+        if offs is None:
+            with graph.inserting_after(m["rows"]):
+                offs = call(graph, operator.getitem, pp, 2, meta_from=pp)
+        for node in m["middle"]:
+            node.replace_input_with(m["X"], m["rows"])
+        for node in m["offs_uses"]:
+            if len(node.args) > 2:
+                node.update_arg(2, offs)
+            else:
+                node.update_kwarg("offs", offs)
+        refresh_example_values(m["middle"])
+        m["back"].replace_all_uses_with(m["Y"])
+        graph.erase_node(m["back"])
+        erase_dead(graph, [m["X"], m["R"], *m["offs_nodes"]])
+        from torch._inductor.pattern_matcher import stable_topological_sort
+
+        stable_topological_sort(graph)
+        if m["pad"] is not None:
+            ctx.skip(layer, "already_aligned",
+                     f"rows of moe.permute_pad(align={m['align']}) are already aligned: host pad removed, not padded again")
+        ctx.rewrite(layer, "moe.permute_pad rows[:host used] + host split/pad + host offsets + pad back",
+                    "rows_MH + offs_E of moe.permute_pad")
+        touched.append(layer)
+    return touched
