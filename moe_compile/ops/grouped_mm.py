@@ -102,27 +102,39 @@ def grouped_mm_wgrad_reference(dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_E: 
 _FORMATS = {"plain": 0, "mxfp8": 1, "nvfp4": 2}
 
 
-def _pick_config(M: int, E: int, N: int, K: int, fmt: str, on_cuda: bool, fp32: bool) -> dict:
+def _pick_config(M: int, E: int, N: int, K: int, fmt: str, device: torch.device, fp32: bool) -> dict:
     """Static tile config from shapes only (no autotune: it would bench inside CUDA graphs / compile).
 
-    Decode (<= 16 rows per expert on average) reads each weight tile once: small BLOCK_M, long BLOCK_K
-    for many bytes in flight. Prefill is MMA-bound: square 128 tiles.
+    BLOCK_M covers about 1.5x the average rows per expert (one row tile per expert when routing is
+    balanced: each weight tile is read once). Small BLOCK_M means weight-bandwidth bound: BLOCK_N
+    shrinks until the active experts fill about two waves of SMs. Large BLOCK_M is MMA bound:
+    128 x 128 tiles. ``benchmarks/bench_grouped_weight.py --sweep`` times alternatives on the GPU.
     """
-    if not on_cuda:  # interpreter: smallest legal tiles keep it fast
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
+    if device.type != "cuda":  # interpreter: smallest legal tiles keep it fast
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     rows_per_expert = M / max(E, 1)
-    if rows_per_expert <= 16:
-        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
-    elif rows_per_expert <= 64:
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    block_m = min(max(_next_pow2(int(1.5 * rows_per_expert) + 1), 16), 128)
+    if block_m <= 32:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        block_n = 128
+        while block_n > 32 and min(E, M) * triton.cdiv(N, block_n) < 2 * sms:
+            block_n //= 2
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    elif block_m == 64:
+        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
     else:
-        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
     if fp32:
         cfg["BLOCK_K"] = 32
     min_k = MX_BLOCK if fmt != "plain" else 16
     cfg["BLOCK_K"] = max(min(cfg["BLOCK_K"], _next_pow2(K)), min_k)
     cfg["BLOCK_N"] = max(min(cfg["BLOCK_N"], _next_pow2(N)), 16)
     return cfg
+
+
+def grid_m_slots(M: int, E: int, block_m: int) -> int:
+    """NOTE [static grid over M tiles]: a static bound on the row tiles, tail tiles included."""
+    return triton.cdiv(M, block_m) + min(E, M) + 1
 
 
 def _next_pow2(n: int) -> int:
@@ -144,9 +156,9 @@ def launch_grouped_mm(
     kernels = kernels or _kernels
     M, K = x_MK.shape
     E, N = offs_E.shape[0], out_MN.shape[1]
-    cfg = dict(config or _pick_config(M, E, N, K, fmt, x_MK.is_cuda, x_MK.dtype == torch.float32))
-    block_m = cfg["BLOCK_M"]
-    grid = (triton.cdiv(M, block_m) + min(E, M) + 1, triton.cdiv(N, cfg["BLOCK_N"]))
+    cfg = dict(config or _pick_config(M, E, N, K, fmt, x_MK.device, x_MK.dtype == torch.float32))
+    m_slots = grid_m_slots(M, E, cfg["BLOCK_M"])
+    grid = (m_slots * triton.cdiv(N, cfg["BLOCK_N"]),)
     scale = w_scale if w_scale is not None else w
     gscale = w_gscale if w_gscale is not None else offs_E
     kernel = wrap_triton(kernels._grouped_mm_kernel) if x_MK.is_cuda else kernels._grouped_mm_kernel
@@ -157,6 +169,7 @@ def launch_grouped_mm(
         w.stride(0), w.stride(1), w.stride(2),
         scale.stride(0), scale.stride(1), scale.stride(-1),
         out_MN.stride(0), out_MN.stride(1),
+        m_slots,
         W_FORMAT=_FORMATS[fmt], IEEE_DOT=x_MK.dtype == torch.float32 or not x_MK.is_cuda,
         BLOCK_E=max(_next_pow2(E), 16), **cfg,
     )  # fmt: skip

@@ -4,7 +4,7 @@ Shape suffixes: ``M`` rows of the expert-major buffer, ``K`` reduction dim, ``N`
 ``offs_E`` holds int32 cumulative END offsets: expert ``e`` owns rows ``[offs[e-1], offs[e])``.
 
 NOTE [static grid over M tiles]
-The host never reads ``offs``. Axis 0 of the grid is a static bound on the number of row tiles,
+The host never reads ``offs``. The grid covers a static bound on the number of row tiles,
 ``cdiv(M, BLOCK_M) + min(E, M) + 1``: every non-empty expert wastes at most one partial tile, plus the
 tail tiles past ``offs[-1]``. Each program loads ``offs`` once, turns it into per-expert tile counts
 and their inclusive prefix sum, and finds its expert with one vector compare:
@@ -91,13 +91,24 @@ def _grouped_mm_kernel(
     stride_we, stride_wn, stride_wk,
     stride_se, stride_sn, stride_sk,
     stride_ym, stride_yn,
+    NUM_M_SLOTS,
     W_FORMAT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """``y[r, :] = x[r, :] @ W[e]^T`` for rows ``r`` of expert ``e``; rows ``>= offs[-1]`` are zeroed."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """``y[r, :] = x[r, :] @ W[e]^T`` for rows ``r`` of expert ``e``; rows ``>= offs[-1]`` are zeroed.
+
+    1-D grid of ``NUM_M_SLOTS * cdiv(N, BLOCK_N)`` programs, ordered in groups of ``GROUP_M`` row
+    tiles so that neighbouring programs share activation and weight tiles in L2 (prefill).
+    """
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(NUM_M_SLOTS - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
     is_work, row0, row_hi, e = _expert_tile(offs_ptr, E, M, pid_m, BLOCK_M, BLOCK_E)
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,45 +116,42 @@ def _grouped_mm_kernel(
     col_mask = cols < N
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
     out_mask = row_mask[:, None] & col_mask[None, :]
-    if is_work:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        w_base = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
-        s_base = w_scale_ptr + e.to(tl.int64) * stride_se + cols[:, None].to(tl.int64) * stride_sn
-        if W_FORMAT == W_NVFP4:
-            gscale = tl.load(w_gscale_ptr + e)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_mask = ks < K
-            x = tl.load(
-                x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk,
-                mask=row_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
-            if W_FORMAT == W_PLAIN:
-                w = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-            elif W_FORMAT == W_MXFP8:
-                q = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-                sk = k0 // MX_BLOCK + tl.arange(0, BLOCK_K // MX_BLOCK)
-                s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // MX_BLOCK), other=127)
-                scale = _decode_e8m0(s)
-                w = q.to(tl.float32).reshape(BLOCK_N, BLOCK_K // MX_BLOCK, MX_BLOCK) * scale[:, :, None]
-                w = w.reshape(BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
-            else:
-                kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-                packed = tl.load(w_base + kp[None, :] * stride_wk, mask=col_mask[:, None] & (kp[None, :] < K // 2), other=0)
-                codes = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, BLOCK_K)
-                sk = k0 // NV_BLOCK + tl.arange(0, BLOCK_K // NV_BLOCK)
-                s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // NV_BLOCK), other=0.0)
-                scale = gscale * s.to(tl.float32)  # same order as torchao: per_tensor_scale * e4m3 scale
-                w = _decode_e2m1(codes).reshape(BLOCK_N, BLOCK_K // NV_BLOCK, NV_BLOCK) * scale[:, :, None]
-                w = w.reshape(BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
-            if IEEE_DOT:
-                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=out_mask)
+    # tail slots run zero K iterations and store zeros (no scf.if: keeps the K loop pipelinable)
+    k_end = tl.where(is_work, K, 0)
+    e = tl.minimum(e, E - 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_base = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    w_base = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    s_base = w_scale_ptr + e.to(tl.int64) * stride_se + cols[:, None].to(tl.int64) * stride_sn
+    if W_FORMAT == W_NVFP4:
+        gscale = tl.load(w_gscale_ptr + e)
+    for k0 in range(0, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x = tl.load(x_base + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        if W_FORMAT == W_PLAIN:
+            w = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        elif W_FORMAT == W_MXFP8:
+            q = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            sk = k0 // MX_BLOCK + tl.arange(0, BLOCK_K // MX_BLOCK)
+            s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // MX_BLOCK), other=127)
+            scale = _decode_e8m0(s)
+            w = q.to(tl.float32).reshape(BLOCK_N, BLOCK_K // MX_BLOCK, MX_BLOCK) * scale[:, :, None]
+            w = w.reshape(BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
+        else:
+            kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            packed = tl.load(w_base + kp[None, :] * stride_wk, mask=col_mask[:, None] & (kp[None, :] < K // 2), other=0)
+            codes = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, BLOCK_K)
+            sk = k0 // NV_BLOCK + tl.arange(0, BLOCK_K // NV_BLOCK)
+            s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // NV_BLOCK), other=0.0)
+            scale = gscale * s.to(tl.float32)  # same order as torchao: per_tensor_scale * e4m3 scale
+            w = _decode_e2m1(codes).reshape(BLOCK_N, BLOCK_K // NV_BLOCK, NV_BLOCK) * scale[:, :, None]
+            w = w.reshape(BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
+        if IEEE_DOT:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
