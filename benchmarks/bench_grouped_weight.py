@@ -1,0 +1,230 @@
+"""Benchmark weight-only MXFP8 / NVFP4 grouped GEMMs against bf16 ``torch._grouped_mm`` on one GPU.
+
+Qwen3-MoE-like experts: E=128, H=2048, I=768, top-8, uniform routing; T tokens give M = 8T rows.
+Per T, both expert GEMMs are timed and summed: gate_up ``[M, 2048] x [128, 1536, 2048]^T`` and
+down ``[M, 768] x [128, 2048, 768]^T``. Implementations:
+
+* ``bf16``: ``torch._grouped_mm`` on bf16 weights (CUTLASS on sm90; plain Inductor emits the same
+  extern call for this op, so it is also the "Inductor" baseline);
+* ``<fmt>_dequant``: dequantise the whole weight, then ``torch._grouped_mm`` (what an emulated
+  quantised path does; ``--inductor`` also times it under ``torch.compile``);
+* ``mxfp8`` / ``nvfp4``: our Triton weight-only kernels (``moe::grouped_mm_mxfp8/_nvfp4``);
+* ``floor``: (weight bytes of the experts that received rows + activation bytes) / measured copy
+  bandwidth, per format.
+
+Columns: time, speedup vs bf16, weight memory (both GEMMs), relative error of the output vs the bf16
+weights (quantisation error) and vs dequantise-then-bf16 (kernel error), time / floor.
+Targets at T <= 64: mxfp8 >= 1.8x and nvfp4 >= 3x faster than bf16.
+
+Usage: ``python benchmarks/bench_grouped_weight.py --json benchmarks/results/grouped_weight.json
+[--quick] [--sweep] [--inductor]``. ``--sweep`` also times a grid of tile configs per shape and
+prints the best (slow: one Triton compile per config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import torch
+
+E, H, I, TOPK = 128, 2048, 768, 8
+TOKENS = (1, 16, 64, 256, 4096)
+TARGETS = {"mxfp8": 1.8, "nvfp4": 3.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    T: int
+    impl: str
+    time_us: float
+    speedup_vs_bf16: float
+    weight_MB: float
+    rel_err_vs_bf16: float
+    rel_err_vs_dequant: float
+    floor_us: float
+    x_floor: float
+    config: str = ""
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write) from a 1 GiB copy."""
+    from triton.testing import do_bench
+
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def routing(T: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Uniform top-8 of 128 per token -> (int32 cumulative offsets, experts that got rows)."""
+    ids = torch.rand(T, E, generator=gen).argsort(1)[:, :TOPK]
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    return torch.cumsum(counts, 0).to(torch.int32).cuda(), int((counts > 0).sum())
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor, rows: int) -> float:
+    y, ref = y[:rows].float(), ref[:rows].float()
+    return float((y - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def make_weights(gen: torch.Generator):
+    from moe_compile.grouped_weight import quantize_stored
+
+    weights = {}
+    for name, (n, k) in {"gate_up": (2 * I, H), "down": (H, I)}.items():
+        w = (torch.randn(E, n, k, generator=gen) * k**-0.5).to(torch.bfloat16).cuda()
+        weights[name] = {"bf16": (w,), "mxfp8": quantize_stored(w, "mxfp8")[:2], "nvfp4": quantize_stored(w, "nvfp4")}
+    return weights
+
+
+def weight_bytes(tensors: tuple[torch.Tensor, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def sweep_configs(M: int) -> list[dict]:
+    rows = M / E
+    block_ms = [16, 32] if rows <= 16 else [32, 64] if rows <= 48 else [64, 128]
+    configs = []
+    for bm in block_ms:
+        for bn in (32, 64, 128):
+            for bk in (64, 128, 256):
+                for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                    if bm * bk > 128 * 128 or bn * bk > 128 * 256:
+                        continue
+                    configs.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages))
+    return configs
+
+
+def run_experiment(T: int, weights: dict, bw: float, args, gen: torch.Generator) -> list[Result]:
+    from triton.testing import do_bench
+
+    from moe_compile.ops import grouped_mm as gmm
+
+    offs, active = routing(T, gen)
+    M = T * TOPK
+    xs = {"gate_up": torch.randn(M, H, generator=gen).to(torch.bfloat16).cuda(),
+          "down": torch.randn(M, I, generator=gen).to(torch.bfloat16).cuda()}  # fmt: skip
+    dequant = {"mxfp8": lambda q, s: gmm.dequantize_mxfp8(q, s, torch.bfloat16),
+               "nvfp4": lambda q, s, g: gmm.dequantize_nvfp4(q, s, g, torch.bfloat16)}  # fmt: skip
+    fns: dict[str, dict] = {"bf16": {}, "mxfp8": {}, "nvfp4": {}, "mxfp8_dequant": {}, "nvfp4_dequant": {}}
+    compiled_dequant = {f: torch.compile(lambda x, o, *w, f=f: torch._grouped_mm(x, dequant[f](*w).transpose(-2, -1), offs=o)) for f in ("mxfp8", "nvfp4")}
+    for g, x in xs.items():
+        w = weights[g]
+        fns["bf16"][g] = lambda x=x, w=w: torch._grouped_mm(x, w["bf16"][0].transpose(-2, -1), offs=offs)
+        fns["mxfp8"][g] = lambda x=x, w=w: torch.ops.moe.grouped_mm_mxfp8(x, *w["mxfp8"], offs)
+        fns["nvfp4"][g] = lambda x=x, w=w: torch.ops.moe.grouped_mm_nvfp4(x, *w["nvfp4"], offs)
+        for f in ("mxfp8", "nvfp4"):
+            fns[f"{f}_dequant"][g] = lambda x=x, w=w, f=f: torch._grouped_mm(x, dequant[f](*w[f]).transpose(-2, -1), offs=offs)
+            if args.inductor:
+                fns.setdefault(f"{f}_dequant_inductor", {})[g] = lambda x=x, w=w, f=f: compiled_dequant[f](x, offs, *w[f])
+
+    rows = int(offs[-1])
+    ref = {g: fns["bf16"][g]() for g in xs}
+    results = []
+    bf16_time = None
+    for impl, per_gemm in fns.items():
+        fmt = impl.split("_")[0]
+        time_us = sum(do_bench(fn, warmup=10, rep=40 if args.quick else 100) for fn in per_gemm.values()) * 1e3
+        bf16_time = time_us if impl == "bf16" else bf16_time
+        outs = {g: fn() for g, fn in per_gemm.items()}
+        deq_ref = {g: fns[f"{fmt}_dequant"][g]() for g in xs} if fmt != "bf16" else ref
+        err_bf16 = max(rel_err(outs[g], ref[g], rows) for g in xs)
+        err_deq = max(rel_err(outs[g], deq_ref[g], rows) for g in xs)
+        wbytes = sum(weight_bytes(weights[g][fmt]) for g in xs)
+        moved = wbytes * active / E + sum(x.numel() * x.element_size() for x in xs.values()) + M * (2 * I + H) * 2
+        floor_us = moved / bw * 1e6
+        results.append(Result(T, impl, time_us, bf16_time / time_us, wbytes / 1e6, err_bf16, err_deq, floor_us, time_us / floor_us))
+    if args.sweep:
+        for fmt in ("mxfp8", "nvfp4"):
+            best = sweep(T, fmt, xs, weights, offs, bf16_time, results, bw)
+            results.extend([best] if best is not None else [])
+    return results
+
+
+def sweep(T, fmt, xs, weights, offs, bf16_time, results, bw) -> Result | None:
+    from triton.testing import do_bench
+
+    from moe_compile.ops import grouped_mm as gmm
+
+    total, chosen = 0.0, []
+    for g, x in xs.items():
+        w = weights[g][fmt]
+        scale, gscale = w[1], (w[2] if fmt == "nvfp4" else None)
+        out = x.new_empty(x.shape[0], w[0].shape[1])
+        best = (float("inf"), None)
+        for cfg in sweep_configs(x.shape[0]):
+            try:
+                t = do_bench(lambda: gmm.launch_grouped_mm(x, w[0], scale, gscale, offs, out, fmt, config=cfg), warmup=5, rep=20)
+            except Exception:  # e.g. out of shared memory for this tile
+                continue
+            best = min(best, (t, cfg), key=lambda b: b[0])
+        if best[1] is None:
+            return None
+        total += best[0] * 1e3
+        chosen.append(f"{g}:{best[1]}")
+    base = next(r for r in results if r.impl == fmt)
+    return dataclasses.replace(base, impl=f"{fmt}_best", time_us=total, speedup_vs_bf16=bf16_time / total,
+                               x_floor=total / base.floor_us, config=" ".join(chosen))  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--quick", action="store_true", help="T in {1, 64, 4096}, fewer repetitions")
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of tile configs (slow)")
+    parser.add_argument("--inductor", action="store_true", help="also time torch.compile(dequant + grouped mm)")
+    args, _ = parser.parse_known_args()
+    if not torch.cuda.is_available():
+        print("bench_grouped_weight: no CUDA device, nothing to run")
+        return 0
+    import triton
+
+    import moe_compile.ops.grouped_mm  # noqa: F401  (registers the ops)
+
+    gen = torch.Generator().manual_seed(0)
+    bw = copy_bandwidth()
+    weights = make_weights(gen)
+    results = []
+    for T in (1, 64, 4096) if args.quick else TOKENS:
+        results.extend(run_experiment(T, weights, bw, args, gen))
+    summary = [
+        {"T": r.T, "impl": r.impl, "us": round(r.time_us, 1), "x_vs_bf16": round(r.speedup_vs_bf16, 2),
+         "weight_MB": round(r.weight_MB, 1), "err_vs_bf16": f"{r.rel_err_vs_bf16:.3g}",
+         "err_vs_deq": f"{r.rel_err_vs_dequant:.2g}", "x_floor": round(r.x_floor, 2)}
+        for r in results
+    ]  # fmt: skip
+    targets = {
+        f"{fmt}_T{T}": next(r.speedup_vs_bf16 for r in results if r.T == T and r.impl == fmt) >= goal
+        for fmt, goal in TARGETS.items()
+        for T in sorted({r.T for r in results if r.T <= 64})
+    }
+    env = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_bandwidth_GBps": round(bw / 1e9, 1),
+        "shape": dict(E=E, H=H, I=I, top_k=TOPK),
+        "targets_met": targets,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "summary": summary, "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
+    for r in results:
+        if r.config:
+            print(f"T={r.T} {r.impl}: {r.config}")
+    print(f"device={env['device']} torch={env['torch']} triton={env['triton']} copy={env['copy_bandwidth_GBps']} GB/s")
+    print(f"targets (T<=64: mxfp8 >= 1.8x, nvfp4 >= 3x vs bf16): {targets}")
+    keys = list(summary[0].keys())
+    widths = [max(len(k), *(len(str(r[k])) for r in summary)) for k in keys]
+    print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
+    for row in summary:
+        print("  ".join(str(row[k]).ljust(w) for k, w in zip(keys, widths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
