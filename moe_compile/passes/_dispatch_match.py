@@ -235,6 +235,18 @@ def _sentinel_base(node: Any) -> fx.Node | None:
     return None
 
 
+def _index_consumers(idx: fx.Node, direct: fx.Node | None = None) -> list[fx.Node]:
+    """Row gathers indexed by ``idx``, directly or through ``idx.unsqueeze(-1).expand(-1, H)``."""
+    found = []
+    firsts = [direct] if direct is not None else list(idx.users)
+    for u in firsts:
+        for g in [u, *u.users, *(w for v in u.users for w in v.users)]:
+            parts = _gather_parts(g)
+            if parts is not None and parts[1] is idx and g not in found:
+                found.append(g)
+    return found
+
+
 def _zeros_buffer_shape(node: Any) -> tuple[Any, ...] | None:
     if not ia.is_zeros_creation(node):
         return None
@@ -343,14 +355,11 @@ class Matcher:
         for u in perm.users:
             k = _index_of_floordiv(u, perm)
             if k is not None:
-                for g in u.users:
-                    parts = _gather_parts(g)
-                    if parts is not None and parts[1] is u:
-                        candidates.append((g, k))
+                for g in _index_consumers(u):
+                    candidates.append((g, k))
                 continue
-            parts = _gather_parts(u)
-            if parts is not None and parts[1] is perm:
-                candidates.append((u, None))
+            for g in _index_consumers(perm, direct=u):
+                candidates.append((g, None))
         for g, k in sorted(candidates, key=lambda c: self.order[c[0]]):
             src, _ = _gather_parts(g)
             sv = tensor_val(src)
