@@ -59,24 +59,46 @@ class _RoutedExperts(nn.Module):
 
 
 class SplitPadGroupedMoE(_RoutedExperts):
-    """Layer 1: host split + ``F.pad`` + cat, grouped GEMMs, split/narrow/cat unpad, ``index_add_``."""
+    """Layer 1: host split + ``F.pad`` + cat, grouped GEMMs, split/narrow/cat unpad, ``index_add_``.
+
+    ``variant`` breaks one step so that a pass must not fire (the layer still runs in eager):
+    ``"descending"`` sort, ``"bad_pad"`` (pads to ``n + 1`` rows), ``"unpermuted_probs"`` (the combine
+    weight is not permuted with the rows), ``"row_mixing"`` (a ``cumsum`` over rows between the GEMMs),
+    ``"wrong_counts"`` (split sizes counted from other ids), ``"escape"`` (the padded rows are also
+    used outside the expert region).
+    """
+
+    VARIANTS = ("", "descending", "bad_pad", "unpermuted_probs", "row_mixing", "wrong_counts", "escape")
+
+    def __init__(self, *args, variant: str = "", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if variant not in self.VARIANTS:
+            raise ValueError(f"variant must be one of {self.VARIANTS}, got {variant!r}")
+        self.variant = variant
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        E, K, a = self.num_experts, self.top_k, self.align
+        E, K, a, variant = self.num_experts, self.top_k, self.align, self.variant
         probs_TK, idx_TK = self.route(x_TH)
-        order_N = torch.argsort(idx_TK.reshape(-1), stable=True)
+        order_N = torch.argsort(idx_TK.reshape(-1), stable=True, descending=variant == "descending")
         token_N = order_N // K
         x_NH = x_TH[token_N]
-        counts_E = F.one_hot(idx_TK.reshape(-1), E).sum(dim=0)
+        count_ids_TK = idx_TK.flip(0) if variant == "wrong_counts" else idx_TK
+        counts_E = F.one_hot(count_ids_TK.reshape(-1), E).sum(dim=0)
         sizes = counts_E.tolist()
-        padded = [(n + a - 1) // a * a for n in sizes]
+        padded = [n + 1 if variant == "bad_pad" else (n + a - 1) // a * a for n in sizes]
         chunks = torch.split(x_NH, sizes)
         x_PH = torch.cat([F.pad(c, (0, 0, 0, p - n)) for c, n, p in zip(chunks, sizes, padded)])
         offs_E = torch.tensor(list(itertools.accumulate(padded)), dtype=torch.int32, device=x_TH.device)
         y_PH = self.expert_mlp(x_PH, offs_E)
+        if variant == "row_mixing":
+            y_PH = y_PH.cumsum(dim=0)
         y_NH = torch.cat([y.narrow(0, 0, n) for y, n in zip(torch.split(y_PH, padded), sizes)])
-        y_NH = (y_NH * probs_TK.reshape(-1)[order_N].unsqueeze(-1)).to(x_TH.dtype)
-        return torch.zeros_like(x_TH).index_add_(0, token_N, y_NH)
+        probs_N = probs_TK.reshape(-1) if variant == "unpermuted_probs" else probs_TK.reshape(-1)[order_N]
+        y_NH = (y_NH * probs_N.unsqueeze(-1)).to(x_TH.dtype)
+        out_TH = torch.zeros_like(x_TH).index_add_(0, token_N, y_NH)
+        if variant == "escape":
+            out_TH = out_TH + x_PH.float().mean().to(x_TH.dtype)
+        return out_TH
 
 
 class MaskedSelectMoE(_RoutedExperts):
