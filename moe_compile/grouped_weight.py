@@ -18,7 +18,7 @@ AOTAutograd trace it as an ordinary subclass and flatten it into its inner tenso
 
 | op | behaviour |
 | --- | --- |
-| ``aten._grouped_mm`` (``torch._grouped_mm``, ``F.grouped_mm``), ``moe::grouped_mm`` | ``x @ W[e]^T``: CUDA -> weight-only Triton kernel (``moe::grouped_mm_mxfp8/_nvfp4``); CPU -> dequantise, then the same op |
+| ``aten._grouped_mm`` (``torch._grouped_mm``, ``F.grouped_mm``), ``moe::grouped_mm``, ``transformers::grouped_mm_fallback`` | ``x @ W[e]^T``: CUDA -> weight-only Triton kernel (``moe::grouped_mm_mxfp8/_nvfp4``); CPU -> dequantise, then the same op |
 | ``aten.mm`` / ``aten.addmm`` with a 2-D expert slice | CUDA -> the same kernel with one group; CPU -> dequantise |
 | ``transpose`` (last two dims), ``t``, ``select``/``slice`` on dim 0 | views that stay quantised |
 | ``copy_`` | quantised -> quantised copies bytes (no re-quantisation); plain -> quantised quantises; quantised -> plain dequantises (or copies the master) |
@@ -189,15 +189,16 @@ class GroupedQuantWeight(TorchAOBaseTensor):
         w = self.master if self.master is not None else self.dequantize_stored()
         return w.transpose(-2, -1) if self.is_transposed else w
 
-    def _requantize_from(self, hp_logical: torch.Tensor) -> None:
-        """Quantise ``hp_logical`` into this tensor's buffers in place (aliases see the update)."""
+    def _requantize_from(self, hp_logical: torch.Tensor, *, is_master_view: bool = False) -> None:
+        """Quantise ``hp_logical`` into this tensor's buffers in place (aliases see the update); the
+        master, if any, takes the new values too unless ``hp_logical`` already is a view of it."""
         stored = hp_logical.transpose(-2, -1) if self.is_transposed else hp_logical
         qdata, scale, expert_scale = quantize_stored(stored, self.recipe)
         self.qdata.copy_(qdata)
         self.scale.copy_(scale)
         if expert_scale is not None:
             self.expert_scale.copy_(expert_scale)
-        if self.master is not None and stored.data_ptr() != self.master.data_ptr():
+        if self.master is not None and not is_master_view:
             self.master.copy_(stored)
 
     @classmethod
@@ -327,7 +328,7 @@ def _gw_grouped_mm(func, types, args, kwargs):
     plain_call = bias is None and out_dtype in (None, x.dtype) and offs is not None and w.dim() == 3
     # _grouped_mm(x, mat2) multiplies by mat2 = W^T, i.e. a transposed view of the stored layout
     if plain_call and _use_kernel(x, w, want_transposed=True):
-        return quantized_grouped_mm_nt(x, w.stored_view(), offs)
+        return quantized_grouped_mm_nt(x, w.stored_view(), offs.to(torch.int32))
     return _gw_fallback(func, types, args, kwargs)
 
 
@@ -404,20 +405,27 @@ def _gw_fallback(func, types, args, kwargs):
     def unwrap(t):
         return t.dequantize() if isinstance(t, GroupedQuantWeight) else t
 
-    if args and isinstance(args[0], GroupedQuantWeight) and _mutates_self(func):
-        w = args[0]
-        hp = w._hp_logical()
-        func(hp, *tree_map(unwrap, args[1:]), **tree_map(unwrap, kwargs))
-        w._requantize_from(hp)
-        return w
+    first = args[0] if args else None
+    targets = [first] if isinstance(first, GroupedQuantWeight) else list(first) if isinstance(first, (list, tuple)) else []
+    if _mutates_self(func) and any(isinstance(t, GroupedQuantWeight) for t in targets):
+        # in-place update (optimizer step; also _foreach_*_ / fused optimizers on a list of params)
+        hps = [t._hp_logical() if isinstance(t, GroupedQuantWeight) else t for t in targets]
+        func(hps[0] if first is targets[0] else hps, *tree_map(unwrap, args[1:]), **tree_map(unwrap, kwargs))
+        for t, hp in zip(targets, hps):
+            if isinstance(t, GroupedQuantWeight):
+                t._requantize_from(hp, is_master_view=t.master is not None)
+        return first if isinstance(first, GroupedQuantWeight) else None
     return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
 def _dispatch(cls, func, types, args, kwargs):
     table = cls._ATEN_OP_TABLE[cls]
+    kwargs = kwargs or {}
     if func in table:
         return table[func](func, types, args, kwargs)
-    return _gw_fallback(func, types, args, kwargs or {})
+    if func.name() == "transformers::grouped_mm_fallback":  # HF's fp32/fp16 path: same (x, W^T, offs) contract
+        return _gw_grouped_mm(func, types, args, kwargs)
+    return _gw_fallback(func, types, args, kwargs)
 
 
 GroupedQuantWeight.__torch_dispatch__ = classmethod(_dispatch)

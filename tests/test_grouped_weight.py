@@ -172,6 +172,22 @@ def test_inplace_update_master(recipe):
     assert torch.equal(q.dequantize(), GroupedQuantWeight.from_hp(q.master, recipe).dequantize())
 
 
+@pytest.mark.parametrize("master", [False, True])
+def test_foreach_optimizer_matches_single_tensor(master):
+    """``_foreach_*_`` updates on a list of params re-quantise every quantised entry (none is lost)."""
+    results = []
+    for foreach in (False, True):
+        w = nn.Parameter(GroupedQuantWeight.from_hp(_weight(), "mxfp8", keep_master=master))
+        b = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+        opt = torch.optim.AdamW([w, b], lr=0.05, foreach=foreach)
+        for step in range(2):
+            w.grad, b.grad = _weight(seed=20 + step), torch.full((3,), 0.5, dtype=torch.bfloat16)
+            opt.step()
+        results.append((w.dequantize(), b.detach().clone()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert not torch.equal(results[0][0], GroupedQuantWeight.from_hp(_weight(), "mxfp8").dequantize())
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_save_load_weights_only(recipe):
     q = GroupedQuantWeight.from_hp(_weight(), recipe, keep_master=True)
