@@ -1,0 +1,118 @@
+"""``torch.ops.moe.router_metrics_``: accumulate one router's load-balancing statistics on the device.
+
+One call per MoE layer per forward adds a fixed-size row of statistics into a preallocated accumulator
+``acc_S`` (float64, ``S = NUM_STATS + E``): no host sync, no allocation that outlives the call, no
+data-dependent shape, so it is safe inside CUDA graphs. The statistics are computed on detached,
+fp32 copies of the router logits and never touch the model's outputs or gradients.
+
+Accumulator layout (indices into ``acc_S``; :data:`STATS` names the first ``NUM_STATS``):
+
+=====  ======================  ================================================================
+slot   name                    added per call (``T`` tokens, ``K`` top-k, ``E`` experts)
+=====  ======================  ================================================================
+0      ``steps``               1
+1      ``tokens``              ``T``
+2      ``lb_loss``             ``E * sum_e f_e * P_e`` with ``f_e = count_e / T`` and
+                               ``P_e = mean_t softmax(logits_t)_e`` (transformers'
+                               ``load_balancing_loss_func`` on one layer; ``K`` when balanced)
+3      ``z_loss``              ``mean_t logsumexp(logits_t)^2`` (ST-MoE router z-loss)
+4      ``entropy``             ``mean_t H(softmax(logits_t))`` in nats
+5      ``max_over_mean_load``  ``max_e count_e / mean_e count_e`` (1 when perfectly balanced)
+6      ``over_capacity``       fraction of the ``T*K`` assignments beyond each expert's capacity
+                               ``ceil(capacity_factor * T*K / E)`` (0 without a capacity)
+7...   ``tokens_per_expert``   ``count_e``: assignments of expert ``e`` (ids outside ``[0, E)``,
+                               e.g. non-local experts under expert parallelism, are not counted)
+=====  ======================  ================================================================
+
+The op is ``CompositeImplicitAutograd``: eager runs the PyTorch body below, and under
+``torch.compile`` AOTAutograd decomposes it into ATen ops that Inductor fuses (Triton on CUDA, C++ on
+CPU); the in-place add into ``acc_S`` becomes a mutation of a graph input that Inductor writes in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STATS = ("steps", "tokens", "lb_loss", "z_loss", "entropy", "max_over_mean_load", "over_capacity")
+NUM_STATS = len(STATS)
+ACC_DTYPE = torch.float64
+
+_LIB = torch.library.Library("moe", "FRAGMENT")
+_LIB.define(
+    "router_metrics_(Tensor(a!) acc_S, Tensor logits, Tensor expert_idx, float capacity_factor=0.0) -> ()"
+)
+
+
+def router_stats(logits: torch.Tensor, expert_idx: torch.Tensor, capacity_factor: float = 0.0) -> torch.Tensor:
+    """The row that one call adds to the accumulator: float32 ``[NUM_STATS + E]`` (see the module doc).
+
+    Args:
+        logits: router logits ``[..., E]``, any float dtype (cast to fp32, detached).
+        expert_idx: chosen experts ``[..., K]`` of the same leading size, integer dtype.
+        capacity_factor: expert capacity as a multiple of the balanced load ``T*K/E``; ``<= 0`` for none.
+    """
+    E = logits.shape[-1]
+    with torch.no_grad():
+        logits_TE = logits.detach().reshape(-1, E).float()
+        idx_N = expert_idx.detach().reshape(-1)
+        T, N = logits_TE.shape[0], idx_N.shape[0]
+        tokens = logits_TE.new_full((), T)
+        assignments = logits_TE.new_full((), N)
+        lse_T = torch.logsumexp(logits_TE, dim=-1)
+        probs_TE = torch.softmax(logits_TE, dim=-1)
+        # clamp: an empty batch adds zeros instead of NaNs
+        per_token = 1.0 / tokens.clamp_min(1.0)
+        z_loss = lse_T.square().sum() * per_token
+        entropy = torch.special.entr(probs_TE).sum() * per_token
+        prob_E = probs_TE.sum(dim=0) * per_token
+        counts_E = _count_experts(idx_N, E)
+        lb_loss = E * (counts_E * prob_E).sum() * per_token
+        routed = counts_E.sum()
+        max_over_mean = counts_E.max() * E / routed.clamp_min(1.0)
+        if capacity_factor > 0:
+            capacity = torch.ceil(assignments * (capacity_factor / E))
+            over = (counts_E - capacity).clamp_min(0.0).sum() / assignments.clamp_min(1.0)
+        else:
+            over = torch.zeros_like(routed)
+        head = torch.stack([torch.ones_like(tokens), tokens, lb_loss, z_loss, entropy, max_over_mean, over])
+        return torch.cat([head, counts_E])
+
+
+def _count_experts(idx_N: torch.Tensor, E: int) -> torch.Tensor:
+    """fp32 ``[E]`` assignment counts; ids outside ``[0, E)`` are ignored. Sync-free and deterministic:
+    ``histc`` with fixed bounds (int input on CUDA, where float input is non-deterministic; float on
+    CPU, which only supports float), like transformers' aux loss."""
+    valid = (idx_N >= 0) & (idx_N < E)
+    on_cpu = idx_N.device.type in ("cpu", "mps")
+    ids = torch.where(valid, idx_N, -1).to(torch.float32 if on_cpu else torch.int32)
+    return torch.histc(ids, bins=E, min=0, max=E).float()
+
+
+def _router_metrics_(
+    acc_S: torch.Tensor, logits: torch.Tensor, expert_idx: torch.Tensor, capacity_factor: float = 0.0
+) -> None:
+    stats = router_stats(logits, expert_idx, capacity_factor)
+    with torch.no_grad():
+        acc_S.add_(stats.to(acc_S.dtype))
+
+
+_LIB.impl("router_metrics_", _router_metrics_, "CompositeImplicitAutograd")
+
+
+def new_accumulator(num_experts: int, device: torch.device | str) -> torch.Tensor:
+    """A zeroed accumulator for one layer (float64 ``[NUM_STATS + num_experts]``)."""
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    return torch.zeros(NUM_STATS + num_experts, dtype=ACC_DTYPE, device=device)
+
+
+def router_metrics_(
+    acc_S: torch.Tensor, logits: torch.Tensor, expert_idx: torch.Tensor, capacity_factor: float = 0.0
+) -> None:
+    """Add one router call's statistics into ``acc_S`` in place (``torch.ops.moe.router_metrics_``)."""
+    E = logits.shape[-1]
+    if acc_S.dim() != 1 or acc_S.shape[0] != NUM_STATS + E:
+        raise ValueError(f"acc_S must have shape [{NUM_STATS + E}] for E={E} experts, got {tuple(acc_S.shape)}")
+    if expert_idx.is_floating_point() or expert_idx.is_complex():
+        raise TypeError(f"expert_idx must be an integer tensor, got {expert_idx.dtype}")
+    torch.ops.moe.router_metrics_(acc_S, logits, expert_idx, float(capacity_factor))

@@ -1,0 +1,327 @@
+"""Pre-grad pass ``router_metrics``: accumulate router statistics on the device in every MoE layer.
+
+Runs only with ``metrics=True``. For each router it recognises it inserts, right after the router's
+``topk``::
+
+    acc_S = self._moe_metrics_<i>                                 # get_attr: the layer's accumulator
+    torch.ops.moe.router_metrics_(acc_S, logits, expert_idx, capacity_factor)
+
+``acc_S`` is the process-wide accumulator of that layer (:mod:`moe_compile.metrics`), registered as a
+buffer of the graph module: AOTAutograd lifts it to a static graph input, the op decomposes into ATen
+ops under ``no_grad`` on detached logits, and the in-place add becomes an input mutation that Inductor
+writes in place. Outputs and gradients are unchanged; no host sync, fixed shapes (CUDA-graph safe).
+
+Routers recognised (Dynamo's Torch IR):
+
+* anchored: the ``expert_idx`` input of a ``torch.ops.moe.permute_pad`` node, through views and casts,
+  is ``topk(...)[1]``;
+* raw: ``topk(s, k, dim=-1)[1]`` where ``s`` is, through casts and views, ``softmax(logits, -1)`` (Mixtral,
+  Qwen, OLMoE) or ``logits`` itself (Granite: softmax over the k values afterwards), and ``logits`` come
+  from ``linear(x, w[E, H])`` or a matmul with last dim ``E`` (``E <= MAX_EXPERTS``).
+
+Several ``topk`` over the same logits (transformers' aux loss recomputes one) count once: the first in
+graph order, or the anchored one. Logits already fed to a ``router_metrics_`` node (from a hook of
+:func:`moe_compile.metrics.attach`, traced by Dynamo) are left alone.
+
+Needs the pre-grad passes to run before AOTAutograd lifts the module's buffers: always so on torch
+2.11; on 2.13 with ``pre_grad_pass_timing="early"`` (:func:`moe_compile.metrics.inductor_patches`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+import warnings
+
+import torch
+import torch.fx as fx
+
+from moe_compile import metrics
+from moe_compile.passes import PassContext
+
+# A topk over more "experts" than this is not taken for a router unless a dispatch op anchors it
+# (it is most likely a vocabulary).
+MAX_EXPERTS = 1024
+ACC_ATTR_PREFIX = "_moe_metrics_"
+
+_TOPK = {torch.topk}
+_SOFTMAX = {torch.softmax, torch.nn.functional.softmax, torch.special.softmax}
+_LINEAR = {torch.nn.functional.linear, torch._C._nn.linear}
+_MATMUL = {torch.matmul, operator.matmul, torch.mm}
+# methods and functions that keep the routing rows and the expert axis (casts, reshapes, copies)
+_PASS_METHODS = {"float", "to", "type", "type_as", "half", "bfloat16", "double", "contiguous", "view",
+                 "reshape", "flatten", "clone", "detach"}
+_PASS_FUNCTIONS = {torch.reshape, torch.flatten, torch.clone, torch.Tensor.float, torch.Tensor.to}
+_INT_CASTS = {"int", "long", "to", "type", "view", "reshape", "flatten", "contiguous", "clone", "detach"}
+
+
+@dataclasses.dataclass
+class Router:
+    topk: fx.Node
+    expert_idx: fx.Node
+    # the linear/matmul that produces the router logits
+    logits: fx.Node
+    num_experts: int
+    path: str
+    anchored: bool
+
+
+def run(graph: fx.Graph, ctx: PassContext) -> None:
+    if not ctx.config.metrics:
+        return
+    gm = graph.owning_module
+    if gm is None:
+        ctx.skip("<graph>", "no_graph_module", "the pre-grad graph has no owning module to hold accumulators")
+        return
+    routers, skipped = find_routers(graph)
+    for layer, reason, detail in skipped:
+        ctx.skip(layer, reason, detail)
+    if not routers:
+        return
+    if _late_pre_grad_timing():
+        msg = ("moe_compile metrics need torch._inductor.config.pre_grad_pass_timing='early' on this torch "
+               "(the backend sets it when metrics=True); no metrics inserted")
+        warnings.warn(msg, stacklevel=2)
+        for r in routers:
+            ctx.skip(r.path, "late_pre_grad_timing", msg)
+        return
+    instrumented = {_logits_root(n.args[1]) for n in _metrics_nodes(graph)}
+    for r in routers:
+        if r.logits in instrumented:
+            ctx.skip(r.path, "already_instrumented", "a router_metrics_ op (attach hook) reads these logits")
+            continue
+        _insert(graph, gm, r)
+        instrumented.add(r.logits)
+        ctx.rewrite(r.path, f"topk[{r.num_experts} experts]", "moe.router_metrics_")
+
+
+# ------------------------------------------------------------------------------------------ match
+
+
+def find_routers(graph: fx.Graph) -> tuple[list[Router], list[tuple[str, str, str]]]:
+    """The routers of ``graph`` (one per logits tensor) and ``(layer, reason, detail)`` for topk
+    nodes that looked like routers but were not taken."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    anchored = set()
+    for node in graph.nodes:
+        if _is_permute_pad(node):
+            topk = _topk_of_indices(_arg(node, 1, "expert_idx_TK", "expert_idx"))
+            if topk is not None:
+                anchored.add(topk)
+    routers: dict[fx.Node, Router] = {}
+    skipped = []
+    for node in graph.nodes:
+        if not _is_topk(node):
+            continue
+        router, why = _match_router(node, node in anchored)
+        path = router.path if router is not None else module_path(node)
+        if router is None:
+            if node in anchored or why in ("not_last_dim", "no_indices"):
+                skipped.append((path or "<root>", why, f"topk node {node.name}"))
+            continue
+        prev = routers.get(router.logits)
+        if prev is None or (router.anchored and not prev.anchored):
+            routers[router.logits] = router
+    return sorted(routers.values(), key=lambda r: order[r.topk]), skipped
+
+
+def _match_router(topk: fx.Node, anchored: bool) -> tuple[Router | None, str]:
+    scores = _arg(topk, 0, "input")
+    k = _arg(topk, 1, "k")
+    dim = _arg(topk, 2, "dim", default=-1)
+    largest = _arg(topk, 3, "largest", default=True)
+    scores_val = _val(scores)
+    if not isinstance(scores_val, torch.Tensor) or not isinstance(k, int) or largest is not True:
+        return None, "not_a_router_topk"
+    if dim not in (-1, scores_val.dim() - 1):
+        return None, "not_last_dim"
+    idx = next((u for u in topk.users if u.target is operator.getitem and u.args[1] == 1), None)
+    if idx is None:
+        return None, "no_indices"
+    logits = _logits_root(scores, allow_softmax=True)
+    if logits is None:
+        return None, "no_router_logits"
+    num_experts = scores_val.shape[-1]
+    if not isinstance(num_experts, int) or not k < num_experts:
+        return None, "dynamic_or_tiny_expert_axis"
+    if not anchored and num_experts > MAX_EXPERTS:
+        return None, "too_many_experts"
+    # named after the module that computes the logits (the router: what metrics.attach hooks)
+    return Router(topk, idx, logits, num_experts, module_path(logits), anchored), ""
+
+
+def _logits_root(node: object, allow_softmax: bool = False) -> fx.Node | None:
+    """Walk up from a router's scores through casts/views (and one softmax) to the logits linear."""
+    seen_softmax = not allow_softmax
+    while isinstance(node, fx.Node):
+        if _is_linear(node):
+            return node
+        if not seen_softmax and _is_softmax(node):
+            seen_softmax = True
+            node = _arg(node, 0, "input")
+            continue
+        if _is_passthrough(node):
+            node = node.args[0]
+            continue
+        return None
+    return None
+
+
+def _topk_of_indices(node: object) -> fx.Node | None:
+    while isinstance(node, fx.Node):
+        if node.target is operator.getitem and node.args[1] == 1 and _is_topk(node.args[0]):
+            return node.args[0]
+        if node.op == "call_method" and node.target in _INT_CASTS:
+            node = node.args[0]
+            continue
+        if node.op == "call_function" and node.target in (torch.reshape, torch.flatten):
+            node = node.args[0]
+            continue
+        return None
+    return None
+
+
+def _is_topk(node: object) -> bool:
+    return isinstance(node, fx.Node) and (
+        (node.op == "call_function" and (node.target in _TOPK or node.target is torch.ops.aten.topk.default))
+        or (node.op == "call_method" and node.target == "topk")
+    )
+
+
+def _is_softmax(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target in _SOFTMAX:
+        pass
+    elif node.op == "call_method" and node.target == "softmax":
+        pass
+    else:
+        return False
+    val = _val(node)
+    dim = _arg(node, 1, "dim", default=None)
+    return isinstance(val, torch.Tensor) and dim in (-1, val.dim() - 1)
+
+
+def _is_linear(node: fx.Node) -> bool:
+    val = _val(node)
+    if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+        return False
+    if node.op == "call_function" and node.target in _LINEAR:
+        weight = _val(_arg(node, 1, "weight"))
+        return isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == val.shape[-1]
+    if node.op == "call_function" and node.target in _MATMUL:
+        return True
+    if node.op == "call_method" and node.target in ("matmul", "mm", "__matmul__"):
+        return True
+    if node.op == "call_module":
+        mod = node.graph.owning_module.get_submodule(node.target) if node.graph.owning_module else None
+        return isinstance(mod, torch.nn.Linear)
+    return False
+
+
+def _is_passthrough(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        ok = node.target in _PASS_METHODS
+    elif node.op == "call_function":
+        ok = node.target in _PASS_FUNCTIONS
+    else:
+        return False
+    if not ok or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    out, inp = _val(node), _val(node.args[0])
+    return (
+        isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor) and out.dim() >= 1 and inp.dim() >= 1
+        and out.shape[-1] == inp.shape[-1] and out.is_floating_point()
+    )
+
+
+def _is_permute_pad(node: fx.Node) -> bool:
+    op = getattr(torch.ops.moe, "permute_pad", None)
+    return op is not None and node.op == "call_function" and node.target in (op, op.default)
+
+
+def _metrics_nodes(graph: fx.Graph) -> list[fx.Node]:
+    op = torch.ops.moe.router_metrics_
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
+
+
+def _arg(node: fx.Node, pos: int, *names: str, default: object = None) -> object:
+    if len(node.args) > pos:
+        return node.args[pos]
+    for name in names:
+        if name in node.kwargs:
+            return node.kwargs[name]
+    return default
+
+
+def _val(node: object) -> object:
+    if not isinstance(node, fx.Node):
+        return None
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+_SUBSCRIPT = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+
+
+def module_path(node: fx.Node) -> str:
+    """The innermost module path of ``node`` from Dynamo's ``nn_module_stack``, as
+    ``model.layers.0.mlp.gate`` (``""`` at the compiled module's top level)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\[['\"][^'\"]+['\"]\]\.?", "", str(path))
+    path = path.replace("._modules", "").replace("_modules", "")
+    path = _SUBSCRIPT.sub(r".\1", path).strip(".")
+    return re.sub(r"\.+", ".", path)
+
+
+# ----------------------------------------------------------------------------------------- rewrite
+
+
+def _insert(graph: fx.Graph, gm: torch.nn.Module, r: Router) -> None:
+    logits_val = _val(r.logits)
+    entry = metrics.accumulator(r.path or "router", r.num_experts, logits_val.device)
+    attr = _register_accumulator(gm, entry.acc_S)
+    anchor = r.expert_idx
+    with graph.inserting_after(anchor):
+        acc_node = graph.get_attr(attr)
+    with graph.inserting_after(acc_node):
+        call = graph.call_function(
+            torch.ops.moe.router_metrics_.default,
+            (acc_node, r.logits, r.expert_idx, float(entry.capacity_factor or 0.0)),
+        )
+    fake_mode = getattr(logits_val, "fake_mode", None)
+    acc_val = fake_mode.from_tensor(entry.acc_S, static_shapes=True) if fake_mode is not None else entry.acc_S
+    for node, val in ((acc_node, acc_val), (call, None)):
+        node.meta["example_value"] = val
+        node.meta["val"] = val
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in r.topk.meta:
+                node.meta[key] = r.topk.meta[key]
+
+
+def _register_accumulator(gm: torch.nn.Module, acc_S: torch.Tensor) -> str:
+    for name, buf in gm.named_buffers(recurse=False):
+        if buf is acc_S:
+            return name
+    i = 0
+    while hasattr(gm, f"{ACC_ATTR_PREFIX}{i}"):
+        i += 1
+    name = f"{ACC_ATTR_PREFIX}{i}"
+    gm.register_buffer(name, acc_S, persistent=False)
+    # AOTAutograd lifts the module's buffers to graph inputs and, for a Dynamo graph, asks where each
+    # came from (for guards, dedup and static-input marking): a constant source, no guard.
+    sources = getattr(gm, "_param_name_to_source", None)
+    if sources is not None:
+        from torch._dynamo.source import ConstantSource
+
+        sources[name] = ConstantSource(f"moe_compile.metrics[{name}]")
+    return name
+
+
+def _late_pre_grad_timing() -> bool:
+    try:
+        from torch._inductor.codecache import resolve_pre_grad_pass_timing
+    except ImportError:  # torch 2.11: pre-grad passes always run before AOTAutograd
+        return False
+    return resolve_pre_grad_pass_timing() == "late"
