@@ -60,6 +60,8 @@ PASSES: tuple[PassEntry, ...] = (
               doc="sort-based MoE dispatch -> moe.permute_pad + grouped GEMM + moe.unpad_unpermute"),
     PassEntry("replace_grouped_mm_fallback", "pre_grad", "moe_compile.passes.replace_grouped_mm_fallback:run",
               default=True, doc="transformers.grouped_mm_fallback (tolist host sync) -> moe.grouped_mm"),
+    PassEntry("router_metrics", "pre_grad", "moe_compile.passes.router_metrics:run", default=True,
+              doc="with metrics=True: on-device router statistics per MoE layer (moe_compile.metrics)"),
 )
 
 
