@@ -97,6 +97,15 @@ class Padding:
 
 
 @dataclasses.dataclass
+class Fold:
+    """``combine(rows * w[perm][:, None])`` -> ``unpad_unpermute(rows, row_map, w_TK)`` (fp32 accumulate)."""
+
+    rows: fx.Node  # the unweighted expert output rows
+    weight_gather: fx.Node
+    nodes: list[fx.Node]  # the multiply and the scale chain (erased)
+
+
+@dataclasses.dataclass
 class Dispatch:
     layer: str
     sort: fx.Node
@@ -116,6 +125,8 @@ class Dispatch:
     padding: Padding | None
     counts_kind: str
     matched: list[str]
+    # routing-weight multiply folded into unpad_unpermute: (unweighted rows, weight gather, scale nodes)
+    fold: Fold | None = None
 
     @property
     def align(self) -> int:
@@ -336,12 +347,65 @@ class Matcher:
         num_experts, counts_kind = self._check_offsets(grouped_mms, padding)
         if padding is not None:
             self._check_destination(padding, num_experts)
+        fold = self._fold(combine, weight_gathers, region)
+        if fold is not None:
+            self.matched.append("weight multiply folded into the combine")
         return Dispatch(
             layer=self.layer, sort=self.sort, perm=perm, ids_flat=ids_flat, ids_TK=ids_TK, top_k=top_k,
             num_experts=num_experts, x_TH=x_TH, token_gathers=token_gathers, probs_flat=probs_flat,
             probs_TK=probs_TK, weight_gathers=weight_gathers, grouped_mms=grouped_mms, region=region,
-            combine=combine, padding=padding, counts_kind=counts_kind, matched=self.matched,
+            combine=combine, padding=padding, counts_kind=counts_kind, matched=self._ordered_matched(), fold=fold,
         )
+
+    def _ordered_matched(self) -> list[str]:
+        order = ("sort", "gather", "counts", "pad", "grouped_mm", "row-wise", "combine")
+        key = lambda m: next((i for i, p in enumerate(order) if p in m), len(order))  # noqa: E731
+        return sorted(self.matched, key=key)
+
+    def _fold(self, combine: Combine, weight_gathers: list[fx.Node], region: dict[fx.Node, str]) -> Fold | None:
+        """The combined rows are ``rows * w[perm].unsqueeze(-1)`` with nothing else using the product:
+        fold the weight into ``unpad_unpermute`` (fp32 accumulate), which saves writing fp32 rows.
+
+        Only when the combine's result is used at the rows' dtype (directly or through casts to it), so
+        the result never carries more precision than the unweighted rows, as in eager PyTorch.
+        """
+        prod = combine.source
+        if op_name(prod) != "mul" or len(prod.args) != 2 or len(prod.users) != 1:
+            return None
+        for rows, scale in (prod.args, prod.args[::-1]):
+            chain = []
+            node = scale
+            while isinstance(node, fx.Node) and node not in weight_gathers and len(node.users) == 1 and (
+                op_name(node) in ("to", "float", "bfloat16", "half", "type_as")
+                or (op_name(node) == "unsqueeze" and arg(node, 1, "dim") in (-1, 1))
+                or (op_name(node) in ("view", "reshape") and tensor_val(node).dim() == 2
+                    and tensor_val(node).shape[1] == 1)
+                or (op_name(node) == "getitem" and node.args[1] in ((slice(None), None), (Ellipsis, None)))
+            ):
+                chain.append(node)
+                node = node.args[0]
+            if node not in weight_gathers or len(node.users) != 1 or not chain:
+                continue
+            rv = tensor_val(rows)
+            if not isinstance(rows, fx.Node) or rows not in region or rv is None or rv.dim() != 2:
+                continue
+            if not self._result_used_at(combine, rv.dtype):
+                return None
+            return Fold(rows=rows, weight_gather=node, nodes=[prod, *chain])
+        return None
+
+    def _result_used_at(self, combine: Combine, dtype: torch.dtype) -> bool:
+        result = combine.inplace_buffer if combine.inplace_buffer is not None else combine.result
+        if tensor_val(result).dtype == dtype:
+            return True
+        users = [u for u in result.users if u is not combine.result]
+        if not users:
+            return False
+        for u in users:
+            if op_name(u) not in ("to", "bfloat16", "half", "float", "type_as") or tensor_val(u) is None \
+                    or tensor_val(u).dtype != dtype:
+                return False
+        return True
 
     # -- 2. gathers ------------------------------------------------------------------------------
     def _gathers(self):

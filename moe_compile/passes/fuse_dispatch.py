@@ -113,7 +113,8 @@ def rewrite(graph: fx.Graph, d: Dispatch) -> str:
         probs_TK = d.probs_TK
         if probs_TK is None and d.probs_flat is not None:
             probs_TK = _call(graph, meta, torch.reshape, d.probs_flat, (-1, d.top_k))
-        use_probs = probs_TK is not None and bool(d.weight_gathers or (d.padding and d.padding.prob_seeds))
+        gathered_weights = [g for g in d.weight_gathers if d.fold is None or g is not d.fold.weight_gather]
+        use_probs = probs_TK is not None and bool(gathered_weights or (d.padding and d.padding.prob_seeds))
         pp = _call(graph, meta, torch.ops.moe.permute_pad.default, d.x_TH, ids_TK,
                    probs_TK if use_probs else None, d.num_experts, d.align)
         rows = _call(graph, meta, operator.getitem, pp, 0)
@@ -143,7 +144,7 @@ def rewrite(graph: fx.Graph, d: Dispatch) -> str:
             _fix_row_counts(d)
     for g in d.token_gathers:
         _replace(g, rows, dead)
-    for g in d.weight_gathers:
+    for g in gathered_weights:
         if probs_M is None:
             raise AssertionError("weight gather without probs")
         _replace(g, probs_M, dead)
@@ -157,7 +158,21 @@ def rewrite(graph: fx.Graph, d: Dispatch) -> str:
 
     c = d.combine
     with graph.inserting_before(c.result):
-        combined = _call(graph, c.result, torch.ops.moe.unpad_unpermute.default, c.source, row_map, None)
+        if d.fold is None:
+            source = c.source
+            if padding is not None and source in padding.unpads:
+                source = source.args[0]
+            combined = _call(graph, c.result, torch.ops.moe.unpad_unpermute.default, source, row_map, None)
+        else:
+            # NOTE [weight fold]: y[t] = sum_k w[t, k] * rows[row(t, k)] in fp32, cast once to the rows'
+            # dtype; the matcher checked that the combined result is only used at that dtype.
+            rows_to_combine = d.fold.rows
+            if padding is not None and rows_to_combine in padding.unpads:
+                rows_to_combine = rows_to_combine.args[0]  # Y[dest] was replaced by Y
+            combined = _call(graph, c.result, torch.ops.moe.unpad_unpermute.default, rows_to_combine, row_map,
+                             probs_TK)
+            dead.extend(d.fold.nodes)
+            dead.append(d.fold.weight_gather)
     c.result.replace_all_uses_with(combined)
     if c.inplace_buffer is not None:
         after = {n for n in c.inplace_buffer.users if n is not c.result}
@@ -171,7 +186,8 @@ def rewrite(graph: fx.Graph, d: Dispatch) -> str:
     erase_dead(graph, dead)
 
     parts = [f"moe.permute_pad(E={d.num_experts}, align={d.align}{', probs' if probs_M is not None else ''})",
-             f"{len(d.grouped_mms)}x grouped_mm(offs_E)", "moe.unpad_unpermute"]
+             f"{len(d.grouped_mms)}x grouped_mm(offs_E)",
+             "moe.unpad_unpermute" + ("(probs: weight folded, fp32 accumulate)" if d.fold else "")]
     return " + ".join(parts)
 
 
