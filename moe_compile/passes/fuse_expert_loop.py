@@ -276,11 +276,20 @@ def _offsets_plan(graph: fx.Graph, loop: Loop) -> list[int] | fx.Node:
     return tensor
 
 
+def _moe_grouped_mm_available() -> bool:
+    try:
+        import moe_compile.ops.grouped_mm  # noqa: F401 - registers torch.ops.moe.grouped_mm
+    except Exception:  # noqa: BLE001 - a broken ops module must not break compilation
+        return False
+    return hasattr(torch.ops.moe, "grouped_mm")
+
+
 def _grouped_mm_kind(x: torch.Tensor, n: int, k: int) -> str:
+    """``torch._grouped_mm`` for bf16 with 16-byte strides (sync-free CUTLASS on sm90+), else ours."""
     aligned = (n * x.element_size()) % 16 == 0 and (k * x.element_size()) % 16 == 0
     if x.dtype == torch.bfloat16 and aligned:
         return "aten"
-    if x.dtype in (torch.bfloat16, torch.float16, torch.float32) and hasattr(torch.ops.moe, "grouped_mm"):
+    if x.dtype in (torch.bfloat16, torch.float16, torch.float32) and _moe_grouped_mm_available():
         return "moe"
     raise _Skip("no_grouped_mm_for_dtype", f"{x.dtype} with N={n}, K={k}: no sync-free grouped GEMM")
 

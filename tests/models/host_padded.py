@@ -129,30 +129,35 @@ class MaskedSelectMoE(_RoutedExperts):
 
 
 class SwiGLUExpert(nn.Module):
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, act: str = "silu", bias: bool = False) -> None:
         super().__init__()
-        self.gate = nn.Linear(hidden, inter, bias=False, dtype=dtype)
-        self.up = nn.Linear(hidden, inter, bias=False, dtype=dtype)
-        self.down = nn.Linear(inter, hidden, bias=False, dtype=dtype)
+        self.act = F.silu if act == "silu" else F.gelu
+        self.gate = nn.Linear(hidden, inter, bias=bias, dtype=dtype)
+        self.up = nn.Linear(hidden, inter, bias=bias, dtype=dtype)
+        self.down = nn.Linear(inter, hidden, bias=bias, dtype=dtype)
 
     def forward(self, x_NH: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x_NH)) * self.up(x_NH))
+        return self.down(self.act(self.gate(x_NH)) * self.up(x_NH))
 
 
 class ExpertLoopMoE(_RoutedExperts):
     """Layer 3: a Python loop over ``torch.split`` chunks through per-expert MLPs.
 
     ``stacked=False``: a ``ModuleList`` of :class:`SwiGLUExpert`; ``stacked=True``: slices ``w13[e]``,
-    ``w2[e]`` of the stacked weights.
+    ``w2[e]`` of the stacked weights. ``permute="masked_select"`` permutes as Megatron's unfused path
+    (unbacked row count). ``variant``: ``"mixed_act"`` (expert 1 uses GELU: experts differ) or
+    ``"bias"`` (per-expert biases): the loop must not be fused.
     """
 
-    def __init__(self, *args, stacked: bool = False, **kwargs) -> None:
+    def __init__(self, *args, stacked: bool = False, permute: str = "argsort", variant: str = "", **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.stacked = stacked
+        self.stacked, self.permute = stacked, permute
         hidden, inter = self.w2_EHI.shape[1], self.w2_EHI.shape[2]
         if not stacked:
             self.experts = nn.ModuleList(
-                SwiGLUExpert(hidden, inter, self.w2_EHI.dtype) for _ in range(self.num_experts)
+                SwiGLUExpert(hidden, inter, self.w2_EHI.dtype, act="gelu" if variant == "mixed_act" and e == 1 else "silu",
+                             bias=variant == "bias")
+                for e in range(self.num_experts)
             )
 
     def _expert(self, e: int, x_nH: torch.Tensor) -> torch.Tensor:
@@ -162,16 +167,29 @@ class ExpertLoopMoE(_RoutedExperts):
         return (F.silu(gate_nI) * up_nI) @ self.w2_EHI[e].T
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        T, H = x_TH.shape
         E, K = self.num_experts, self.top_k
         probs_TK, idx_TK = self.route(x_TH)
-        flat_idx_N = idx_TK.reshape(-1)
-        order_N = torch.argsort(flat_idx_N, stable=True)
-        token_N = order_N // K
-        x_NH = x_TH[token_N]
-        counts_E = (flat_idx_N.unsqueeze(1) == torch.arange(E, device=x_TH.device)).sum(dim=0)
+        if self.permute == "masked_select":
+            routing_map_TE = torch.zeros(T, E, dtype=torch.bool, device=x_TH.device).scatter(1, idx_TK, True)
+            probs_TE = torch.zeros(T, E, dtype=probs_TK.dtype, device=x_TH.device).scatter(1, idx_TK, probs_TK)
+            routing_map_ET = routing_map_TE.T.contiguous()
+            token_N = torch.arange(T, device=x_TH.device).unsqueeze(0).expand(E, -1).masked_select(routing_map_ET)
+            x_NH = x_TH.index_select(0, token_N)
+            probs_N = probs_TE.T.contiguous().masked_select(routing_map_ET)
+            counts_E = routing_map_TE.sum(dim=0)
+        else:
+            flat_idx_N = idx_TK.reshape(-1)
+            order_N = torch.argsort(flat_idx_N, stable=True)
+            token_N = order_N // K
+            x_NH = x_TH[token_N]
+            probs_N = probs_TK.reshape(-1)[order_N]
+            counts_E = (flat_idx_N.unsqueeze(1) == torch.arange(E, device=x_TH.device)).sum(dim=0)
         sizes = counts_E.tolist()
         y_NH = torch.cat([self._expert(e, c) for e, c in enumerate(torch.split(x_NH, sizes))])
-        y_NH = (y_NH * probs_TK.reshape(-1)[order_N].unsqueeze(-1)).to(x_TH.dtype)
+        y_NH = (y_NH * probs_N.unsqueeze(-1)).to(x_TH.dtype)
+        if self.permute == "masked_select":
+            return torch.zeros_like(x_TH).scatter_add_(0, token_N.unsqueeze(1).expand(-1, H), y_NH)
         return torch.zeros_like(x_TH).index_add_(0, token_N, y_NH)
 
 
