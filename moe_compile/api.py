@@ -28,10 +28,20 @@ def compile(  # noqa: A001 - mirrors torch.compile
 ) -> Any:
     """``torch.compile(model, backend=moe_compile)`` with MoE-friendly Dynamo settings.
 
-    Use this instead of ``torch.compile(model, backend="moe_compile")`` when the model sizes its
-    expert padding on the host (``counts.tolist()``, ``.item()``, ``torch.split`` by counts) and you
-    do not pass ``fullgraph=True``: without scalar capture Dynamo breaks the graph at the host read,
-    the region runs eagerly, and no pass can make it CUDA-graph safe.
+    When to use it: the model reads expert counts on the host (``counts.tolist()``, ``.item()``,
+    ``torch.split`` by counts, ``masked_select`` / ``nonzero`` permutes) and you do not pass
+    ``fullgraph=True``. Dynamo then graph-breaks at the host read by default, the padding region runs
+    eagerly, and no pass can make it static or CUDA-graph safe. This wrapper turns on
+    ``capture_scalar_outputs`` and ``capture_dynamic_output_shape_ops`` around every call, so the
+    first trace and every recompile (new shapes, grad mode) capture the region, and
+    ``strip_host_padding`` / ``fuse_expert_loop`` can rewrite it. With ``fullgraph=True`` Dynamo turns
+    both flags on itself and ``torch.compile(model, backend="moe_compile", fullgraph=True)`` is
+    equivalent. Models without host reads lose nothing either way.
+
+    The flags are patched only while a call runs (``torch._dynamo.config`` is unchanged afterwards).
+    Dynamo reads them when it traces: code that was already traced without them in this process
+    (e.g. the same model class compiled by a plain ``torch.compile`` earlier) can keep its cached,
+    graph-broken entry until ``torch._dynamo.reset()``.
 
     Args:
         model: an ``nn.Module`` or a function.
@@ -42,10 +52,15 @@ def compile(  # noqa: A001 - mirrors torch.compile
         capture_host_syncs: trace with ``capture_scalar_outputs`` and
             ``capture_dynamic_output_shape_ops`` on (the default).
         **torch_compile_kwargs: ``mode``, ``options``, ``dynamic``, ``fullgraph``, ... as for
-            ``torch.compile``.
+            ``torch.compile`` (``backend`` is set here and rejected).
 
     Returns:
-        What ``torch.compile`` returns; for a module, calls go through the capture flags.
+        For a module, the ``OptimizedModule`` from ``torch.compile`` whose ``forward`` runs under the
+        capture flags (``compiled._orig_mod`` is ``model``); for a function, a wrapper of the compiled
+        function that does the same.
+
+    Raises:
+        ValueError: ``backend=`` given, or unknown option / pass names.
     """
     if "backend" in torch_compile_kwargs:
         raise ValueError("moe_compile.compile sets backend= itself; call torch.compile for another backend")

@@ -1,0 +1,86 @@
+"""``moe_compile.compile``: the capture flags reach Dynamo (first call and recompiles, modules and functions)."""
+
+from __future__ import annotations
+
+import unittest
+
+import torch
+from torch._dynamo.utils import counters
+
+import moe_compile
+from moe_compile import report
+from tests.passes._host_padding_checks import fresh_caches
+
+
+def scale_groups(x_N: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """A host-sized region: ``tolist`` + ``split`` by the counts (a graph break without the flags)."""
+    sizes = counts_E.tolist()
+    return torch.cat([chunk * (e + 1) for e, chunk in enumerate(torch.split(x_N, sizes))])
+
+
+class KeepRouted(torch.nn.Module):
+    """``.item()`` plus an op with a data-dependent output shape (``nonzero``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x_N: torch.Tensor) -> torch.Tensor:
+        kept = torch.nonzero(x_N > 0).squeeze(1)
+        total = (x_N > 0).sum().item()
+        return x_N[kept].sum() * self.scale + total
+
+
+def _counts(n: int) -> torch.Tensor:
+    return torch.tensor([n // 2, 0, n - n // 2])
+
+
+class CompileApiTest(unittest.TestCase):
+    def setUp(self) -> None:
+        torch._dynamo.reset()
+        counters.clear()
+
+    def tearDown(self) -> None:
+        torch._dynamo.reset()
+
+    def run_twice(self, compiled, make_args, reference) -> report.Report:
+        """Call with one shape, then another (a recompile); return the records of both compiles."""
+        with fresh_caches(), report.collecting() as records:
+            for n in (6, 9):
+                args = make_args(n)
+                torch.testing.assert_close(compiled(*args), reference(*args))
+        return records
+
+    def test_function_is_captured_without_fullgraph_and_on_recompile(self):
+        compiled = moe_compile.compile(scale_groups)
+        records = self.run_twice(compiled, lambda n: (torch.randn(n), _counts(n)), scale_groups)
+        self.assertEqual(dict(counters["graph_break"]), {})
+        self.assertEqual(records.graphs, 2)  # one graph per compile: nothing left to eager
+        self.assertFalse(torch._dynamo.config.capture_scalar_outputs)  # patched only during calls
+        self.assertFalse(torch._dynamo.config.capture_dynamic_output_shape_ops)
+
+    def test_module_is_captured_without_fullgraph_and_on_recompile(self):
+        model = KeepRouted()
+        compiled = moe_compile.compile(model)
+        self.assertIsInstance(compiled, torch.nn.Module)
+        records = self.run_twice(compiled, lambda n: (torch.randn(n),), model)
+        self.assertEqual(dict(counters["graph_break"]), {})
+        self.assertEqual(records.graphs, 2)
+        self.assertIs(compiled._orig_mod, model)
+
+    def test_without_capture_flags_dynamo_breaks_the_graph(self):
+        compiled = moe_compile.compile(scale_groups, capture_host_syncs=False)
+        with fresh_caches():
+            x = torch.randn(6)
+            torch.testing.assert_close(compiled(x, _counts(6)), scale_groups(x, _counts(6)))
+        self.assertGreater(sum(counters["graph_break"].values()), 0)
+
+    def test_rejects_backend_and_unknown_options(self):
+        with self.assertRaisesRegex(ValueError, "backend"):
+            moe_compile.compile(scale_groups, backend="inductor")
+        with self.assertRaisesRegex(ValueError, "unknown pass"):
+            moe_compile.compile(scale_groups, passes={"no_such_pass": False})
+
+
+if __name__ == "__main__":
+    unittest.main()
