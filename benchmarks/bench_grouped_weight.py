@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 
@@ -95,7 +96,8 @@ def sweep_configs(M: int) -> list[dict]:
                 for warps, stages in ((4, 3), (4, 4), (8, 3)):
                     if bm * bk > 128 * 128 or bn * bk > 128 * 256:
                         continue
-                    configs.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages))
+                    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+                    configs.append(cfg)
     return configs
 
 
@@ -111,16 +113,19 @@ def run_experiment(T: int, weights: dict, bw: float, args, gen: torch.Generator)
     dequant = {"mxfp8": lambda q, s: gmm.dequantize_mxfp8(q, s, torch.bfloat16),
                "nvfp4": lambda q, s, g: gmm.dequantize_nvfp4(q, s, g, torch.bfloat16)}  # fmt: skip
     fns: dict[str, dict] = {"bf16": {}, "mxfp8": {}, "nvfp4": {}, "mxfp8_dequant": {}, "nvfp4_dequant": {}}
-    compiled_dequant = {f: torch.compile(lambda x, o, *w, f=f: torch._grouped_mm(x, dequant[f](*w).transpose(-2, -1), offs=o)) for f in ("mxfp8", "nvfp4")}
+    def dequant_then_mm(x, o, *w, f):
+        return torch._grouped_mm(x, dequant[f](*w).transpose(-2, -1), offs=o)
+
+    compiled_dequant = {f: torch.compile(functools.partial(dequant_then_mm, f=f)) for f in ("mxfp8", "nvfp4")}
     for g, x in xs.items():
         w = weights[g]
         fns["bf16"][g] = lambda x=x, w=w: torch._grouped_mm(x, w["bf16"][0].transpose(-2, -1), offs=offs)
         fns["mxfp8"][g] = lambda x=x, w=w: torch.ops.moe.grouped_mm_mxfp8(x, *w["mxfp8"], offs)
         fns["nvfp4"][g] = lambda x=x, w=w: torch.ops.moe.grouped_mm_nvfp4(x, *w["nvfp4"], offs)
         for f in ("mxfp8", "nvfp4"):
-            fns[f"{f}_dequant"][g] = lambda x=x, w=w, f=f: torch._grouped_mm(x, dequant[f](*w[f]).transpose(-2, -1), offs=offs)
+            fns[f"{f}_dequant"][g] = functools.partial(dequant_then_mm, x, offs, *w[f], f=f)
             if args.inductor:
-                fns.setdefault(f"{f}_dequant_inductor", {})[g] = lambda x=x, w=w, f=f: compiled_dequant[f](x, offs, *w[f])
+                fns.setdefault(f"{f}_dequant_inductor", {})[g] = functools.partial(compiled_dequant[f], x, offs, *w[f])
 
     rows = int(offs[-1])
     ref = {g: fns["bf16"][g]() for g in xs}
@@ -137,7 +142,8 @@ def run_experiment(T: int, weights: dict, bw: float, args, gen: torch.Generator)
         wbytes = sum(weight_bytes(weights[g][fmt]) for g in xs)
         moved = wbytes * active / E + sum(x.numel() * x.element_size() for x in xs.values()) + M * (2 * I + H) * 2
         floor_us = moved / bw * 1e6
-        results.append(Result(T, impl, time_us, bf16_time / time_us, wbytes / 1e6, err_bf16, err_deq, floor_us, time_us / floor_us))
+        speedup = bf16_time / time_us
+        results.append(Result(T, impl, time_us, speedup, wbytes / 1e6, err_bf16, err_deq, floor_us, time_us / floor_us))
     if args.sweep:
         for fmt in ("mxfp8", "nvfp4"):
             best = sweep(T, fmt, xs, weights, offs, bf16_time, results, bw)
@@ -158,7 +164,8 @@ def sweep(T, fmt, xs, weights, offs, bf16_time, results, bw) -> Result | None:
         best = (float("inf"), None)
         for cfg in sweep_configs(x.shape[0]):
             try:
-                t = do_bench(lambda: gmm.launch_grouped_mm(x, w[0], scale, gscale, offs, out, fmt, config=cfg), warmup=5, rep=20)
+                launch = functools.partial(gmm.launch_grouped_mm, x, w[0], scale, gscale, offs, out, fmt, config=cfg)
+                t = do_bench(launch, warmup=5, rep=20)
             except Exception:  # e.g. out of shared memory for this tile
                 continue
             best = min(best, (t, cfg), key=lambda b: b[0])
@@ -212,7 +219,8 @@ def main() -> int:
     }
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"env": env, "summary": summary, "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
+            rows = [dataclasses.asdict(r) for r in results]
+            json.dump({"env": env, "summary": summary, "results": rows}, f, indent=1)
     for r in results:
         if r.config:
             print(f"T={r.T} {r.impl}: {r.config}")

@@ -168,7 +168,8 @@ class GroupedQuantWeight(TorchAOBaseTensor):
         """Wrap already-quantised tensors (stored layout) without touching their values."""
         if (recipe == "nvfp4") != (expert_scale is not None):
             raise ValueError(f"expert_scale is required for nvfp4 and not allowed for mxfp8 (recipe={recipe!r})")
-        return cls(qdata, scale.view(torch.uint8) if recipe == "mxfp8" else scale, recipe, orig_dtype, is_transposed, expert_scale)
+        scale = scale.view(torch.uint8) if recipe == "mxfp8" else scale
+        return cls(qdata, scale, recipe, orig_dtype, is_transposed, expert_scale)
 
     # ----- conversions -----
 
@@ -203,7 +204,7 @@ class GroupedQuantWeight(TorchAOBaseTensor):
 
     @classmethod
     def stack(cls, experts: list[GroupedQuantWeight]) -> GroupedQuantWeight:
-        """Stack 2-D single-expert tensors of one recipe and layout into ``[E, ...]`` (bytes copied, not re-quantised)."""
+        """Stack 2-D single-expert tensors of one recipe and layout into ``[E, ...]`` (bytes copied)."""
         first = experts[0]
         if any(w.recipe != first.recipe or w.is_transposed != first.is_transposed or w.dim() != 2 for w in experts):
             raise ValueError("stack: every expert must be a 2-D GroupedQuantWeight with the same recipe and layout")
@@ -224,7 +225,8 @@ class GroupedQuantWeight(TorchAOBaseTensor):
 
     def _with(self, fn, is_transposed: bool | None = None) -> GroupedQuantWeight:
         """New wrapper with ``fn`` applied to every inner tensor."""
-        opt = {n: (fn(getattr(self, n)) if getattr(self, n) is not None else None) for n in self.optional_tensor_data_names}
+        opt = {n: getattr(self, n) for n in self.optional_tensor_data_names}
+        opt = {n: (fn(t) if t is not None else None) for n, t in opt.items()}
         flag = self.is_transposed if is_transposed is None else is_transposed
         return GroupedQuantWeight(fn(self.qdata), fn(self.scale), self.recipe, self.orig_dtype, flag, **opt)
 
@@ -293,8 +295,10 @@ def _hw_fp4_grouped_mm(x_MK: torch.Tensor, w: GroupedQuantWeight, offs_E: torch.
 
     E, N, K = w.qdata.shape[0], w.qdata.shape[1], w.qdata.shape[2] * 2
     # flattening E*N rows blocks each expert separately only when N is a multiple of the 128-row tile
-    swizzled = to_blocked(w.scale.reshape(E * N, K // gmm.NV_BLOCK)).view(E, *hp_data_dims_to_swizzled_scale_dims_nvfp4(N, K))
-    nv = NVFP4Tensor(w.qdata, swizzled, gmm.NV_BLOCK, w.orig_dtype, w.expert_scale.view(E, 1, 1), None, True, False, None)
+    swizzled = to_blocked(w.scale.reshape(E * N, K // gmm.NV_BLOCK))
+    swizzled = swizzled.view(E, *hp_data_dims_to_swizzled_scale_dims_nvfp4(N, K))
+    global_scale = w.expert_scale.view(E, 1, 1)
+    nv = NVFP4Tensor(w.qdata, swizzled, gmm.NV_BLOCK, w.orig_dtype, global_scale, None, True, False, None)
     return torch._grouped_mm(x_MK, nv.transpose(-2, -1), offs=offs_E)
 
 
@@ -386,10 +390,13 @@ def _gw_copy_(func, types, args, kwargs):
 def _gw_to_copy(func, types, args, kwargs):
     w = args[0]
     device, dtype = kwargs.get("device"), kwargs.get("dtype")
-    moved = w._with(lambda t: t.to(device=device, non_blocking=kwargs.get("non_blocking", False))) if device else w._with(torch.clone)
+    non_blocking = kwargs.get("non_blocking", False)
+    moved = w._with(lambda t: t.to(device=device, non_blocking=non_blocking)) if device else w._with(torch.clone)
     if dtype is not None and dtype != w.orig_dtype:
         master = moved.master.to(dtype) if moved.master is not None else None
-        moved = GroupedQuantWeight(moved.qdata, moved.scale, w.recipe, dtype, w.is_transposed, moved.expert_scale, master)
+        moved = GroupedQuantWeight(
+            moved.qdata, moved.scale, w.recipe, dtype, w.is_transposed, moved.expert_scale, master
+        )
     return return_and_correct_aliasing(func, args, kwargs, moved)
 
 
@@ -406,7 +413,8 @@ def _gw_fallback(func, types, args, kwargs):
         return t.dequantize() if isinstance(t, GroupedQuantWeight) else t
 
     first = args[0] if args else None
-    targets = [first] if isinstance(first, GroupedQuantWeight) else list(first) if isinstance(first, (list, tuple)) else []
+    targets = [first] if isinstance(first, GroupedQuantWeight) else []
+    targets = list(first) if isinstance(first, (list, tuple)) else targets
     if _mutates_self(func) and any(isinstance(t, GroupedQuantWeight) for t in targets):
         # in-place update (optimizer step; also _foreach_*_ / fused optimizers on a list of params)
         hps = [t._hp_logical() if isinstance(t, GroupedQuantWeight) else t for t in targets]

@@ -75,7 +75,8 @@ def quantize_experts(
             parent_name, _, attr = group.name.rpartition(".")
             parent = model.get_submodule(parent_name)
             setattr(parent, attr, GroupedExpertList(group.module, group.linears, recipe, master_weights, group.name))
-        log.info("quantize_experts: %s (%s, %d experts) -> %s", group.name, group.kind, group.linears[0].num_experts, recipe)
+        num_experts = group.linears[0].num_experts
+        log.info("quantize_experts: %s (%s, %d experts) -> %s", group.name, group.kind, num_experts, recipe)
     return model
 
 
@@ -86,7 +87,10 @@ def make_grouped_weight(
     if w.dim() != 3:
         raise ValueError(f"{name} must be 3-D [E, N, K], got shape {tuple(w.shape)}")
     if type(w).__name__ == "GroupedQuantWeight":  # re-quantising: start from the best copy we have
-        w = w.master.transpose(-2, -1) if (w.master is not None and w.is_transposed) else (w.master if w.master is not None else w.dequantize())
+        if w.master is None:
+            w = w.dequantize()
+        else:
+            w = w.master.transpose(-2, -1) if w.is_transposed else w.master
     if recipe == "bf16":
         return w.detach().to(torch.bfloat16).clone()
     from moe_compile.grouped_weight import GroupedQuantWeight
@@ -155,7 +159,12 @@ class GroupedExpertList(nn.ModuleList):
     """
 
     def __init__(
-        self, experts: nn.ModuleList, linears: tuple[ExpertLinear, ...], recipe: str, master_weights: bool, name: str = ""
+        self,
+        experts: nn.ModuleList,
+        linears: tuple[ExpertLinear, ...],
+        recipe: str,
+        master_weights: bool,
+        name: str = "",
     ):
         super().__init__()
         self.paths = tuple(spec.path for spec in linears)

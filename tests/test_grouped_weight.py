@@ -63,7 +63,8 @@ def test_transposed_storage_quantizes_along_k(recipe):
     w_EKN = _weight(N=64, K=32)
     q = GroupedQuantWeight.from_hp(w_EKN, recipe, is_transposed=True)
     assert q.shape == w_EKN.shape and q.is_transposed and q.stride() == (64 * 32, 1, 64)
-    assert torch.equal(q.dequantize(), GroupedQuantWeight.from_hp(w_EKN.transpose(1, 2).contiguous(), recipe).dequantize().transpose(1, 2))
+    stored = GroupedQuantWeight.from_hp(w_EKN.transpose(1, 2).contiguous(), recipe)
+    assert torch.equal(q.dequantize(), stored.dequantize().transpose(1, 2))
     x, offs = torch.randn(5, 64, dtype=torch.bfloat16), _offs([2, 0, 3])
     assert torch.equal(torch._grouped_mm(x, q, offs=offs), torch._grouped_mm(x, q.dequantize(), offs=offs))
 

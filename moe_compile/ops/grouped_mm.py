@@ -119,7 +119,8 @@ def _pick_config(M: int, E: int, N: int, K: int, fmt: str, device: torch.device,
         block_n = 128
         while block_n > 32 and min(E, M) * triton.cdiv(N, block_n) < 2 * sms:
             block_n //= 2
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+        # BLOCK_N * BLOCK_K = 8192 keeps the fp32 dequantised tile at 64 registers per thread
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=8192 // block_n, GROUP_M=1, num_warps=4, num_stages=4)
     elif block_m == 64:
         cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
     else:
@@ -341,7 +342,8 @@ def grouped_mm_mxfp8(
         raise ValueError(f"qdata_ENK must be float8_e4m3fn [E, N, K], got {qdata_ENK.dtype} {tuple(qdata_ENK.shape)}")
     E, N, K = qdata_ENK.shape
     if scale_ENB.dtype not in (torch.uint8, torch.float8_e8m0fnu) or tuple(scale_ENB.shape) != (E, N, K // MX_BLOCK):
-        raise ValueError(f"scale_ENB must be uint8 [{E}, {N}, {K // MX_BLOCK}], got {scale_ENB.dtype} {tuple(scale_ENB.shape)}")
+        got = f"{scale_ENB.dtype} {tuple(scale_ENB.shape)}"
+        raise ValueError(f"scale_ENB must be uint8 [{E}, {N}, {K // MX_BLOCK}], got {got}")
     _check_common(x_MK, offs_E, E, K)
     return _grouped_mm_mxfp8_op(x_MK, qdata_ENK, scale_ENB.view(torch.uint8), offs_E)
 
@@ -358,9 +360,11 @@ def grouped_mm_nvfp4(
         raise ValueError(f"qdata_ENP must be uint8 [E, N, K/2], got {qdata_ENP.dtype} {tuple(qdata_ENP.shape)}")
     E, N, K = qdata_ENP.shape[0], qdata_ENP.shape[1], qdata_ENP.shape[2] * 2
     if scale_ENB.dtype != torch.float8_e4m3fn or tuple(scale_ENB.shape) != (E, N, K // NV_BLOCK):
-        raise ValueError(f"scale_ENB must be float8_e4m3fn [{E}, {N}, {K // NV_BLOCK}], got {scale_ENB.dtype} {tuple(scale_ENB.shape)}")
+        got = f"{scale_ENB.dtype} {tuple(scale_ENB.shape)}"
+        raise ValueError(f"scale_ENB must be float8_e4m3fn [{E}, {N}, {K // NV_BLOCK}], got {got}")
     if expert_scale_E.dtype != torch.float32 or expert_scale_E.numel() != E:
-        raise ValueError(f"expert_scale_E must be fp32 with {E} elements, got {expert_scale_E.dtype} {tuple(expert_scale_E.shape)}")
+        got = f"{expert_scale_E.dtype} {tuple(expert_scale_E.shape)}"
+        raise ValueError(f"expert_scale_E must be fp32 with {E} elements, got {got}")
     _check_common(x_MK, offs_E, E, K)
     return _grouped_mm_nvfp4_op(x_MK, qdata_ENP, scale_ENB, expert_scale_E.reshape(E), offs_E)
 

@@ -134,7 +134,8 @@ def _grouped_mm_kernel(
         elif W_FORMAT == W_MXFP8:
             q = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
             sk = k0 // MX_BLOCK + tl.arange(0, BLOCK_K // MX_BLOCK)
-            s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // MX_BLOCK), other=127)
+            s_mask = col_mask[:, None] & (sk[None, :] < K // MX_BLOCK)
+            s = tl.load(s_base + sk[None, :] * stride_sk, mask=s_mask, other=127)
             scale = _decode_e8m0(s)
             w = q.to(tl.float32).reshape(BLOCK_N, BLOCK_K // MX_BLOCK, MX_BLOCK) * scale[:, :, None]
             w = w.reshape(BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
@@ -143,7 +144,8 @@ def _grouped_mm_kernel(
             packed = tl.load(w_base + kp[None, :] * stride_wk, mask=col_mask[:, None] & (kp[None, :] < K // 2), other=0)
             codes = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, BLOCK_K)
             sk = k0 // NV_BLOCK + tl.arange(0, BLOCK_K // NV_BLOCK)
-            s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // NV_BLOCK), other=0.0)
+            s_mask = col_mask[:, None] & (sk[None, :] < K // NV_BLOCK)
+            s = tl.load(s_base + sk[None, :] * stride_sk, mask=s_mask, other=0.0)
             scale = gscale * s.to(tl.float32)  # same order as torchao: per_tensor_scale * e4m3 scale
             w = _decode_e2m1(codes).reshape(BLOCK_N, BLOCK_K // NV_BLOCK, NV_BLOCK) * scale[:, :, None]
             w = w.reshape(BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)

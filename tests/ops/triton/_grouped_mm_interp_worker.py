@@ -105,7 +105,8 @@ def _import_ops_only():
     import types
 
     root = pathlib.Path(__file__).resolve().parents[3] / "moe_compile"
-    for name, path in (("moe_compile", root), ("moe_compile.ops", root / "ops"), ("moe_compile.ops.triton", root / "ops" / "triton")):
+    packages = {"moe_compile": root, "moe_compile.ops": root / "ops", "moe_compile.ops.triton": root / "ops" / "triton"}
+    for name, path in packages.items():
         if name not in sys.modules:
             module = types.ModuleType(name)
             module.__path__ = [str(path)]
