@@ -204,12 +204,16 @@ def launch_grouped_mm_wgrad(
 
 
 def _use_cutlass_bf16(x: torch.Tensor, *mats: torch.Tensor) -> bool:
-    """torch._grouped_mm is sync-free only on sm90/sm100 with bf16 and 16-byte aligned strides."""
+    """torch._grouped_mm is sync-free only on sm90/sm100 with bf16 operands whose non-unit strides and
+    storage offsets are 16-byte multiples and that have a unit stride in one of the last two dims."""
     if not x.is_cuda or any(t.dtype != torch.bfloat16 for t in (x, *mats)):
         return False
     if torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
         return False
-    return all(s % 8 == 0 for t in (x, *mats) for s in t.stride()[:-1] if s != 1)
+    return all(
+        1 in t.stride()[-2:] and t.storage_offset() % 8 == 0 and all(s % 8 == 0 for s in t.stride() if s != 1)
+        for t in (x, *mats)
+    )
 
 
 def _zero_rows_past(y_MN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
