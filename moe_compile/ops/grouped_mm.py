@@ -102,7 +102,7 @@ def grouped_mm_wgrad_reference(dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_E: 
 _FORMATS = {"plain": 0, "mxfp8": 1, "nvfp4": 2}
 
 
-def _pick_config(M: int, E: int, N: int, K: int, fmt: str, device: torch.device, fp32: bool) -> dict:
+def _pick_config(M: int, E: int, N: int, K: int, fmt: str, num_sms: int | None, fp32: bool) -> dict:
     """Static tile config from shapes only (no autotune: it would bench inside CUDA graphs / compile).
 
     BLOCK_M covers about 1.5x the average rows per expert (one row tile per expert when routing is
@@ -110,14 +110,13 @@ def _pick_config(M: int, E: int, N: int, K: int, fmt: str, device: torch.device,
     shrinks until the active experts fill about two waves of SMs. Large BLOCK_M is MMA bound:
     128 x 128 tiles. ``benchmarks/bench_grouped_weight.py --sweep`` times alternatives on the GPU.
     """
-    if device.type != "cuda":  # interpreter: smallest legal tiles keep it fast
+    if num_sms is None:  # CPU tensors (interpreter): smallest legal tiles keep it fast
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     rows_per_expert = M / max(E, 1)
     block_m = min(max(_next_pow2(int(1.5 * rows_per_expert) + 1), 16), 128)
     if block_m <= 32:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
         block_n = 128
-        while block_n > 32 and min(E, M) * triton.cdiv(N, block_n) < 2 * sms:
+        while block_n > 32 and min(E, M) * triton.cdiv(N, block_n) < 2 * num_sms:
             block_n //= 2
         # BLOCK_N * BLOCK_K = 8192 keeps the fp32 dequantised tile at 64 registers per thread
         cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=8192 // block_n, GROUP_M=1, num_warps=4, num_stages=4)
@@ -157,7 +156,8 @@ def launch_grouped_mm(
     kernels = kernels or _kernels
     M, K = x_MK.shape
     E, N = offs_E.shape[0], out_MN.shape[1]
-    cfg = dict(config or _pick_config(M, E, N, K, fmt, x_MK.device, x_MK.dtype == torch.float32))
+    num_sms = torch.cuda.get_device_properties(x_MK.device).multi_processor_count if x_MK.is_cuda else None
+    cfg = dict(config or _pick_config(M, E, N, K, fmt, num_sms, x_MK.dtype == torch.float32))
     m_slots = grid_m_slots(M, E, cfg["BLOCK_M"])
     grid = (m_slots * triton.cdiv(N, cfg["BLOCK_N"]),)
     scale = w_scale if w_scale is not None else w

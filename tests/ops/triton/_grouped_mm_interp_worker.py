@@ -116,10 +116,65 @@ def _import_ops_only():
     return importlib.import_module("moe_compile.ops.grouped_mm")
 
 
+# (M, E, N, K): Qwen3-MoE-like decode and prefill shapes of the benchmark (the two tile families)
+SM90_SHAPES = ((8, 128, 1536, 2048), (32768, 128, 1536, 2048))
+_SM90_TYPES = {  # format, activation dtype -> (x/y, weight, scale, per-expert scale) pointer types
+    ("plain", "bf16"): ("*bf16", "*bf16", "*bf16", "*i32"),
+    ("plain", "fp16"): ("*fp16", "*fp16", "*fp16", "*i32"),
+    ("plain", "fp32"): ("*fp32", "*fp32", "*fp32", "*i32"),
+    ("mxfp8", "bf16"): ("*bf16", "*fp8e4nv", "*u8", "*i32"),
+    ("nvfp4", "bf16"): ("*bf16", "*u8", "*fp8e4nv", "*fp32"),
+}
+
+
+def compile_sm90() -> dict:
+    """Compile (no GPU needed) every kernel specialisation the CUDA launchers pick for the benchmark
+    shapes, for sm_90: the bf16/fp16 ``tl.dot`` paths never run under the interpreter."""
+    import traceback
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    gmm = _import_ops_only()
+    kernel, target = gmm._kernels._grouped_mm_kernel, GPUTarget("cuda", 90, 32)
+    jobs = {}
+    for M, E, N, K in SM90_SHAPES:
+        for (fmt, dtype), (x_t, w_t, s_t, g_t) in _SM90_TYPES.items():
+            if dtype != "bf16" and M > 8:
+                continue  # fp16/fp32 plain weights: one shape is enough
+            cfg = gmm._pick_config(M, E, N, K, fmt, 132, dtype == "fp32")
+            consts = dict(W_FORMAT=gmm._FORMATS[fmt], IEEE_DOT=dtype == "fp32", BLOCK_E=max(gmm._next_pow2(E), 16))
+            consts.update({k: v for k, v in cfg.items() if k.isupper()})
+            ptrs = dict(x_ptr=x_t, w_ptr=w_t, w_scale_ptr=s_t, w_gscale_ptr=g_t, offs_ptr="*i32", y_ptr=x_t)
+            sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in kernel.arg_names}
+            options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            jobs[f"{fmt}_{dtype}_{sorted(cfg.items())}"] = (kernel, sig, consts, options)
+    wgrad = gmm._kernels._grouped_mm_wgrad_kernel
+    for dtype, consts, warps in (("bf16", (False, 32, 128, 128), 8), ("fp32", (True, 32, 64, 64), 4)):
+        consts = dict(zip(("IEEE_DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K"), consts))
+        sig = {n: "constexpr" if n in consts else f"*{dtype}" if n.endswith("_ptr") else "i32" for n in wgrad.arg_names}
+        sig["offs_ptr"] = "*i32"
+        jobs[f"wgrad_{dtype}"] = (wgrad, sig, consts, dict(num_warps=warps, num_stages=3))
+    results = {}
+    for name, (fn, sig, consts, options) in jobs.items():
+        try:
+            triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()[-3000:]
+    return results
+
+
 def main() -> None:
     import json
     import os
+    import sys
     import traceback
+
+    if "--sm90" in sys.argv:
+        print(json.dumps(compile_sm90()))
+        return
 
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     from triton.runtime.interpreter import InterpretedFunction

@@ -34,3 +34,15 @@ def test_all_kernels_interpreted(results):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_kernel_case(results, case):
     assert results[case] == "ok", results[case]
+
+
+def test_gpu_configs_compile_for_sm90():
+    """The tile configs the CUDA launchers pick (bf16/fp16 dots included, which the interpreter never
+    runs) lower to sm_90 cubins; needs Triton's NVIDIA backend, not a GPU."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(WORKER), "--sm90"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    failed = {k: v for k, v in results.items() if v != "ok"}
+    assert not failed and len(results) >= 8, failed
