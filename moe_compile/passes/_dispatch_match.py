@@ -578,7 +578,7 @@ class Matcher:
                     if found is not None and found[0] is w and found[1] is dest:
                         writes.append(w)
                         prob_seeds.append(w.args[0])
-        rows = {tensor_val(s).shape[0] for s in seeds + prob_seeds}
+        rows = [tensor_val(s).shape[0] for s in seeds + prob_seeds]
         num_rows = tensor_val(seeds[0]).shape[0]
         if not all(same_int(r, num_rows) for r in rows):
             raise NoMatch("padding_not_proven", "padded buffers of different sizes")
@@ -878,7 +878,9 @@ class Matcher:
             if op_name(total) != "sum" or len(dims) != 1 or not isinstance(dims[0], int) or dims[0] % 3 != 1 \
                     or arg(total, 2, "keepdim", False) or total.kwargs.get("dtype") is not None:
                 raise NoMatch("combine_not_matched", f"{total.name} is not a sum over the top-k slots")
-            return Combine("inverse_perm_sum", y, total, None, [u, view, total])
+            inv = u.args[1]
+            inv_writes = [w for w in inv.users if w is not u]  # inv[perm] = arange(S)
+            return Combine("inverse_perm_sum", y, total, None, [u, view, total, *inv_writes])
         # (b) zeros[T, H] accumulated at perm // K
         if name in ("index_add_", "index_add"):
             if arg(u, 3, "source") is not y or u.args[0] is y or known_int(arg(u, 1, "dim")) != 0:

@@ -150,14 +150,14 @@ def fake_eval(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
 
 
 def graph_call(graph: fx.Graph, target: Any, *args: Any, meta_from: fx.Node | None = None,
-               **kwargs: Any) -> fx.Node:
+               name: str | None = None, **kwargs: Any) -> fx.Node:
     """Insert ``call_function(target, args, kwargs)`` at the graph's insertion point.
 
     The new node's ``example_value`` (and ``val``, when ``meta_from`` uses ``val``) comes from running
-    ``target`` on fake values; ``nn_module_stack``, ``stack_trace`` and ``source_fn_stack`` are copied
+    ``target`` on fake values (``name``, if given, is the new node's name, made unique); ``nn_module_stack``, ``stack_trace`` and ``source_fn_stack`` are copied
     from ``meta_from`` so the node belongs to the same layer.
     """
-    node = graph.call_function(target, tuple(args), dict(kwargs))
+    node = graph.create_node("call_function", target, tuple(args), dict(kwargs), name=name)
     value = fake_eval(target, tuple(args), dict(kwargs))
     key = "val" if meta_from is not None and "val" in meta_from.meta and "example_value" not in meta_from.meta \
         else "example_value"

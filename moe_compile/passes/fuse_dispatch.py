@@ -94,8 +94,9 @@ def _ops_available() -> bool:
         return False
 
 
-def _call(graph: fx.Graph, meta_from: fx.Node, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
-    return graph_call(graph, target, *args, meta_from=meta_from, **kwargs)
+def _call(graph: fx.Graph, meta_from: fx.Node, target: Any, *args: Any, name: str | None = None,
+          **kwargs: Any) -> fx.Node:
+    return graph_call(graph, target, *args, meta_from=meta_from, name=name, **kwargs)
 
 
 def rewrite(graph: fx.Graph, d: Dispatch) -> str:
@@ -116,11 +117,11 @@ def rewrite(graph: fx.Graph, d: Dispatch) -> str:
         gathered_weights = [g for g in d.weight_gathers if d.fold is None or g is not d.fold.weight_gather]
         use_probs = probs_TK is not None and bool(gathered_weights or (d.padding and d.padding.prob_seeds))
         pp = _call(graph, meta, torch.ops.moe.permute_pad.default, d.x_TH, ids_TK,
-                   probs_TK if use_probs else None, d.num_experts, d.align)
-        rows = _call(graph, meta, operator.getitem, pp, 0)
-        probs_M = _call(graph, meta, operator.getitem, pp, 1) if use_probs else None
-        offs = _call(graph, meta, operator.getitem, pp, 2)
-        row_map = _call(graph, meta, operator.getitem, pp, 3)
+                   probs_TK if use_probs else None, d.num_experts, d.align, name="permute_pad")
+        rows = _call(graph, meta, operator.getitem, pp, 0, name="rows_MH")
+        probs_M = _call(graph, meta, operator.getitem, pp, 1, name="probs_M") if use_probs else None
+        offs = _call(graph, meta, operator.getitem, pp, 2, name="offs_E")
+        row_map = _call(graph, meta, operator.getitem, pp, 3, name="row_map")
 
     dead: list[fx.Node] = []
     padding = d.padding
@@ -162,7 +163,8 @@ def rewrite(graph: fx.Graph, d: Dispatch) -> str:
             source = c.source
             if padding is not None and source in padding.unpads:
                 source = source.args[0]
-            combined = _call(graph, c.result, torch.ops.moe.unpad_unpermute.default, source, row_map, None)
+            combined = _call(graph, c.result, torch.ops.moe.unpad_unpermute.default, source, row_map, None,
+                             name="combined")
         else:
             # NOTE [weight fold]: y[t] = sum_k w[t, k] * rows[row(t, k)] in fp32, cast once to the rows'
             # dtype; the matcher checked that the combined result is only used at that dtype.
@@ -170,7 +172,7 @@ def rewrite(graph: fx.Graph, d: Dispatch) -> str:
             if padding is not None and rows_to_combine in padding.unpads:
                 rows_to_combine = rows_to_combine.args[0]  # Y[dest] was replaced by Y
             combined = _call(graph, c.result, torch.ops.moe.unpad_unpermute.default, rows_to_combine, row_map,
-                             probs_TK)
+                             probs_TK, name="combined")
             dead.extend(d.fold.nodes)
             dead.append(d.fold.weight_gather)
     c.result.replace_all_uses_with(combined)

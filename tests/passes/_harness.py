@@ -1,0 +1,203 @@
+"""One harness for pass tests: compile, compare with eager (outputs and grads), read our report.
+
+``check_rewrite(fn, args, expected_rewrites, ...)`` compiles ``fn`` with a fresh cache, runs it (and a
+backward when ``train``), compares with eager PyTorch within the dtype's tolerance, asserts the number of
+rewrites / skips per pass from moe_compile's report (never Inductor's global counters), and returns a
+:class:`Run` with the report and, for the Inductor backend, the generated code.
+
+Backends:
+    ``"moe_compile"``: the real backend (Inductor codegen; slow on CPU, ~5-20 s per HF model).
+    ``"passes+aot_eager"``: moe_compile's pre-grad passes on the Dynamo graph, then AOTAutograd with
+    eager kernels. The rewrite and our ops' autograd are exercised exactly as under Inductor (the
+    passes run before AOTAutograd either way) at a fraction of the compile time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from moe_compile import report as report_mod
+from moe_compile.config import MoECompileConfig
+
+# max |actual - expected| / max |expected| (one table; bf16 covers different summation orders)
+OUT_TOLS = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 4e-2, torch.float16: 1e-2}
+GRAD_TOLS = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 1.2e-1, torch.float16: 2e-2}
+
+
+def fresh_cache():
+    """A fresh Inductor cache (match counts read 0 on a cache hit: the passes do not run)."""
+    utils = torch._inductor.utils
+    fn = getattr(utils, "fresh_cache", None) or getattr(utils, "fresh_inductor_cache")
+    return fn()
+
+
+def passes_then_aot_eager(config: MoECompileConfig | None = None) -> Callable[..., Any]:
+    """A Dynamo backend: moe_compile's pre-grad passes, then AOTAutograd with eager kernels."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from moe_compile.passes import StagePass
+
+    stage = StagePass("pre_grad", config or MoECompileConfig())
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        stage(gm.graph)
+        gm.recompile()
+        return aot_eager(gm, example_inputs)
+
+    return backend
+
+
+@dataclasses.dataclass
+class Run:
+    out: Any
+    grads: list[torch.Tensor | None]
+    report: report_mod.Report
+    code: list[str]
+
+
+def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.detach().double(), expected.detach().double()
+    return ((a - e).abs().max() / e.abs().max().clamp_min(1e-12)).item() if e.numel() else 0.0
+
+
+def _float_leaves(out: Any) -> list[torch.Tensor]:
+    leaves = torch.utils._pytree.tree_leaves(out if not hasattr(out, "to_tuple") else out.to_tuple())
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def default_loss(out: Any) -> torch.Tensor:
+    """``sum(mean(o.float()**2))`` over float outputs (no stride-0 grads: CPU grouped_mm rejects them)."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    return sum(t.float().pow(2).mean() for t in _float_leaves(out))
+
+
+def _grad_inputs(fn: Any, args: Sequence[Any]) -> list[torch.Tensor]:
+    params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+    return params + [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+
+def run_once(fn: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None, *, train: bool = False,
+             loss_fn: Callable[[Any], torch.Tensor] = default_loss) -> tuple[Any, list[torch.Tensor | None]]:
+    kwargs = kwargs or {}
+    targets = _grad_inputs(fn, args) if train else []
+    for t in targets:
+        t.grad = None
+    if train:
+        out = fn(*args, **kwargs)
+        loss_fn(out).backward()
+    else:
+        with torch.no_grad():
+            out = fn(*args, **kwargs)
+    grads = [None if t.grad is None else t.grad.clone() for t in targets]
+    for t in targets:
+        t.grad = None
+    return out, grads
+
+
+def compile_and_run(fn: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None, *,
+                    backend: str = "passes+aot_eager", dynamic: bool | None = None, train: bool = False,
+                    get_code: bool = False, fullgraph: bool = False, config: MoECompileConfig | None = None,
+                    loss_fn: Callable[[Any], torch.Tensor] = default_loss) -> Run:
+    torch._dynamo.reset()
+    compiled_backend: Any = passes_then_aot_eager(config) if backend == "passes+aot_eager" else backend
+    compiled = torch.compile(fn, backend=compiled_backend, dynamic=dynamic, fullgraph=fullgraph)
+    code: list[str] = []
+    with fresh_cache(), report_mod.collecting() as rep:
+        if get_code:
+            from torch._inductor.utils import run_and_get_code
+
+            result: dict[str, Any] = {}
+
+            def step() -> None:
+                result["r"] = run_once(compiled, args, kwargs, train=train, loss_fn=loss_fn)
+
+            _, code = run_and_get_code(step)
+            out, grads = result["r"]
+        else:
+            out, grads = run_once(compiled, args, kwargs, train=train, loss_fn=loss_fn)
+    torch._dynamo.reset()
+    return Run(out, grads, rep, code)
+
+
+def assert_matches_eager(run: Run, fn: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None, *,
+                         train: bool = False, loss_fn: Callable[[Any], torch.Tensor] = default_loss,
+                         eager: tuple[Any, list[torch.Tensor | None]] | None = None) -> None:
+    ref_out, ref_grads = eager or run_once(fn, args, kwargs, train=train, loss_fn=loss_fn)
+    outs, refs = _float_leaves(run.out), _float_leaves(ref_out)
+    assert len(outs) == len(refs), f"{len(outs)} compiled outputs vs {len(refs)} eager"
+    for i, (a, e) in enumerate(zip(outs, refs)):
+        assert a.shape == e.shape and a.dtype == e.dtype, f"output {i}: {a.shape} {a.dtype} vs {e.shape} {e.dtype}"
+        err = max_rel_err(a, e)
+        assert err <= OUT_TOLS[e.dtype], f"output {i}: max rel err {err:.3g} > {OUT_TOLS[e.dtype]}"
+    assert len(run.grads) == len(ref_grads)
+    for i, (g, r) in enumerate(zip(run.grads, ref_grads)):
+        assert (g is None) == (r is None), f"grad {i}: compiled {'None' if g is None else 'set'} vs eager"
+        if r is not None:
+            err = max_rel_err(g, r)
+            assert err <= GRAD_TOLS[r.dtype], f"grad {i} {tuple(r.shape)}: max rel err {err:.3g} > {GRAD_TOLS[r.dtype]}"
+
+
+def assert_report(rep: report_mod.Report, rewrites: dict[str, int] | None = None,
+                  skips: dict[str, list[str]] | None = None) -> None:
+    """Exact rewrite counts per pass, and the reason tags of skips per pass (sorted)."""
+    assert not rep.errors, f"pass errors: {rep.errors}"
+    for name, n in (rewrites or {}).items():
+        assert rep.count(name) == n, f"{name}: {rep.count(name)} rewrites, expected {n}\n{rep.table()}"
+    for name, reasons in (skips or {}).items():
+        got = sorted(r.what for r in rep.skips if r.pass_name == name)
+        assert got == sorted(reasons), f"{name}: skips {got}, expected {sorted(reasons)}\n{rep.table()}"
+
+
+def check_rewrite(fn: Any, args: Sequence[Any], expected_rewrites: dict[str, int], *,
+                  expected_skips: dict[str, list[str]] | None = None, kwargs: dict[str, Any] | None = None,
+                  backend: str = "passes+aot_eager", dynamic: bool | None = None, train: bool = True,
+                  code_checks: Sequence[Callable[[str], None]] = (), fullgraph: bool = False,
+                  loss_fn: Callable[[Any], torch.Tensor] = default_loss) -> Run:
+    """Compile, compare with eager (forward and, with ``train``, grads), assert our report and the code."""
+    eager = run_once(fn, args, kwargs, train=train, loss_fn=loss_fn)
+    run = compile_and_run(fn, args, kwargs, backend=backend, dynamic=dynamic, train=train,
+                          get_code=bool(code_checks), fullgraph=fullgraph, loss_fn=loss_fn)
+    assert_report(run.report, expected_rewrites, expected_skips)
+    assert_matches_eager(run, fn, args, kwargs, train=train, loss_fn=loss_fn, eager=eager)
+    if code_checks:
+        assert run.code, "no generated code captured"
+        for check in code_checks:
+            for code in run.code:
+                check(code)
+    return run
+
+
+def no_scatter_add(code: str) -> None:
+    """Generated code (forward or backward) holds no atomic add and no scatter-add / accumulate index_put."""
+    from torch.testing import FileCheck
+
+    FileCheck().check_not("atomic_add").run(code)
+    FileCheck().check_not("scatter_add").run(code)
+    FileCheck().check_not("index_put").run(code)
+
+
+def calls_dispatch_ops(codes: Sequence[str]) -> None:
+    joined = "\n".join(codes)
+    assert "moe.permute_pad" in joined and "moe.unpad_unpermute" in joined, "dispatch ops not in the generated code"
+
+
+@contextlib.contextmanager
+def deterministic_seed(seed: int = 0):
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def clone_module(module: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(module)
