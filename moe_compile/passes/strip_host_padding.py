@@ -43,7 +43,9 @@ Skips when (reason tags):
     ``alignment_unsupported``, ``unpad_not_matched``, ``offsets_not_matched``, ``probs_not_matched``
     (the combine weight is not the routing prob permuted alongside), ``region_not_rowwise`` (an op
     between pad and unpad mixes rows), ``host_size_in_expert_region``, ``expert_region_escapes`` (a
-    padded tensor is used outside the region), ``ops_unavailable``, ``host_read_kept`` (recorded after
+    padded tensor is used outside the region), ``shared_param_in_expert_region`` (training with a weight
+    shared by all rows between pad and unpad: its gradient would sum over the static buffer's
+    uninitialized tail rows), ``ops_unavailable``, ``host_read_kept`` (recorded after
     the rewrites when host reads still feed tensor ops, e.g. a logging ``.item()``: the graph stays
     CUDA-graph unsafe), ``already_aligned`` (the host pad is a no-op on rows that are already aligned:
     it is removed, nothing is padded again).
@@ -513,10 +515,25 @@ def _region_nodes(X: fx.Node, Y: fx.Node) -> list[fx.Node]:
     return sorted(forward & backward, key=order.__getitem__)
 
 
-def _check_rowwise(node: fx.Node, inside: set[fx.Node], num_experts: int | None) -> list[fx.Node]:
-    """Raise unless ``node`` maps row r of its region inputs to row r of its output. Returns offs nodes."""
+def _check_rowwise(
+    node: fx.Node, inside: set[fx.Node], num_experts: int | None, training: bool = False
+) -> list[fx.Node]:
+    """Raise unless ``node`` maps row r of its region inputs to row r of its output. Returns offs nodes.
+
+    NOTE [tail rows]: after the rewrite the region runs over ``M`` static rows; rows past ``offs_E[-1]``
+    are never read by the combine, but ``torch._grouped_mm`` leaves them uninitialized. Row-wise ops
+    keep that garbage in the tail, except in a gradient that sums over rows: a weight shared by all
+    rows (``linear``, a per-channel scale) would get ``0 * garbage`` (NaN for NaN/inf garbage). Such
+    weights are refused in training (``shared_param_in_expert_region``).
+    """
     name = op_name(node)
     value = tensor_value(node)
+    if training and name not in GROUPED_MM:
+        for a in node.all_input_nodes:
+            av = tensor_value(a)
+            if a not in inside and av is not None and av.requires_grad:
+                raise _Skip("shared_param_in_expert_region",
+                            f"{node.name}: {a.name} is shared by all rows and trained (see NOTE [tail rows])")
     for a in node.all_input_nodes:
         if a not in inside and tensor_value(a) is None and sym_expr(a) is not None:
             raise _Skip("host_size_in_expert_region", f"{node.name} uses host size {a.name}")
@@ -621,11 +638,12 @@ class _Matcher:
             raise _Skip("region_not_rowwise", f"{Y.name} is not computed from {X.name}")
 
         inside = set(middle) | {X}
+        training = bool(getattr(tensor_value(Y), "requires_grad", False))
         offs_uses: list[fx.Node] = []
         offs_nodes: list[fx.Node] = []
         E_hint = perm.num_experts if perm.num_experts > 0 else None
         for node in middle:
-            found = _check_rowwise(node, inside, E_hint)
+            found = _check_rowwise(node, inside, E_hint, training)
             if found:
                 offs_uses.append(node)
                 offs_nodes += [o for o in found if o not in offs_nodes]
@@ -898,10 +916,11 @@ def _match_pad_after_permute_pad(pp: fx.Node, reads: dict[sympy.Symbol, HostRead
     if Y not in middle:
         raise _Skip("region_not_rowwise", f"{Y.name} is not computed from {X.name}")
     inside = set(middle) | {X}
+    training = bool(getattr(tensor_value(Y), "requires_grad", False))
     offs_uses, offs_nodes = [], []
     E = pp.args[3]
     for node in middle:
-        found = _check_rowwise(node, inside, E)
+        found = _check_rowwise(node, inside, E, training)
         if found:
             offs_uses.append(node)
             offs_nodes += [o for o in found if o not in offs_nodes]

@@ -65,16 +65,19 @@ class SplitPadGroupedMoE(_RoutedExperts):
     ``"descending"`` sort, ``"bad_pad"`` (pads to ``n + 1`` rows), ``"unpermuted_probs"`` (the combine
     weight is not permuted with the rows), ``"row_mixing"`` (a ``cumsum`` over rows between the GEMMs),
     ``"wrong_counts"`` (split sizes counted from other ids), ``"escape"`` (the padded rows are also
-    used outside the expert region).
+    used outside the expert region); ``"shared_scale"`` multiplies the padded expert output by a trained
+    per-channel scale shared by all rows (rewritten in inference, refused in training).
     """
 
-    VARIANTS = ("", "descending", "bad_pad", "unpermuted_probs", "row_mixing", "wrong_counts", "escape")
+    VARIANTS = ("", "descending", "bad_pad", "unpermuted_probs", "row_mixing", "wrong_counts", "escape", "shared_scale")
 
     def __init__(self, *args, variant: str = "", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if variant not in self.VARIANTS:
             raise ValueError(f"variant must be one of {self.VARIANTS}, got {variant!r}")
         self.variant = variant
+        if variant == "shared_scale":
+            self.out_scale_H = nn.Parameter(torch.ones(self.w2_EHI.shape[1], dtype=self.w2_EHI.dtype))
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         E, K, a, variant = self.num_experts, self.top_k, self.align, self.variant
@@ -92,6 +95,8 @@ class SplitPadGroupedMoE(_RoutedExperts):
         y_PH = self.expert_mlp(x_PH, offs_E)
         if variant == "row_mixing":
             y_PH = y_PH.cumsum(dim=0)
+        if variant == "shared_scale":
+            y_PH = y_PH * self.out_scale_H
         y_NH = torch.cat([y.narrow(0, 0, n) for y, n in zip(torch.split(y_PH, padded), sizes)])
         probs_N = probs_TK.reshape(-1) if variant == "unpermuted_probs" else probs_TK.reshape(-1)[order_N]
         y_NH = (y_NH * probs_N.unsqueeze(-1)).to(x_TH.dtype)

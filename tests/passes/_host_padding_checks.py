@@ -141,8 +141,11 @@ def op_counts(gm: fx.GraphModule) -> collections.Counter:
     return collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
 
 
-def dynamo_graph(model: Any, *args: Any) -> tuple[fx.GraphModule, list[Any]]:
-    """The Dynamo graph of ``model(*args)`` (``fullgraph=True``) before any backend pass, and its inputs."""
+def dynamo_graph(model: Any, *args: Any, grad: bool = False) -> tuple[fx.GraphModule, list[Any]]:
+    """The Dynamo graph of ``model(*args)`` (``fullgraph=True``) before any backend pass, and its inputs.
+
+    Traced under ``no_grad`` (an inference graph) unless ``grad``.
+    """
     graphs: list[tuple[fx.GraphModule, list[Any]]] = []
 
     def backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
@@ -150,7 +153,7 @@ def dynamo_graph(model: Any, *args: Any) -> tuple[fx.GraphModule, list[Any]]:
         return gm.forward
 
     torch._dynamo.reset()
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         torch.compile(model, backend=backend, fullgraph=True)(*args)
     torch._dynamo.reset()
     assert len(graphs) == 1, f"expected one graph, got {len(graphs)}"

@@ -157,6 +157,17 @@ class FastRewriteTest(unittest.TestCase):
                 with torch.no_grad():  # the graph is left as it was
                     torch.testing.assert_close(gm(*inputs)[0], model(x))
 
+    def test_trained_weight_shared_by_all_rows_is_refused_in_training_only(self):
+        model = make_layer("split_pad", variant="shared_scale")
+        gm, _ = dynamo_graph(model, _x(6), grad=True)
+        ctx = run_pass(strip_host_padding.run, gm)
+        self.assertEqual(ctx.kinds("rewrite"), [])
+        self.assertIn("shared_param_in_expert_region", ctx.kinds("skip"))
+        gm, inputs, ctx = self.rewrite(model, _x(6))  # inference: the tail rows are never read
+        self.assertEqual(len(ctx.kinds("rewrite")), 1, ctx.records)
+        with torch.no_grad():
+            torch.testing.assert_close(gm(*inputs)[0].float(), model(_x(6)).float(), atol=3e-2, rtol=3e-2)
+
     def test_graph_without_host_sizes_is_left_alone(self):
         def layer(x_TH: torch.Tensor, w_HH: torch.Tensor) -> torch.Tensor:
             idx = (x_TH @ w_HH).argmax(-1) % x_TH.shape[0]
