@@ -94,8 +94,9 @@ def find_expert_weights(
 
 
 def _as_stacked(name: str, attr: str, module: nn.Module) -> ExpertGroup | None:
-    if isinstance(module, (nn.ModuleList, *_NOT_EXPERT_CONTAINERS)):
+    if isinstance(module, _NOT_EXPERT_CONTAINERS):
         return None
+    # (a ModuleList only has rank-3 parameters once quantize_experts regrouped it: GroupedExpertList)
     params = {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
     if not params:
         return None

@@ -213,6 +213,15 @@ def test_discrete_structure_after_conversion():
     }
 
 
+def test_requantize_converted_model():
+    """A converted model is found again (a GroupedExpertList holds stacked weights) and re-quantised
+    from its best copy (the bf16 master here)."""
+    original = make_block("discrete")
+    block = quantize_experts(quantize_experts(copy.deepcopy(original), "mxfp8", master_weights=True), "nvfp4")
+    expected = quantize_experts(copy.deepcopy(original), "nvfp4")
+    assert torch.equal(block(inputs()), expected(inputs()))
+
+
 def test_hf_qwen3_moe_block():
     from tests.models.hf_models import block_output, build_sparse_moe_block
 
