@@ -8,8 +8,9 @@ from moe_compile import ops
 from moe_compile.api import compile
 from moe_compile.backend import moe_backend, register
 from moe_compile.config import MoECompileConfig
+from moe_compile.quantize import quantize_experts
 from moe_compile.report import Report, explain
 
 register()
 
-__all__ = ["MoECompileConfig", "Report", "compile", "explain", "moe_backend", "ops"]
+__all__ = ["MoECompileConfig", "Report", "compile", "explain", "moe_backend", "ops", "quantize_experts"]

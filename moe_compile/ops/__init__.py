@@ -1,6 +1,7 @@
 """Custom ops (``torch.ops.moe.*``) with CPU reference and Triton CUDA implementations."""
 
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS, static_row_bound
+from moe_compile.ops.grouped_mm import grouped_mm, grouped_mm_mxfp8, grouped_mm_nvfp4, grouped_mm_reference
 from moe_compile.ops.permute_pad import (
     PermutePadOut,
     permute_pad,
@@ -16,6 +17,10 @@ from moe_compile.ops.unpad_unpermute import (
 __all__ = [
     "SUPPORTED_ALIGNMENTS",
     "PermutePadOut",
+    "grouped_mm",
+    "grouped_mm_mxfp8",
+    "grouped_mm_nvfp4",
+    "grouped_mm_reference",
     "permute_pad",
     "permute_pad_backward_reference",
     "permute_pad_reference",
