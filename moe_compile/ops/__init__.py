@@ -1,7 +1,10 @@
 """Custom ops (``torch.ops.moe.*``) with CPU reference and Triton CUDA implementations."""
 
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS, static_row_bound
-from moe_compile.ops.grouped_mm import grouped_mm, grouped_mm_mxfp8, grouped_mm_nvfp4, grouped_mm_reference
+# `moe_compile.ops.grouped_mm` stays the module (its op wrapper is `grouped_mm.grouped_mm`): code across
+# the package imports it as `from moe_compile.ops import grouped_mm as gmm`.
+from moe_compile.ops import grouped_mm
+from moe_compile.ops.grouped_mm import grouped_mm_mxfp8, grouped_mm_nvfp4, grouped_mm_reference
 from moe_compile.ops.permute_pad import (
     PermutePadOut,
     permute_pad,
