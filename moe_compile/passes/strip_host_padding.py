@@ -620,14 +620,22 @@ class _Matcher:
             else:
                 raise _Skip("probs_not_matched", f"{y.name}: neither operand is a [N, 1] column")
             probs_TK, probs_TE = _probs_source(col, perm)
-            mul = y.users and next(u for u in y.users if is_call(u, "mul", "__mul__"))
-            tail.add(mul)
+            tail.add(next(u for u in y.users if is_call(u, "mul", "__mul__") and col in u.args))
             y0 = y
             y = _peel(y, CASTS)
             tail |= _chain_to(y0, y)
 
         # unpad block (optional), the expert region, the pad block (optional) or x_NH
         unpad = _match_unpad(y)
+        if unpad is not None:
+            # the unpad splits by the old host sizes: nothing else may read it once the rows are static
+            pieces = list(unpad.cat.args[0])
+            chunks = [p.args[0] for p in pieces]
+            inner = set(pieces) | set(chunks) | {unpad.cat}
+            bad = [u for n in [unpad.split, *chunks, *pieces] for u in n.users if u not in inner]
+            bad += [u for u in unpad.cat.users if u not in tail]
+            if bad:
+                raise _Skip("expert_region_escapes", f"the unpadded rows are also used by {bad[0].name}")
         pad = _match_pad(perm.x_NH)
         Y = unpad.split.args[0] if unpad is not None else y
         X = pad.cat if pad is not None else perm.x_NH
