@@ -129,20 +129,22 @@ def compile_and_run(fn: Any, args: Sequence[Any], kwargs: dict[str, Any] | None 
 
 def assert_matches_eager(run: Run, fn: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None, *,
                          train: bool = False, loss_fn: Callable[[Any], torch.Tensor] = default_loss,
-                         eager: tuple[Any, list[torch.Tensor | None]] | None = None) -> None:
+                         eager: tuple[Any, list[torch.Tensor | None]] | None = None,
+                         tol_dtype: torch.dtype | None = None) -> None:
+    """Outputs and grads within the tolerance of ``tol_dtype`` (the compute dtype; default: each tensor's)."""
     ref_out, ref_grads = eager or run_once(fn, args, kwargs, train=train, loss_fn=loss_fn)
     outs, refs = _float_leaves(run.out), _float_leaves(ref_out)
     assert len(outs) == len(refs), f"{len(outs)} compiled outputs vs {len(refs)} eager"
     for i, (a, e) in enumerate(zip(outs, refs)):
         assert a.shape == e.shape and a.dtype == e.dtype, f"output {i}: {a.shape} {a.dtype} vs {e.shape} {e.dtype}"
-        err = max_rel_err(a, e)
-        assert err <= OUT_TOLS[e.dtype], f"output {i}: max rel err {err:.3g} > {OUT_TOLS[e.dtype]}"
+        err, tol = max_rel_err(a, e), OUT_TOLS[tol_dtype or e.dtype]
+        assert err <= tol, f"output {i}: max rel err {err:.3g} > {tol}"
     assert len(run.grads) == len(ref_grads)
     for i, (g, r) in enumerate(zip(run.grads, ref_grads)):
         assert (g is None) == (r is None), f"grad {i}: compiled {'None' if g is None else 'set'} vs eager"
         if r is not None:
-            err = max_rel_err(g, r)
-            assert err <= GRAD_TOLS[r.dtype], f"grad {i} {tuple(r.shape)}: max rel err {err:.3g} > {GRAD_TOLS[r.dtype]}"
+            err, tol = max_rel_err(g, r), GRAD_TOLS[tol_dtype or r.dtype]
+            assert err <= tol, f"grad {i} {tuple(r.shape)}: max rel err {err:.3g} > {tol}"
 
 
 def assert_report(rep: report_mod.Report, rewrites: dict[str, int] | None = None,
