@@ -132,6 +132,29 @@ def _pick_config(M: int, E: int, N: int, K: int, fmt: str, num_sms: int | None, 
     return cfg
 
 
+def _pick_decode_config(M: int, E: int, N: int, K: int, fmt: str, num_sms: int, fp32: bool) -> dict | None:
+    """Tiles for ``_grouped_mm_decode_kernel`` when experts get few rows (``None``: use the tiled kernel).
+
+    One row tile per expert (``BLOCK_M`` 16 or 32 covers ~1.5x the mean rows per expert), each
+    weight tile streamed once; ``SPLIT_K`` grows until the active row tiles x N tiles give about
+    four programs per SM (at decode only ``min(E, M)`` experts are read), keeping >= 2 K tiles per split.
+    """
+    block_m = max(_next_pow2(int(1.5 * M / max(E, 1)) + 1), 16)
+    if block_m > 32:
+        return None
+    block_n = max(min(64, _next_pow2(N)), 16)
+    # BLOCK_N * BLOCK_K = 8192 keeps the fp32 dequantised tile at 64 registers per thread
+    block_k = max(min(8192 // block_n, _next_pow2(K)), MX_BLOCK if fmt != "plain" else 16)
+    programs = min(E, M) * triton.cdiv(N, block_n)
+    split_k = 1
+    while programs * split_k < 4 * num_sms and K >= 4 * split_k * block_k and split_k * M * N < 2**30:
+        split_k *= 2
+    return dict(
+        KERNEL="decode", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        SWAP_AB=not fp32, num_warps=4, num_stages=3,
+    )  # fmt: skip
+
+
 def grid_m_slots(M: int, E: int, block_m: int) -> int:
     """NOTE [static grid over M tiles]: a static bound on the row tiles, tail tiles included."""
     return triton.cdiv(M, block_m) + min(E, M) + 1
@@ -152,18 +175,49 @@ def launch_grouped_mm(
     kernels=None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """Launch ``_grouped_mm_kernel`` into ``out_MN``; ``kernels`` swaps in an interpreted kernel module."""
+    """Launch the grouped GEMM into ``out_MN``; ``kernels`` swaps in an interpreted kernel module.
+
+    ``config`` (tiles, from ``_pick_decode_config`` / ``_pick_config`` when ``None``) with
+    ``KERNEL="decode"`` runs ``_grouped_mm_decode_kernel`` (plus the split-K reduction), else
+    ``_grouped_mm_kernel``.
+    """
     kernels = kernels or _kernels
     M, K = x_MK.shape
     E, N = offs_E.shape[0], out_MN.shape[1]
-    num_sms = torch.cuda.get_device_properties(x_MK.device).multi_processor_count if x_MK.is_cuda else None
-    cfg = dict(config or _pick_config(M, E, N, K, fmt, num_sms, x_MK.dtype == torch.float32))
-    m_slots = grid_m_slots(M, E, cfg["BLOCK_M"])
-    grid = (m_slots * triton.cdiv(N, cfg["BLOCK_N"]),)
+    fp32 = x_MK.dtype == torch.float32
+    if config is None and x_MK.is_cuda:
+        num_sms = torch.cuda.get_device_properties(x_MK.device).multi_processor_count
+        config = _pick_decode_config(M, E, N, K, fmt, num_sms, fp32) or _pick_config(M, E, N, K, fmt, num_sms, fp32)
+    cfg = dict(config or _pick_config(M, E, N, K, fmt, None, fp32))
     scale = w_scale if w_scale is not None else w
     gscale = w_gscale if w_gscale is not None else offs_E
-    kernel = wrap_triton(kernels._grouped_mm_kernel) if x_MK.is_cuda else kernels._grouped_mm_kernel
-    kernel[grid](
+    ieee = fp32 or not x_MK.is_cuda
+    wrap = wrap_triton if x_MK.is_cuda else (lambda k: k)
+    m_slots = grid_m_slots(M, E, cfg["BLOCK_M"])
+    if cfg.pop("KERNEL", "tiled") == "decode":
+        split_k = cfg.pop("SPLIT_K", 1)
+        k_per_split = triton.cdiv(triton.cdiv(K, cfg["BLOCK_K"]), split_k) * cfg["BLOCK_K"]
+        split_k = triton.cdiv(K, k_per_split)  # no empty splits
+        part = out_MN if split_k == 1 else out_MN.new_empty(split_k, M, N, dtype=torch.float32)
+        part_strides = (0, *out_MN.stride()) if split_k == 1 else part.stride()
+        grid = (triton.cdiv(N, cfg["BLOCK_N"]), m_slots, split_k)
+        wrap(kernels._grouped_mm_decode_kernel)[grid](
+            x_MK, w, scale, gscale, offs_E, part,
+            M, N, K, E, k_per_split,
+            x_MK.stride(0), x_MK.stride(1),
+            w.stride(0), w.stride(1), w.stride(2),
+            scale.stride(0), scale.stride(1), scale.stride(-1),
+            *part_strides,
+            W_FORMAT=_FORMATS[fmt], IEEE_DOT=ieee, BLOCK_E=max(_next_pow2(E), 16), **cfg,
+        )  # fmt: skip
+        if split_k > 1:
+            block = 1024
+            wrap(kernels._splitk_reduce_kernel)[(triton.cdiv(M * N, block),)](
+                part, out_MN, M, N, split_k, out_MN.stride(0), out_MN.stride(1), BLOCK=block, num_warps=4
+            )
+        return out_MN
+    grid = (m_slots * triton.cdiv(N, cfg["BLOCK_N"]),)
+    wrap(kernels._grouped_mm_kernel)[grid](
         x_MK, w, scale, gscale, offs_E, out_MN,
         M, N, K, E,
         x_MK.stride(0), x_MK.stride(1),
@@ -171,7 +225,7 @@ def launch_grouped_mm(
         scale.stride(0), scale.stride(1), scale.stride(-1),
         out_MN.stride(0), out_MN.stride(1),
         m_slots,
-        W_FORMAT=_FORMATS[fmt], IEEE_DOT=x_MK.dtype == torch.float32 or not x_MK.is_cuda,
+        W_FORMAT=_FORMATS[fmt], IEEE_DOT=ieee,
         BLOCK_E=max(_next_pow2(E), 16), **cfg,
     )  # fmt: skip
     return out_MN

@@ -73,14 +73,47 @@ def _decode_e8m0(s):
 
 @triton.jit
 def _decode_e2m1(code):
-    """uint8 e2m1 code in the low 4 bits -> fp32 value in {0, 0.5, 1, 1.5, 2, 3, 4, 6} with sign."""
+    """e2m1 code in the low 4 bits (any int type) -> fp32 value in {0, 0.5, ..., 6} with sign.
+
+    The 3 magnitude bits land on fp32 bits 22-24 (top mantissa bit + two lowest exponent bits) and
+    the sign on bit 31: that is exactly ``value * 2**-126`` (code 1 is the denormal ``2**-127``), so
+    one exact multiply by ``2**126`` finishes it: four integer ops and one multiply per value.
+    """
     c = code.to(tl.int32)
-    exp = (c >> 1) & 3
-    man = c & 1
-    normal_bits = ((exp + 126) << 23) | (man << 22)  # 2**(exp-1) * (1 + man/2)
-    sub_bits = man * 0x3F000000  # exp == 0: man * 0.5
-    bits = tl.where(exp == 0, sub_bits, normal_bits) | ((c & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+    bits = ((c & 7) << 22) | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2**126
+
+
+@triton.jit
+def _dequant_tile(
+    w_base, s_base, gscale, k0, K, col_mask, stride_wk, stride_sk,
+    W_FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """The ``[BLOCK_N, BLOCK_K]`` weight tile at ``k0`` in ``OUT_DTYPE`` (zeros past ``K``/``N``).
+
+    ``w_base`` / ``s_base`` are ``[BLOCK_N, 1]`` pointer columns of one expert's rows. Quantised
+    tiles are decoded once per tile with the reference's fp32 arithmetic (bitwise the reference).
+    """
+    if W_FORMAT == W_PLAIN:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & (ks[None, :] < K), other=0.0)
+        return w.to(OUT_DTYPE)
+    elif W_FORMAT == W_MXFP8:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & (ks[None, :] < K), other=0.0)
+        sk = k0 // MX_BLOCK + tl.arange(0, BLOCK_K // MX_BLOCK)
+        s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // MX_BLOCK), other=127)
+        w = q.to(tl.float32).reshape(BLOCK_N, BLOCK_K // MX_BLOCK, MX_BLOCK) * _decode_e8m0(s)[:, :, None]
+        return w.reshape(BLOCK_N, BLOCK_K).to(OUT_DTYPE)
+    else:
+        kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_base + kp[None, :] * stride_wk, mask=col_mask[:, None] & (kp[None, :] < K // 2), other=0)
+        codes = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, BLOCK_K)
+        sk = k0 // NV_BLOCK + tl.arange(0, BLOCK_K // NV_BLOCK)
+        s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // NV_BLOCK), other=0.0)
+        scale = gscale * s.to(tl.float32)  # same order as torchao: per_tensor_scale * e4m3 scale
+        w = _decode_e2m1(codes).reshape(BLOCK_N, BLOCK_K // NV_BLOCK, NV_BLOCK) * scale[:, :, None]
+        return w.reshape(BLOCK_N, BLOCK_K).to(OUT_DTYPE)
 
 
 @triton.jit
@@ -125,35 +158,106 @@ def _grouped_mm_kernel(
     s_base = w_scale_ptr + e.to(tl.int64) * stride_se + cols[:, None].to(tl.int64) * stride_sn
     if W_FORMAT == W_NVFP4:
         gscale = tl.load(w_gscale_ptr + e)
+    else:
+        gscale = 1.0
     for k0 in range(0, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         x = tl.load(x_base + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if W_FORMAT == W_PLAIN:
-            w = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        elif W_FORMAT == W_MXFP8:
-            q = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-            sk = k0 // MX_BLOCK + tl.arange(0, BLOCK_K // MX_BLOCK)
-            s_mask = col_mask[:, None] & (sk[None, :] < K // MX_BLOCK)
-            s = tl.load(s_base + sk[None, :] * stride_sk, mask=s_mask, other=127)
-            scale = _decode_e8m0(s)
-            w = q.to(tl.float32).reshape(BLOCK_N, BLOCK_K // MX_BLOCK, MX_BLOCK) * scale[:, :, None]
-            w = w.reshape(BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
-        else:
-            kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(w_base + kp[None, :] * stride_wk, mask=col_mask[:, None] & (kp[None, :] < K // 2), other=0)
-            codes = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, BLOCK_K)
-            sk = k0 // NV_BLOCK + tl.arange(0, BLOCK_K // NV_BLOCK)
-            s_mask = col_mask[:, None] & (sk[None, :] < K // NV_BLOCK)
-            s = tl.load(s_base + sk[None, :] * stride_sk, mask=s_mask, other=0.0)
-            scale = gscale * s.to(tl.float32)  # same order as torchao: per_tensor_scale * e4m3 scale
-            w = _decode_e2m1(codes).reshape(BLOCK_N, BLOCK_K // NV_BLOCK, NV_BLOCK) * scale[:, :, None]
-            w = w.reshape(BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
+        w = _dequant_tile(
+            w_base, s_base, gscale, k0, K, col_mask, stride_wk, stride_sk,
+            W_FORMAT, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty,
+        )  # fmt: skip
         if IEEE_DOT:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _grouped_mm_decode_kernel(
+    x_ptr, w_ptr, w_scale_ptr, w_gscale_ptr, offs_ptr, y_ptr,
+    M, N, K, E, K_PER_SPLIT,
+    stride_xm, stride_xk,
+    stride_we, stride_wn, stride_wk,
+    stride_se, stride_sn, stride_sk,
+    stride_ys, stride_ym, stride_yn,
+    W_FORMAT: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """Decode-shaped (few rows per expert) weight-streaming variant of ``_grouped_mm_kernel``.
+
+    Grid ``(cdiv(N, BLOCK_N), NUM_M_SLOTS, SPLIT_K)``: program ``(n, m, s)`` takes row tile ``m``
+    (one expert's rows, NOTE [static grid over M tiles]) and streams that expert's
+    ``[BLOCK_N, K_PER_SPLIT]`` weight slice once, dequantising each ``[BLOCK_N, BLOCK_K]`` tile once
+    for all its rows. Only experts that own rows are read. Split-K spreads a few active experts over
+    the SMs: each split writes its fp32 partial to ``y[s]`` (``stride_ys``) and
+    ``_splitk_reduce_kernel`` sums them in a fixed order (deterministic, no atomics). ``SWAP_AB``
+    computes ``(W x^T)^T`` so the weight tile is the MMA's wide operand.
+    """
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    is_work, row0, row_hi, e = _expert_tile(offs_ptr, E, M, pid_m, BLOCK_M, BLOCK_E)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = (rows < row_hi) & (rows < M)
+    col_mask = cols < N
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.where(is_work, tl.minimum(k_lo + K_PER_SPLIT, K), k_lo)  # tail slots: store zeros
+    e = tl.minimum(e, E - 1)
+    x_base = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    w_base = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    s_base = w_scale_ptr + e.to(tl.int64) * stride_se + cols[:, None].to(tl.int64) * stride_sn
+    if W_FORMAT == W_NVFP4:
+        gscale = tl.load(w_gscale_ptr + e)
+    else:
+        gscale = 1.0
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_base + ks[None, :] * stride_xk, mask=row_mask[:, None] & (ks[None, :] < K), other=0.0)
+        w = _dequant_tile(
+            w_base, s_base, gscale, k0, K, col_mask, stride_wk, stride_sk,
+            W_FORMAT, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty,
+        )  # fmt: skip
+        if IEEE_DOT:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        if SWAP_AB:
+            if IEEE_DOT:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            if IEEE_DOT:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+    if SWAP_AB:
+        out = tl.trans(acc)
+    else:
+        out = acc
+    y_ptrs = y_ptr + pid_k * stride_ys + rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, y_ptr, M, N, SPLIT_K, stride_ym, stride_yn, BLOCK: tl.constexpr):
+    """``y[m, n] = sum_s part[s, m, n]`` over contiguous fp32 partials ``[SPLIT_K, M, N]``, s ascending."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(part_ptr + s * M * N + idx, mask=mask, other=0.0)
+    m, n = idx // N, idx % N
+    tl.store(y_ptr + m * stride_ym + n * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

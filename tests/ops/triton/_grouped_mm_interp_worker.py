@@ -31,6 +31,13 @@ CASES = {
     "wgrad_fp32_tail_rows": ("wgrad", [1, 0, 6], 10, 16, 48, "float32"),
     "wgrad_bf16_one_expert": ("wgrad", [0, 0, 9], 9, 16, 24, "bfloat16"),
     "deterministic_nvfp4": ("repeat", [3, 0, 5, 2], 12, 16, 64, "bfloat16"),
+    # decode kernel: (fmt, split_k, swap_ab); split-K partials + fixed-order reduction, row tiles > 1 per expert
+    "decode_plain_fp32_split3_swap": ("decode:plain:3:1", [3, 0, 5, 2], 12, 24, 96, "float32"),
+    "decode_mxfp8_bf16_split2": ("decode:mxfp8:2:0", [2, 0, 0, 1, 4, 0, 3], 14, 24, 128, "bfloat16"),
+    "decode_mxfp8_fp32_split1_swap": ("decode:mxfp8:1:1", [3, 0, 5, 2], 12, 24, 96, "float32"),
+    "decode_nvfp4_fp32_split2_swap_big_expert": ("decode:nvfp4:2:1", [0, 37, 0, 2], 41, 24, 64, "float32"),
+    "decode_nvfp4_bf16_split1": ("decode:nvfp4:1:0", [0, 7, 1], 9, 16, 32, "bfloat16"),
+    "decode_nvfp4_fp32_no_rows": ("decode:nvfp4:2:1", [0, 0, 0], 4, 16, 64, "float32"),
 }
 
 
@@ -66,9 +73,14 @@ def _run_case(gmm, kind, counts, M, N, K, dtype_name):
     offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
     x = torch.randn(M, K, generator=gen).to(dtype)
 
+    config = None
+    if kind.startswith("decode:"):  # the decode kernel, with explicit split-K and operand order
+        _, kind, split_k, swap = kind.split(":")
+        config = dict(KERNEL="decode", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=int(split_k), SWAP_AB=swap == "1")
+
     def launch(w, scale, gscale, fmt):
         out = torch.full((M, N), float("nan"), dtype=dtype)
-        return gmm.launch_grouped_mm(x, w, scale, gscale, offs, out, fmt)
+        return gmm.launch_grouped_mm(x, w, scale, gscale, offs, out, fmt, config=config)
 
     if kind == "wgrad":
         dy = torch.randn(M, N, generator=gen).to(dtype)
@@ -150,6 +162,21 @@ def compile_sm90() -> dict:
             sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in kernel.arg_names}
             options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
             jobs[f"{fmt}_{dtype}_{sorted(cfg.items())}"] = (kernel, sig, consts, options)
+    decode = gmm._kernels._grouped_mm_decode_kernel
+    for (fmt, dtype), (x_t, w_t, s_t, g_t) in _SM90_TYPES.items():
+        for M in (8, 512, 2048):  # T = 1, 64, 256 at top-8: BLOCK_M 16 / 32, split-K or not
+            cfg = gmm._pick_decode_config(M, 128, 1536, 2048, fmt, 132, dtype == "fp32")
+            split = cfg.pop("SPLIT_K") > 1
+            consts = dict(W_FORMAT=gmm._FORMATS[fmt], IEEE_DOT=dtype == "fp32", BLOCK_E=128)
+            consts.update({k: v for k, v in cfg.items() if k.isupper() and k != "KERNEL"})
+            ptrs = dict(x_ptr=x_t, w_ptr=w_t, w_scale_ptr=s_t, w_gscale_ptr=g_t, offs_ptr="*i32")
+            ptrs["y_ptr"] = "*fp32" if split else x_t
+            sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in decode.arg_names}
+            options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            jobs[f"decode_{fmt}_{dtype}_{sorted(cfg.items())}_split{split}"] = (decode, sig, consts, options)
+    reduce = gmm._kernels._splitk_reduce_kernel
+    sig = dict(part_ptr="*fp32", y_ptr="*bf16", M="i32", N="i32", SPLIT_K="i32", stride_ym="i32", stride_yn="i32")
+    jobs["splitk_reduce_bf16"] = (reduce, dict(sig, BLOCK="constexpr"), dict(BLOCK=1024), dict(num_warps=4))
     wgrad = gmm._kernels._grouped_mm_wgrad_kernel
     for dtype, consts, warps in (("bf16", (False, 32, 128, 128), 8), ("fp32", (True, 32, 64, 64), 4)):
         consts = dict(zip(("IEEE_DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K"), consts))
