@@ -27,8 +27,8 @@ if [ "$what" != tests ]; then
     extra=()
     [ "$stem" = decode ] && extra=(--budget-s 150)
     echo "=== $bench"
-    timeout 240 python3 "$bench" --json "benchmarks/results/$stem.json" "${extra[@]}" "$@" > "$OUT_DIR/bench_$stem.log" 2>&1 || status=1
-    tail -3 "$OUT_DIR/bench_$stem.log"
+    timeout 240 python3 "$bench" --json "benchmarks/results/$stem.json" "${extra[@]}" "$@" > "/tmp/bench_$stem.log" 2>&1 || status=1
+    grep -v Warning "/tmp/bench_$stem.log" | tail -4
     [ -f "benchmarks/results/$stem.json" ] && cp "benchmarks/results/$stem.json" "$OUT_DIR/" 2>/dev/null
   done
   python3 benchmarks/summarize.py benchmarks/results/*.json
