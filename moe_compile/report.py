@@ -2,6 +2,19 @@
 
 Every pass reports through its :class:`~moe_compile.passes.PassContext`; each record lands here.
 ``explain(model, *args)`` compiles ``model`` with the backend and returns the records of that compile.
+
+Semantics of a :class:`Report`, per layer (module path from ``nn_module_stack``, e.g.
+``model.layers.0.mlp.experts``; ``<graph>`` for code outside any module):
+
+* ``rewrite``: ``what`` is the chain that matched, ``detail`` what replaced it.
+* ``skip``: ``what`` is a reason tag (``weights_before_gather``, ``region_not_rowwise``, ...), ``detail``
+  a sentence ("combine not matched: weights applied before gather ...").
+* ``error``: a pass raised and the graph was restored (plain Inductor for that pass).
+* ``explain`` also lists experts modules of the model that no compiled graph contained
+  (``not_in_graph``: e.g. transformers' eager experts loop, which Dynamo never captures).
+
+The same record can appear once per compiled graph (recompiles, forward and backward graphs);
+:meth:`Report.table` and :meth:`Report.to_dict` show it once with a count, ``records`` keeps them all.
 """
 
 from __future__ import annotations
@@ -9,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import re
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -50,27 +64,63 @@ class Report:
     def count(self, pass_name: str, kind: str = "rewrite") -> int:
         return sum(1 for r in self.records if r.pass_name == pass_name and r.kind == kind)
 
-    def to_dict(self) -> dict[str, Any]:
-        by_layer: dict[str, list[dict[str, str]]] = {}
+    def grouped(self) -> dict[str, list[tuple[PassRecord, int]]]:
+        """``{layer: [(record, times seen), ...]}``, layers in natural order, records in first-seen order."""
+        by_layer: dict[str, dict[PassRecord, int]] = {}
         for r in self.records:
-            by_layer.setdefault(r.layer, []).append(
-                {"pass": r.pass_name, "stage": r.stage, "kind": r.kind, "what": r.what, "detail": r.detail}
-            )
-        return {"graphs": self.graphs, "layers": by_layer}
+            seen = by_layer.setdefault(r.layer, {})
+            seen[r] = seen.get(r, 0) + 1
+        return {layer: list(by_layer[layer].items()) for layer in sorted(by_layer, key=_natural_key)}
 
-    def table(self) -> str:
-        headers = ("layer", "pass", "stage", "result", "what", "detail")
-        rows = [(r.layer, r.pass_name, r.stage, r.kind, r.what, r.detail) for r in self.records]
-        if not rows:
+    def to_dict(self) -> dict[str, Any]:
+        """``{"graphs": n, "summary": {...}, "layers": {layer: [{pass, stage, kind, what, detail, count}]}}``."""
+        layers = {
+            layer: [
+                {"pass": r.pass_name, "stage": r.stage, "kind": r.kind, "what": r.what, "detail": r.detail,
+                 "count": n}
+                for r, n in entries
+            ]
+            for layer, entries in self.grouped().items()
+        }
+        summary = {
+            "layers": len(layers),
+            "rewrites": len(self.rewrites),
+            "skips": len(self.skips),
+            "errors": len(self.errors),
+            "rewritten_layers": sorted({r.layer for r in self.rewrites}, key=_natural_key),
+        }
+        return {"graphs": self.graphs, "summary": summary, "layers": layers}
+
+    def table(self, max_width: int = 110) -> str:
+        """A printable table, one block per layer: pass, result, what matched / reason, what replaced it."""
+        if not self.records:
             return f"moe_compile: {self.graphs} graph(s) compiled, no MoE dispatch found"
+        headers = ("layer", "pass", "result", "what", "detail")
+        rows = []
+        for layer, entries in self.grouped().items():
+            for i, (r, n) in enumerate(entries):
+                result = r.kind if n == 1 else f"{r.kind} x{n}"
+                rows.append((layer if i == 0 else "", r.pass_name, result, _clip(r.what, max_width // 2),
+                             _clip(r.detail, max_width)))
         widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
         line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
         out = [line(headers), line("-" * w for w in widths)]
         out += [line(r) for r in rows]
+        n_layers = len({r.layer for r in self.rewrites})
+        out.append(f"{self.graphs} graph(s) compiled; {n_layers} layer(s) rewritten, "
+                   f"{len(self.skips)} skip(s), {len(self.errors)} error(s)")
         return "\n".join(out)
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _natural_key(text: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 _ACTIVE: contextvars.ContextVar[list[Report]] = contextvars.ContextVar("moe_compile_reports", default=[])
@@ -109,7 +159,9 @@ def explain(model: Any, *args: Any, backward: bool | None = None, **kwargs: Any)
     """Compile ``model`` with moe_compile, run it on ``args``/``kwargs``, and report what each pass did.
 
     Runs one forward (and one backward if the output requires grad, unless ``backward=False``) so that
-    both the forward and the joint graph are compiled. ``model`` is not modified.
+    both the forward and the joint graph are compiled. ``model`` is not modified (its ``.grad`` fields
+    are restored). Caches are bypassed, so every pass runs. Experts modules of ``model`` that no
+    compiled graph contained get a ``not_in_graph`` skip.
     Returns a :class:`Report`: ``print(report)`` shows a table, ``report.to_dict()`` a dict.
     """
     from moe_compile.api import compile as moe_compile_fn
@@ -118,13 +170,35 @@ def explain(model: Any, *args: Any, backward: bool | None = None, **kwargs: Any)
     saved_grads = [p.grad for p in params]
     torch._dynamo.reset()
     compiled = moe_compile_fn(model)
-    with collecting() as report:
-        out = compiled(*args, **kwargs)
-        tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        grads = [t for t in tensors if t.requires_grad and t.is_floating_point()]
-        if grads and backward is not False:
-            sum(t.float().square().mean() for t in grads).backward()
-    for p, g in zip(params, saved_grads):
-        p.grad = g
-    torch._dynamo.reset()
+    try:
+        with collecting() as report, torch._inductor.config.patch(force_disable_caches=True):
+            out = compiled(*args, **kwargs)
+            if hasattr(out, "to_tuple"):  # transformers ModelOutput
+                out = out.to_tuple()
+            tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            grads = [t for t in tensors if t.requires_grad and t.is_floating_point()]
+            if grads and backward is not False:
+                sum(t.float().square().mean() for t in grads).backward()
+    finally:
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+        torch._dynamo.reset()
+    if isinstance(model, torch.nn.Module):
+        seen = {r.layer for r in report.records}
+        for name, module in model.named_modules():
+            if not name or not _is_experts_module(module) or any(
+                layer == name or layer.startswith(name + ".") or name.startswith(layer + ".") for layer in seen
+            ):
+                continue
+            report.records.append(PassRecord(
+                "explain", "-", "skip", name, "not_in_graph",
+                f"{type(module).__name__} is in no compiled graph (graph break, or an eager per-expert loop that "
+                "Dynamo does not capture; transformers: set_experts_implementation('grouped_mm'))",
+            ))
     return report
+
+
+def _is_experts_module(module: torch.nn.Module) -> bool:
+    """transformers' ``*Experts`` modules (stacked expert weights) and similar."""
+    name = type(module).__name__
+    return name.endswith("Experts") and any(p.dim() == 3 for p in module.parameters(recurse=False))

@@ -1,0 +1,234 @@
+"""HF sparse MoE blocks, bf16, forward and forward+backward: moe_compile vs eager vs plain Inductor.
+
+Blocks are transformers' own ``MixtralSparseMoeBlock`` (T 4096, H 4096, I 3584, E 8, K 2) and
+``Qwen3MoeSparseMoeBlock`` (T 4096, H 2048, I 768, E 128, K 8), built from a config with
+``_experts_implementation="grouped_mm"`` and every parameter initialised. Variants:
+
+* ``eager``: the block as is;
+* ``inductor``: ``torch.compile(block)`` (default backend);
+* ``moe``: ``torch.compile(block, backend="moe_compile")`` (``fuse_dispatch`` rewrites the dispatch).
+
+``fwd`` runs under ``no_grad``; ``fwd+bwd`` runs forward and ``backward(grad_out)`` w.r.t. the input and
+every parameter. ``floor``: FLOPs of the expert GEMMs (``6*T*K*H*I`` forward, 3x that forward+backward)
+at the throughput a large bf16 ``mm`` reaches on this device. ``deterministic``: outputs and every
+gradient bitwise equal over 20 runs (forward and backward). ``err``: max |out - eager| / max |eager|
+and the same for the input gradient.
+
+Usage: ``python benchmarks/bench_moe_block.py --json benchmarks/results/moe_block.json [--quick]``.
+A time budget (``--budget-s``, default 110) skips whatever is left once exceeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+VARIANTS = ("eager", "moe", "inductor")
+DETERMINISM_RUNS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    T: int
+    H: int
+    I: int  # noqa: E741 - expert intermediate size
+    E: int
+    K: int
+
+
+CONFIGS = (
+    Config("mixtral", T=4096, H=4096, I=3584, E=8, K=2),
+    Config("qwen3_moe", T=4096, H=2048, I=768, E=128, K=8),
+)
+
+
+@dataclasses.dataclass
+class Result:
+    model: str
+    variant: str
+    fwd_ms: float
+    fwd_bwd_ms: float
+    fwd_floor_ms: float
+    fwd_bwd_floor_ms: float
+    compile_s: float
+    deterministic_fwd: bool
+    deterministic_bwd: bool
+    out_err: float
+    grad_err: float
+    rewrites: int
+    note: str = ""
+
+
+def build_block(cfg: Config, device: str = "cuda") -> torch.nn.Module:
+    import transformers
+
+    if cfg.name == "mixtral":
+        config = transformers.MixtralConfig(hidden_size=cfg.H, intermediate_size=cfg.I, num_local_experts=cfg.E,
+                                            num_experts_per_tok=cfg.K, router_jitter_noise=0.0)
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+    else:
+        config = transformers.Qwen3MoeConfig(hidden_size=cfg.H, moe_intermediate_size=cfg.I, num_experts=cfg.E,
+                                             num_experts_per_tok=cfg.K, norm_topk_prob=True)
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+    config._experts_implementation = "grouped_mm"
+    with torch.device(device):
+        block = Block(config)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            std = 0.5 / cfg.H**0.5 if "gate" in name and p.dim() == 2 else 1.0 / p.shape[-1] ** 0.5
+            p.copy_(torch.randn(p.shape, generator=gen, device=device) * std)
+    return block.to(torch.bfloat16)
+
+
+def _output(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _grads(block, x):
+    return [x.grad] + [p.grad for p in block.parameters()]
+
+
+def _fwd_bwd(fn, block, x, grad_out):
+    def step():
+        x.grad = None
+        for p in block.parameters():
+            p.grad = None
+        out = _output(fn(x))
+        out.backward(grad_out)
+        return out
+
+    return step
+
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def _bitwise_repeat(run, n: int) -> bool:
+    first = [t.clone() for t in run()]
+    return all(all(torch.equal(a, b) for a, b in zip(first, run())) for _ in range(n - 1))
+
+
+def measured_mm_tflops() -> float:
+    import triton.testing
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=10, rep=50)
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def run_config(cfg: Config, tflops: float, deadline: float, quick: bool) -> list[Result]:
+    import triton.testing
+
+    import moe_compile
+    from moe_compile import report
+
+    block = build_block(cfg)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(1, cfg.T, cfg.H, generator=gen, device="cuda").to(torch.bfloat16)
+    grad_out = torch.randn(1, cfg.T, cfg.H, generator=gen, device="cuda").to(torch.bfloat16)
+    flops_fwd = 6 * cfg.T * cfg.K * cfg.H * cfg.I
+    floor_fwd = flops_fwd / (tflops * 1e12) * 1e3
+    results: list[Result] = []
+    ref = None
+    rep_ms = 30 if quick else 100
+    for variant in VARIANTS:
+        if time.perf_counter() > deadline:
+            results.append(Result(cfg.name, variant, float("nan"), float("nan"), floor_fwd, 3 * floor_fwd, 0.0,
+                                  False, False, float("nan"), float("nan"), 0, "skipped: time budget"))
+            continue
+        torch._dynamo.reset()
+        fn = {"eager": block,
+              "inductor": torch.compile(block),
+              "moe": torch.compile(block, backend="moe_compile")}[variant]
+        start = time.perf_counter()
+        with report.collecting() as rep:
+            with torch.no_grad():
+                _output(fn(x))
+            xg = x.detach().requires_grad_(True)
+            step = _fwd_bwd(fn, block, xg, grad_out)
+            step()
+            torch.cuda.synchronize()
+        compile_s = time.perf_counter() - start
+        with torch.no_grad():
+            fwd_ms = triton.testing.do_bench(lambda: fn(x), warmup=10, rep=rep_ms)
+        fwd_bwd_ms = triton.testing.do_bench(step, warmup=5, rep=rep_ms)
+
+        def forward_only():
+            with torch.no_grad():
+                return [_output(fn(x))]
+
+        def forward_backward():
+            out = step()
+            return [out.detach(), *(g for g in _grads(block, xg) if g is not None)]
+
+        det_fwd = _bitwise_repeat(forward_only, DETERMINISM_RUNS)
+        det_bwd = _bitwise_repeat(forward_backward, DETERMINISM_RUNS)
+        outs = forward_backward()
+        if ref is None:
+            ref = outs
+        out_err, grad_err = _max_rel(outs[0], ref[0]), _max_rel(outs[1], ref[1])
+        results.append(Result(cfg.name, variant, fwd_ms, fwd_bwd_ms, floor_fwd, 3 * floor_fwd, compile_s, det_fwd,
+                              det_bwd, out_err, grad_err, rep.count("fuse_dispatch")))
+        del fn
+    torch._dynamo.reset()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=pathlib.Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="shorter timing loops")
+    parser.add_argument("--budget-s", type=float, default=110.0)
+    args, _ = parser.parse_known_args()
+    if not torch.cuda.is_available():
+        print("bench_moe_block: no CUDA device, nothing to measure (this benchmark needs a GPU)")
+        return
+    import triton
+
+    start = time.perf_counter()
+    deadline = start + args.budget_s
+    tflops = measured_mm_tflops()
+    results: list[Result] = []
+    for cfg in CONFIGS:
+        results.extend(run_config(cfg, tflops, deadline, args.quick))
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "mm_tflops": round(tflops, 1), "wall_s": round(time.perf_counter() - start, 1)}
+    summary = [
+        {"model": r.model, "variant": r.variant, "fwd_ms": r.fwd_ms, "fwd_bwd_ms": r.fwd_bwd_ms,
+         "floor_fwd_ms": r.fwd_floor_ms, "det_fwd": r.deterministic_fwd, "det_bwd": r.deterministic_bwd,
+         "out_err": r.out_err, "grad_err": r.grad_err, "rewrites": r.rewrites}
+        for r in results
+    ]
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"env": env, "summary": summary,
+                                         "results": [dataclasses.asdict(r) for r in results]}, indent=1))
+    print(f"device={env['device']} torch={env['torch']} triton={env['triton']} mm={env['mm_tflops']} TFLOP/s "
+          f"wall={env['wall_s']} s")
+    header = ("model", "variant", "fwd ms", "fwd+bwd ms", "floor f/fb", "det f/b", "out err", "grad err", "rewrites",
+              "compile s")
+    rows = [(r.model, r.variant, f"{r.fwd_ms:.3f}", f"{r.fwd_bwd_ms:.3f}",
+             f"{r.fwd_floor_ms:.3f}/{r.fwd_bwd_floor_ms:.3f}", f"{r.deterministic_fwd}/{r.deterministic_bwd}",
+             f"{r.out_err:.2e}", f"{r.grad_err:.2e}", str(r.rewrites), f"{r.compile_s:.1f}" + (f" {r.note}" if r.note
+                                                                                            else ""))
+            for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The backend on graphs without MoE dispatch compiles exactly as plain Inductor; ``explain`` reports.
+
+Bitwise: an MLP (forward + backward), an attention block (forward + backward) and a conv net (forward)
+give outputs and grads identical to ``torch.compile(backend="inductor")``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import moe_compile
+from tests.models import handwritten as hw
+from tests.passes._harness import fresh_cache
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class AttentionBlock(nn.Module):
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, S, D = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(attn.transpose(1, 2).reshape(B, S, D))
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, stride=2)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.conv1(x)))
+        x = F.relu(self.conv2(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def _run(model, x, backend, train):
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    for p in model.parameters():
+        p.grad = None
+    with fresh_cache():
+        out = compiled(x)
+        grads = []
+        if train:
+            out.float().pow(2).mean().backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+    torch._dynamo.reset()
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("make,shape,train", [
+    (MLP, (4, 16), True),
+    (AttentionBlock, (2, 5, 16), True),
+    (ConvNet, (2, 3, 8, 8), False),
+], ids=["mlp", "attention", "convnet"])
+def test_non_moe_graph_bitwise_equal_to_inductor(make, shape, train):
+    torch.manual_seed(0)
+    model = make()
+    model.train(train)
+    x = torch.randn(*shape)
+    ours, ours_grads = _run(model, x, "moe_compile", train)
+    plain, plain_grads = _run(model, x, "inductor", train)
+    assert torch.equal(ours, plain)
+    for a, b in zip(ours_grads, plain_grads, strict=True):
+        assert torch.equal(a, b)
+
+
+class TwoLayers(nn.Module):
+    """One layer that rewrites and one that must not (weights applied before the gather)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.good = hw.SortIndexSelectScatterAdd(hidden=32)
+        self.bad = hw.WeightsBeforeGather(hidden=32, seed=1)
+
+    def forward(self, x):
+        return self.bad(self.good(x))
+
+
+def test_explain_reports_rewrites_and_skips_per_layer():
+    model = TwoLayers()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    x = torch.randn(6, 32).bfloat16()
+    rep = moe_compile.explain(model, x, backward=False)
+    table = rep.table()
+    assert "good" in table and "bad" in table
+    assert "combine not matched: weights applied before gather" in table
+    d = rep.to_dict()
+    assert d["summary"]["rewritten_layers"] == ["good"]
+    [good] = d["layers"]["good"]
+    assert (good["pass"], good["kind"]) == ("fuse_dispatch", "rewrite")
+    assert "moe.permute_pad" in good["detail"] and "sort(ids)" in good["what"]
+    [bad] = d["layers"]["bad"]
+    assert (bad["kind"], bad["what"]) == ("skip", "weights_before_gather")
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_explain_without_moe():
+    rep = moe_compile.explain(MLP(), torch.randn(2, 16), backward=False)
+    assert rep.records == [] and rep.graphs >= 1
+    assert "no MoE dispatch found" in rep.table()
+    assert rep.to_dict()["summary"]["rewrites"] == 0
+
+
+def test_report_groups_repeated_records():
+    from moe_compile.report import PassRecord, Report
+
+    r1 = PassRecord("fuse_dispatch", "pre_grad", "rewrite", "model.layers.10.mlp.experts", "m", "r")
+    r2 = PassRecord("fuse_dispatch", "pre_grad", "rewrite", "model.layers.2.mlp.experts", "m", "r")
+    rep = Report(records=[r1, r2, r1], graphs=2)
+    d = rep.to_dict()
+    assert list(d["layers"]) == ["model.layers.2.mlp.experts", "model.layers.10.mlp.experts"]
+    assert d["layers"]["model.layers.10.mlp.experts"][0]["count"] == 2
+    assert "rewrite x2" in rep.table() and rep.count("fuse_dispatch") == 3
