@@ -128,16 +128,20 @@ def measured_mm_tflops() -> float:
     return 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
-def run_config(cfg: Config, tflops: float, deadline: float, quick: bool) -> list[Result]:
-    import triton.testing
-
-    import moe_compile
+def run_config(cfg: Config, tflops: float, deadline: float, quick: bool, device: str = "cuda",
+               bench=None) -> list[Result]:
+    """All variants of one block. ``device``/``bench`` exist so the flow can be dry-run on CPU."""
+    import moe_compile  # noqa: F401 - registers the backend
     from moe_compile import report
 
-    block = build_block(cfg)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(1, cfg.T, cfg.H, generator=gen, device="cuda").to(torch.bfloat16)
-    grad_out = torch.randn(1, cfg.T, cfg.H, generator=gen, device="cuda").to(torch.bfloat16)
+    if bench is None:
+        import triton.testing
+
+        bench = triton.testing.do_bench
+    block = build_block(cfg, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(1, cfg.T, cfg.H, generator=gen, device=device).to(torch.bfloat16)
+    grad_out = torch.randn(1, cfg.T, cfg.H, generator=gen, device=device).to(torch.bfloat16)
     flops_fwd = 6 * cfg.T * cfg.K * cfg.H * cfg.I
     floor_fwd = flops_fwd / (tflops * 1e12) * 1e3
     results: list[Result] = []
@@ -159,11 +163,12 @@ def run_config(cfg: Config, tflops: float, deadline: float, quick: bool) -> list
             xg = x.detach().requires_grad_(True)
             step = _fwd_bwd(fn, block, xg, grad_out)
             step()
-            torch.cuda.synchronize()
+            if device == "cuda":
+                torch.cuda.synchronize()
         compile_s = time.perf_counter() - start
         with torch.no_grad():
-            fwd_ms = triton.testing.do_bench(lambda: fn(x), warmup=10, rep=rep_ms)
-        fwd_bwd_ms = triton.testing.do_bench(step, warmup=5, rep=rep_ms)
+            fwd_ms = bench(lambda: fn(x), warmup=10, rep=rep_ms)
+        fwd_bwd_ms = bench(step, warmup=5, rep=rep_ms)
 
         def forward_only():
             with torch.no_grad():

@@ -34,7 +34,8 @@ Skips when (reason tags, reported through ``explain``):
     gather), ``multiple_gather_sources``, ``token_index_mismatch``, ``offsets_not_matched``,
     ``no_grouped_gemm``, ``padding_not_proven``, ``unsupported_alignment``, ``region_not_rowwise``
     (an op between gather and combine mixes rows), ``rows_escape_region`` (permuted rows are a graph
-    output), ``combine_not_matched``, ``ops_unavailable``.
+    output), ``combine_not_matched``, ``ops_unavailable``, ``internal_error`` (the matcher raised; the
+    layer is left alone, other layers still rewrite; ``strict`` re-raises).
 
 Stage:
     pre-grad (Dynamo's Torch IR). AOTAutograd then traces our ops' registered autograd, so one
@@ -73,10 +74,15 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             continue
         matcher = Matcher(graph, sort, topo_index(graph))
         try:
-            dispatch = matcher.match()
+            dispatch = matcher.match()  # analysis only: the graph is not touched yet
         except NoMatch as exc:
             if looks_like_dispatch(sort):
                 ctx.skip(matcher.layer, exc.reason, exc.detail)
+            continue
+        except Exception as exc:  # noqa: BLE001 - a matcher bug must not undo other layers' rewrites
+            if ctx.config.strict:
+                raise
+            ctx.skip(matcher.layer, "internal_error", f"matcher raised {type(exc).__name__}: {exc}")
             continue
         if not _ops_available():
             ctx.skip(dispatch.layer, "ops_unavailable", "torch.ops.moe.permute_pad / unpad_unpermute not registered")
