@@ -320,6 +320,11 @@ def _register_accumulator(gm: torch.nn.Module, acc_S: torch.Tensor) -> str:
 
 
 def _late_pre_grad_timing() -> bool:
+    """True when Inductor runs this pass after AOTAutograd has collected the module's buffers (torch
+    2.13's "late" pre-grad timing): a buffer registered now would not become a graph input and the
+    trace would fail. Outside Inductor (no pre-grad hook installed) the caller runs us before AOT."""
+    if torch._inductor.config.pre_grad_custom_pass is None:
+        return False
     try:
         from torch._inductor.codecache import resolve_pre_grad_pass_timing
     except ImportError:  # torch 2.11: pre-grad passes always run before AOTAutograd
