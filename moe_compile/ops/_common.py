@@ -6,6 +6,9 @@ Shape suffixes used across ``moe_compile.ops``: ``T`` tokens, ``H`` hidden, ``E`
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 SUPPORTED_ALIGNMENTS = (1, 8, 16, 32, 64, 128, 256)
@@ -29,6 +32,12 @@ def check_alignment(align: int, arg: str = "align") -> None:
 
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+# every integer dtype (what ``check_int_tensor`` accepts without a ``dtypes`` list); for fast checks
+INT_DTYPES = frozenset(
+    d
+    for d in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+    + tuple(getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name))
+)
 
 
 def next_power_of_2(n: int) -> int:
@@ -76,6 +85,7 @@ def check_ids_in_range(ids: torch.Tensor, low: int, high: int, arg: str) -> None
         raise ValueError(f"{arg} values must be in [{low}, {high}), got min {lo}, max {hi}")
 
 
+@functools.lru_cache(maxsize=256)
 def row_block(H: int, elem_size: int, max_bytes: int = 8192) -> tuple[int, int]:
     """``(BLOCK_H, num_warps)`` for kernels that stream one row slice per program.
 
@@ -88,3 +98,50 @@ def row_block(H: int, elem_size: int, max_bytes: int = 8192) -> tuple[int, int]:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether the dispatch kernels may use programmatic dependent launch on ``device`` (CUDA, sm_90+,
+    a Triton with ``launch_pdl`` and ``gdc_wait``; never under ``TRITON_INTERPRET=1``)."""
+    return device.type == "cuda" and _pdl_supported_on(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_supported_on(index: int | None) -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        from moe_compile.ops.triton import dispatch
+    except ImportError:
+        return False
+    if dispatch.gdc_wait is None or "launch_pdl" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_eager_fast_path(*tensors: torch.Tensor | None) -> bool:
+    """NOTE [eager fast path]: whether a public wrapper may call the op's CUDA kernel directly.
+
+    The custom-op dispatcher costs 30-60 us of Python per call on an H200 host (autograd wrapper,
+    redispatch, aliasing check), comparable to the GPU time of a mid-sized dispatch. When nothing can
+    observe the difference, the wrappers skip it: eager (not traced), plain ``torch.Tensor`` inputs on
+    CUDA, no gradient needed, no dispatch or function mode, no functorch transform, no profiler (and the
+    CUDA kernel not disabled through ``set_kernel_enabled``, checked by the callers). Everything else
+    (tracing, ``torch.compile``, fake tensors, subclasses, autograd) goes through ``torch.ops.moe.*``.
+    """
+    first = tensors[0]
+    if type(first) is not torch.Tensor or not first.is_cuda:
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
+            return False
+    return not (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+        or torch.autograd._profiler_enabled()
+    )

@@ -33,6 +33,7 @@ Backward: ``moe::permute_pad_backward``, a gather (``dx[t] = sum_k g[row(t,k)]``
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -120,8 +121,40 @@ def permute_pad_backward_reference(
 
 # ===== validation =====
 
+_FLOAT_DTYPES = frozenset(_common.FLOAT_DTYPES)
+
 
 def _check_args(x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts: int, align: int) -> None:
+    # Fast path: one expression over the common case; anything off goes to the detailed checks below,
+    # which raise with the message for the first failing argument.
+    if (
+        isinstance(x, Tensor)
+        and isinstance(expert_idx, Tensor)
+        and x.dtype in _FLOAT_DTYPES
+        and expert_idx.dtype in _common.INT_DTYPES
+        and x.dim() == 2
+        and expert_idx.dim() == 2
+        and type(num_experts) is int
+        and type(align) is int
+        and align in SUPPORTED_ALIGNMENTS
+        and 1 <= expert_idx.shape[1] <= num_experts
+        and expert_idx.shape[0] == x.shape[0]
+        and expert_idx.device == x.device
+        and (
+            probs is None
+            or (
+                isinstance(probs, Tensor)
+                and probs.dtype in _FLOAT_DTYPES
+                and probs.shape == expert_idx.shape
+                and probs.device == x.device
+            )
+        )
+    ):
+        return
+    _check_args_detailed(x, expert_idx, probs, num_experts, align)
+
+
+def _check_args_detailed(x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts: int, align: int) -> None:
     _common.check_float_tensor(x, "x", 2)
     _common.check_int_tensor(expert_idx, "expert_idx", 2)
     if expert_idx.shape[0] != x.shape[0]:
@@ -136,8 +169,7 @@ def _check_args(x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts
         raise ValueError(f"expert_idx must have at least one column (top-k >= 1), got shape {tuple(expert_idx.shape)}")
     if K > num_experts:
         raise ValueError(f"top-k K={K} (expert_idx.shape[1]) must be <= num_experts={num_experts}")
-    if not isinstance(align, int) or align not in SUPPORTED_ALIGNMENTS:
-        raise ValueError(f"align={align!r} is not supported; use one of {SUPPORTED_ALIGNMENTS}")
+    _common.check_alignment(align)
     if probs is not None:
         _common.check_float_tensor(probs, "probs", 2)
         if probs.shape != expert_idx.shape:
@@ -150,9 +182,57 @@ def _check_args(x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts
 
 # ===== Triton launchers (CUDA; also run on CPU tensors under TRITON_INTERPRET=1 in the tests) =====
 
-# Largest E handled by the Triton index kernels (one program scans an [NB, E_PAD] table); beyond it
-# the CUDA kernel falls back to the (sync-free, slower) reference.
+# Largest E handled by the Triton index kernels (the scan holds an [E_PAD] vector, the zero programs
+# an [ZERO_ROWS, E_PAD] tile); beyond it the CUDA kernel falls back to the (sync-free, slower) reference.
 MAX_TRITON_EXPERTS = 8192
+# Entries of the [NB, E_PAD] block table the single-program scan should handle (8K int32 = 32 KiB):
+# BLOCK_N grows until the table fits, up to MAX_BLOCK_N (then the table grows instead).
+TABLE_ENTRIES = 8192
+MIN_BLOCK_N = 128  # smaller blocks only grow the table (measured: 32..128 within 1 us at T8192 K2 E8)
+MAX_BLOCK_N = 2048  # each token program compares its ids with up to BLOCK_N + K - 1 earlier ids
+SCAN_NUM_WARPS = 4  # the scan is one program over <= TABLE_ENTRIES entries
+
+
+class _PermutePlan(NamedTuple):
+    """Launch parameters of :func:`_launch_triton`, a function of the shapes only (cached)."""
+
+    N: int
+    M: int
+    e_pad: int
+    k_pad: int
+    block_n: int
+    num_blocks: int
+    block_b: int
+    chunk: int
+    block_h: int
+    num_warps: int
+    zero_rows: int
+    rows_grid: tuple[int, int]
+
+
+@functools.lru_cache(maxsize=512)
+def _permute_plan(
+    T: int, H: int, K: int, num_experts: int, align: int, elem_size: int,
+    block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None,
+) -> _PermutePlan:  # fmt: skip
+    N = T * K
+    M = static_row_bound(N, num_experts, align)
+    e_pad = max(16, _common.next_power_of_2(num_experts))
+    k_pad = max(2, _common.next_power_of_2(K))
+    if block_n is None:
+        block_n = MIN_BLOCK_N
+        while block_n < MAX_BLOCK_N and _common.cdiv(N, block_n) * e_pad > TABLE_ENTRIES:
+            block_n *= 2
+    num_blocks = _common.cdiv(N, block_n)
+    block_b = max(2, min(_common.next_power_of_2(num_blocks), TABLE_ENTRIES // e_pad))
+    # the rank loop's [K_PAD, CHUNK] compare tile: <= 4K entries, at most the span it has to cover
+    chunk = max(16, min(_common.next_power_of_2(block_n + K), 4096 // k_pad))
+    bh, warps = _common.row_block(H, elem_size, max_bytes=16384)
+    bh = block_h or bh
+    warps = num_warps or warps
+    zero_rows = max(2, min(16, 4096 // bh, 16384 // e_pad))
+    rows_grid = (T + _common.cdiv(M - N, zero_rows), _common.cdiv(H, bh))
+    return _PermutePlan(N, M, e_pad, k_pad, block_n, num_blocks, block_b, chunk, bh, warps, zero_rows, rows_grid)
 
 
 def _launch_triton(
@@ -165,58 +245,53 @@ def _launch_triton(
     *,
     block_n: int | None = None,
     block_h: int | None = None,
+    num_warps: int | None = None,
+    use_pdl: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Four launches, no host sync: histogram, offsets, destination rows, permute (+ zero rows).
+    """Three launches, no host sync: block histogram, in-place scan, permute (+ zero rows).
 
-    See ``moe_compile/ops/triton/dispatch.py`` NOTE [destination rows in three passes]. ``block_n`` /
-    ``block_h`` override the block sizes (tests use small ones to cover several blocks).
+    See ``moe_compile/ops/triton/dispatch.py`` NOTE [destination rows in three launches] and NOTE
+    [overlapping the launches] (``use_pdl``: default on for CUDA devices that support it).
+    ``block_n`` / ``block_h`` / ``num_warps`` override the plan (tests use small blocks to cover several).
     """
     from moe_compile.ops.triton import dispatch as kernels
 
     T, H = x.shape
     K = expert_idx.shape[1]
-    N = T * K
-    M = static_row_bound(N, num_experts, align)
+    plan = _permute_plan(T, H, K, num_experts, align, x.element_size(), block_n, block_h, num_warps)
+    if use_pdl is None:
+        use_pdl = _common.pdl_supported(x.device)
+    pdl = {"launch_pdl": True} if use_pdl else {}
     if x.stride(1) != 1:
         x = x.contiguous()
-    ids = expert_idx.contiguous()
-    probs_c = probs.contiguous() if probs is not None else None
+    if not expert_idx.is_contiguous():
+        expert_idx = expert_idx.contiguous()
+    if probs is not None and not probs.is_contiguous():
+        probs = probs.contiguous()
     dev = x.device
     i32 = torch.int32
-    e_pad = max(16, _common.next_power_of_2(num_experts))
-    block_n = block_n or min(1024, max(16, _common.next_power_of_2(N)))
-    num_blocks = _common.cdiv(N, block_n)
+    e_pad = plan.e_pad
 
-    hist = torch.empty((num_blocks, e_pad), dtype=i32, device=dev)
-    base = torch.empty((num_blocks + 1, e_pad), dtype=i32, device=dev)
+    table = torch.empty((plan.num_blocks + 1) * e_pad, dtype=i32, device=dev)
     counts = torch.empty(num_experts, dtype=i32, device=dev)
     offs = torch.empty(num_experts, dtype=i32, device=dev)
-    dest = torch.empty(N, dtype=i32, device=dev)
-    kernels._expert_histogram_kernel[(num_blocks,)](
-        ids, hist, N, num_experts, BLOCK_N=block_n, E_PAD=e_pad, DEBUG=debug, num_warps=4, debug=debug
-    )
-    block_b = max(2, min(_common.next_power_of_2(num_blocks), 8192 // e_pad))
+    kernels._expert_histogram_kernel[(plan.num_blocks,)](
+        expert_idx, table, plan.N, num_experts,
+        BLOCK_N=plan.block_n, E_PAD=e_pad, DEBUG=debug, USE_PDL=use_pdl, num_warps=4, debug=debug,
+    )  # fmt: skip
     kernels._expert_offsets_kernel[(1,)](
-        hist, base, counts, offs, num_blocks, num_experts, ALIGN=align, E_PAD=e_pad, BLOCK_B=block_b, num_warps=8
-    )
-    kernels._assign_rows_kernel[(num_blocks,)](
-        ids, base, dest, N, num_experts, num_blocks, BLOCK_N=block_n, E_PAD=e_pad, num_warps=4
-    )
-
-    rows = torch.empty((M, H), dtype=x.dtype, device=dev)
-    probs_M = torch.empty(M, dtype=probs.dtype, device=dev) if probs is not None else x.new_empty(0)
+        table, counts, offs, plan.num_blocks, num_experts,
+        ALIGN=align, E_PAD=e_pad, BLOCK_B=plan.block_b, USE_PDL=use_pdl, num_warps=SCAN_NUM_WARPS, **pdl,
+    )  # fmt: skip
+    rows = torch.empty((plan.M, H), dtype=x.dtype, device=dev)
+    probs_M = torch.empty(plan.M, dtype=probs.dtype, device=dev) if probs is not None else x.new_empty(0)
     row_map = torch.empty((T, 2 * K), dtype=i32, device=dev)
-    bh, num_warps = _common.row_block(H, x.element_size())
-    bh = block_h or bh
-    zero_rows = max(2, min(16, 4096 // bh, 16384 // e_pad))
-    num_zero_rows = M - N
-    grid = (T + _common.cdiv(num_zero_rows, zero_rows), _common.cdiv(H, bh))
-    kernels._permute_rows_kernel[grid](
-        x, dest, probs_c if probs_c is not None else x, counts, rows,
-        probs_M if probs is not None else rows, row_map,
-        T, H, x.stride(0), num_experts, M, num_zero_rows,
-        K=K, K_PAD=max(2, _common.next_power_of_2(K)), ALIGN=align, E_PAD=e_pad,
-        HAS_PROBS=probs is not None, BLOCK_H=bh, ZERO_ROWS=zero_rows, num_warps=num_warps,
+    kernels._permute_rows_kernel[plan.rows_grid](
+        x, expert_idx, table, x if probs is None else probs, counts, rows, rows if probs is None else probs_M,
+        row_map, T, H, x.stride(0), num_experts, plan.num_blocks, plan.M, plan.M - plan.N,
+        K=K, K_PAD=plan.k_pad, ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, CHUNK=plan.chunk,
+        HAS_PROBS=probs is not None, BLOCK_H=plan.block_h, ZERO_ROWS=plan.zero_rows, USE_PDL=use_pdl,
+        num_warps=plan.num_warps, **pdl,
     )  # fmt: skip
     return rows, probs_M, offs, row_map, counts
 
@@ -319,6 +394,9 @@ def _backward(ctx, grad_rows, grad_probs_M, grad_offs, grad_row_map, grad_counts
 
 
 _permute_pad_op.register_autograd(_backward, setup_context=_setup_context)
+_PERMUTE_PAD = torch.ops.moe.permute_pad.default
+# device types whose kernel was turned off with `_permute_pad_op.set_kernel_enabled(...)` (torch's own set)
+_CUDA_KERNEL_DISABLED = getattr(_permute_pad_op, "_disabled_kernel", set())
 
 
 # ===== public wrapper =====
@@ -353,8 +431,16 @@ def permute_pad(
     """
     if num_experts is None:
         raise ValueError("num_experts is required")
-    _check_args(x_TH, expert_idx_TK, probs_TK, num_experts, align)
-    rows_MH, probs_M, offs_E, row_map, counts_E = torch.ops.moe.permute_pad(
-        x_TH, expert_idx_TK, probs_TK, num_experts, align, debug
-    )
+    if not (isinstance(x_TH, Tensor) and isinstance(expert_idx_TK, Tensor)):
+        _check_args_detailed(x_TH, expert_idx_TK, probs_TK, num_experts, align)  # raises, naming the argument
+    # the op's kernels (and its fake, when traced) validate the arguments: checked once per call
+    if _common.use_eager_fast_path(x_TH, expert_idx_TK, probs_TK) and "cuda" not in _CUDA_KERNEL_DISABLED:
+        # NOTE [eager fast path] (ops/_common.py): same kernel, without the dispatcher's Python layers
+        rows_MH, probs_M, offs_E, row_map, counts_E = _permute_pad_cuda(
+            x_TH, expert_idx_TK, probs_TK, num_experts, align, debug
+        )
+    else:
+        rows_MH, probs_M, offs_E, row_map, counts_E = _PERMUTE_PAD(
+            x_TH, expert_idx_TK, probs_TK, num_experts, align, debug
+        )
     return PermutePadOut(rows_MH, probs_M if probs_TK is not None else None, offs_E, row_map, counts_E)

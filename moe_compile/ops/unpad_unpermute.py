@@ -92,7 +92,38 @@ def unpad_unpermute_backward_reference(
 # ===== validation =====
 
 
+_FLOAT_DTYPES = frozenset(_common.FLOAT_DTYPES)
+
+
 def _check_args(rows: Tensor, row_map: Tensor, probs: Tensor | None) -> None:
+    # Fast path over the common case; anything off goes to the detailed checks (first failing argument).
+    if (
+        isinstance(rows, Tensor)
+        and isinstance(row_map, Tensor)
+        and rows.dtype in _FLOAT_DTYPES
+        and row_map.dtype == torch.int32
+        and rows.dim() == 2
+        and row_map.dim() == 2
+        and row_map.shape[1] >= 2
+        and row_map.shape[1] % 2 == 0
+        and row_map.device == rows.device
+        and (
+            probs is None
+            or (
+                isinstance(probs, Tensor)
+                and probs.dtype in _FLOAT_DTYPES
+                and probs.dim() == 2
+                and probs.shape[0] == row_map.shape[0]
+                and probs.shape[1] == row_map.shape[1] // 2
+                and probs.device == rows.device
+            )
+        )
+    ):
+        return
+    _check_args_detailed(rows, row_map, probs)
+
+
+def _check_args_detailed(rows: Tensor, row_map: Tensor, probs: Tensor | None) -> None:
     _common.check_float_tensor(rows, "rows", 2)
     _common.check_int_tensor(row_map, "row_map", 2, dtypes=(torch.int32,))
     width = row_map.shape[1]
@@ -276,6 +307,9 @@ def _backward(ctx, grad_y):
 
 
 _unpad_unpermute_op.register_autograd(_backward, setup_context=_setup_context)
+_UNPAD_UNPERMUTE = torch.ops.moe.unpad_unpermute.default
+# device types whose kernel was turned off with `_unpad_unpermute_op.set_kernel_enabled(...)` (torch's own set)
+_CUDA_KERNEL_DISABLED = getattr(_unpad_unpermute_op, "_disabled_kernel", set())
 
 
 # ===== public wrapper =====
@@ -300,5 +334,10 @@ def unpad_unpermute(
     Raises:
         ValueError: wrong dtype/rank/shape/device (messages name the argument), or (CPU) rows out of range.
     """
-    _check_args(rows_RH, row_map, probs_TK)
-    return torch.ops.moe.unpad_unpermute(rows_RH, row_map, probs_TK, debug)
+    if not (isinstance(rows_RH, Tensor) and isinstance(row_map, Tensor)):
+        _check_args_detailed(rows_RH, row_map, probs_TK)  # raises, naming the argument
+    # the op's kernels (and its fake, when traced) validate the arguments: checked once per call
+    if _common.use_eager_fast_path(rows_RH, row_map, probs_TK) and "cuda" not in _CUDA_KERNEL_DISABLED:
+        # NOTE [eager fast path] (ops/_common.py): same kernel, without the dispatcher's Python layers
+        return _unpad_unpermute_cuda(rows_RH, row_map, probs_TK, debug)
+    return _UNPAD_UNPERMUTE(rows_RH, row_map, probs_TK, debug)

@@ -94,11 +94,85 @@ def test_backward_matches_reference(T, H, E, K, a, dtype):
             torch.testing.assert_close(dp, dp_ref, **DOT_TOLS[dtype])
 
 
+@pytest.mark.parametrize(
+    "T,H,E,K,block_n,block_h,num_warps,use_pdl",
+    [
+        (999, 200, 7, 5, 64, 64, 2, None),  # tokens straddle blocks (64 % 5 != 0), 4 H tiles
+        (700, 96, 40, 33, 64, None, None, None),  # K_PAD = 64: the rank loop runs over several chunks
+        (2048, 1024, 256, 8, 2048, 256, 8, None),
+        (4096, 512, 64, 8, None, None, None, False),  # without programmatic dependent launch
+    ],
+    ids=str,
+)
+def test_launcher_block_overrides_bitwise(T, H, E, K, block_n, block_h, num_warps, use_pdl):
+    from moe_compile.ops.permute_pad import _launch_triton
+
+    x, ids, probs = _inputs(T, H, E, K, torch.bfloat16, seed=T + K)
+    got = _launch_triton(
+        x, ids, probs, E, 32, block_n=block_n, block_h=block_h, num_warps=num_warps, use_pdl=use_pdl
+    )
+    for g, want in zip(got, _ref_tuple(x, ids, probs, E, 32)):
+        assert torch.equal(g, want)
+
+
+def test_programmatic_dependent_launch_on_hopper():
+    from moe_compile.ops._common import pdl_supported
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    assert pdl_supported(torch.device(DEV)), "Triton lacks launch_pdl / gdc_wait: the permute runs without PDL"
+
+
+def test_cuda_graph_replay_new_routing_bitwise():
+    # NOTE [overlapping the launches]: captured with PDL edges; each replay must see the new ids
+    T, H, E, K, a = 4096, 1024, 64, 8, 32
+    x, ids, probs = _inputs(T, H, E, K, torch.bfloat16, seed=21)
+    static_x, static_ids, static_probs = x.clone(), ids.clone(), probs.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        permute_pad(static_x, static_ids, static_probs, num_experts=E, align=a)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = permute_pad(static_x, static_ids, static_probs, num_experts=E, align=a)
+        y = unpad_unpermute(out.rows_MH, out.row_map, static_probs)
+    for seed in range(3):
+        x, ids, probs = _inputs(T, H, E, K, torch.bfloat16, seed=30 + seed)
+        static_x.copy_(x), static_ids.copy_(ids), static_probs.copy_(probs)
+        graph.replay()
+        for got, want in zip(out, _ref_tuple(x, ids, probs, E, a)):
+            assert torch.equal(got, want)
+        assert torch.equal(y, unpad_unpermute_reference(out.rows_MH, out.row_map, probs))
+
+
+def test_eager_fast_path_skips_dispatcher_only_when_unobservable(monkeypatch):
+    import moe_compile.ops.permute_pad  # noqa: F401  (the module, not the function)
+
+    pp = sys.modules["moe_compile.ops.permute_pad"]
+    uu = sys.modules["moe_compile.ops.unpad_unpermute"]
+    x, ids, probs = _inputs(64, 32, 8, 2, torch.float32, seed=4)
+    via_op = torch.ops.moe.permute_pad(x, ids, probs, 8, 16)
+    calls = []
+    monkeypatch.setattr(pp, "_PERMUTE_PAD", lambda *a: calls.append("op") or torch.ops.moe.permute_pad(*a))
+    monkeypatch.setattr(uu, "_UNPAD_UNPERMUTE", lambda *a: calls.append("op") or torch.ops.moe.unpad_unpermute(*a))
+    out = permute_pad(x, ids, probs, num_experts=8, align=16)  # plain CUDA tensors: direct
+    y = unpad_unpermute(out.rows_MH, out.row_map, probs)
+    assert calls == []
+    for got, want in zip(out, via_op):
+        assert torch.equal(got, want)
+    assert torch.equal(y, torch.ops.moe.unpad_unpermute(out.rows_MH, out.row_map, probs))
+    permute_pad(x.requires_grad_(True), ids, probs, num_experts=8, align=16)  # autograd: through the op
+    with torch.autograd.profiler.profile():
+        unpad_unpermute(out.rows_MH, out.row_map, probs)  # profiled: through the op (named in traces)
+    assert calls == ["op", "op"]
+
+
 def test_autograd_end_to_end_matches_cpu():
     x, ids, probs = _inputs(300, 256, 16, 4, torch.float32, seed=5)
     w = torch.randn(256, 256, device=DEV) / 16
 
-    def run(x, ids, probs):
+    def run(x, ids, probs, w):
         x = x.clone().requires_grad_(True)
         probs = probs.clone().requires_grad_(True)
         out = permute_pad(x, ids, probs, num_experts=16, align=32)
@@ -107,8 +181,8 @@ def test_autograd_end_to_end_matches_cpu():
         y.square().sum().backward()
         return y, x.grad, probs.grad
 
-    got = run(x, ids, probs)
-    want = run(x.cpu(), ids.cpu(), probs.cpu())
+    got = run(x, ids, probs, w)
+    want = run(x.cpu(), ids.cpu(), probs.cpu(), w.cpu())
     for g, w_ in zip(got, want):
         torch.testing.assert_close(g.cpu(), w_, rtol=1e-4, atol=1e-4)
 

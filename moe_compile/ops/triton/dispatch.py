@@ -6,24 +6,34 @@ experts, ``K`` top-k, ``N = T*K`` routed entries (flat index ``i = t*K + k``), `
 ``NB`` blocks of ``BLOCK_N`` flat entries. No atomics anywhere: every output element has one writer,
 so results are bitwise reproducible, and nothing is read back on the host (CUDA-graph safe).
 
-NOTE [destination rows in three passes]
+NOTE [destination rows in three launches]
 The padded destination row of entry ``i`` (expert ``e``) is
-``seg_start[e] + #{j < i : ids[j] == e}`` (stable: ascending token, then slot). With blocks of flat
-entries it splits into ``seg_start[e] + before_blocks[b, e] + rank_in_block(i)``, and the rank in the
-block is ``p - before_experts[b, e]`` where ``p`` is the position of ``i`` after sorting the block's
-keys ``e * BLOCK_N + local_index`` (a stable sort by expert). Worked example, ``E = 3``, ``a = 4``,
-``BLOCK_N = 4``, ids ``[[2, 0], [1, 2], [0, 2], [2, 1]]`` (flat ``[2, 0, 1, 2 | 0, 2, 2, 1]``):
+``seg_start[e] + #{j < i : ids[j] == e}`` (stable: ascending token, then slot). With blocks of
+``BLOCK_N`` flat entries it splits into ``seg_start[e] + before_blocks[b, e] + #{j in block b, j < i :
+ids[j] == e}``. Pass 1 histograms every block, pass 2 scans the ``[NB, E]`` table, and the permute kernel
+counts the last term itself: each token program compares its ``K`` ids with the entries of its block
+that precede them (at most ``BLOCK_N + K - 1`` ids, read from L2), so no sort and no ``dest`` buffer.
+Worked example, ``E = 3``, ``a = 4``, ``BLOCK_N = 4``, ids ``[[2, 0], [1, 2], [0, 2], [2, 1]]`` (flat
+``[2, 0, 1, 2 | 0, 2, 2, 1]``):
 
     pass 1 (_expert_histogram_kernel)  hist = [[1, 1, 2], [1, 1, 2]]
     pass 2 (_expert_offsets_kernel)    counts = [2, 2, 4], padded = [4, 4, 4], offs = [4, 8, 12]
-                                       base[b] = before_blocks - before_experts = [[0, -1, -2], [1, 0, 0]]
-                                       base[NB] = seg_start = [0, 4, 8]
-    pass 3 (_assign_rows_kernel)       block 0 sorted keys [1, 6, 8, 11] -> e = [0, 1, 2, 2],
-                                       local = [1, 2, 0, 3], dest = base + seg_start + p = [0, 4, 8, 9]
-                                       dest (flat order) = [8, 0, 4, 9 | 1, 10, 11, 5]
-    pass 4 (_permute_rows_kernel)      token programs copy x[t] to dest[t*K + k] and write
-                                       row_map[t] = [sorted rows | slots], e.g. t0 -> [0, 8 | 1, 0];
-                                       zero programs fill the M - N = 8 non-real rows 2, 3, 6, 7, 12..15
+                                       table[b] = before_blocks = [[0, 0, 0], [1, 1, 2]] (in place)
+                                       table[NB] = seg_start = [0, 4, 8]
+    pass 3 (_permute_rows_kernel)      token 3 (flat 6, 7; block 1): ids 2 and 1; earlier entries of
+                                       block 1 with the same id: 1 (flat 5) and 0, so
+                                       dest = seg_start + before_blocks + rank = [8+2+1, 4+1+0] = [11, 5];
+                                       row_map[3] = [5, 11 | 1, 0]. All dests: [8, 0, 4, 9 | 1, 10, 11, 5].
+                                       Zero programs fill the M - N = 8 non-real rows 2, 3, 6, 7, 12..15
+
+NOTE [overlapping the launches]
+With ``USE_PDL`` (Hopper and newer, launched with ``launch_pdl=True``), the scan and the permute kernel
+are started before their predecessor has finished (programmatic dependent launch): the histogram and
+the scan signal ``gdc_launch_dependents`` at once, and each dependent kernel does the work that needs
+only the op's inputs (the permute kernel: its row of ``x`` and the rank of its entries) before
+``gdc_wait``, which returns once the predecessor grid has completed and its writes are visible. Only
+``table`` and ``counts`` (written by our own kernels) are read after the wait. The histogram itself is
+launched normally, so everything before the op has completed when any of its kernels runs.
 
 NOTE [zero rows without a memset]
 The rows that hold no token are exactly ``M - N`` (a static count): pad rows, expert by expert, then
@@ -37,6 +47,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+try:  # Hopper+ programmatic dependent launch (see NOTE [overlapping the launches]); absent in old Triton
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - the launchers then never set USE_PDL
+    gdc_launch_dependents = gdc_wait = None
+
 
 @triton.jit
 def _expert_histogram_kernel(
@@ -47,7 +62,10 @@ def _expert_histogram_kernel(
     BLOCK_N: tl.constexpr,
     E_PAD: tl.constexpr,
     DEBUG: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        gdc_launch_dependents()  # NOTE [overlapping the launches]
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_bounds = offs < N
@@ -62,8 +80,7 @@ def _expert_histogram_kernel(
 
 @triton.jit
 def _expert_offsets_kernel(
-    hist_ptr,  # int32 [NB, E_PAD]
-    base_ptr,  # int32 [NB + 1, E_PAD] out: per-block bases, then seg_start in row NB
+    table_ptr,  # int32 [NB + 1, E_PAD]: in hist (rows < NB); out: before_blocks, then seg_start in row NB
     counts_ptr,  # int32 [E] out
     offs_ptr,  # int32 [E] out
     num_blocks,
@@ -71,59 +88,35 @@ def _expert_offsets_kernel(
     ALIGN: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    # one program: the scan over blocks and experts is tiny (NB * E entries)
+    # one program: the scan over blocks is tiny (NB * E_PAD <= ~8K entries for the usual shapes). Each
+    # tile is loaded before it is overwritten, so the exclusive scan runs in place.
+    if USE_PDL:
+        gdc_launch_dependents()  # NOTE [overlapping the launches]
+        gdc_wait()
     experts = tl.arange(0, E_PAD)
-    expert_mask = experts < num_experts
     running = tl.zeros([E_PAD], dtype=tl.int32)
     for b0 in range(0, num_blocks, BLOCK_B):
         blocks = b0 + tl.arange(0, BLOCK_B)
-        block_mask = blocks < num_blocks
         tile = blocks[:, None] * E_PAD + experts[None, :]
-        hist = tl.load(hist_ptr + tile, mask=block_mask[:, None] & expert_mask[None, :], other=0)
-        before_blocks = tl.cumsum(hist, 0) - hist + running[None, :]
-        before_experts = tl.cumsum(hist, 1) - hist
-        tl.store(base_ptr + tile, before_blocks - before_experts, mask=block_mask[:, None])
+        block_mask = (blocks < num_blocks)[:, None]
+        hist = tl.load(table_ptr + tile, mask=block_mask, other=0)
+        tl.store(table_ptr + tile, tl.cumsum(hist, 0) - hist + running[None, :], mask=block_mask)
         running += tl.sum(hist, 0)
     padded = (running + (ALIGN - 1)) // ALIGN * ALIGN
     offs = tl.cumsum(padded, 0)
+    expert_mask = experts < num_experts
     tl.store(counts_ptr + experts, running, mask=expert_mask)
     tl.store(offs_ptr + experts, offs, mask=expert_mask)
-    tl.store(base_ptr + num_blocks * E_PAD + experts, offs - padded)
-
-
-@triton.jit
-def _assign_rows_kernel(
-    ids_ptr,  # [N] expert ids
-    base_ptr,  # int32 [NB + 1, E_PAD] from _expert_offsets_kernel
-    dest_ptr,  # int32 [N] out: padded destination row of each flat entry (-1 for invalid ids)
-    N,
-    num_experts,
-    num_blocks,
-    BLOCK_N: tl.constexpr,
-    E_PAD: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    local = tl.arange(0, BLOCK_N)
-    start = pid.to(tl.int64) * BLOCK_N
-    in_bounds = start + local < N
-    ids = tl.load(ids_ptr + start + local, mask=in_bounds, other=0)
-    valid = in_bounds & (ids >= 0) & (ids < num_experts)
-    experts = tl.where(valid, ids, E_PAD).to(tl.int32)  # invalid and out-of-bounds entries sort last
-    keys = tl.sort(experts * BLOCK_N + local)  # stable sort by expert: the local index breaks ties
-    sorted_experts = keys // BLOCK_N
-    sorted_local = keys % BLOCK_N
-    sorted_valid = sorted_experts < num_experts
-    base = tl.load(base_ptr + pid * E_PAD + sorted_experts, mask=sorted_valid, other=0)
-    seg_start = tl.load(base_ptr + num_blocks * E_PAD + sorted_experts, mask=sorted_valid, other=0)
-    dest = tl.where(sorted_valid, base + seg_start + local, -1)  # `local` is the sorted position here
-    tl.store(dest_ptr + start + sorted_local, dest, mask=start + sorted_local < N)
+    tl.store(table_ptr + num_blocks * E_PAD + experts, offs - padded)
 
 
 @triton.jit
 def _permute_rows_kernel(
     x_ptr,  # [T, H] (row stride stride_x)
-    dest_ptr,  # int32 [N]
+    ids_ptr,  # [N] expert ids, any integer dtype
+    table_ptr,  # int32 [NB + 1, E_PAD] from _expert_offsets_kernel
     probs_ptr,  # [T, K] (if HAS_PROBS)
     counts_ptr,  # int32 [E]
     rows_ptr,  # [M, H] out
@@ -133,15 +126,19 @@ def _permute_rows_kernel(
     H,
     stride_x,
     num_experts,
+    num_blocks,
     num_rows,  # M
     num_zero_rows,  # M - N
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     ALIGN: tl.constexpr,
     E_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
     HAS_PROBS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ZERO_ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # grid (T + cdiv(M - N, ZERO_ROWS), cdiv(H, BLOCK_H)): token programs, then zero programs
     pid = tl.program_id(0)
@@ -151,27 +148,47 @@ def _permute_rows_kernel(
     if pid < num_tokens:
         t = pid.to(tl.int64)
         vals = tl.load(x_ptr + t * stride_x + cols, mask=col_mask)  # each source row is read once
+        # NOTE [destination rows in three launches]: dest = seg_start + before_blocks + rank in block
+        slots = tl.arange(0, K_PAD)
+        slot_mask = slots < K
+        flat_K = t * K + slots
+        ids_K = tl.load(ids_ptr + flat_K, mask=slot_mask, other=0)
+        valid_K = slot_mask & (ids_K >= 0) & (ids_K < num_experts)
+        block_start_K = flat_K // BLOCK_N * BLOCK_N
+        rank_K = tl.zeros([K_PAD], dtype=tl.int32)
+        # entries j in [block start, flat) with the same id; compared in the ids' own dtype
+        for j0 in range(t * K // BLOCK_N * BLOCK_N, t * K + K - 1, CHUNK):
+            j = j0 + tl.arange(0, CHUNK)
+            ids_j = tl.load(ids_ptr + j, mask=j < t * K + K - 1, other=0)
+            same = (ids_j[None, :] == ids_K[:, None]) & (j[None, :] >= block_start_K[:, None])
+            rank_K += tl.sum((same & (j[None, :] < flat_K[:, None])).to(tl.int32), 1)
+        if USE_PDL:
+            gdc_wait()  # NOTE [overlapping the launches]: `table` is written by the previous kernels
+        experts_K = tl.where(valid_K, ids_K, 0).to(tl.int32)
+        before_K = tl.load(table_ptr + (flat_K // BLOCK_N) * E_PAD + experts_K, mask=valid_K, other=0)
+        seg_start_K = tl.load(table_ptr + num_blocks * E_PAD + experts_K, mask=valid_K, other=0)
+        dest_K = seg_start_K + before_K + rank_K
+        dest_ok = valid_K & (dest_K < num_rows)  # (always true for consistent inputs; memory safety)
+        dest_K = tl.where(dest_ok, dest_K, -1)
         for k in tl.static_range(K):
-            dest = tl.load(dest_ptr + t * K + k)
+            dest = tl.sum(tl.where(slots == k, dest_K, 0), 0)
             # (cols * 0 + dest): a vector, because the interpreter cannot AND a vector with a scalar mask
             tl.store(rows_ptr + dest.to(tl.int64) * H + cols, vals, mask=col_mask & ((cols * 0 + dest) >= 0))
         if pid_h == 0:
-            slots = tl.arange(0, K_PAD)
-            slot_mask = slots < K
-            dest_K = tl.load(dest_ptr + t * K + slots, mask=slot_mask, other=-1)
-            dest_ok = slot_mask & (dest_K >= 0)
             if HAS_PROBS:
-                p = tl.load(probs_ptr + t * K + slots, mask=slot_mask)
+                p = tl.load(probs_ptr + flat_K, mask=slot_mask)
                 tl.store(probs_out_ptr + dest_K, p, mask=dest_ok)
             # row_map[t] = [rows ascending | their slots]: slot k goes to position rank(k), the number
             # of slots with a smaller key (keys are distinct; invalid rows sort last and read -1)
             keys = tl.where(dest_ok, dest_K, num_rows).to(tl.int64) * K_PAD + slots
-            rank = tl.sum((keys[None, :] < keys[:, None]).to(tl.int32), 1)
+            order = tl.sum((keys[None, :] < keys[:, None]).to(tl.int32), 1)
             row_map_t = row_map_ptr + t * (2 * K)
-            tl.store(row_map_t + rank, tl.where(dest_ok, dest_K, -1), mask=slot_mask)
-            tl.store(row_map_t + K + rank, slots, mask=slot_mask)
+            tl.store(row_map_t + order, dest_K, mask=slot_mask)
+            tl.store(row_map_t + K + order, slots, mask=slot_mask)
     else:
         # NOTE [zero rows without a memset]
+        if USE_PDL:
+            gdc_wait()  # `counts` is written by the scan
         j = (pid - num_tokens) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
         j_mask = j < num_zero_rows
         experts = tl.arange(0, E_PAD)

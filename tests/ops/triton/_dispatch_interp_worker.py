@@ -19,6 +19,8 @@ CASES = {
     "fewer_rows_than_experts": (3, 16, 64, 2, 8, "bfloat16", True, "uniform", None, None),
     "fp64_int32_ids": (7, 12, 5, 3, 8, "float64", True, "int32_ids", 16, 8),
     "strided_x": (6, 24, 6, 2, 16, "float32", True, "strided_x", None, None),
+    # K_PAD = 64 caps the rank loop's chunk at 64 ids < BLOCK_N + K - 1: several chunks per token
+    "k40_rank_loop_chunks": (5, 8, 40, 40, 8, "float32", True, "uniform", 64, None),
 }
 DEBUG_CASES = ("debug_assert_expert_idx", "debug_assert_row_map")
 
