@@ -91,8 +91,11 @@ class Report:
         }
         return {"graphs": self.graphs, "summary": summary, "layers": layers}
 
-    def table(self, max_width: int = 110) -> str:
-        """A printable table, one block per layer: pass, result, what matched / reason, what replaced it."""
+    def table(self, max_width: int | None = None) -> str:
+        """A printable table, one block per layer: pass, result, what matched / reason, what replaced it.
+
+        ``max_width`` clips the ``what`` and ``detail`` cells (no clipping by default).
+        """
         if not self.records:
             return f"moe_compile: {self.graphs} graph(s) compiled, no MoE dispatch found"
         headers = ("layer", "pass", "result", "what", "detail")
@@ -100,7 +103,7 @@ class Report:
         for layer, entries in self.grouped().items():
             for i, (r, n) in enumerate(entries):
                 result = r.kind if n == 1 else f"{r.kind} x{n}"
-                rows.append((layer if i == 0 else "", r.pass_name, result, _clip(r.what, max_width // 2),
+                rows.append((layer if i == 0 else "", r.pass_name, result, _clip(r.what, max_width),
                              _clip(r.detail, max_width)))
         widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
         line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
@@ -119,8 +122,8 @@ def _natural_key(text: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
+def _clip(text: str, width: int | None) -> str:
+    return text if width is None or len(text) <= width else text[: max(width - 3, 0)] + "..."
 
 
 _ACTIVE: contextvars.ContextVar[list[Report]] = contextvars.ContextVar("moe_compile_reports", default=[])

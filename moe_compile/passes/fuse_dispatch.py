@@ -87,7 +87,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         if not _ops_available():
             ctx.skip(dispatch.layer, "ops_unavailable", "torch.ops.moe.permute_pad / unpad_unpermute not registered")
             continue
-        replaced_by = rewrite(graph, dispatch)
+        replaced_by = rewrite(graph, dispatch, debug=ctx.config.debug)
         ctx.rewrite(dispatch.layer, " + ".join(dispatch.matched), replaced_by)
 
 
@@ -105,8 +105,12 @@ def _call(graph: fx.Graph, meta_from: fx.Node, target: Any, *args: Any, name: st
     return graph_call(graph, target, *args, meta_from=meta_from, name=name, **kwargs)
 
 
-def rewrite(graph: fx.Graph, d: Dispatch) -> str:
-    """Apply the rewrite for a proven :class:`Dispatch`; returns a description of what replaced it."""
+def rewrite(graph: fx.Graph, d: Dispatch, debug: bool = False) -> str:
+    """Apply the rewrite for a proven :class:`Dispatch`; returns a description of what replaced it.
+
+    ``debug`` (``moe.debug``) turns on the ops' device-side range asserts.
+    """
+    extra = {"debug": True} if debug else {}
     order = topo_index(graph)
     inputs = [n for n in (d.x_TH, d.ids_TK or d.ids_flat, d.probs_TK or d.probs_flat, d.top_k)
               if isinstance(n, fx.Node)]
@@ -123,7 +127,7 @@ def rewrite(graph: fx.Graph, d: Dispatch) -> str:
         gathered_weights = [g for g in d.weight_gathers if d.fold is None or g is not d.fold.weight_gather]
         use_probs = probs_TK is not None and bool(gathered_weights or (d.padding and d.padding.prob_seeds))
         pp = _call(graph, meta, torch.ops.moe.permute_pad.default, d.x_TH, ids_TK,
-                   probs_TK if use_probs else None, d.num_experts, d.align, name="permute_pad")
+                   probs_TK if use_probs else None, d.num_experts, d.align, name="permute_pad", **extra)
         rows = _call(graph, meta, operator.getitem, pp, 0, name="rows_MH")
         probs_M = _call(graph, meta, operator.getitem, pp, 1, name="probs_M") if use_probs else None
         offs = _call(graph, meta, operator.getitem, pp, 2, name="offs_E")
@@ -137,10 +141,10 @@ def rewrite(graph: fx.Graph, d: Dispatch) -> str:
         rows_in_user_buffer = rows
         if not same_int(tensor_val(rows).shape[0], padding.num_rows):
             with graph.inserting_after(row_map):
-                extra = padding.num_rows - tensor_val(rows).shape[0]
-                rows_in_user_buffer = _call(graph, meta, torch.nn.functional.pad, rows, (0, 0, 0, extra))
+                extra_rows = padding.num_rows - tensor_val(rows).shape[0]
+                rows_in_user_buffer = _call(graph, meta, torch.nn.functional.pad, rows, (0, 0, 0, extra_rows))
                 if probs_M is not None:
-                    probs_M = _call(graph, meta, torch.nn.functional.pad, probs_M, (0, extra))
+                    probs_M = _call(graph, meta, torch.nn.functional.pad, probs_M, (0, extra_rows))
         for seed in padding.seeds:
             _replace(seed, rows_in_user_buffer, dead)
         for seed in padding.prob_seeds:
@@ -170,7 +174,7 @@ def rewrite(graph: fx.Graph, d: Dispatch) -> str:
             if padding is not None and source in padding.unpads:
                 source = source.args[0]
             combined = _call(graph, c.result, torch.ops.moe.unpad_unpermute.default, source, row_map, None,
-                             name="combined")
+                             name="combined", **extra)
         else:
             # NOTE [weight fold]: y[t] = sum_k w[t, k] * rows[row(t, k)] in fp32, cast once to the rows'
             # dtype; the matcher checked that the combined result is only used at that dtype.
@@ -178,7 +182,7 @@ def rewrite(graph: fx.Graph, d: Dispatch) -> str:
             if padding is not None and rows_to_combine in padding.unpads:
                 rows_to_combine = rows_to_combine.args[0]  # Y[dest] was replaced by Y
             combined = _call(graph, c.result, torch.ops.moe.unpad_unpermute.default, rows_to_combine, row_map,
-                             probs_TK, name="combined")
+                             probs_TK, name="combined", **extra)
             dead.extend(d.fold.nodes)
             dead.append(d.fold.weight_gather)
     c.result.replace_all_uses_with(combined)
