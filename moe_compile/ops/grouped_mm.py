@@ -58,9 +58,11 @@ def dequantize_nvfp4(
     qdata: torch.Tensor, scale: torch.Tensor, expert_scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """Packed e2m1 ``[E, N, K/2]`` (low nibble first), e4m3 ``[E, N, K/16]``, fp32 ``[E]`` -> ``[E, N, K]``."""
-    codes = torch.stack([qdata & 0xF, qdata >> 4], dim=-1).flatten(-2).to(torch.int64)
-    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=qdata.device)
-    values = table[codes].unflatten(-1, (-1, NV_BLOCK))
+    codes = torch.stack([qdata & 0xF, qdata >> 4], dim=-1).flatten(-2).to(torch.int32)
+    # magnitude bits -> fp32 bits 22-24, sign -> bit 31: exactly value * 2**-126 (no host table, so
+    # this captures in CUDA graphs); the Triton kernels decode the same way
+    values = (((codes & 7) << 22) | ((codes & 8) << 28)).view(torch.float32) * 2.0**126
+    values = values.unflatten(-1, (-1, NV_BLOCK))
     block_scale = expert_scale.view(-1, *([1] * (scale.dim() - 1))) * scale.to(torch.float32)
     return (values * block_scale.unsqueeze(-1)).flatten(-2).to(dtype)
 
@@ -185,6 +187,11 @@ def launch_grouped_mm(
     M, K = x_MK.shape
     E, N = offs_E.shape[0], out_MN.shape[1]
     fp32 = x_MK.dtype == torch.float32
+    if x_MK.is_cuda:
+        # NOTE [offs copy]: the store addresses depend on values loaded from offs, so Inductor's TTIR
+        # analysis counts offs as written: a graph input would then be "mutated", which makes
+        # cudagraph trees skip the graph. The kernels read a private copy instead (one tiny copy).
+        offs_E = offs_E.clone()
     if config is None and x_MK.is_cuda:
         num_sms = torch.cuda.get_device_properties(x_MK.device).multi_processor_count
         config = _pick_decode_config(M, E, N, K, fmt, num_sms, fp32) or _pick_config(M, E, N, K, fmt, num_sms, fp32)
