@@ -188,7 +188,6 @@ def collect(reset: bool = True, per_layer: bool = False) -> dict[str, float]:
 
 
 def _summarise(rows: dict[str, list[float]], capacity: dict[str, float | None], per_layer: bool) -> dict[str, float]:
-    ids = _layer_ids(rows)
     per: dict[str, dict[str, Any]] = {}
     for name, row in rows.items():
         steps = row[_STEPS]
@@ -204,6 +203,7 @@ def _summarise(rows: dict[str, list[float]], capacity: dict[str, float | None], 
         per[name] = {"stats": stats, "counts": counts}
     if not per:
         return {}
+    ids = _layer_ids(per)  # among the layers that report
     out: dict[str, float] = {}
     keys = [*_AVERAGED, "tokens_per_expert_min", "tokens_per_expert_max", "over_capacity", "steps"]
     for key in keys:
