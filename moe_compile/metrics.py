@@ -251,8 +251,8 @@ def attach(
     """Accumulate router metrics of ``model`` in eager mode (and in any frame Dynamo runs eagerly).
 
     Puts a forward hook on every router module: a module with a 2-D ``weight`` ``[E, H]`` that is the
-    ``gate``/``router`` child of a module with an ``experts`` child, or whose class name ends in
-    ``Router``. A router returning ``(logits, weights, expert_idx)`` (transformers' MoE routers) is
+    ``gate``/``router`` child of a module with an ``experts`` child or a ``top_k`` /
+    ``num_experts_per_tok`` attribute, or whose class name ends in ``Router``. A router returning ``(logits, weights, expert_idx)`` (transformers' MoE routers) is
     used as is; one returning only logits (an ``nn.Linear`` gate) gets ``topk(logits, k)`` with ``k``
     from ``top_k`` or the parent's ``top_k`` / ``num_experts_per_tok``. Idempotent. Returns the
     instrumented module paths.
@@ -287,7 +287,8 @@ def _find_routers(model: nn.Module) -> dict[str, tuple[nn.Module, nn.Module | No
             weight = getattr(child, "weight", None)
             if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
                 continue
-            is_gate = child_name in ("gate", "router") and hasattr(parent, "experts")
+            routed_parent = hasattr(parent, "experts") or _top_k_of(child, parent) is not None
+            is_gate = child_name in ("gate", "router") and routed_parent
             if is_gate or type(child).__name__.endswith("Router"):
                 found[path] = (child, parent)
     if isinstance(model, nn.Module) and type(model).__name__.endswith("Router") and not found:
