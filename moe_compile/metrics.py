@@ -314,6 +314,11 @@ class _RouterHook:
         self.entry = None if device.type == "meta" else accumulator(name, num_experts, device)
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        # NOTE [activation checkpointing]: torch.utils.checkpoint re-runs the forward (and this hook)
+        # inside the backward pass; count each token once. Compiled graphs never recompute the
+        # accumulator update (AOTAutograd keeps mutations in the forward graph).
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            return
         logits, expert_idx = _logits_and_idx(output, self.num_experts)
         if logits is None:
             return

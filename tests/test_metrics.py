@@ -227,3 +227,18 @@ def test_capacity_factor_validation_and_registry_conflicts():
     with pytest.raises(ValueError, match="4 experts, now 8"):
         metrics.accumulator("layers.0.gate", 8, "cpu")
     assert metrics.layers() == ["layers.0.gate"]
+
+
+def test_activation_checkpointing_recompute_is_not_counted():
+    from torch.utils.checkpoint import checkpoint
+
+    model = RoutedStack(router="softmax")
+    metrics.attach(model)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    for use_reentrant in (False, True):
+        y = x
+        for block in model.layers:
+            y = checkpoint(block, y, use_reentrant=use_reentrant)
+        y.square().mean().backward()  # re-runs each block's forward, hooks included
+    got = metrics.collect(per_layer=True)
+    assert got["moe/layer_0/steps"] == 2 and got["moe/layer_1/steps"] == 2

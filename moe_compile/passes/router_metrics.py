@@ -77,6 +77,9 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
     routers, skipped = find_routers(graph)
     for layer, reason, detail in skipped:
         ctx.skip(layer, reason, detail)
+    for router in _routers_in_subgraphs(gm):
+        ctx.skip(router.path or "<root>", "inside_subgraph",
+                 "router inside a higher-order op body (e.g. torch.utils.checkpoint); use moe_compile.metrics.attach")
     if not routers:
         return
     if _late_pre_grad_timing():
@@ -166,6 +169,19 @@ def _logits_root(node: object, allow_softmax: bool = False) -> fx.Node | None:
             continue
         return None
     return None
+
+
+def _routers_in_subgraphs(gm: torch.nn.Module) -> list[Router]:
+    """Routers in the bodies of higher-order ops (activation checkpointing, ``wrap``): not
+    instrumented, a mutation cannot be added inside them here; hooks traced by Dynamo can."""
+    found = []
+    for name, sub in gm.named_modules():
+        if sub is gm or not isinstance(sub, fx.GraphModule):
+            continue
+        routers, _ = find_routers(sub.graph)
+        instrumented = {_logits_root(n.args[1]) for n in _metrics_nodes(sub.graph)}
+        found += [r for r in routers if r.logits not in instrumented]
+    return found
 
 
 def _topk_of_indices(node: object) -> fx.Node | None:

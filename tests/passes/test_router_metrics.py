@@ -333,3 +333,34 @@ _RECORDED: list[fx.GraphModule] = []
 
 def _record_post_grad(graph: fx.Graph, ctx: PassContext) -> None:
     _RECORDED.append(graph.owning_module)
+
+
+def test_checkpointed_routers_are_reported_and_attach_covers_them():
+    """Under torch.utils.checkpoint Dynamo puts each block in a higher-order op body: the pass reports
+    the routers there; hooks from metrics.attach are traced into the body and count once."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = RoutedStack()
+
+        def forward(self, x):
+            for block in self.model.layers:
+                x = checkpoint(block, x, use_reentrant=False)
+            return x
+
+    model = Checkpointed()
+    xs = [_x(seed=8)]
+    backend, _ = _recording_backend(ON)
+    with collecting() as rep:
+        _train_steps(model, xs, backend)
+    assert_report(rep, {"router_metrics": 0}, {"router_metrics": ["inside_subgraph"] * 2})
+    assert metrics.collect() == {}
+    torch._dynamo.reset()
+    metrics.attach(model)
+    backend, _ = _recording_backend(ON)
+    _train_steps(model, xs, backend)
+    got = metrics.collect()
+    assert got["moe/steps"] == 1 and got["moe/layers"] == 2
+    assert got["moe/z_loss"] == pytest.approx(_oracle("softmax", xs)["moe/z_loss"], rel=1e-5)
