@@ -137,10 +137,6 @@ class Dispatch:
 # small structural helpers
 
 
-def _users_in_order(node: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
-    return sorted(node.users, key=lambda u: order.get(u, 0))
-
-
 def _is_int_tensor(node: Any, ndim: int | None = None) -> bool:
     v = tensor_val(node)
     if v is None or v.is_floating_point() or v.is_complex() or v.dtype == torch.bool:

@@ -26,7 +26,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from moe_compile.passes._graph import arg, known_int, op_name, tensor_val
@@ -300,8 +299,3 @@ __all__ = [
     "ARANGE", "COUNTS", "Form", "LinearForms", "NotLinear", "expected_destination", "expected_offsets",
     "is_zeros_creation", "padded_counts", "strip_casts",
 ]
-
-
-def _dtype_is_int(node: Any) -> bool:
-    v = tensor_val(node)
-    return v is not None and not v.is_floating_point() and v.dtype != torch.bool
