@@ -9,24 +9,39 @@ Two ways fill the accumulators, both through ``torch.ops.moe.router_metrics_`` (
   ``moe.permute_pad``) and inserts the op, with the layer's accumulator as a buffer of the graph
   module. No host sync, fixed-size in-place updates: CUDA graphs (``mode="reduce-overhead"``) stay
   possible.
-* **Eager code**, including frames where Dynamo falls back to eager: :func:`attach` puts a forward
-  hook on every router module of a model that calls the same op. Hooks are traced by Dynamo too; the
-  pass then sees the op already there and adds nothing, so attaching and compiling never count twice.
-  Use :func:`attach` when part of the model may not be compiled.
+* **Forward hooks** from :func:`attach` on every router module. They run in eager code, including
+  frames where Dynamo falls back to eager, and Dynamo traces them into compiled graphs too; the pass
+  then sees the op already there and adds nothing, so attaching and compiling never count twice.
+
+Use :func:`attach` (with or without compiling) when
+
+* part of the model may run eagerly (graph breaks, eager fallback, no compile at all);
+* blocks are compiled one by one (``block.compile()`` per layer, as with FSDP2): such a graph is
+  shared by all blocks and sees module paths relative to the block, so the pass alone pools every
+  layer under one name (``moe/layer_gate``); hooks keep the layers apart;
+* blocks run under ``torch.utils.checkpoint``: Dynamo puts them in a higher-order-op body the pass does
+  not instrument (it reports ``inside_subgraph``); hooks are traced into the body. In eager mode the
+  hooks skip the recomputation in the backward pass.
 
 :func:`collect` reads everything with one device-to-host copy per device (normally one sync), averages
 over the calls since the last :func:`reset` (steps, e.g. microbatches) and over layers, and returns plain
 floats under ``moe/...`` keys (``per_layer=True`` adds ``moe/layer_{i}/...``). :func:`reset` zeroes the
 accumulators in place, so compiled graphs and captured CUDA graphs keep writing to the same memory.
 
-Layers are named by module path (``model.layers.3.mlp.gate``); the layer id in keys is the last integer
-in that path (``3``), or the path itself with ``.`` turned into ``_`` when there is none or when two
-paths share an integer. Accumulators are process-global and keyed by path: two models with the same
-module paths share them.
+Layers are named by the router's module path (``model.layers.3.mlp.gate``); the layer id in keys is the
+last integer in that path (``3``), or the path with non-word characters turned into ``_`` when there is
+none or when two reporting paths share an integer. Accumulators are process-global and keyed by path:
+two models with the same module paths share them (:func:`forget` drops them all).
 
 Where a layer has an expert capacity (``attach(..., capacity_factor=)`` or
 :func:`set_capacity_factor` before compiling), ``moe/over_capacity`` is the fraction of assignments
 beyond ``ceil(capacity_factor * T*K / E)`` per expert; without any capacity the key is absent.
+
+The load-balancing loss follows transformers' ``load_balancing_loss_func`` on one layer
+(``E * sum_e (count_e / T) * P_e``, so ``K`` when perfectly balanced; divide by ``K`` for the Switch
+form with ``f_e`` the fraction of assignments). transformers pools all layers' logits before the
+product; ``moe/lb_loss`` is the mean of the per-layer losses (equal when layers agree). Padding tokens
+are counted (there is no attention mask at the router).
 """
 
 from __future__ import annotations
@@ -43,7 +58,8 @@ from torch import nn
 
 from moe_compile.ops.router_metrics import NUM_STATS, STATS, new_accumulator, router_metrics_
 
-__all__ = ["attach", "collect", "detach", "layers", "reset", "set_capacity_factor"]
+__all__ = ["accumulator", "attach", "collect", "detach", "forget", "inductor_patches", "layers", "reset",
+           "set_capacity_factor"]
 
 PREFIX = "moe/"
 # Per-step averages reported for every layer (``steps`` and ``over_capacity`` are handled apart).

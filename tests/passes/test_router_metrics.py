@@ -364,3 +364,28 @@ def test_checkpointed_routers_are_reported_and_attach_covers_them():
     got = metrics.collect()
     assert got["moe/steps"] == 1 and got["moe/layers"] == 2
     assert got["moe/z_loss"] == pytest.approx(_oracle("softmax", xs)["moe/z_loss"], rel=1e-5)
+
+
+def test_per_block_compile_pools_layers_unless_attached():
+    """Compiling each block on its own gives one graph shared by all blocks, with module paths relative
+    to the block: the pass pools every layer under ``gate``. attach keeps layers apart (the hook's
+    accumulator is a graph input), without a recompile per layer."""
+    from torch._dynamo.utils import counters
+
+    x = _x(seed=9)
+    for attach in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = RoutedStack(layers=4)
+        if attach:
+            metrics.attach(model)
+        backend, _ = _recording_backend(ON)
+        for block in model.layers:
+            block.compile(backend=backend, fullgraph=True)
+        model(x)
+        got = metrics.collect(per_layer=True)
+        if attach:
+            assert [got[f"moe/layer_{i}/steps"] for i in range(4)] == [1.0] * 4
+            assert counters["stats"]["unique_graphs"] <= 2
+        else:
+            assert got["moe/layer_gate/steps"] == 4 and got["moe/layers"] == 1
