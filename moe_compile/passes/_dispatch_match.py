@@ -105,6 +105,25 @@ class Fold:
     nodes: list[fx.Node]  # the multiply and the scale chain (erased)
 
 
+
+def _clamp_bounds(node: fx.Node) -> tuple[int | None, int | None] | None:
+    """``(min, max)`` of an in-place ``clamp_`` / ``clamp_min_`` / ``clamp_max_`` with int bounds, else None."""
+    name = op_name(node)
+    rest, kw = list(node.args[1:]), node.kwargs
+    if name == "clamp_":
+        low = rest[0] if len(rest) > 0 else kw.get("min")
+        high = rest[1] if len(rest) > 1 else kw.get("max")
+    elif name == "clamp_max_":
+        low, high = None, rest[0] if rest else kw.get("max")
+    elif name == "clamp_min_":
+        low, high = rest[0] if rest else kw.get("min"), None
+    else:
+        return None
+    if any(b is not None and (isinstance(b, bool) or not isinstance(b, int)) for b in (low, high)):
+        return None
+    return low, high
+
+
 @dataclasses.dataclass
 class Dispatch:
     layer: str
@@ -127,6 +146,9 @@ class Dispatch:
     matched: list[str]
     # routing-weight multiply folded into unpad_unpermute: (unweighted rows, weight gather, scale nodes)
     fold: Fold | None = None
+    # in-place clamps of the ids that leave every id in [0, E) unchanged (transformers clamps sorted
+    # ids to E-1 for expert-parallel sentinels); erased with the sort
+    id_clamps: list[fx.Node] = dataclasses.field(default_factory=list)
 
     @property
     def align(self) -> int:
@@ -314,11 +336,14 @@ class Matcher:
         self.ids_flat, self.perm = ids_flat, perm
         self.S = tensor_val(perm).shape[0]
         self.sorted_ids = {n for n in (ids_sorted,) if n is not None}
+        self.id_clamps: list[fx.Node] = []
         for n in (ids_flat, *self.sorted_ids):
             for u in n.users:
                 if is_inplace(u) and u.args and u.args[0] is n:
-                    raise NoMatch("expert_ids_mutated", f"{u.name} mutates the expert ids in place "
-                                  "(expert-parallel sentinel ids are not supported)")
+                    if _clamp_bounds(u) is None:
+                        raise NoMatch("expert_ids_mutated", f"{u.name} mutates the expert ids in place "
+                                      "(expert-parallel sentinel ids are not supported)")
+                    self.id_clamps.append(u)  # checked against E below
         self.matched.append(("argsort" if op_name(self.sort) == "argsort" else "sort") + "(ids)")
 
         # -- 2. gathers --------------------------------------------------------------------------
@@ -341,6 +366,11 @@ class Matcher:
         region, grouped_mms, combine = self._region(token_gathers, weight_gathers, padding)
         # -- 4. offsets of every grouped GEMM ------------------------------------------------------
         num_experts, counts_kind = self._check_offsets(grouped_mms, padding)
+        for clamp in self.id_clamps:
+            low, high = _clamp_bounds(clamp)
+            if (low is not None and low > 0) or (high is not None and high < num_experts - 1):
+                raise NoMatch("expert_ids_mutated", f"{clamp.name} clamps expert ids to [{low}, {high}], "
+                              f"which changes ids in [0, {num_experts})")
         if padding is not None:
             self._check_destination(padding, num_experts)
         fold = self._fold(combine, weight_gathers, region)
@@ -351,6 +381,7 @@ class Matcher:
             num_experts=num_experts, x_TH=x_TH, token_gathers=token_gathers, probs_flat=probs_flat,
             probs_TK=probs_TK, weight_gathers=weight_gathers, grouped_mms=grouped_mms, region=region,
             combine=combine, padding=padding, counts_kind=counts_kind, matched=self._ordered_matched(), fold=fold,
+            id_clamps=self.id_clamps,
         )
 
     def _ordered_matched(self) -> list[str]:

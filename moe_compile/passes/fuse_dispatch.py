@@ -194,6 +194,7 @@ def rewrite(graph: fx.Graph, d: Dispatch, debug: bool = False) -> str:
                 user.replace_input_with(c.inplace_buffer, combined)
         dead.append(c.inplace_buffer)
     dead.extend(c.nodes)
+    dead.extend(d.id_clamps)
     dead.append(d.sort)
     erase_dead(graph, dead)
 
