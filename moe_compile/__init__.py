@@ -4,7 +4,7 @@
 point does too, so ``torch.compile(model, backend="moe_compile")`` works without the import).
 """
 
-from moe_compile import ops
+from moe_compile import metrics, ops
 from moe_compile.api import compile
 from moe_compile.backend import moe_backend, register
 from moe_compile.config import MoECompileConfig
@@ -13,4 +13,4 @@ from moe_compile.report import Report, explain
 
 register()
 
-__all__ = ["MoECompileConfig", "Report", "compile", "explain", "moe_backend", "ops", "quantize_experts"]
+__all__ = ["MoECompileConfig", "Report", "compile", "explain", "metrics", "moe_backend", "ops", "quantize_experts"]

@@ -65,6 +65,11 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if "backend" in torch_compile_kwargs:
         raise ValueError("moe_compile.compile sets backend= itself; call torch.compile for another backend")
     config = make_config(metrics=metrics, passes=passes or {}, debug=debug, strict=strict)
+    if metrics and isinstance(model, torch.nn.Module):
+        from moe_compile import metrics as router_metrics
+
+        # hooks cover frames Dynamo runs eagerly and checkpointed blocks; the pass never counts a layer twice
+        router_metrics.attach(model)
     compiled = torch.compile(model, backend=ConfiguredBackend(config), **torch_compile_kwargs)
     if not capture_host_syncs:
         return compiled

@@ -41,6 +41,9 @@ def inductor_patches(
     if clashing:
         raise ValueError(f"options {clashing} are set by moe_compile itself; turn passes off with 'moe.passes'")
     patches.update(stage_passes(config))
+    from moe_compile import metrics
+
+    patches.update(metrics.inductor_patches(config.metrics))
     return patches
 
 
