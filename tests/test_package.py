@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 import subprocess
 import sys
 import warnings
@@ -107,8 +108,8 @@ def test_registry_entries_are_importable_and_documented():
         assert callable(fn)
         module = sys.modules[fn.__module__]
         doc = module.__doc__ or ""
-        for heading in ("Matches:", "Rewrites to:", "Stage:"):
-            assert heading in doc, f"{fn.__module__} docstring lacks {heading!r}"
+        for heading in ("Matches", "Rewrites to", "Stage"):
+            assert re.search(rf"^{heading}\b.*:", doc, re.M), f"{fn.__module__} docstring lacks a {heading!r} heading"
 
 
 def test_public_api():

@@ -1,7 +1,10 @@
 """Pre-grad pass ``router_metrics``: accumulate router statistics on the device in every MoE layer.
 
-Runs only with ``metrics=True``. For each router it recognises it inserts, right after the router's
-``topk``::
+Stage: pre-grad, last (after the dispatch rewrites, so ``moe.permute_pad`` nodes anchor the routers).
+
+Matches: a router's ``topk`` (see "Routers recognised" below). Runs only with ``metrics=True``.
+
+Rewrites to: the same graph plus, right after the router's ``topk``::
 
     acc_S = self._moe_metrics_<i>                                 # get_attr: the layer's accumulator
     torch.ops.moe.router_metrics_(acc_S, logits, expert_idx, capacity_factor)
