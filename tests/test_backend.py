@@ -134,3 +134,24 @@ def test_report_groups_repeated_records():
     assert list(d["layers"]) == ["model.layers.2.mlp.experts", "model.layers.10.mlp.experts"]
     assert d["layers"]["model.layers.10.mlp.experts"][0]["count"] == 2
     assert "rewrite x2" in rep.table() and rep.count("fuse_dispatch") == 3
+
+
+class ToyExperts(nn.Module):
+    """Stacked expert weights run by a Python loop that Dynamo does not capture (like the eager loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 16, 16) / 4)
+
+    @torch.compiler.disable
+    def forward(self, x):
+        ids = x.abs().argmax(-1) % 4
+        return torch.stack([x[i] @ self.w[int(e)] for i, e in enumerate(ids)])
+
+
+def test_explain_lists_experts_not_in_any_graph():
+    model = nn.Sequential(nn.Linear(16, 16), ToyExperts())
+    rep = moe_compile.explain(model, torch.randn(3, 16), backward=False)
+    [rec] = rep.records
+    assert (rec.layer, rec.kind, rec.what) == ("1", "skip", "not_in_graph")
+    assert "ToyExperts" in rec.detail
