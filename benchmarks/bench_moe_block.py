@@ -6,7 +6,9 @@ Blocks are transformers' own ``MixtralSparseMoeBlock`` (T 4096, H 4096, I 3584, 
 
 * ``eager``: the block as is;
 * ``inductor``: ``torch.compile(block)`` (default backend);
-* ``moe``: ``torch.compile(block, backend="moe_compile")`` (``fuse_dispatch`` rewrites the dispatch).
+* ``moe``: ``torch.compile(block, backend="moe_compile")`` (``fuse_dispatch`` rewrites the dispatch);
+* ``moe_ro`` / ``inductor_ro``: the same with ``mode="reduce-overhead"`` (CUDA graphs: no CPU launch
+  overhead, which the custom ops' Python dispatch adds in default mode).
 
 ``fwd`` runs under ``no_grad``; ``fwd+bwd`` runs forward and ``backward(grad_out)`` w.r.t. the input and
 every parameter. ``floor``: FLOPs of the expert GEMMs (``6*T*K*H*I`` forward, 3x that forward+backward)
@@ -21,6 +23,7 @@ A time budget (``--budget-s``, default 110) skips whatever is left once exceeded
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -31,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-VARIANTS = ("eager", "moe", "inductor")
+VARIANTS = ("eager", "moe", "inductor", "moe_ro", "inductor_ro")
 DETERMINISM_RUNS = 20
 
 
@@ -100,6 +103,7 @@ def _grads(block, x):
 
 def _fwd_bwd(fn, block, x, grad_out):
     def step():
+        torch.compiler.cudagraph_mark_step_begin()
         x.grad = None
         for p in block.parameters():
             p.grad = None
@@ -153,12 +157,20 @@ def run_config(cfg: Config, tflops: float, deadline: float, quick: bool, device:
                                   False, False, float("nan"), float("nan"), 0, "skipped: time budget"))
             continue
         torch._dynamo.reset()
-        fn = {"eager": block,
-              "inductor": torch.compile(block),
-              "moe": torch.compile(block, backend="moe_compile")}[variant]
+        fn = {"eager": lambda: block,
+              "inductor": lambda: torch.compile(block),
+              "moe": lambda: torch.compile(block, backend="moe_compile"),
+              "moe_ro": lambda: torch.compile(block, backend="moe_compile", mode="reduce-overhead"),
+              "inductor_ro": lambda: torch.compile(block, mode="reduce-overhead")}[variant]()
+        # a fresh cache, kept until the variant is done: the passes run (and are counted) even when an
+        # earlier run cached this graph
+        fresh = getattr(torch._inductor.utils, "fresh_cache", None) or torch._inductor.utils.fresh_inductor_cache
+        cache = contextlib.ExitStack()
+        cache.enter_context(fresh())
         start = time.perf_counter()
         with report.collecting() as rep:
             with torch.no_grad():
+                torch.compiler.cudagraph_mark_step_begin()
                 _output(fn(x))
             xg = x.detach().requires_grad_(True)
             step = _fwd_bwd(fn, block, xg, grad_out)
@@ -166,13 +178,17 @@ def run_config(cfg: Config, tflops: float, deadline: float, quick: bool, device:
             if device == "cuda":
                 torch.cuda.synchronize()
         compile_s = time.perf_counter() - start
+        def forward():
+            torch.compiler.cudagraph_mark_step_begin()
+            return fn(x)
+
         with torch.no_grad():
-            fwd_ms = bench(lambda: fn(x), warmup=10, rep=rep_ms)
+            fwd_ms = bench(forward, warmup=10, rep=rep_ms)
         fwd_bwd_ms = bench(step, warmup=5, rep=rep_ms)
 
         def forward_only():
             with torch.no_grad():
-                return [_output(fn(x))]
+                return [_output(forward())]
 
         def forward_backward():
             out = step()
@@ -187,6 +203,7 @@ def run_config(cfg: Config, tflops: float, deadline: float, quick: bool, device:
         results.append(Result(cfg.name, variant, fwd_ms, fwd_bwd_ms, floor_fwd, 3 * floor_fwd, compile_s, det_fwd,
                               det_bwd, out_err, grad_err, rep.count("fuse_dispatch")))
         del fn
+        cache.close()
     torch._dynamo.reset()
     return results
 
@@ -210,6 +227,7 @@ def main() -> None:
         results.extend(run_config(cfg, tflops, deadline, args.quick))
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "mm_tflops": round(tflops, 1), "wall_s": round(time.perf_counter() - start, 1)}
+    speedup_lines = speedups(results)
     summary = [
         {"model": r.model, "variant": r.variant, "fwd_ms": r.fwd_ms, "fwd_bwd_ms": r.fwd_bwd_ms,
          "floor_fwd_ms": r.fwd_floor_ms, "det_fwd": r.deterministic_fwd, "det_bwd": r.deterministic_bwd,
@@ -218,7 +236,7 @@ def main() -> None:
     ]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"env": env, "summary": summary,
+        args.json.write_text(json.dumps({"env": env, "summary": summary, "speedups": speedup_lines,
                                          "results": [dataclasses.asdict(r) for r in results]}, indent=1))
     print(f"device={env['device']} torch={env['torch']} triton={env['triton']} mm={env['mm_tflops']} TFLOP/s "
           f"wall={env['wall_s']} s")
@@ -233,6 +251,24 @@ def main() -> None:
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    for line in speedups(results):
+        print(line)
+
+
+def speedups(results: list[Result]) -> list[str]:
+    """``moe`` vs the best of eager and inductor (default mode), ``moe_ro`` vs eager and inductor_ro."""
+    lines = []
+    by = {(r.model, r.variant): r for r in results}
+    for model in dict.fromkeys(r.model for r in results):
+        for ours, others in (("moe", ("eager", "inductor")), ("moe_ro", ("eager", "inductor_ro"))):
+            if (model, ours) not in by:
+                continue
+            for field in ("fwd_ms", "fwd_bwd_ms"):
+                best = min(getattr(by[(model, o)], field) for o in others if (model, o) in by)
+                mine = getattr(by[(model, ours)], field)
+                lines.append(f"{model} {ours} {field}: {mine:.3f} vs best of {'/'.join(others)} {best:.3f} "
+                             f"-> {best / mine:.2f}x")
+    return lines
 
 
 if __name__ == "__main__":
