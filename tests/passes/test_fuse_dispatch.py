@@ -306,3 +306,21 @@ def test_pass_can_be_turned_off():
     layer, x = _layer_inputs(hw.SortIndexSelectScatterAdd, requires_grad=False)
     run = compile_and_run(layer, (x,), config=make_config(passes={"fuse_dispatch": False}))
     assert run.report.records == []
+
+
+def bincount_moe(x_TH, ids_TK, w_TK, w1_EIH, w2_EHI):
+    """Counts by ``bincount(minlength=E)`` (data-dependent size: needs capture_dynamic_output_shape_ops)."""
+    ids_S = ids_TK.reshape(-1)
+    perm = torch.argsort(ids_S, stable=True)
+    rows = x_TH.index_select(0, perm // 2)
+    offs = torch.cumsum(torch.bincount(ids_S, minlength=4), 0).to(torch.int32)
+    y = torch._grouped_mm(F.silu(torch._grouped_mm(rows, w1_EIH.transpose(-2, -1), offs=offs)),
+                          w2_EHI.transpose(-2, -1), offs=offs)
+    y = y * w_TK.reshape(-1)[perm].unsqueeze(-1)
+    return torch.zeros_like(x_TH).index_add_(0, perm // 2, y)
+
+
+def test_bincount_counts_with_capture_flags():
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
+        run = check_rewrite(bincount_moe, small_inputs(requires_grad=True), {"fuse_dispatch": 1})
+    assert "counts(bincount)" in run.report.rewrites[0].what
