@@ -59,13 +59,7 @@ from moe_compile.passes._host_sync import (
     sym_expr,
     tensor_value,
 )
-from moe_compile.passes.strip_host_padding import BINARY_ROWWISE, LAST_DIM_SPLITS, UNARY_ROWWISE
-
-
-class _Skip(Exception):
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(reason)
-        self.reason, self.detail = reason, detail
+from moe_compile.passes.strip_host_padding import BINARY_ROWWISE, LAST_DIM_SPLITS, UNARY_ROWWISE, _Skip
 
 
 GEMMS = {"linear", "matmul", "__matmul__"}
