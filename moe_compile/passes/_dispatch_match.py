@@ -149,6 +149,8 @@ class Dispatch:
     # in-place clamps of the ids that leave every id in [0, E) unchanged (transformers clamps sorted
     # ids to E-1 for expert-parallel sentinels); erased with the sort
     id_clamps: list[fx.Node] = dataclasses.field(default_factory=list)
+    # nodes whose value is the expert id of each sorted row (sort values, ``ids_flat[perm]``)
+    sorted_ids: list[fx.Node] = dataclasses.field(default_factory=list)
 
     @property
     def align(self) -> int:
@@ -381,7 +383,7 @@ class Matcher:
             num_experts=num_experts, x_TH=x_TH, token_gathers=token_gathers, probs_flat=probs_flat,
             probs_TK=probs_TK, weight_gathers=weight_gathers, grouped_mms=grouped_mms, region=region,
             combine=combine, padding=padding, counts_kind=counts_kind, matched=self._ordered_matched(), fold=fold,
-            id_clamps=self.id_clamps,
+            id_clamps=self.id_clamps, sorted_ids=sorted(self.sorted_ids, key=lambda n: n.name),
         )
 
     def _ordered_matched(self) -> list[str]:

@@ -19,7 +19,9 @@ Rewrites to:
     ``permute_pad(x_TH, ids_TK, w_TK, E, a)`` (rows, probs, offs); the gathered rows, gathered
     weights and padded buffers become ``rows_MH`` / ``probs_M``, every grouped GEMM of the region takes
     ``offs_E``; the combine becomes ``unpad_unpermute(y, row_map)``. The region itself, the router,
-    shared experts and the aux loss are left as they are. The original sort, gathers, inverse
+    shared experts and the aux loss are left as they are. Expert-parallel sentinel masks of the rows
+    (``masked_fill(rows, ids_sorted >= E, v)``, transformers 5.17) are dropped: under ``permute_pad``'s
+    contract (ids in ``[0, E)``) they are all False. The original sort, gathers, inverse
     permutation and scatter-adds are erased. Forward and backward are then sync-free gathers with
     deterministic autograd (no ``index_put(accumulate=True)`` / atomic adds from ``x[perm // K]``).
 
@@ -194,6 +196,7 @@ def rewrite(graph: fx.Graph, d: Dispatch, debug: bool = False) -> str:
                 user.replace_input_with(c.inplace_buffer, combined)
         dead.append(c.inplace_buffer)
     dead.extend(c.nodes)
+    dropped = _drop_sentinel_masks(graph, d, dead)
     dead.extend(d.id_clamps)
     dead.append(d.sort)
     erase_dead(graph, dead)
@@ -201,7 +204,52 @@ def rewrite(graph: fx.Graph, d: Dispatch, debug: bool = False) -> str:
     parts = [f"moe.permute_pad(E={d.num_experts}, align={d.align}{', probs' if probs_M is not None else ''})",
              f"{len(d.grouped_mms)}x grouped_mm(offs_E)",
              "moe.unpad_unpermute" + ("(probs: weight folded, fp32 accumulate)" if d.fold else "")]
+    if dropped:
+        parts.append(f"{dropped} sentinel masked_fill dropped")
     return " + ".join(parts)
+
+
+_MASK_VIEWS = ("unsqueeze", "view", "reshape", "expand", "expand_as")
+
+
+def _never_true(cmp: fx.Node, ids: fx.Node, num_experts: int) -> bool:
+    """``ids >= c`` with ``c >= E`` or ``ids > c`` with ``c >= E - 1``."""
+    name, args = op_name(cmp), cmp.args
+    if name not in ("ge", "gt") or len(args) != 2 or args[0] is not ids or cmp.kwargs:
+        return False
+    bound = args[1]
+    if isinstance(bound, bool) or not isinstance(bound, int):
+        return False
+    return bound >= num_experts if name == "ge" else bound >= num_experts - 1
+
+
+def _drop_sentinel_masks(graph: fx.Graph, d: Dispatch, dead: list[fx.Node]) -> int:
+    """Remove ``masked_fill(rows, ids_sorted >= E, v)`` (and its in-place form): returns how many.
+
+    transformers masks the rows of expert-parallel sentinel ids (``>= E``) around each grouped GEMM.
+    ``permute_pad`` requires every id in ``[0, E)`` (the contract the rewrite already relies on), so
+    such a mask is all False and the fill is the identity. Without this, each fill is a full extra
+    pass over the routed rows (and another in the backward), and the sort stays alive for the mask.
+    """
+    dropped = 0
+    for ids in d.sorted_ids:
+        for cmp in [u for u in ids.users if _never_true(u, ids, d.num_experts)]:
+            masks, fills, work = {cmp}, [], [cmp]
+            while work:
+                for u in work.pop().users:
+                    name = op_name(u)
+                    if name in _MASK_VIEWS and u.args and u.args[0] in masks:
+                        masks.add(u)
+                        work.append(u)
+                    elif name in ("masked_fill", "masked_fill_") and arg(u, 1, "mask") in masks \
+                            and arg(u, 0, "input") not in masks:
+                        fills.append(u)
+            for fill in fills:
+                fill.replace_all_uses_with(arg(fill, 0, "input"))
+                graph.erase_node(fill)
+                dropped += 1
+            dead.extend(masks)
+    return dropped
 
 
 def _replace(old: fx.Node, new: fx.Node, dead: list[fx.Node]) -> None:

@@ -45,3 +45,58 @@ def test_noop_clamp_of_sorted_ids_is_accepted(clamp_max, rewrites):
         assert any(r.what == "expert_ids_mutated" for r in report.skips), report.table()
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
     assert moe_compile is not None
+
+
+def _hf517_experts(x_TH, ids_TK, w_TK, gate_up_EIH, down_EHI, sentinel):
+    """transformers 5.17: rows of ids ``>= sentinel`` masked to zero around both grouped GEMMs."""
+    T, K = ids_TK.shape
+    E = gate_up_EIH.shape[0]
+    ids_sorted, perm = torch.sort(ids_TK.reshape(-1))
+    x_g = x_TH[perm // K]
+    w_g = w_TK.reshape(-1)[perm]
+    counts = torch.histc(ids_sorted.float(), bins=E, min=0, max=E - 1)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    mask = (ids_sorted >= sentinel).unsqueeze(-1)
+    ids_sorted.clamp_(max=E - 1)
+    x_g.masked_fill_(mask, 0.0)
+    gate, up = torch._grouped_mm(x_g, gate_up_EIH.transpose(-2, -1), offs=offs).masked_fill(mask, 0.0).chunk(2, -1)
+    y = torch._grouped_mm(F.silu(gate) * up, down_EHI.transpose(-2, -1), offs=offs).masked_fill(mask, 0.0)
+    y = y * w_g.unsqueeze(-1).to(y.dtype)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return y[inv].view(T, K, -1).sum(1)
+
+
+@pytest.mark.parametrize("sentinel, dropped", [(8, 3), (9, 3), (6, 0)])
+def test_sentinel_masks_of_valid_ids_are_dropped(sentinel, dropped):
+    """``ids >= E`` is all False for ids in [0, E): the fills and the sort go; ``ids >= 6`` must stay."""
+    from tests.passes._harness import passes_then_aot_eager
+
+    torch.manual_seed(0)
+    T, H, I, E, K = 12, 16, 32, 8, 2
+    x = torch.randn(T, H, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.rand(T, E).argsort(1)[:, :K]
+    w = torch.rand(T, K).softmax(-1)
+    gate_up = (torch.randn(E, 2 * I, H) * 0.1).to(torch.bfloat16)
+    down = (torch.randn(E, H, I) * 0.1).to(torch.bfloat16)
+    expected = _hf517_experts(x, ids, w, gate_up, down, sentinel)
+    (gx_expected,) = torch.autograd.grad(expected.float().square().sum(), x)
+    graphs = []
+    backend = passes_then_aot_eager()
+
+    def capture(gm, example_inputs):
+        out = backend(gm, example_inputs)
+        graphs.append(gm.graph)
+        return out
+
+    torch._dynamo.reset()
+    with collecting() as report:
+        got = torch.compile(_hf517_experts, backend=capture, fullgraph=True)(x, ids, w, gate_up, down, sentinel)
+    (gx,) = torch.autograd.grad(got.float().square().sum(), x)
+    assert report.count("fuse_dispatch") == 1, report.table()
+    assert report.rewrites[0].detail.endswith(f"{dropped} sentinel masked_fill dropped") == bool(dropped)
+    names = [str(n.target) for n in graphs[0].nodes]
+    assert sum("masked_fill" in t for t in names) == (0 if dropped else 3), names
+    assert any("sort" in t for t in names) == (not dropped), "\n".join(names)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gx.float(), gx_expected.float(), rtol=5e-2, atol=5e-2)
