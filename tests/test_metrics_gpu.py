@@ -89,6 +89,8 @@ def test_reduce_overhead_captures_with_metrics(train):
         for i, x in enumerate(xs):
             torch.compiler.cudagraph_mark_step_begin()
             if train:
+                # as an optimizer's zero_grad would: .grad from the last replay lives in the graph pool
+                model.zero_grad(set_to_none=True)
                 compiled(x).square().mean().backward()
             else:
                 with torch.no_grad():
