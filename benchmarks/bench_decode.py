@@ -15,8 +15,11 @@ because ``strip_host_padding`` removed the host syncs). ``floor``: bytes of the 
 step must read (experts hit by this routing) / measured copy bandwidth. Each variant is compiled
 once per T (``dynamic=False``); the compile time is reported separately.
 
-Usage: ``python benchmarks/bench_decode.py --json benchmarks/results/decode.json [--quick] [--small]``.
-A time budget (``--budget-s``, default 80) skips what is left once exceeded (reported as skipped).
+Usage: ``python benchmarks/bench_decode.py --json benchmarks/results/decode.json [--quick] [--small]
+[--models qwen3] [--variants inductor]``. A time budget (``--budget-s``, default 80) skips what is left
+once exceeded (reported as skipped). An existing ``--json`` file is merged into: rows measured now
+replace the rows of the same (model, T, variant), so one table can be filled over several runs
+(plain Inductor's compile of the E=128 host-padded graph alone takes minutes).
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ def _floor_us(cfg: Config, model: torch.nn.Module, x: torch.Tensor, bw: float) -
     return (weight_bytes + act_bytes) / bw * 1e6
 
 
-def run_model(cfg: Config, tokens: list[int], bw: float, rep: int, deadline: float) -> list[Result]:
+def run_model(cfg: Config, tokens: list[int], bw: float, rep: int, deadline: float,
+              variants: tuple[str, ...] = VARIANTS) -> list[Result]:
     from triton.testing import do_bench
 
     from tests.models.host_padded import make_layer
@@ -107,7 +111,7 @@ def run_model(cfg: Config, tokens: list[int], bw: float, rep: int, deadline: flo
     with torch.no_grad():
         reference = {T: model(x) for T, x in inputs.items()}
     results = []
-    for variant in VARIANTS:
+    for variant in variants:
         torch._dynamo.reset()
         fn = _make(variant, model)
         for T, x in inputs.items():
@@ -161,6 +165,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="T in {1, 8} only, fewer repetitions")
     parser.add_argument("--small", action="store_true", help="Mixtral-like with I=3584 instead of 14336")
     parser.add_argument("--budget-s", type=float, default=80.0, help="skip what is left after this many seconds")
+    parser.add_argument("--models", nargs="+", default=None, help="subset of: mixtral qwen3")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA device; nothing to benchmark (this benchmark needs a GPU).")
@@ -176,11 +182,15 @@ def main() -> None:
     deadline = start + args.budget_s
     bw = copy_bandwidth()
     results: list[Result] = []
-    configs = get_configs(args.small)
+    configs = [c for c in get_configs(args.small) if args.models is None or c.name in args.models]
     for i, cfg in enumerate(configs):  # an equal share of the budget per model; unused time carries over
         share = start + args.budget_s * (i + 1) / len(configs)
-        results += run_model(cfg, tokens, bw, rep, min(share, deadline))
+        results += run_model(cfg, tokens, bw, rep, min(share, deadline), tuple(args.variants))
         print(f"{cfg.name}: done at {time.perf_counter() - start:.0f} s", flush=True)
+    if args.json and pathlib.Path(args.json).exists():
+        measured = {(r.model, r.T, r.variant) for r in results}
+        earlier = [Result(**r) for r in json.loads(pathlib.Path(args.json).read_text()).get("results", [])]
+        results = [r for r in earlier if (r.model, r.T, r.variant) not in measured] + results
     summary = summarize(results)
     env = {
         "device": torch.cuda.get_device_name(),
