@@ -167,6 +167,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=80.0, help="skip what is left after this many seconds")
     parser.add_argument("--models", nargs="+", default=None, help="subset of: mixtral qwen3")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--tokens", nargs="+", type=int, default=None, help="T values (default 1 8 64)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA device; nothing to benchmark (this benchmark needs a GPU).")
@@ -176,7 +177,7 @@ def main() -> None:
     for name, value in (("cache_size_limit", 64), ("recompile_limit", 64), ("accumulated_cache_size_limit", 256)):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, value)
-    tokens = [1, 8] if args.quick else [1, 8, 64]
+    tokens = args.tokens or ([1, 8] if args.quick else [1, 8, 64])
     rep = 20 if args.quick else 50
     start = time.perf_counter()
     deadline = start + args.budget_s
