@@ -138,18 +138,21 @@ def _pick_decode_config(M: int, E: int, N: int, K: int, fmt: str, num_sms: int, 
     """Tiles for ``_grouped_mm_decode_kernel`` when experts get few rows (``None``: use the tiled kernel).
 
     One row tile per expert (``BLOCK_M`` 16 or 32 covers ~1.5x the mean rows per expert), each
-    weight tile streamed once; ``SPLIT_K`` grows until the active row tiles x N tiles give about
-    four programs per SM (at decode only ``min(E, M)`` experts are read), keeping >= 2 K tiles per split.
+    weight tile streamed once; ``SPLIT_K`` grows until the active row tiles x N tiles fill one wave
+    of SMs (at decode only ``min(E, M)`` experts are read), keeping >= 4 K tiles per split: past one
+    wave the split-K reduction costs more than it hides (H200 sweep).
     """
     block_m = max(_next_pow2(int(1.5 * M / max(E, 1)) + 1), 16)
     if block_m > 32:
         return None
     block_n = max(min(64, _next_pow2(N)), 16)
-    # BLOCK_N * BLOCK_K = 8192 keeps the fp32 dequantised tile at 64 registers per thread
-    block_k = max(min(8192 // block_n, _next_pow2(K)), MX_BLOCK if fmt != "plain" else 16)
+    # 64 x 128 tiles (the fp32 dequantised tile at 64 registers per thread); NVFP4 loads half the
+    # bytes per value, so 64 x 256 (H200 sweep, E128 H2048 I768 at T 1 and 64)
+    tile = 16384 if fmt == "nvfp4" else 8192
+    block_k = max(min(tile // block_n, _next_pow2(K)), MX_BLOCK if fmt != "plain" else 16)
     programs = min(E, M) * triton.cdiv(N, block_n)
     split_k = 1
-    while programs * split_k < 4 * num_sms and K >= 4 * split_k * block_k and split_k * M * N < 2**30:
+    while programs * split_k < num_sms and K >= 4 * split_k * block_k and split_k * M * N < 2**30:
         split_k *= 2
     return dict(
         KERNEL="decode", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
@@ -187,10 +190,12 @@ def launch_grouped_mm(
     M, K = x_MK.shape
     E, N = offs_E.shape[0], out_MN.shape[1]
     fp32 = x_MK.dtype == torch.float32
-    if x_MK.is_cuda:
+    traced = torch.compiler.is_compiling() or type(offs_E) is not torch.Tensor  # Fake/FunctionalTensor
+    if x_MK.is_cuda and traced:
         # NOTE [offs copy]: the store addresses depend on values loaded from offs, so Inductor's TTIR
         # analysis counts offs as written: a graph input would then be "mutated", which makes
         # cudagraph trees skip the graph. The kernels read a private copy instead (one tiny copy).
+        # Eager calls (plain tensors; CUDA graphs captured from them too) need no copy.
         offs_E = offs_E.clone()
     if config is None and x_MK.is_cuda:
         num_sms = torch.cuda.get_device_properties(x_MK.device).multi_processor_count
