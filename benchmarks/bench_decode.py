@@ -17,18 +17,21 @@ once per T (``dynamic=False``); the compile time is reported separately.
 
 Usage: ``python benchmarks/bench_decode.py --json benchmarks/results/decode.json [--quick] [--small]
 [--models qwen3] [--variants inductor]``. A time budget (``--budget-s``, default 80) skips what is left
-once exceeded (reported as skipped). An existing ``--json`` file is merged into: rows measured now
-replace the rows of the same (model, T, variant), so one table can be filled over several runs
-(plain Inductor's compile of the E=128 host-padded graph alone takes minutes).
+once exceeded (reported as skipped), and ``--compile-timeout-s`` gives up on a compile that runs longer.
+An existing ``--json`` file is merged into: rows measured now replace the rows of the same (model, T,
+variant), except that a row skipped now never replaces a measured one, so one table can be filled
+over several runs (plain Inductor's compile of the E=128 host-padded graph alone takes minutes).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import pathlib
+import signal
 import sys
 import time
 
@@ -98,8 +101,27 @@ def _floor_us(cfg: Config, model: torch.nn.Module, x: torch.Tensor, bw: float) -
     return (weight_bytes + act_bytes) / bw * 1e6
 
 
+@contextlib.contextmanager
+def _time_limit(seconds: float | None):
+    """Raise ``TimeoutError`` in the main thread after ``seconds`` (a compile that would eat the budget)."""
+    if not seconds:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"first call (compile) exceeded {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def run_model(cfg: Config, tokens: list[int], bw: float, rep: int, deadline: float,
-              variants: tuple[str, ...] = VARIANTS) -> list[Result]:
+              variants: tuple[str, ...] = VARIANTS, compile_timeout_s: float | None = None) -> list[Result]:
     from triton.testing import do_bench
 
     from tests.models.host_padded import make_layer
@@ -129,7 +151,8 @@ def run_model(cfg: Config, tokens: list[int], bw: float, rep: int, deadline: flo
             try:
                 with torch.no_grad():
                     start = time.perf_counter()
-                    out = step()
+                    with _time_limit(compile_timeout_s if variant != "eager" else None):
+                        out = step()
                     torch.cuda.synchronize() if DEVICE == "cuda" else None
                     compile_s = time.perf_counter() - start if variant != "eager" else 0.0
                     err = (out.float() - reference[T].float()).abs().max().item()
@@ -168,6 +191,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=None, help="subset of: mixtral qwen3")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--tokens", nargs="+", type=int, default=None, help="T values (default 1 8 64)")
+    parser.add_argument("--compile-timeout-s", type=float, default=None,
+                        help="give up on a variant's first call (the compile) after this many seconds")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA device; nothing to benchmark (this benchmark needs a GPU).")
@@ -186,12 +211,17 @@ def main() -> None:
     configs = [c for c in get_configs(args.small) if args.models is None or c.name in args.models]
     for i, cfg in enumerate(configs):  # an equal share of the budget per model; unused time carries over
         share = start + args.budget_s * (i + 1) / len(configs)
-        results += run_model(cfg, tokens, bw, rep, min(share, deadline), tuple(args.variants))
+        results += run_model(cfg, tokens, bw, rep, min(share, deadline), tuple(args.variants), args.compile_timeout_s)
         print(f"{cfg.name}: done at {time.perf_counter() - start:.0f} s", flush=True)
     if args.json and pathlib.Path(args.json).exists():
-        measured = {(r.model, r.T, r.variant) for r in results}
-        earlier = [Result(**r) for r in json.loads(pathlib.Path(args.json).read_text()).get("results", [])]
-        results = [r for r in earlier if (r.model, r.T, r.variant) not in measured] + results
+        # a row skipped now (time budget) never replaces a row measured earlier
+        earlier = {(r.model, r.T, r.variant): r for r in
+                   (Result(**d) for d in json.loads(pathlib.Path(args.json).read_text()).get("results", []))}
+        for r in results:
+            key = (r.model, r.T, r.variant)
+            if key not in earlier or not r.note.startswith("skipped") or earlier[key].note.startswith("skipped"):
+                earlier[key] = r
+        results = list(earlier.values())
     summary = summarize(results)
     env = {
         "device": torch.cuda.get_device_name(),
