@@ -146,6 +146,8 @@ def _pick_decode_config(M: int, E: int, N: int, K: int, fmt: str, num_sms: int, 
     if block_m > 32:
         return None
     block_n = max(min(64, _next_pow2(N)), 16)
+    if min(E, M) * triton.cdiv(N, block_n) < 1.5 * num_sms and block_n > 32:
+        block_n = 32  # 1-1.5 waves leave SMs idle in the last one: narrower tiles, more programs
     # 64 x 128 tiles (the fp32 dequantised tile at 64 registers per thread); NVFP4 loads half the
     # bytes per value, so 64 x 256 (H200 sweep, E128 H2048 I768 at T 1 and 64)
     tile = 16384 if fmt == "nvfp4" else 8192
