@@ -151,7 +151,7 @@ def _pick_decode_config(M: int, E: int, N: int, K: int, fmt: str, num_sms: int, 
     # 64 x 128 tiles (the fp32 dequantised tile at 64 registers per thread); NVFP4 loads half the
     # bytes per value, so 64 x 256 (H200 sweep, E128 H2048 I768 at T 1 and 64)
     tile = 16384 if fmt == "nvfp4" else 8192
-    block_k = max(min(tile // block_n, _next_pow2(K)), MX_BLOCK if fmt != "plain" else 16)
+    block_k = max(min(tile // block_n, 256, _next_pow2(K)), MX_BLOCK if fmt != "plain" else 16)
     programs = min(E, M) * triton.cdiv(N, block_n)
     split_k = 1
     while programs * split_k < num_sms and K >= 4 * split_k * block_k and split_k * M * N < 2**30:

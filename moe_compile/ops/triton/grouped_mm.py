@@ -92,37 +92,28 @@ def _decode_e2m1_pairs(packed):
 def _dequant_tile(
     w_base, s_base, gscale, k0, K, col_mask, stride_wk, stride_sk,
     W_FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    EVICT: tl.constexpr,
 ):  # fmt: skip
     """The ``[BLOCK_N, BLOCK_K]`` weight tile at ``k0`` in ``OUT_DTYPE`` (zeros past ``K``/``N``).
-
-    ``EVICT`` is the loads' eviction policy: ``"evict_first"`` where each weight byte is read once
-    (decode), ``""`` where neighbouring programs re-read the tile from L2 (prefill).
 
     ``w_base`` / ``s_base`` are ``[BLOCK_N, 1]`` pointer columns of one expert's rows. Quantised
     tiles are decoded once per tile with the reference's fp32 arithmetic (bitwise the reference).
     """
     if W_FORMAT == W_PLAIN:
         ks = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & (ks[None, :] < K), other=0.0,
-                    eviction_policy=EVICT)
+        w = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & (ks[None, :] < K), other=0.0)
         return w.to(OUT_DTYPE)
     elif W_FORMAT == W_MXFP8:
         ks = k0 + tl.arange(0, BLOCK_K)
-        q = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & (ks[None, :] < K), other=0.0,
-                    eviction_policy=EVICT)
+        q = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & (ks[None, :] < K), other=0.0)
         sk = k0 // MX_BLOCK + tl.arange(0, BLOCK_K // MX_BLOCK)
-        s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // MX_BLOCK), other=127,
-                    eviction_policy=EVICT)
+        s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // MX_BLOCK), other=127)
         w = q.to(tl.float32).reshape(BLOCK_N, BLOCK_K // MX_BLOCK, MX_BLOCK) * _decode_e8m0(s)[:, :, None]
         return w.reshape(BLOCK_N, BLOCK_K).to(OUT_DTYPE)
     else:
         kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_base + kp[None, :] * stride_wk, mask=col_mask[:, None] & (kp[None, :] < K // 2), other=0,
-                         eviction_policy=EVICT)
+        packed = tl.load(w_base + kp[None, :] * stride_wk, mask=col_mask[:, None] & (kp[None, :] < K // 2), other=0)
         sk = k0 // NV_BLOCK + tl.arange(0, BLOCK_K // NV_BLOCK)
-        s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // NV_BLOCK), other=0.0,
-                    eviction_policy=EVICT)
+        s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // NV_BLOCK), other=0.0)
         scale = gscale * s.to(tl.float32)  # same order as torchao: per_tensor_scale * e4m3 scale
         w = _decode_e2m1_pairs(packed).reshape(BLOCK_N, BLOCK_K // NV_BLOCK, NV_BLOCK) * scale[:, :, None]
         return w.reshape(BLOCK_N, BLOCK_K).to(OUT_DTYPE)
@@ -178,7 +169,7 @@ def _grouped_mm_kernel(
         x = tl.load(x_base + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = _dequant_tile(
             w_base, s_base, gscale, k0, K, col_mask, stride_wk, stride_sk,
-            W_FORMAT, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, "",
+            W_FORMAT, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty,
         )  # fmt: skip
         if IEEE_DOT:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -237,7 +228,7 @@ def _grouped_mm_decode_kernel(
         x = tl.load(x_base + ks[None, :] * stride_xk, mask=row_mask[:, None] & (ks[None, :] < K), other=0.0)
         w = _dequant_tile(
             w_base, s_base, gscale, k0, K, col_mask, stride_wk, stride_sk,
-            W_FORMAT, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, "evict_first",
+            W_FORMAT, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty,
         )  # fmt: skip
         if IEEE_DOT:
             x = x.to(tl.float32)
