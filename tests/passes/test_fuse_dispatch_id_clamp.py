@@ -10,17 +10,26 @@ import moe_compile
 from moe_compile.report import collecting
 
 
-def _hf_like_experts(x_TH, ids_TK, w_TK, gate_up_EIH, down_EHI, clamp_max):
+def _hf_like_experts(x_TH, ids_TK, w_TK, gate_up_EIH, down_EHI, clamp_max, sentinel=None):
+    """transformers' grouped_mm experts; ``sentinel`` adds 5.17's masks of rows with ids ``>= sentinel``."""
     T, K = ids_TK.shape
     E = gate_up_EIH.shape[0]
     ids_sorted, perm = torch.sort(ids_TK.reshape(-1))
+    mask = (ids_sorted >= sentinel).unsqueeze(-1) if sentinel is not None else None
     ids_sorted.clamp_(max=clamp_max)
     x_g = x_TH[perm // K]
     w_g = w_TK.reshape(-1)[perm]
     counts = torch.histc(ids_sorted.float(), bins=E, min=0, max=E - 1)
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    gate, up = torch._grouped_mm(x_g, gate_up_EIH.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    if mask is not None:
+        x_g.masked_fill_(mask, 0.0)
+    gate_up = torch._grouped_mm(x_g, gate_up_EIH.transpose(-2, -1), offs=offs)
+    if mask is not None:
+        gate_up = gate_up.masked_fill(mask, 0.0)
+    gate, up = gate_up.chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, down_EHI.transpose(-2, -1), offs=offs)
+    if mask is not None:
+        y = y.masked_fill(mask, 0.0)
     y = y * w_g.unsqueeze(-1).to(y.dtype)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
@@ -47,26 +56,6 @@ def test_noop_clamp_of_sorted_ids_is_accepted(clamp_max, rewrites):
     assert moe_compile is not None
 
 
-def _hf517_experts(x_TH, ids_TK, w_TK, gate_up_EIH, down_EHI, sentinel):
-    """transformers 5.17: rows of ids ``>= sentinel`` masked to zero around both grouped GEMMs."""
-    T, K = ids_TK.shape
-    E = gate_up_EIH.shape[0]
-    ids_sorted, perm = torch.sort(ids_TK.reshape(-1))
-    x_g = x_TH[perm // K]
-    w_g = w_TK.reshape(-1)[perm]
-    counts = torch.histc(ids_sorted.float(), bins=E, min=0, max=E - 1)
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    mask = (ids_sorted >= sentinel).unsqueeze(-1)
-    ids_sorted.clamp_(max=E - 1)
-    x_g.masked_fill_(mask, 0.0)
-    gate, up = torch._grouped_mm(x_g, gate_up_EIH.transpose(-2, -1), offs=offs).masked_fill(mask, 0.0).chunk(2, -1)
-    y = torch._grouped_mm(F.silu(gate) * up, down_EHI.transpose(-2, -1), offs=offs).masked_fill(mask, 0.0)
-    y = y * w_g.unsqueeze(-1).to(y.dtype)
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return y[inv].view(T, K, -1).sum(1)
-
-
 @pytest.mark.parametrize("sentinel, dropped", [(8, 3), (9, 3), (6, 0)])
 def test_sentinel_masks_of_valid_ids_are_dropped(sentinel, dropped):
     """``ids >= E`` is all False for ids in [0, E): the fills and the sort go; ``ids >= 6`` must stay."""
@@ -79,7 +68,7 @@ def test_sentinel_masks_of_valid_ids_are_dropped(sentinel, dropped):
     w = torch.rand(T, K).softmax(-1)
     gate_up = (torch.randn(E, 2 * I, H) * 0.1).to(torch.bfloat16)
     down = (torch.randn(E, H, I) * 0.1).to(torch.bfloat16)
-    expected = _hf517_experts(x, ids, w, gate_up, down, sentinel)
+    expected = _hf_like_experts(x, ids, w, gate_up, down, E - 1, sentinel)
     (gx_expected,) = torch.autograd.grad(expected.float().square().sum(), x)
     graphs = []
     backend = passes_then_aot_eager()
@@ -91,7 +80,7 @@ def test_sentinel_masks_of_valid_ids_are_dropped(sentinel, dropped):
 
     torch._dynamo.reset()
     with collecting() as report:
-        got = torch.compile(_hf517_experts, backend=capture, fullgraph=True)(x, ids, w, gate_up, down, sentinel)
+        got = torch.compile(_hf_like_experts, backend=capture, fullgraph=True)(x, ids, w, gate_up, down, E - 1, sentinel)
     (gx,) = torch.autograd.grad(got.float().square().sum(), x)
     assert report.count("fuse_dispatch") == 1, report.table()
     assert report.rewrites[0].detail.endswith(f"{dropped} sentinel masked_fill dropped") == bool(dropped)
