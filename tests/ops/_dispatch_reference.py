@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
 # One tolerance table for every combine comparison (after TE's dtype_tols). Data movement is bitwise.
 DTYPE_TOLS = {
@@ -21,6 +24,33 @@ DOT_TOLS = {
     torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
     torch.float64: dict(rtol=1e-12, atol=1e-12),
 }
+
+# The CPU op tests' case grid: dtypes, (num_experts, top_k) pairs and alignments.
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+EK = [(E, K) for E in (1, 7, 16, 64, 256) for K in (1, 2, 5, 8) if K <= E]
+ALIGNS = (1, 16, 32, 128)
+
+
+def sampled_large_cases(n: int, seed: int) -> list[tuple]:
+    """``n`` random (T, H, (E, K), align, dtype) cases of the grid with T = 4096 or H = 1280."""
+    rng = random.Random(seed)
+    big = [c for c in itertools.product((37, 4096), (8, 1280), EK, ALIGNS, DTYPES) if c[0] == 4096 or c[1] == 1280]
+    return rng.sample(big, n)
+
+
+@st.composite
+def random_small_case(draw: st.DrawFn) -> dict:
+    """Keyword arguments (T, H, E, K, a, dtype, seed, with_probs) for a test's ``_check_case``: small random shapes."""
+    T = draw(st.integers(0, 40))
+    H = draw(st.integers(1, 24))
+    E = draw(st.integers(1, 40))
+    k_frac = draw(st.floats(0, 1))
+    a = draw(st.sampled_from((1, 8, 16, 32, 64, 128, 256)))
+    dtype = draw(st.sampled_from(DTYPES))
+    seed = draw(st.integers(0, 2**16))
+    with_probs = draw(st.booleans())
+    K = 1 + int(k_frac * (min(E, 8) - 1))
+    return dict(T=T, H=H, E=E, K=K, a=a, dtype=dtype, seed=seed, with_probs=with_probs)
 
 
 def naive_dispatch(ids_TK: torch.Tensor, num_experts: int, align: int) -> dict:

@@ -3,27 +3,26 @@
 from __future__ import annotations
 
 import itertools
-import random
 
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from moe_compile.ops import PermutePadOut, permute_pad, permute_pad_reference, static_row_bound, unpad_unpermute
 
 from ._dispatch_reference import (  # noqa: F401 (_single_intra_op_thread is an autouse fixture)
+    ALIGNS,
+    DTYPES,
+    EK,
     ROUTINGS,
     _single_intra_op_thread,
     check_invariants,
     check_row_map,
     make_routing,
     naive_permute_pad,
+    random_small_case,
+    sampled_large_cases,
 )
-
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-EK = [(E, K) for E in (1, 7, 16, 64, 256) for K in (1, 2, 5, 8) if K <= E]
-ALIGNS = (1, 16, 32, 128)
 
 
 def _inputs(T, H, E, K, dtype, routing="uniform", seed=0, with_probs=True):
@@ -57,13 +56,7 @@ def test_full_product_small(T, dtype):
         _check_case(T, 8, E, K, a, dtype, seed=T * 1000 + E * 10 + K)
 
 
-def _sampled_large_cases(n=10, seed=1234):
-    rng = random.Random(seed)
-    big = [c for c in itertools.product((37, 4096), (8, 1280), EK, ALIGNS, DTYPES) if c[0] == 4096 or c[1] == 1280]
-    return rng.sample(big, n)
-
-
-@pytest.mark.parametrize("T,H,EK_,a,dtype", _sampled_large_cases(), ids=str)
+@pytest.mark.parametrize("T,H,EK_,a,dtype", sampled_large_cases(n=10, seed=1234), ids=str)
 def test_sampled_large(T, H, EK_, a, dtype):
     E, K = EK_
     _check_case(T, H, E, K, a, dtype, seed=T + H + E + K + a)
@@ -247,16 +240,6 @@ def test_named_tuple_fields():
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    T=st.integers(0, 40),
-    H=st.integers(1, 24),
-    E=st.integers(1, 40),
-    k_frac=st.floats(0, 1),
-    a=st.sampled_from((1, 8, 16, 32, 64, 128, 256)),
-    dtype=st.sampled_from(DTYPES),
-    seed=st.integers(0, 2**16),
-    with_probs=st.booleans(),
-)
-def test_property_random_shapes(T, H, E, k_frac, a, dtype, seed, with_probs):
-    K = 1 + int(k_frac * (min(E, 8) - 1))
-    _check_case(T, H, E, K, a, dtype, seed=seed, with_probs=with_probs)
+@given(case=random_small_case())
+def test_property_random_shapes(case):
+    _check_case(**case)

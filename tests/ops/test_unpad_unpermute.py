@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import itertools
-import random
 
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from moe_compile.ops import (
     permute_pad,
@@ -19,18 +17,19 @@ from moe_compile.ops import (
 )
 
 from ._dispatch_reference import (  # noqa: F401 (_single_intra_op_thread is an autouse fixture)
+    ALIGNS,
     DOT_TOLS,
     DTYPE_TOLS,
+    DTYPES,
+    EK,
     ROUTINGS,
     _single_intra_op_thread,
     make_routing,
     naive_combine,
     naive_dispatch,
+    random_small_case,
+    sampled_large_cases,
 )
-
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-EK = [(E, K) for E in (1, 7, 16, 64, 256) for K in (1, 2, 5, 8) if K <= E]
-ALIGNS = (1, 16, 32, 128)
 
 
 def _setup(T, H, E, K, a, dtype, routing="uniform", seed=0, probs_dtype=None):
@@ -61,13 +60,7 @@ def test_full_product_small(T, dtype):
         _check_case(T, 8, E, K, a, dtype, seed=T * 1000 + E * 10 + K, with_probs=(E + a) % 2 == 0 or K == 1)
 
 
-def _sampled_large_cases(n=8, seed=4321):
-    rng = random.Random(seed)
-    big = [c for c in itertools.product((37, 4096), (8, 1280), EK, ALIGNS, DTYPES) if c[0] == 4096 or c[1] == 1280]
-    return rng.sample(big, n)
-
-
-@pytest.mark.parametrize("T,H,EK_,a,dtype", _sampled_large_cases(), ids=str)
+@pytest.mark.parametrize("T,H,EK_,a,dtype", sampled_large_cases(n=8, seed=4321), ids=str)
 def test_sampled_large(T, H, EK_, a, dtype):
     E, K = EK_
     _check_case(T, H, E, K, a, dtype, seed=T + H + E + K + a)
@@ -178,19 +171,9 @@ def test_bad_input_errors(kwargs, match):
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    T=st.integers(0, 40),
-    H=st.integers(1, 24),
-    E=st.integers(1, 40),
-    k_frac=st.floats(0, 1),
-    a=st.sampled_from((1, 8, 16, 32, 64, 128, 256)),
-    dtype=st.sampled_from(DTYPES),
-    seed=st.integers(0, 2**16),
-    with_probs=st.booleans(),
-)
-def test_property_random_shapes(T, H, E, k_frac, a, dtype, seed, with_probs):
-    K = 1 + int(k_frac * (min(E, 8) - 1))
-    _check_case(T, H, E, K, a, dtype, seed=seed, with_probs=with_probs)
+@given(case=random_small_case())
+def test_property_random_shapes(case):
+    _check_case(**case)
 
 
 @pytest.mark.parametrize("probs_need_grad", (True, False))
