@@ -24,6 +24,12 @@ from moe_compile import report
 
 # bf16 activations and weights: compiled and eager differ in summation order only
 TOLS = {torch.bfloat16: dict(atol=3e-2, rtol=3e-2), torch.float32: dict(atol=1e-4, rtol=1e-4)}
+T, H = 10, 16  # default tokens and hidden size of the test layers' inputs
+
+
+def layer_input(seed: int, tokens: int = T, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A seeded random ``[tokens, H]`` layer input."""
+    return torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 class KeepGraphs(CustomGraphPass):
@@ -120,6 +126,18 @@ def assert_matches_eager(test: Any, got: Result, want: Result) -> None:
         torch.testing.assert_close(got.grads[name].float() / scale, grad.float() / scale, **tols, msg=name)
 
 
+def check_pass_off_keeps_host_syncs(
+    test: Any, model: torch.nn.Module, x: torch.Tensor, pass_name: str
+) -> fx.GraphModule:
+    """Negative control: with ``pass_name`` off, inference through the API matches eager, but its one
+    post-grad graph is not CUDA-graph safe (the blocker check can fail); returns that graph."""
+    got, want = run_layer(model, x, path="api", train=False, passes={pass_name: False})
+    assert_matches_eager(test, got, want)
+    (gm,) = got.graphs
+    test.assertNotEqual(cudagraph_blockers(gm), [])
+    return gm
+
+
 def cudagraph_blockers(gm: fx.GraphModule) -> list[str]:
     """Why ``gm`` could not be captured in a CUDA graph (empty list: capturable)."""
     reasons = []
@@ -184,3 +202,11 @@ def run_pass(pass_run: Any, gm: fx.GraphModule) -> RecordingContext:
     gm.graph.lint()
     gm.recompile()
     return ctx
+
+
+def run_pass_on_layer(
+    pass_run: Any, model: Any, x: torch.Tensor
+) -> tuple[fx.GraphModule, list[Any], RecordingContext]:
+    """Dynamo's inference graph of ``model(x)`` with one pass run on it: (graph, its inputs, the records)."""
+    gm, inputs = dynamo_graph(model, x)
+    return gm, inputs, run_pass(pass_run, gm)

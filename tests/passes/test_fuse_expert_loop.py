@@ -14,18 +14,15 @@ from moe_compile.passes._graph import op_name
 from tests.models.host_padded import make_layer
 from tests.passes._host_padding_checks import (
     assert_matches_eager,
+    check_pass_off_keeps_host_syncs,
     cudagraph_blockers,
     dynamo_graph,
+    layer_input,
     op_counts,
     run_layer,
     run_pass,
+    run_pass_on_layer,
 )
-
-T, H = 10, 16
-
-
-def _x(seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return torch.randn(T, H, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 def _targets(gm: fx.GraphModule) -> collections.Counter:
@@ -36,7 +33,7 @@ def _targets(gm: fx.GraphModule) -> collections.Counter:
 
 class CompiledLoopTest(unittest.TestCase):
     def test_module_list_loop_training_through_api(self):
-        got, want = run_layer(make_layer("loop"), _x(0), path="api", train=True)
+        got, want = run_layer(make_layer("loop"), layer_input(0), path="api", train=True)
         assert_matches_eager(self, got, want)
         self.assertEqual(got.records.count("fuse_expert_loop"), 1, got.records.table())
         self.assertEqual(got.records.errors, [])
@@ -46,7 +43,8 @@ class CompiledLoopTest(unittest.TestCase):
         self.assertEqual(op_counts(got.graphs[0])["aten._grouped_mm.default"], 3)
 
     def test_stacked_loop_after_masked_select_inference_fullgraph(self):
-        got, want = run_layer(make_layer("loop_stacked", permute="masked_select"), _x(1), path="backend", train=False)
+        model = make_layer("loop_stacked", permute="masked_select")
+        got, want = run_layer(model, layer_input(1), path="backend", train=False)
         assert_matches_eager(self, got, want)
         self.assertEqual(got.records.count("fuse_expert_loop"), 1, got.records.table())
         self.assertEqual(got.records.count("strip_host_padding"), 1, got.records.table())
@@ -55,21 +53,11 @@ class CompiledLoopTest(unittest.TestCase):
         self.assertEqual(op_counts(gm)["moe.permute_pad.default"], 1)
 
     def test_negative_control_pass_off_keeps_host_syncs(self):
-        got, want = run_layer(
-            make_layer("loop", num_experts=2, top_k=1), _x(2), path="api", train=False,
-            passes={"fuse_expert_loop": False},
-        )
-        assert_matches_eager(self, got, want)
-        (gm,) = got.graphs
-        self.assertNotEqual(cudagraph_blockers(gm), [])
+        model = make_layer("loop", num_experts=2, top_k=1)
+        check_pass_off_keeps_host_syncs(self, model, layer_input(2), "fuse_expert_loop")
 
 
 class FastLoopTest(unittest.TestCase):
-    def fuse(self, model: torch.nn.Module, x: torch.Tensor):
-        gm, inputs = dynamo_graph(model, x)
-        ctx = run_pass(fuse_expert_loop.run, gm)
-        return gm, inputs, ctx
-
     def test_fuses_module_list_and_stacked_slices(self):
         cases = [
             ("loop", torch.bfloat16, 3),  # gate, up, down per expert
@@ -79,8 +67,8 @@ class FastLoopTest(unittest.TestCase):
         for kind, dtype, gemms in cases:
             with self.subTest(kind=kind, dtype=dtype):
                 model = make_layer(kind, dtype=dtype)
-                x = _x(3, dtype)
-                gm, inputs, ctx = self.fuse(model, x)
+                x = layer_input(3, dtype=dtype)
+                gm, inputs, ctx = run_pass_on_layer(fuse_expert_loop.run, model, x)
                 self.assertEqual(len(ctx.kinds("rewrite")), 1, ctx.records)
                 counts = _targets(gm)
                 self.assertEqual(counts["grouped_mm"], gemms)
@@ -98,8 +86,8 @@ class FastLoopTest(unittest.TestCase):
         for variant, reason in (("mixed_act", "experts_not_identical"), ("bias", "per_expert_op_unsupported")):
             with self.subTest(variant=variant):
                 model = make_layer("loop", variant=variant)
-                x = _x(4)
-                gm, inputs, ctx = self.fuse(model, x)
+                x = layer_input(4)
+                gm, inputs, ctx = run_pass_on_layer(fuse_expert_loop.run, model, x)
                 self.assertEqual(ctx.kinds("rewrite"), [])
                 self.assertIn(reason, ctx.kinds("skip"))
                 self.assertEqual(_targets(gm)["grouped_mm"], 0)

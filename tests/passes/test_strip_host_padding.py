@@ -27,19 +27,17 @@ from moe_compile.passes._host_sync import (
 )
 from tests.models.host_padded import make_layer
 from tests.passes._host_padding_checks import (
+    H,
     assert_matches_eager,
+    check_pass_off_keeps_host_syncs,
     cudagraph_blockers,
     dynamo_graph,
+    layer_input,
     op_counts,
     run_layer,
     run_pass,
+    run_pass_on_layer,
 )
-
-T, H = 10, 16
-
-
-def _x(seed: int, tokens: int = T, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 class CompiledLayerTest(unittest.TestCase):
@@ -47,7 +45,7 @@ class CompiledLayerTest(unittest.TestCase):
 
     def check(self, kind: str, *, path: str, train: bool, **layer_kwargs) -> None:
         model = make_layer(kind, **layer_kwargs)
-        got, want = run_layer(model, _x(hash((kind, path, train)) % 1000), path=path, train=train)
+        got, want = run_layer(model, layer_input(hash((kind, path, train)) % 1000), path=path, train=train)
         assert_matches_eager(self, got, want)
         self.assertEqual(len(got.graphs), 2 if train else 1)
         for gm in got.graphs:
@@ -73,17 +71,12 @@ class CompiledLayerTest(unittest.TestCase):
         self.check("masked_select", path="api", train=False)
 
     def test_negative_control_pass_off_keeps_host_syncs(self):
-        got, want = run_layer(
-            make_layer("split_pad", num_experts=2, top_k=1), _x(7), path="api", train=False,
-            passes={"strip_host_padding": False},
-        )
-        assert_matches_eager(self, got, want)
-        (gm,) = got.graphs
-        self.assertNotEqual(cudagraph_blockers(gm), [])
+        model = make_layer("split_pad", num_experts=2, top_k=1)
+        gm = check_pass_off_keeps_host_syncs(self, model, layer_input(7), "strip_host_padding")
         self.assertGreater(op_counts(gm)["aten._local_scalar_dense.default"], 0)
 
     def test_pad_after_permute_pad_is_not_padded_twice(self):
-        got, want = run_layer(make_layer("pre_padded"), _x(3), path="api", train=True)
+        got, want = run_layer(make_layer("pre_padded"), layer_input(3), path="api", train=True)
         assert_matches_eager(self, got, want)
         for gm in got.graphs:
             self.assertEqual(cudagraph_blockers(gm), [])
@@ -97,9 +90,7 @@ class FastRewriteTest(unittest.TestCase):
     """The pass on Dynamo's graph, executed eagerly (no Inductor)."""
 
     def rewrite(self, model: torch.nn.Module, x: torch.Tensor):
-        gm, inputs = dynamo_graph(model, x)
-        ctx = run_pass(strip_host_padding.run, gm)
-        return gm, inputs, ctx
+        return run_pass_on_layer(strip_host_padding.run, model, x)
 
     def assert_static(self, gm: fx.GraphModule) -> None:
         names = [str(n.target) for n in gm.graph.nodes]
@@ -122,7 +113,7 @@ class FastRewriteTest(unittest.TestCase):
         for kind, kwargs, tokens in cases:
             with self.subTest(kind=kind, **kwargs):
                 model = make_layer(kind, **kwargs)
-                x = _x(tokens, tokens=tokens)
+                x = layer_input(tokens, tokens=tokens)
                 gm, inputs, ctx = self.rewrite(model, x)
                 self.assertEqual(len(ctx.kinds("rewrite")), 1, ctx.records)
                 self.assert_static(gm)
@@ -130,9 +121,9 @@ class FastRewriteTest(unittest.TestCase):
                     torch.testing.assert_close(gm(*inputs)[0].float(), model(x).float(), atol=3e-2, rtol=3e-2)
 
     def test_already_aligned_pad_is_reported(self):
-        _, _, ctx = self.rewrite(make_layer("split_pad", align=1), _x(0))
+        _, _, ctx = self.rewrite(make_layer("split_pad", align=1), layer_input(0))
         self.assertIn("already_aligned", ctx.kinds("skip"))
-        _, _, ctx = self.rewrite(make_layer("pre_padded_ceil", align=8), _x(1))
+        _, _, ctx = self.rewrite(make_layer("pre_padded_ceil", align=8), layer_input(1))
         self.assertIn("already_aligned", ctx.kinds("skip"))
 
     def test_does_not_fire_on_unproven_regions(self):
@@ -147,7 +138,7 @@ class FastRewriteTest(unittest.TestCase):
         for variant, reason in expected.items():
             with self.subTest(variant=variant):
                 model = make_layer("split_pad", variant=variant)
-                x = _x(5)
+                x = layer_input(5)
                 gm, inputs, ctx = self.rewrite(model, x)
                 self.assertEqual(ctx.kinds("rewrite"), [])
                 self.assertIn(reason, ctx.kinds("skip"))
@@ -159,21 +150,21 @@ class FastRewriteTest(unittest.TestCase):
 
     def test_trained_weight_shared_by_all_rows_is_refused_in_training_only(self):
         model = make_layer("split_pad", variant="shared_scale")
-        gm, _ = dynamo_graph(model, _x(6), grad=True)
+        gm, _ = dynamo_graph(model, layer_input(6), grad=True)
         ctx = run_pass(strip_host_padding.run, gm)
         self.assertEqual(ctx.kinds("rewrite"), [])
         self.assertIn("shared_param_in_expert_region", ctx.kinds("skip"))
-        gm, inputs, ctx = self.rewrite(model, _x(6))  # inference: the tail rows are never read
+        gm, inputs, ctx = self.rewrite(model, layer_input(6))  # inference: the tail rows are never read
         self.assertEqual(len(ctx.kinds("rewrite")), 1, ctx.records)
         with torch.no_grad():
-            torch.testing.assert_close(gm(*inputs)[0].float(), model(_x(6)).float(), atol=3e-2, rtol=3e-2)
+            torch.testing.assert_close(gm(*inputs)[0].float(), model(layer_input(6)).float(), atol=3e-2, rtol=3e-2)
 
     def test_graph_without_host_sizes_is_left_alone(self):
         def layer(x_TH: torch.Tensor, w_HH: torch.Tensor) -> torch.Tensor:
             idx = (x_TH @ w_HH).argmax(-1) % x_TH.shape[0]
             return torch.zeros_like(x_TH).index_add_(0, idx, x_TH)
 
-        gm, _ = dynamo_graph(layer, _x(0, dtype=torch.float32), torch.randn(H, H))
+        gm, _ = dynamo_graph(layer, layer_input(0, dtype=torch.float32), torch.randn(H, H))
         before = gm.print_readable(print_output=False)
         ctx = run_pass(strip_host_padding.run, gm)
         self.assertEqual(ctx.records, [])
