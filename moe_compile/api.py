@@ -79,10 +79,19 @@ def compile(  # noqa: A001 - mirrors torch.compile
 def _with_capture_flags(compiled: Any) -> Any:
     call = compiled.forward if isinstance(compiled, torch.nn.Module) else compiled
 
+    config = torch._dynamo.config
+
     @functools.wraps(call)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(CAPTURE_FLAGS):
+        # set and restore by hand: `config.patch` costs ~4x more per call, paid on every step
+        saved = {name: getattr(config, name) for name in CAPTURE_FLAGS}
+        for name, value in CAPTURE_FLAGS.items():
+            setattr(config, name, value)
+        try:
             return call(*args, **kwargs)
+        finally:
+            for name, value in saved.items():
+                setattr(config, name, value)
 
     if isinstance(compiled, torch.nn.Module):
         compiled.forward = run
