@@ -107,6 +107,18 @@ def dim_index(dim: Any, ndim: int) -> int | None:
     return dim % ndim if isinstance(dim, int) and ndim > 0 else None
 
 
+def transitive_users(start: fx.Node) -> set[fx.Node]:
+    """Every node that uses ``start``, directly or through other nodes (``start`` itself not included)."""
+    seen: set[fx.Node] = set()
+    stack = [start]
+    while stack:
+        for u in stack.pop().users:
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
 # ---------------------------------------------------------------------------------------------------
 # host reads and symbolic integers
 # ---------------------------------------------------------------------------------------------------

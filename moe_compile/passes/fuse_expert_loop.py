@@ -58,6 +58,7 @@ from moe_compile.passes._host_sync import (
     refresh_example_values,
     sym_expr,
     tensor_value,
+    transitive_users,
 )
 from moe_compile.passes.strip_host_padding import BINARY_ROWWISE, LAST_DIM_SPLITS, UNARY_ROWWISE, _Skip
 
@@ -119,22 +120,11 @@ def _chunks(split: fx.Node) -> list[fx.Node] | None:
     return [chunks[i] for i in range(len(sizes))]
 
 
-def _forward(start: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [start]
-    while stack:
-        for u in stack.pop().users:
-            if u not in seen:
-                seen.add(u)
-                stack.append(u)
-    return seen
-
-
 def _match_loop(split: fx.Node) -> Loop:
     chunks = _chunks(split)
     if chunks is None:
         raise _Skip("loop_not_matched", f"{split.name}: not a split into indexed chunks")
-    reach = _forward(chunks[0])
+    reach = transitive_users(chunks[0])
     cats = [n for n in reach if is_call(n, "cat") and kwarg(n, "dim", 0) == 0]
     order = topo_index(split.graph)
     if not cats:
@@ -145,7 +135,7 @@ def _match_loop(split: fx.Node) -> Loop:
         raise _Skip("loop_not_matched", f"{cat.name}: {len(outputs)} pieces for {len(chunks)} chunks")
     bodies = []
     for e, (chunk, out) in enumerate(zip(chunks, outputs)):
-        forward = _forward(chunk) | {chunk}
+        forward = transitive_users(chunk) | {chunk}
         if out not in forward:
             raise _Skip("loop_not_matched", f"{cat.name}: piece {e} is not computed from chunk {e}")
         body, stack = set(), [out]
@@ -397,7 +387,7 @@ def _rewrite(graph: fx.Graph, loop: Loop, slots: list[Slot]) -> str:
     fused_out = env[loop.outputs[0]]
     loop.cat.replace_all_uses_with(fused_out)
     graph.erase_node(loop.cat)
-    downstream = _forward(fused_out)
+    downstream = transitive_users(fused_out)
     refresh_example_values([n for n in graph.nodes if n in downstream])  # row count is static now
     erase_dead(graph, list(loop.outputs) + [n for body in loop.bodies for n in body] + list(loop.chunks))
     from torch._inductor.pattern_matcher import stable_topological_sort
@@ -444,5 +434,5 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
 def _has_gemm_per_chunk(split: fx.Node) -> bool:
     """True when the chunks of ``split`` feed GEMMs (an expert loop we could not match): worth a record."""
     chunks = _chunks(split) or []
-    return bool(chunks) and all(any(op_name(n) in GEMMS for n in _forward(c)) for c in chunks[:2])
+    return bool(chunks) and all(any(op_name(n) in GEMMS for n in transitive_users(c)) for c in chunks[:2])
 

@@ -90,6 +90,7 @@ from moe_compile.passes._host_sync import (
     same_on_samples,
     sym_expr,
     tensor_value,
+    transitive_users,
 )
 
 
@@ -495,14 +496,7 @@ def _zeros_rows_arg(zeros: fx.Node) -> Any:
 
 def _region_nodes(X: fx.Node, Y: fx.Node) -> list[fx.Node]:
     """Nodes on a path from ``X`` to ``Y`` (``Y`` included, ``X`` excluded), in graph order."""
-    forward: set[fx.Node] = set()
-    stack = [X]
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u not in forward:
-                forward.add(u)
-                stack.append(u)
+    forward = transitive_users(X)
     backward: set[fx.Node] = set()
     stack = [Y]
     while stack:
@@ -588,6 +582,31 @@ def _check_rowwise(
     raise _Skip("region_not_rowwise", f"{node.name}: {name} is not a supported row-wise op")
 
 
+def _rowwise_region(
+    X: fx.Node, Y: fx.Node, num_experts: int | None, y_consumers: set[fx.Node]
+) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node]]:
+    """The expert region from ``X`` to ``Y``, proven row-wise and closed: returns (its nodes in graph
+    order, the grouped GEMMs reading offsets, those offsets nodes). Only ``Y`` may also feed
+    ``y_consumers``; any other use outside the region raises ``expert_region_escapes``."""
+    middle = _region_nodes(X, Y)
+    if Y not in middle:
+        raise _Skip("region_not_rowwise", f"{Y.name} is not computed from {X.name}")
+    inside = set(middle) | {X}
+    training = bool(getattr(tensor_value(Y), "requires_grad", False))
+    offs_uses: list[fx.Node] = []
+    offs_nodes: list[fx.Node] = []
+    for node in middle:
+        found = _check_rowwise(node, inside, num_experts, training)
+        if found:
+            offs_uses.append(node)
+            offs_nodes += [o for o in found if o not in offs_nodes]
+        allowed = inside | y_consumers if node is Y else inside
+        escaping = [u for u in node.users if u not in allowed]
+        if escaping:
+            raise _Skip("expert_region_escapes", f"{node.name} is also used by {escaping[0].name}")
+    return middle, offs_uses, offs_nodes
+
+
 class _Matcher:
     def __init__(self, graph: fx.Graph, reads: dict[sympy.Symbol, HostRead]) -> None:
         self.graph = graph
@@ -641,25 +660,10 @@ class _Matcher:
         X = pad.cat if pad is not None else perm.x_NH
         if unpad is None and pad is not None:
             raise _Skip("unpad_not_matched", f"{y.name}: padded rows reach the combine without an unpad")
-        middle = _region_nodes(X, Y)
-        if Y not in middle:
-            raise _Skip("region_not_rowwise", f"{Y.name} is not computed from {X.name}")
-
-        inside = set(middle) | {X}
-        training = bool(getattr(tensor_value(Y), "requires_grad", False))
-        offs_uses: list[fx.Node] = []
-        offs_nodes: list[fx.Node] = []
         E_hint = perm.num_experts if perm.num_experts > 0 else None
-        for node in middle:
-            found = _check_rowwise(node, inside, E_hint, training)
-            if found:
-                offs_uses.append(node)
-                offs_nodes += [o for o in found if o not in offs_nodes]
-            allowed = inside | ({unpad.split} if unpad is not None else tail)
-            escaping = [u for u in node.users if u not in allowed] if node is Y else \
-                [u for u in node.users if u not in inside]
-            if escaping:
-                raise _Skip("expert_region_escapes", f"{node.name} is also used by {escaping[0].name}")
+        y_consumers = {unpad.split} if unpad is not None else tail
+        middle, offs_uses, offs_nodes = _rowwise_region(X, Y, E_hint, y_consumers)
+        inside = set(middle) | {X}
         escaping = [u for u in X.users if u not in inside]
         if escaping:
             raise _Skip("expert_region_escapes", f"{X.name} is also used by {escaping[0].name}")
@@ -910,7 +914,7 @@ def _match_pad_after_permute_pad(pp: fx.Node, reads: dict[sympy.Symbol, HostRead
     pad = _match_pad(R)
     X = pad.cat if pad is not None else R
     pad_back = [
-        n for n in _forward_set(X)
+        n for n in transitive_users(X)
         if is_call(n, "pad") and any(is_call(u, "moe.unpad_unpermute") and u.args[1] is row_map for u in n.users)
     ]
     if len(pad_back) != 1:
@@ -920,22 +924,8 @@ def _match_pad_after_permute_pad(pp: fx.Node, reads: dict[sympy.Symbol, HostRead
     spec = kwarg(back, "pad")
     if not (isinstance(spec, (list, tuple)) and len(spec) == 4 and list(spec[:3]) == [0, 0, 0]):
         raise _Skip("pad_not_matched", f"{back.name} is not a row pad")
-    middle = _region_nodes(X, Y)
-    if Y not in middle:
-        raise _Skip("region_not_rowwise", f"{Y.name} is not computed from {X.name}")
-    inside = set(middle) | {X}
-    training = bool(getattr(tensor_value(Y), "requires_grad", False))
-    offs_uses, offs_nodes = [], []
     E = pp.args[3]
-    for node in middle:
-        found = _check_rowwise(node, inside, E, training)
-        if found:
-            offs_uses.append(node)
-            offs_nodes += [o for o in found if o not in offs_nodes]
-        allowed = inside | ({back} if node is Y else set())
-        bad = [u for u in node.users if u not in allowed]
-        if bad:
-            raise _Skip("expert_region_escapes", f"{node.name} is also used by {bad[0].name}")
+    middle, offs_uses, offs_nodes = _rowwise_region(X, Y, E, {back})
     leaves, counts, align = _permute_pad_leaves(pp)
     ev = IntVectorEval(reads, leaves)
 
@@ -969,18 +959,6 @@ def _match_pad_after_permute_pad(pp: fx.Node, reads: dict[sympy.Symbol, HostRead
             raise _Skip("offsets_not_matched", f"{offs.name} is not the offsets of {pp.name}")
     return "ok", dict(rows=rows, offs=outs.get(2), R=R, X=X, Y=Y, back=back, middle=middle, pad=pad,
                       offs_uses=offs_uses, offs_nodes=offs_nodes, align=align)
-
-
-def _forward_set(start: fx.Node) -> list[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [start]
-    while stack:
-        for u in stack.pop().users:
-            if u not in seen:
-                seen.add(u)
-                stack.append(u)
-    order = topo_index(start.graph)
-    return sorted(seen, key=order.__getitem__)
 
 
 def _strip_pad_after_permute_pad(graph: fx.Graph, ctx: PassContext) -> list[str]:
