@@ -65,6 +65,16 @@ PASSES: tuple[PassEntry, ...] = (
 )
 
 
+class NoMatch(Exception):
+    """A candidate region a pass cannot rewrite: ``reason`` is a tag (see the pass's docstring), ``detail``
+    a sentence; a pass records both with :meth:`PassContext.skip`."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
 @dataclasses.dataclass
 class PassContext:
     """What a pass gets besides the graph: config, stage, and the report it writes to."""
@@ -174,4 +184,4 @@ def enabled_passes(config: MoECompileConfig) -> list[str]:
     return [e.name for e in PASSES if config.pass_enabled(e.name, e.default)]
 
 
-__all__ = ["PASSES", "PassContext", "PassEntry", "StagePass", "enabled_passes", "stage_passes"]
+__all__ = ["PASSES", "NoMatch", "PassContext", "PassEntry", "StagePass", "enabled_passes", "stage_passes"]

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from moe_compile.passes import NoMatch
 from moe_compile.passes import _index_algebra as ia
 from moe_compile.passes._graph import (
     arg,
@@ -43,15 +44,6 @@ from moe_compile.passes._graph import (
     tensor_val,
     val,
 )
-
-
-class NoMatch(Exception):
-    """A dispatch candidate that cannot be rewritten: ``reason`` is a tag, ``detail`` a sentence."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 GROUPED_MM = {"_grouped_mm", "grouped_mm", "aten._grouped_mm", "transformers.grouped_mm_fallback", "moe.grouped_mm"}

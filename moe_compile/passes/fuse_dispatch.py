@@ -58,11 +58,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from moe_compile.passes import PassContext
+from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._dispatch_match import (
     Dispatch,
     Matcher,
-    NoMatch,
     find_dispatch_anchors,
     looks_like_dispatch,
 )

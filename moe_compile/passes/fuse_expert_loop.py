@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from moe_compile.passes import PassContext
+from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._graph import erase_dead, layer_name, op_name, topo_index
 from moe_compile.passes._host_sync import (
     call,
@@ -60,7 +60,7 @@ from moe_compile.passes._host_sync import (
     tensor_value,
     transitive_users,
 )
-from moe_compile.passes.strip_host_padding import BINARY_ROWWISE, LAST_DIM_SPLITS, UNARY_ROWWISE, _Skip
+from moe_compile.passes.strip_host_padding import BINARY_ROWWISE, LAST_DIM_SPLITS, UNARY_ROWWISE
 
 
 GEMMS = {"linear", "matmul", "__matmul__"}
@@ -123,21 +123,21 @@ def _chunks(split: fx.Node) -> list[fx.Node] | None:
 def _match_loop(split: fx.Node) -> Loop:
     chunks = _chunks(split)
     if chunks is None:
-        raise _Skip("loop_not_matched", f"{split.name}: not a split into indexed chunks")
+        raise NoMatch("loop_not_matched", f"{split.name}: not a split into indexed chunks")
     reach = transitive_users(chunks[0])
     cats = [n for n in reach if is_call(n, "cat") and kwarg(n, "dim", 0) == 0]
     order = topo_index(split.graph)
     if not cats:
-        raise _Skip("loop_not_matched", f"{split.name}: the chunks do not meet in a cat")
+        raise NoMatch("loop_not_matched", f"{split.name}: the chunks do not meet in a cat")
     cat = min(cats, key=order.__getitem__)
     outputs = list(cat.args[0])
     if len(outputs) != len(chunks) or not all(isinstance(o, fx.Node) for o in outputs):
-        raise _Skip("loop_not_matched", f"{cat.name}: {len(outputs)} pieces for {len(chunks)} chunks")
+        raise NoMatch("loop_not_matched", f"{cat.name}: {len(outputs)} pieces for {len(chunks)} chunks")
     bodies = []
     for e, (chunk, out) in enumerate(zip(chunks, outputs)):
         forward = transitive_users(chunk) | {chunk}
         if out not in forward:
-            raise _Skip("loop_not_matched", f"{cat.name}: piece {e} is not computed from chunk {e}")
+            raise NoMatch("loop_not_matched", f"{cat.name}: piece {e} is not computed from chunk {e}")
         body, stack = set(), [out]
         while stack:
             n = stack.pop()
@@ -147,13 +147,13 @@ def _match_loop(split: fx.Node) -> Loop:
             stack.extend(a for a in n.all_input_nodes if a in forward)
         for other, other_chunk in enumerate(chunks):
             if other != e and other_chunk in body:
-                raise _Skip("loop_not_matched", f"expert {e}'s output depends on chunk {other}")
+                raise NoMatch("loop_not_matched", f"expert {e}'s output depends on chunk {other}")
         ordered = sorted(body, key=order.__getitem__)
         for n in ordered + [chunk]:
             allowed = body | ({cat} if n is out else set())
             bad = [u for u in n.users if u not in allowed]
             if bad:
-                raise _Skip("expert_region_escapes", f"{n.name} (expert {e}) is also used by {bad[0].name}")
+                raise NoMatch("expert_region_escapes", f"{n.name} (expert {e}) is also used by {bad[0].name}")
         bodies.append(ordered)
     return Loop(split, split.args[0], cat, bodies, chunks, outputs)
 
@@ -210,9 +210,9 @@ def _signatures(loop: Loop) -> tuple[list[tuple], list[Slot]]:
         if len(sigs_by_expert[e]) != len(sigs_by_expert[0]) or any(
             a[:4] != b[:4] or a[4] != b[4] for a, b in zip(sigs_by_expert[e], sigs_by_expert[0])
         ):
-            raise _Skip("experts_not_identical", f"expert {e}'s body differs from expert 0's")
+            raise NoMatch("experts_not_identical", f"expert {e}'s body differs from expert 0's")
         if len(slots_by_expert[e]) != len(slots_by_expert[0]):
-            raise _Skip("experts_not_identical", f"expert {e} has a different number of inputs")
+            raise NoMatch("experts_not_identical", f"expert {e} has a different number of inputs")
     slots = [Slot([slots_by_expert[e][j] for e in range(E)]) for j in range(len(slots_by_expert[0]))]
     return sigs_by_expert[0], slots
 
@@ -252,11 +252,11 @@ def _offsets_plan(graph: fx.Graph, loop: Loop) -> list[int] | fx.Node:
         expr = sym_expr(s)
         read = reads.get(expr) if expr is not None else None
         if read is None or read.index != i or (tensor is not None and read.tensor is not tensor):
-            raise _Skip("sizes_not_device_counts", f"split size {i} is not element {i} of one device tensor")
+            raise NoMatch("sizes_not_device_counts", f"split size {i} is not element {i} of one device tensor")
         tensor = read.tensor
     counts = tensor_value(tensor)
     if counts is None or counts.dim() != 1 or counts.shape[0] != len(sizes) or counts.dtype.is_floating_point:
-        raise _Skip("sizes_not_device_counts", f"{tensor.name} is not an int [E] tensor")
+        raise NoMatch("sizes_not_device_counts", f"{tensor.name} is not an int [E] tensor")
     return tensor
 
 
@@ -275,7 +275,7 @@ def _grouped_mm_kind(x: torch.Tensor, n: int, k: int) -> str:
         return "aten"
     if x.dtype in (torch.bfloat16, torch.float16, torch.float32) and _moe_grouped_mm_available():
         return "moe"
-    raise _Skip("no_grouped_mm_for_dtype", f"{x.dtype} with N={n}, K={k}: no sync-free grouped GEMM")
+    raise NoMatch("no_grouped_mm_for_dtype", f"{x.dtype} with N={n}, K={k}: no sync-free grouped GEMM")
 
 
 def _gemm_weight(n: fx.Node) -> Any:
@@ -294,7 +294,7 @@ def _plan(loop: Loop, slots: list[Slot]) -> tuple[dict[int, tuple[str, Any, bool
     body0 = loop.bodies[0]
     x = tensor_value(loop.x_NH)
     if x is None or x.dim() != 2:
-        raise _Skip("loop_not_matched", f"{loop.x_NH.name} is not [N, H]")
+        raise NoMatch("loop_not_matched", f"{loop.x_NH.name} is not [N, H]")
     weights: dict[int, tuple[str, Any, bool]] = {}
     for j, slot in enumerate(slots):
         if slot.shared:
@@ -304,13 +304,13 @@ def _plan(loop: Loop, slots: list[Slot]) -> tuple[dict[int, tuple[str, Any, bool
                 continue
             name = op_name(n)
             if name not in GEMMS or n.args[0] is slot.nodes[0] or _gemm_weight(n) is not slot.nodes[0]:
-                raise _Skip("per_expert_op_unsupported", f"{n.name}: per-expert input {slot.nodes[0].name} used by {name}")
+                raise NoMatch("per_expert_op_unsupported", f"{n.name}: per-expert input {slot.nodes[0].name} used by {name}")
             if name == "linear" and ((len(n.args) > 2 and n.args[2] is not None) or n.kwargs.get("bias") is not None):
-                raise _Skip("per_expert_op_unsupported", f"{n.name}: linear with a per-expert bias")
+                raise NoMatch("per_expert_op_unsupported", f"{n.name}: linear with a per-expert bias")
         plan = _stack_plan(slot)
         if plan is None:
             names = [n.name for n in slot.nodes[:3]]
-            raise _Skip("weights_not_stackable", f"per-expert inputs {names}... are not same-shape weights")
+            raise NoMatch("weights_not_stackable", f"per-expert inputs {names}... are not same-shape weights")
         weights[j] = plan
     gemms: dict[fx.Node, _GemmPlan] = {}
     for n in body0:
@@ -327,23 +327,23 @@ def _plan(loop: Loop, slots: list[Slot]) -> tuple[dict[int, tuple[str, Any, bool
             gemms[n] = _GemmPlan(slot, as_linear, _grouped_mm_kind(x, n_out, k_in))
             continue
         if name not in UNARY_ROWWISE | BINARY_ROWWISE | LAST_DIM_SPLITS | {"getitem"}:
-            raise _Skip("per_expert_op_unsupported", f"{n.name}: {name} is not row-wise")
+            raise NoMatch("per_expert_op_unsupported", f"{n.name}: {name} is not row-wise")
         if name in LAST_DIM_SPLITS:
             src = tensor_value(n.args[0])
             dim = n.args[2] if name == "chunk" and len(n.args) > 2 else kwarg(n, "dim", 0)
             if name == "narrow":
                 dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
             if src is None or not isinstance(dim, int) or dim % src.dim() == 0:
-                raise _Skip("per_expert_op_unsupported", f"{n.name}: {name} over rows")
+                raise NoMatch("per_expert_op_unsupported", f"{n.name}: {name} over rows")
         if name == "getitem" and isinstance(tensor_value(n.args[0]), torch.Tensor):
-            raise _Skip("per_expert_op_unsupported", f"{n.name}: indexing inside the expert")
+            raise NoMatch("per_expert_op_unsupported", f"{n.name}: indexing inside the expert")
     if not gemms:
-        raise _Skip("per_expert_op_unsupported", "no per-expert GEMM: not an expert loop")
+        raise NoMatch("per_expert_op_unsupported", "no per-expert GEMM: not an expert loop")
     return weights, gemms
 
 
 def _rewrite(graph: fx.Graph, loop: Loop, slots: list[Slot]) -> str:
-    """Build one copy of the body over all rows; returns a description. Raises _Skip before any edit."""
+    """Build one copy of the body over all rows; returns a description. Raises NoMatch before any edit."""
     E = len(loop.chunks)
     body0 = loop.bodies[0]
     weights, gemms = _plan(loop, slots)
@@ -413,7 +413,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         layer = layer_name(split)
         try:
             loop = _match_loop(split)
-        except _Skip as skip:
+        except NoMatch as skip:
             if skip.reason != "loop_not_matched" or _has_gemm_per_chunk(split):
                 ctx.skip(layer, skip.reason, skip.detail)
             continue
@@ -422,7 +422,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         try:
             _, slots = _signatures(loop)
             replaced_by = _rewrite(graph, loop, slots)
-        except _Skip as skip:
+        except NoMatch as skip:
             ctx.skip(layer, skip.reason, skip.detail)
             continue
         ctx.rewrite(layer, f"split -> {len(loop.chunks)} expert copies -> cat", replaced_by)

@@ -71,7 +71,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS
-from moe_compile.passes import PassContext
+from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._graph import erase_dead, layer_name, op_name, topo_index
 from moe_compile.passes._host_sync import (
     HostRead,
@@ -92,12 +92,6 @@ from moe_compile.passes._host_sync import (
     tensor_value,
     transitive_users,
 )
-
-
-class _Skip(Exception):
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(reason)
-        self.reason, self.detail = reason, detail
 
 
 CASTS = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous"}
@@ -251,11 +245,11 @@ def _match_permute(token_N: fx.Node) -> Permute:
         or (is_call(u, "index_select") and u.args[2] is token_N and _int_arg(u, 1, "dim") == 0)
     ]
     if len(gathers) != 1:
-        raise _Skip("permute_not_matched", f"{len(gathers)} row gathers by {token_N.name}")
+        raise NoMatch("permute_not_matched", f"{len(gathers)} row gathers by {token_N.name}")
     x_NH = gathers[0]
     x_TH = x_NH.args[0]
     if tensor_value(x_TH) is None or tensor_value(x_TH).dim() != 2:
-        raise _Skip("permute_not_matched", "gathered tensor is not [T, H]")
+        raise NoMatch("permute_not_matched", "gathered tensor is not [T, H]")
     split = _floordiv_by(token_N)
     if split is not None:
         order, K = split
@@ -263,7 +257,7 @@ def _match_permute(token_N: fx.Node) -> Permute:
         idx_TK = _flat_base(ids) if ids is not None else None
         value = tensor_value(idx_TK)
         if idx_TK is None or value is None or value.dim() != 2 or value.shape[1] != K:
-            raise _Skip("permute_not_matched", f"{token_N.name} is not argsort(ids.flatten()) // K")
+            raise NoMatch("permute_not_matched", f"{token_N.name} is not argsort(ids.flatten()) // K")
         return Permute(x_TH, idx_TK, -1, x_NH, "argsort", order=order)
     if is_call(token_N, "masked_select"):
         tokens, map_ET = token_N.args[0], token_N.args[1]
@@ -272,16 +266,16 @@ def _match_permute(token_N: fx.Node) -> Permute:
             base = base.args[0]
         T = tensor_value(x_TH).shape[0]
         if not (is_call(base, "arange") and tuple(base.args) in ((T,), (0, T))):
-            raise _Skip("permute_not_matched", "masked_select source is not arange(T) expanded over experts")
+            raise NoMatch("permute_not_matched", "masked_select source is not arange(T) expanded over experts")
         map_TE = _transposed_base(map_ET)
         idx_TK = _routing_map_ids(map_TE) if map_TE is not None else None
         if idx_TK is None:
-            raise _Skip("routing_map_not_topk", "routing map not proven to hold exactly K distinct experts per token")
+            raise NoMatch("routing_map_not_topk", "routing map not proven to hold exactly K distinct experts per token")
         if not _topk_indices(idx_TK):
-            raise _Skip("routing_map_not_topk", f"{idx_TK.name} is not the indices of a topk")
+            raise NoMatch("routing_map_not_topk", f"{idx_TK.name} is not the indices of a topk")
         E = tensor_value(map_ET).shape[0]
         return Permute(x_TH, idx_TK, E, x_NH, "masked_select", map_ET=map_ET)
-    raise _Skip("permute_not_matched", f"{token_N.name} is neither argsort // K nor masked_select(arange)")
+    raise NoMatch("permute_not_matched", f"{token_N.name} is neither argsort // K nor masked_select(arange)")
 
 
 def _histogram_ids(counts: Any) -> tuple[fx.Node, int] | None:
@@ -330,10 +324,10 @@ def _combine_parts(sink: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
     dest, dim, index = sink.args[0], kwarg(sink, "dim"), kwarg(sink, "index")
     src = kwarg(sink, "source") if name.startswith("index_add") else kwarg(sink, "src")
     if dim != 0 or not isinstance(index, fx.Node) or not isinstance(src, fx.Node):
-        raise _Skip("combine_index_not_matched", f"{sink.name}: not a row combine along dim 0")
+        raise NoMatch("combine_index_not_matched", f"{sink.name}: not a row combine along dim 0")
     if name.startswith("index_add"):
         if kwarg(sink, "alpha", 1) != 1:
-            raise _Skip("combine_index_not_matched", f"{sink.name}: alpha != 1")
+            raise NoMatch("combine_index_not_matched", f"{sink.name}: alpha != 1")
         return dest, index, src
     token = index
     if is_call(token, "expand", "expand_as"):
@@ -342,7 +336,7 @@ def _combine_parts(sink: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
         return dest, token.args[0], src
     if is_call(token, "view", "reshape") and tuple(token.args[1:]) in ((-1, 1), ((-1, 1),)):
         return dest, token.args[0], src
-    raise _Skip("combine_index_not_matched", f"{sink.name}: scatter index is not token_N[:, None].expand(-1, H)")
+    raise NoMatch("combine_index_not_matched", f"{sink.name}: scatter index is not token_N[:, None].expand(-1, H)")
 
 
 def _probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx.Node | None]:
@@ -356,7 +350,7 @@ def _probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx
             and node.args[1][1] is None and node.args[1][0] == slice(None):
         node = node.args[0]
     else:
-        raise _Skip("probs_not_matched", f"{probs_col.name} is not a column of permuted probs")
+        raise NoMatch("probs_not_matched", f"{probs_col.name} is not a column of permuted probs")
     node = _peel(node, CASTS)
     if perm.kind == "argsort" and is_call(node, "getitem") and node.args[1] is perm.order:
         probs_TK = _flat_base(node.args[0])
@@ -375,7 +369,7 @@ def _probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx
             value = tensor_value(probs_TE)
             if value is not None and value.dim() == 2 and value.dtype.is_floating_point:
                 return None, probs_TE
-    raise _Skip("probs_not_matched", f"{probs_col.name} is not the routing probs permuted alongside the rows")
+    raise NoMatch("probs_not_matched", f"{probs_col.name} is not the routing probs permuted alongside the rows")
 
 
 @dataclasses.dataclass
@@ -526,32 +520,34 @@ def _check_rowwise(
         for a in node.all_input_nodes:
             av = tensor_value(a)
             if a not in inside and av is not None and av.requires_grad:
-                raise _Skip("shared_param_in_expert_region",
+                raise NoMatch("shared_param_in_expert_region",
                             f"{node.name}: {a.name} is shared by all rows and trained (see NOTE [tail rows])")
     for a in node.all_input_nodes:
         if a not in inside and tensor_value(a) is None and sym_expr(a) is not None:
-            raise _Skip("host_size_in_expert_region", f"{node.name} uses host size {a.name}")
+            raise NoMatch("host_size_in_expert_region", f"{node.name} uses host size {a.name}")
     outside = [a for a in node.all_input_nodes if a not in inside]
     for a in outside:
         if has_unbacked_shape(a):
-            raise _Skip("region_not_rowwise", f"{node.name} mixes in {a.name}, a host-sized tensor outside the region")
+            raise NoMatch(
+                "region_not_rowwise", f"{node.name} mixes in {a.name}, a host-sized tensor outside the region"
+            )
     if name in GROUPED_MM:
         x, w = node.args[0], node.args[1]
         offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
         if x not in inside or w in inside or not isinstance(offs, fx.Node) or offs in inside:
-            raise _Skip("region_not_rowwise", f"{node.name}: grouped GEMM not over the region's rows")
+            raise NoMatch("region_not_rowwise", f"{node.name}: grouped GEMM not over the region's rows")
         wv = tensor_value(w)
         if wv is None or wv.dim() != 3 or (num_experts is not None and wv.shape[0] != num_experts):
-            raise _Skip("region_not_rowwise", f"{node.name}: grouped GEMM weight is not [E, ., .]")
+            raise NoMatch("region_not_rowwise", f"{node.name}: grouped GEMM weight is not [E, ., .]")
         if len(node.args) > 3 or set(node.kwargs) - {"offs", "out_dtype"}:
-            raise _Skip("region_not_rowwise", f"{node.name}: grouped GEMM with bias")
+            raise NoMatch("region_not_rowwise", f"{node.name}: grouped GEMM with bias")
         return [offs]
     if name in ("linear", "matmul", "__matmul__"):
         if node.args[0] not in inside or any(a in inside for a in node.args[1:] if isinstance(a, fx.Node)):
-            raise _Skip("region_not_rowwise", f"{node.name}: {name} is not rows @ shared weight")
+            raise NoMatch("region_not_rowwise", f"{node.name}: {name} is not rows @ shared weight")
         w = tensor_value(node.args[1])
         if w is None or (name != "linear" and w.dim() != 2):
-            raise _Skip("region_not_rowwise", f"{node.name}: {name} weight is not 2-D")
+            raise NoMatch("region_not_rowwise", f"{node.name}: {name} weight is not 2-D")
         return []
     if name == "getitem":
         src, index = node.args
@@ -559,9 +555,9 @@ def _check_rowwise(
             ok = isinstance(index, tuple) and len(index) >= 2 and (index[0] is Ellipsis or index[0] == slice(None)) \
                 and all(not isinstance(i, fx.Node) for i in index)
             if not ok:
-                raise _Skip("region_not_rowwise", f"{node.name}: indexing over rows")
+                raise NoMatch("region_not_rowwise", f"{node.name}: indexing over rows")
         elif not isinstance(index, int):
-            raise _Skip("region_not_rowwise", f"{node.name}: unsupported getitem")
+            raise NoMatch("region_not_rowwise", f"{node.name}: unsupported getitem")
         return []
     if name in LAST_DIM_SPLITS:
         src = tensor_value(node.args[0])
@@ -569,17 +565,17 @@ def _check_rowwise(
         if name == "narrow":
             dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         if src is None or src.dim() < 2 or not isinstance(dim, int) or dim % src.dim() == 0:
-            raise _Skip("region_not_rowwise", f"{node.name}: {name} over the row dim")
+            raise NoMatch("region_not_rowwise", f"{node.name}: {name} over the row dim")
         return []
     if name in UNARY_ROWWISE or name in BINARY_ROWWISE:
         if value is None and name not in CASTS:
-            raise _Skip("region_not_rowwise", f"{node.name}: {name} without a tensor value")
+            raise NoMatch("region_not_rowwise", f"{node.name}: {name} without a tensor value")
         for a in outside:
             av = tensor_value(a)
             if av is not None and value is not None and av.dim() >= value.dim() and av.shape[0] != 1:
-                raise _Skip("region_not_rowwise", f"{node.name}: {name} with a per-row operand {a.name}")
+                raise NoMatch("region_not_rowwise", f"{node.name}: {name} with a per-row operand {a.name}")
         return []
-    raise _Skip("region_not_rowwise", f"{node.name}: {name} is not a supported row-wise op")
+    raise NoMatch("region_not_rowwise", f"{node.name}: {name} is not a supported row-wise op")
 
 
 def _rowwise_region(
@@ -590,7 +586,7 @@ def _rowwise_region(
     ``y_consumers``; any other use outside the region raises ``expert_region_escapes``."""
     middle = _region_nodes(X, Y)
     if Y not in middle:
-        raise _Skip("region_not_rowwise", f"{Y.name} is not computed from {X.name}")
+        raise NoMatch("region_not_rowwise", f"{Y.name} is not computed from {X.name}")
     inside = set(middle) | {X}
     training = bool(getattr(tensor_value(Y), "requires_grad", False))
     offs_uses: list[fx.Node] = []
@@ -603,7 +599,7 @@ def _rowwise_region(
         allowed = inside | y_consumers if node is Y else inside
         escaping = [u for u in node.users if u not in allowed]
         if escaping:
-            raise _Skip("expert_region_escapes", f"{node.name} is also used by {escaping[0].name}")
+            raise NoMatch("expert_region_escapes", f"{node.name} is also used by {escaping[0].name}")
     return middle, offs_uses, offs_nodes
 
 
@@ -618,9 +614,11 @@ class _Matcher:
         dest, token_N, src = _combine_parts(sink)
         order = topo_index(self.graph)
         if not _is_zeros(dest):
-            raise _Skip("combine_buffer_reused", f"{sink.name} accumulates into {dest.name}, not a fresh zeros buffer")
+            raise NoMatch(
+                "combine_buffer_reused", f"{sink.name} accumulates into {dest.name}, not a fresh zeros buffer"
+            )
         if any(order[u] < order[sink] for u in dest.users if u is not sink):
-            raise _Skip("combine_buffer_reused", f"{dest.name} is used before the combine")
+            raise NoMatch("combine_buffer_reused", f"{dest.name} is used before the combine")
         perm = _match_permute(token_N)
         matched = [perm.kind, op_name(sink)]
 
@@ -637,7 +635,7 @@ class _Matcher:
             elif va is not None and va.dim() == 2 and va.shape[1] == 1:
                 y, col = b, a
             else:
-                raise _Skip("probs_not_matched", f"{y.name}: neither operand is a [N, 1] column")
+                raise NoMatch("probs_not_matched", f"{y.name}: neither operand is a [N, 1] column")
             probs_TK, probs_TE = _probs_source(col, perm)
             tail.add(next(u for u in y.users if is_call(u, "mul", "__mul__") and col in u.args))
             y0 = y
@@ -654,21 +652,21 @@ class _Matcher:
             bad = [u for n in [unpad.split, *chunks, *pieces] for u in n.users if u not in inner]
             bad += [u for u in unpad.cat.users if u not in tail]
             if bad:
-                raise _Skip("expert_region_escapes", f"the unpadded rows are also used by {bad[0].name}")
+                raise NoMatch("expert_region_escapes", f"the unpadded rows are also used by {bad[0].name}")
         pad = _match_pad(perm.x_NH)
         Y = unpad.split.args[0] if unpad is not None else y
         X = pad.cat if pad is not None else perm.x_NH
         if unpad is None and pad is not None:
-            raise _Skip("unpad_not_matched", f"{y.name}: padded rows reach the combine without an unpad")
+            raise NoMatch("unpad_not_matched", f"{y.name}: padded rows reach the combine without an unpad")
         E_hint = perm.num_experts if perm.num_experts > 0 else None
         y_consumers = {unpad.split} if unpad is not None else tail
         middle, offs_uses, offs_nodes = _rowwise_region(X, Y, E_hint, y_consumers)
         inside = set(middle) | {X}
         escaping = [u for u in X.users if u not in inside]
         if escaping:
-            raise _Skip("expert_region_escapes", f"{X.name} is also used by {escaping[0].name}")
+            raise NoMatch("expert_region_escapes", f"{X.name} is also used by {escaping[0].name}")
         if not offs_uses:
-            raise _Skip("offsets_not_matched", "no grouped GEMM in the expert region")
+            raise NoMatch("offsets_not_matched", "no grouped GEMM in the expert region")
 
         sizes = pad.sizes if pad is not None else unpad.lengths if unpad is not None else None
         E = self._counts(sizes, perm, offs_nodes)
@@ -676,10 +674,10 @@ class _Matcher:
         for node in offs_uses:
             w = tensor_value(node.args[1])
             if w.shape[0] != E:
-                raise _Skip("offsets_not_matched", f"{node.name}: weight has {w.shape[0]} groups for {E} experts")
+                raise NoMatch("offsets_not_matched", f"{node.name}: weight has {w.shape[0]} groups for {E} experts")
         align, noop = self._check_sizes(pad, unpad, offs_nodes, E)
         if align not in SUPPORTED_ALIGNMENTS:
-            raise _Skip("alignment_unsupported", f"alignment {align} not in {SUPPORTED_ALIGNMENTS}")
+            raise NoMatch("alignment_unsupported", f"alignment {align} not in {SUPPORTED_ALIGNMENTS}")
         if pad is not None:
             matched.append(f"split+pad(a={align})")
         if unpad is not None:
@@ -698,35 +696,37 @@ class _Matcher:
             # no host split: the offsets must be a cumsum of a device histogram of the ids
             base = _peel(offs_nodes[0], {"to", "int", "long", "type", "contiguous"})
             if not is_call(base, "cumsum"):
-                raise _Skip("offsets_not_matched", f"{offs_nodes[0].name} is not a cumsum of device counts")
+                raise NoMatch("offsets_not_matched", f"{offs_nodes[0].name} is not a cumsum of device counts")
             counts_node = base.args[0]
         else:
             tensors = set()
             for s in sizes:
                 expr = sym_expr(s)
                 if expr is None:
-                    raise _Skip("counts_not_histogram", f"split size {s} is not an int")
+                    raise NoMatch("counts_not_histogram", f"split size {s} is not an int")
                 for sym in expr.free_symbols:
                     read = self.reads.get(sym)
                     if read is None or read.index is None:
-                        raise _Skip("counts_not_histogram", f"split size {expr} is not read from a device tensor")
+                        raise NoMatch("counts_not_histogram", f"split size {expr} is not read from a device tensor")
                     tensors.add(read.tensor)
             if len(tensors) != 1:
-                raise _Skip("counts_not_histogram", f"split sizes read from {len(tensors)} tensors")
+                raise NoMatch("counts_not_histogram", f"split sizes read from {len(tensors)} tensors")
             counts_node = tensors.pop()
         source = _histogram_ids(counts_node)
         if source is None or source[0] is not perm.idx_TK:
-            raise _Skip("counts_not_histogram", f"{counts_node.name} is not the per-expert count of {perm.idx_TK.name}")
+            raise NoMatch(
+                "counts_not_histogram", f"{counts_node.name} is not the per-expert count of {perm.idx_TK.name}"
+            )
         E = source[1]
         if perm.num_experts > 0 and perm.num_experts != E:
-            raise _Skip("counts_not_histogram", f"{E} counts for {perm.num_experts} experts")
+            raise NoMatch("counts_not_histogram", f"{E} counts for {perm.num_experts} experts")
         self.counts_node, self.counts = counts_node, leaf_vector(counts_node, E)
         if sizes is not None:
             if len(sizes) != E:
-                raise _Skip("counts_not_histogram", f"{len(sizes)} split sizes for {E} experts")
+                raise NoMatch("counts_not_histogram", f"{len(sizes)} split sizes for {E} experts")
             got = [self._scalar(s) for s in sizes]
             if not same_on_samples(list(zip(got, self.counts)), self.counts):
-                raise _Skip("counts_not_histogram", "split sizes are not counts[0..E-1] in order")
+                raise NoMatch("counts_not_histogram", "split sizes are not counts[0..E-1] in order")
         return E
 
     def _leaves(self, node: fx.Node) -> list[sympy.Expr] | None:
@@ -735,7 +735,7 @@ class _Matcher:
     def _scalar(self, value: Any) -> sympy.Expr:
         expr = IntVectorEval(self.reads, self._leaves).scalar(value)
         if expr is None:
-            raise _Skip("pad_not_matched", f"size {value} is not an expression of the device counts")
+            raise NoMatch("pad_not_matched", f"size {value} is not an expression of the device counts")
         return expr
 
     def _check_sizes(
@@ -750,23 +750,23 @@ class _Matcher:
             got_padded = [self._scalar(s) for s in unpad.padded_sizes]
             got_lengths = [self._scalar(n) for n in unpad.lengths]
             if not same_on_samples(list(zip(got_padded, padded)) + list(zip(got_lengths, counts)), counts):
-                raise _Skip("unpad_not_matched", "unpad sizes are not the padded sizes, or lengths not the counts")
+                raise NoMatch("unpad_not_matched", "unpad sizes are not the padded sizes, or lengths not the counts")
         for a in SUPPORTED_ALIGNMENTS:
             if same_on_samples([(p, ceil_align(c, a)) for p, c in zip(padded, counts)], counts):
                 align = a
                 break
         else:
-            raise _Skip("pad_not_matched", "padded sizes are not ceil(count / a) * a for a supported a")
+            raise NoMatch("pad_not_matched", "padded sizes are not ceil(count / a) * a for a supported a")
         noop = pad is not None and align == 1 and bool(pad.nodes)
         for offs in offs_nodes:
             vec = int_vector(offs, self.reads, self._leaves)
             value = tensor_value(offs)
             if vec is None or len(vec) != E or value is None or value.dtype != torch.int32:
-                raise _Skip("offsets_not_matched", f"{offs.name} is not an int32 [E] expression of the counts")
+                raise NoMatch("offsets_not_matched", f"{offs.name} is not an int32 [E] expression of the counts")
             expected = [sympy.Add(*padded[: i + 1]) for i in range(E)]
             symbols = set(counts).union(*(v.free_symbols for v in vec))
             if not same_on_samples(list(zip(vec, expected)), symbols):
-                raise _Skip("offsets_not_matched", f"{offs.name} is not the cumsum of the padded counts")
+                raise NoMatch("offsets_not_matched", f"{offs.name} is not the cumsum of the padded counts")
         return align, noop
 
 
@@ -840,7 +840,7 @@ def _ops_available() -> bool:
 def _host_sized(sink: fx.Node) -> bool:
     try:
         _, token, src = _combine_parts(sink)
-    except _Skip:
+    except NoMatch:
         return False
     return has_unbacked_shape(src) or has_unbacked_shape(token)
 
@@ -856,7 +856,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         layer = layer_name(sink)
         try:
             region = _Matcher(graph, reads).match(sink)
-        except _Skip as skip:
+        except NoMatch as skip:
             ctx.skip(layer, skip.reason, skip.detail)
             touched.append(layer)
             continue
@@ -918,12 +918,12 @@ def _match_pad_after_permute_pad(pp: fx.Node, reads: dict[sympy.Symbol, HostRead
         if is_call(n, "pad") and any(is_call(u, "moe.unpad_unpermute") and u.args[1] is row_map for u in n.users)
     ]
     if len(pad_back) != 1:
-        raise _Skip("pad_not_matched", f"{R.name}: the expert output is not padded back to the rows of {pp.name}")
+        raise NoMatch("pad_not_matched", f"{R.name}: the expert output is not padded back to the rows of {pp.name}")
     back = pad_back[0]
     Y = back.args[0]
     spec = kwarg(back, "pad")
     if not (isinstance(spec, (list, tuple)) and len(spec) == 4 and list(spec[:3]) == [0, 0, 0]):
-        raise _Skip("pad_not_matched", f"{back.name} is not a row pad")
+        raise NoMatch("pad_not_matched", f"{back.name} is not a row pad")
     E = pp.args[3]
     middle, offs_uses, offs_nodes = _rowwise_region(X, Y, E, {back})
     leaves, counts, align = _permute_pad_leaves(pp)
@@ -932,7 +932,7 @@ def _match_pad_after_permute_pad(pp: fx.Node, reads: dict[sympy.Symbol, HostRead
     def scalar(v: Any) -> sympy.Expr:
         expr = ev.scalar(v)
         if expr is None:
-            raise _Skip("pad_not_matched", f"size {v} is not an expression of {pp.name}'s outputs")
+            raise NoMatch("pad_not_matched", f"size {v} is not an expression of {pp.name}'s outputs")
         return expr
 
     segments = [ceil_align(n, align) for n in counts]
@@ -942,21 +942,23 @@ def _match_pad_after_permute_pad(pp: fx.Node, reads: dict[sympy.Symbol, HostRead
     padded = segments
     if pad is not None:
         if len(pad.sizes) != E:
-            raise _Skip("pad_not_matched", f"{len(pad.sizes)} host groups for {E} experts")
+            raise NoMatch("pad_not_matched", f"{len(pad.sizes)} host groups for {E} experts")
         pairs += [(scalar(s), seg) for s, seg in zip(pad.sizes, segments)]
         if not same_on_samples(pairs, counts):
-            raise _Skip("pad_not_matched", f"host groups are not the segments of {pp.name}")
+            raise NoMatch("pad_not_matched", f"host groups are not the segments of {pp.name}")
         if not same_on_samples([(scalar(q), sympy.Integer(0)) for q in pad.pads], counts):
-            raise _Skip("alignment_unsupported", f"the host pads rows of {pp.name}(align={align}) to a larger alignment")
+            raise NoMatch(
+                "alignment_unsupported", f"the host pads rows of {pp.name}(align={align}) to a larger alignment"
+            )
     elif not same_on_samples(pairs, counts):
-        raise _Skip("pad_not_matched", f"{R.name} does not keep exactly the used rows of {pp.name}")
+        raise NoMatch("pad_not_matched", f"{R.name} does not keep exactly the used rows of {pp.name}")
     for offs in offs_nodes:
         vec = int_vector(offs, reads, leaves)
         if vec is None or len(vec) != E or tensor_value(offs).dtype != torch.int32:
-            raise _Skip("offsets_not_matched", f"{offs.name} is not an int32 [E] expression of {pp.name}")
+            raise NoMatch("offsets_not_matched", f"{offs.name} is not an int32 [E] expression of {pp.name}")
         expected = [sympy.Add(*padded[: i + 1]) for i in range(E)]
         if not same_on_samples(list(zip(vec, expected)), counts):
-            raise _Skip("offsets_not_matched", f"{offs.name} is not the offsets of {pp.name}")
+            raise NoMatch("offsets_not_matched", f"{offs.name} is not the offsets of {pp.name}")
     return "ok", dict(rows=rows, offs=outs.get(2), R=R, X=X, Y=Y, back=back, middle=middle, pad=pad,
                       offs_uses=offs_uses, offs_nodes=offs_nodes, align=align)
 
@@ -968,7 +970,7 @@ def _strip_pad_after_permute_pad(graph: fx.Graph, ctx: PassContext) -> list[str]
         layer = layer_name(pp)
         try:
             found = _match_pad_after_permute_pad(pp, host_reads(graph))
-        except _Skip as skip:
+        except NoMatch as skip:
             ctx.skip(layer, skip.reason, skip.detail)
             touched.append(layer)
             continue
