@@ -52,6 +52,22 @@ class CompiledLoopTest(unittest.TestCase):
         self.assertEqual(cudagraph_blockers(gm), [])
         self.assertEqual(op_counts(gm)["moe.permute_pad.default"], 1)
 
+    def test_regrouped_module_list_uses_the_grouped_weight_without_copies(self):
+        """After ``quantize_experts(model, "bf16")`` the loop's weights are slices ``W[e]`` of one parameter:
+        the grouped GEMMs take ``W`` as it is (the plain ModuleList needs a stacked copy per step)."""
+        import moe_compile
+
+        for regroup, copies in ((False, 3), (True, 0)):
+            model = make_layer("loop")
+            if regroup:
+                moe_compile.quantize_experts(model, "bf16")
+            got, want = run_layer(model, layer_input(3), path="backend", train=True)
+            assert_matches_eager(self, got, want)
+            self.assertEqual(got.records.count("fuse_expert_loop"), 1, got.records.table())
+            forward = op_counts(got.graphs[0])
+            self.assertEqual(forward["aten._grouped_mm.default"], 3)
+            self.assertEqual(forward["aten.cat.default"] + forward["aten.stack.default"], copies, regroup)
+
     def test_negative_control_pass_off_keeps_host_syncs(self):
         model = make_layer("loop", num_experts=2, top_k=1)
         check_pass_off_keeps_host_syncs(self, model, layer_input(2), "fuse_expert_loop")
