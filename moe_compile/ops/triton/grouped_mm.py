@@ -120,6 +120,23 @@ def _dequant_tile(
 
 
 @triton.jit
+def _expert_operands(
+    x_ptr, w_ptr, w_scale_ptr, w_gscale_ptr, rows, cols, e,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, W_FORMAT: tl.constexpr,
+):  # fmt: skip
+    """Pointer columns of the tile's activation rows and of expert ``e``'s weight / scale rows, and the
+    NVFP4 per-expert scale (1.0 for the other formats)."""
+    x_base = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    w_base = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    s_base = w_scale_ptr + e.to(tl.int64) * stride_se + cols[:, None].to(tl.int64) * stride_sn
+    if W_FORMAT == W_NVFP4:
+        gscale = tl.load(w_gscale_ptr + e)
+    else:
+        gscale = 1.0
+    return x_base, w_base, s_base, gscale
+
+
+@triton.jit
 def _grouped_mm_kernel(
     x_ptr, w_ptr, w_scale_ptr, w_gscale_ptr, offs_ptr, y_ptr,
     M, N, K, E,
@@ -156,13 +173,10 @@ def _grouped_mm_kernel(
     k_end = tl.where(is_work, K, 0)
     e = tl.minimum(e, E - 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    x_base = x_ptr + rows[:, None].to(tl.int64) * stride_xm
-    w_base = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    s_base = w_scale_ptr + e.to(tl.int64) * stride_se + cols[:, None].to(tl.int64) * stride_sn
-    if W_FORMAT == W_NVFP4:
-        gscale = tl.load(w_gscale_ptr + e)
-    else:
-        gscale = 1.0
+    x_base, w_base, s_base, gscale = _expert_operands(
+        x_ptr, w_ptr, w_scale_ptr, w_gscale_ptr, rows, cols, e,
+        stride_xm, stride_we, stride_wn, stride_se, stride_sn, W_FORMAT,
+    )  # fmt: skip
     for k0 in range(0, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
@@ -212,13 +226,10 @@ def _grouped_mm_decode_kernel(
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.where(is_work, tl.minimum(k_lo + K_PER_SPLIT, K), k_lo)  # tail slots: store zeros
     e = tl.minimum(e, E - 1)
-    x_base = x_ptr + rows[:, None].to(tl.int64) * stride_xm
-    w_base = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    s_base = w_scale_ptr + e.to(tl.int64) * stride_se + cols[:, None].to(tl.int64) * stride_sn
-    if W_FORMAT == W_NVFP4:
-        gscale = tl.load(w_gscale_ptr + e)
-    else:
-        gscale = 1.0
+    x_base, w_base, s_base, gscale = _expert_operands(
+        x_ptr, w_ptr, w_scale_ptr, w_gscale_ptr, rows, cols, e,
+        stride_xm, stride_we, stride_wn, stride_se, stride_sn, W_FORMAT,
+    )  # fmt: skip
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
