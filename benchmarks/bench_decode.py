@@ -37,6 +37,9 @@ import time
 
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _bench_env import copy_bandwidth, device_env  # noqa: E402
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 # plain Inductor last: its compile of the unbacked host-padded graph is the slowest
@@ -68,16 +71,6 @@ class Result:
 
 def get_configs(small: bool) -> list[Config]:
     return [Config("mixtral", 4096, 3584 if small else 14336, 8, 2), Config("qwen3", 2048, 768, 128, 8)]
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), from a 1 GiB copy."""
-    from triton.testing import do_bench
-
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=5, rep=20)
-    return 2 * src.numel() / (ms * 1e-3)
 
 
 def _make(variant: str, model: torch.nn.Module):
@@ -197,8 +190,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA device; nothing to benchmark (this benchmark needs a GPU).")
         return
-    import triton
-
     for name, value in (("cache_size_limit", 64), ("recompile_limit", 64), ("accumulated_cache_size_limit", 256)):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, value)
@@ -223,14 +214,8 @@ def main() -> None:
                 earlier[key] = r
         results = list(earlier.values())
     summary = summarize(results)
-    env = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "copy_bandwidth_GBps": round(bw / 1e9, 1),
-        "mixtral_I": get_configs(args.small)[0].I,
-        "wall_s": round(time.perf_counter() - start, 1),
-    }
+    env = device_env(copy_bandwidth_GBps=round(bw / 1e9, 1), mixtral_I=get_configs(args.small)[0].I,
+                     wall_s=round(time.perf_counter() - start, 1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "summary": summary, "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)

@@ -26,11 +26,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import pathlib
 import math
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _bench_env import copy_bandwidth, device_env  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +65,6 @@ class Result:
 def get_configs(quick: bool) -> list[Config]:
     configs = [Config(8192, 4096, 8, 2), Config(16384, 2048, 64, 8), Config(4096, 7168, 256, 8)]
     return configs[:1] if quick else configs
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), from a 1 GiB copy."""
-    from triton.testing import do_bench
-
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3)
 
 
 # ===== the PyTorch formulation (eager and under plain Inductor) =====
@@ -233,8 +227,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("bench_dispatch: no CUDA device; nothing to benchmark (this benchmark needs a GPU).")
         return
-    import triton
-
     rep = 20 if args.quick else 40
     bw = copy_bandwidth()
     results: list[Result] = []
@@ -244,12 +236,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         print(f"{cfg.name}: done at {time.perf_counter() - start:.0f} s", flush=True)
     summary = summarize(results)
-    env = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "copy_bandwidth_GBps": round(bw / 1e9, 1),
-    }
+    env = device_env(copy_bandwidth_GBps=round(bw / 1e9, 1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

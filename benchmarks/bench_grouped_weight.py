@@ -33,9 +33,13 @@ import argparse
 import dataclasses
 import functools
 import json
+import pathlib
 import sys
 
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _bench_env import copy_bandwidth, device_env  # noqa: E402
 
 E, H, I, TOPK = 128, 2048, 768, 8
 TOKENS = (1, 16, 64, 256, 4096)
@@ -55,16 +59,6 @@ class Result:
     floor_us: float
     x_floor: float
     config: str = ""
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write) from a 1 GiB copy."""
-    from triton.testing import do_bench
-
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100)
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
 def routing(T: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
@@ -205,8 +199,6 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_grouped_weight: no CUDA device, nothing to run")
         return 0
-    import triton
-
     import moe_compile.ops.grouped_mm  # noqa: F401  (registers the ops)
 
     gen = torch.Generator().manual_seed(0)
@@ -226,14 +218,8 @@ def main() -> int:
         for fmt, goal in TARGETS.items()
         for T in sorted({r.T for r in results if r.T <= 64})
     }
-    env = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "copy_bandwidth_GBps": round(bw / 1e9, 1),
-        "shape": dict(E=E, H=H, I=I, top_k=TOPK),
-        "targets_met": targets,
-    }
+    env = device_env(copy_bandwidth_GBps=round(bw / 1e9, 1), shape=dict(E=E, H=H, I=I, top_k=TOPK),
+                     targets_met=targets)
     if args.json:
         with open(args.json, "w") as f:
             rows = [dataclasses.asdict(r) for r in results]

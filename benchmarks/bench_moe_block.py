@@ -32,6 +32,9 @@ import time
 
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _bench_env import device_env  # noqa: E402
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 VARIANTS = ("eager", "moe", "inductor", "moe_ro", "inductor_ro")
@@ -217,16 +220,13 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("bench_moe_block: no CUDA device, nothing to measure (this benchmark needs a GPU)")
         return
-    import triton
-
     start = time.perf_counter()
     deadline = start + args.budget_s
     tflops = measured_mm_tflops()
     results: list[Result] = []
     for cfg in CONFIGS:
         results.extend(run_config(cfg, tflops, deadline, args.quick))
-    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "mm_tflops": round(tflops, 1), "wall_s": round(time.perf_counter() - start, 1)}
+    env = device_env(mm_tflops=round(tflops, 1), wall_s=round(time.perf_counter() - start, 1))
     speedup_lines = speedups(results)
     summary = [
         {"model": r.model, "variant": r.variant, "fwd_ms": r.fwd_ms, "fwd_bwd_ms": r.fwd_bwd_ms,
