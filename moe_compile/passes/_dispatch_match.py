@@ -20,6 +20,10 @@ flattened integer expert ids whose permutation gathers token rows. The proof, st
 6. **Combine.** ``y[inverse(perm)].view(T, K, H).sum(1)``, or ``zeros(T, H)`` accumulated by
    ``index_add_`` / ``scatter_add_`` / ``index_put_(accumulate=True)`` at ``perm // K``.
 
+Ids in ``[0, E)`` (``permute_pad``'s contract) are assumed, except where the graph handles sentinel ids
+``>= E`` (an in-place clamp of the ids, or a ``ids_sorted >= E`` mask, as transformers does for expert
+parallelism): then the ids must be a router's top-k over ``E`` scores.
+
 Anything unproven raises :class:`NoMatch` with a reason tag (see ``fuse_dispatch``'s docstring).
 """
 
@@ -114,6 +118,43 @@ def _clamp_bounds(node: fx.Node) -> tuple[int | None, int | None] | None:
     if any(b is not None and (isinstance(b, bool) or not isinstance(b, int)) for b in (low, high)):
         return None
     return low, high
+
+
+def is_sentinel_test(cmp: fx.Node, ids: fx.Node, num_experts: int) -> bool:
+    """``ids >= c`` with ``c >= E`` or ``ids > c`` with ``c >= E - 1``: the test for sentinel ids."""
+    name, args = op_name(cmp), cmp.args
+    if name not in ("ge", "gt") or len(args) != 2 or args[0] is not ids or cmp.kwargs:
+        return False
+    bound = args[1]
+    if isinstance(bound, bool) or not isinstance(bound, int):
+        return False
+    return bound >= num_experts if name == "ge" else bound >= num_experts - 1
+
+
+_INT_DTYPES = (torch.int16, torch.int32, torch.int64)
+
+
+def ids_below(ids_flat: fx.Node, num_experts: int) -> bool:
+    """Whether ``ids_flat`` is provably in ``[0, E)``: through flatten views and integer casts, the indices
+    of a ``topk`` along the last dim of a tensor whose last dim is ``E`` (every router's top-k)."""
+    node = _flat_source(ids_flat)
+    while isinstance(node, fx.Node) and op_name(node) in ("to", "long", "int", "type"):
+        v = tensor_val(node)
+        if v is None or v.dtype not in _INT_DTYPES:
+            return False
+        node = node.args[0]
+    if not isinstance(node, fx.Node):
+        return False
+    is_indices = (op_name(node) == "getitem" and node.args[1] == 1) or (
+        node.op == "call_function" and node.target is getattr and node.args[1] == "indices")
+    topk = node.args[0] if is_indices else None
+    if not isinstance(topk, fx.Node) or op_name(topk) != "topk":
+        return False
+    scores = tensor_val(topk.args[0])
+    if scores is None or scores.dim() == 0 or known_int(scores.shape[-1]) != num_experts:
+        return False
+    dim = known_int(arg(topk, 2, "dim", -1))
+    return dim is not None and dim % scores.dim() == scores.dim() - 1
 
 
 @dataclasses.dataclass
@@ -365,6 +406,13 @@ class Matcher:
             if (low is not None and low > 0) or (high is not None and high < num_experts - 1):
                 raise NoMatch("expert_ids_mutated", f"{clamp.name} clamps expert ids to [{low}, {high}], "
                               f"which changes ids in [0, {num_experts})")
+        sentinel_tests = [u for n in sorted(self.sorted_ids, key=lambda n: n.name) for u in n.users
+                          if is_sentinel_test(u, n, num_experts)]
+        if (self.id_clamps or sentinel_tests) and not ids_below(ids_flat, num_experts):
+            handling = (self.id_clamps + sentinel_tests)[0].name
+            raise NoMatch("expert_ids_unbounded", f"{handling} handles ids >= {num_experts} (expert-parallel "
+                          f"sentinels) and the ids are not a top-k over {num_experts} router scores, so ids in "
+                          f"[0, {num_experts}) is not proven")
         if padding is not None:
             self._check_destination(padding, num_experts)
         fold = self._fold(combine, weight_gathers, region)

@@ -31,8 +31,9 @@ Fires when:
     change any combined value.
 
 Skips when (reason tags, reported through ``explain``):
-    ``descending_sort``, ``expert_ids_mutated`` (in-place writes to the ids, e.g. expert-parallel
-    sentinels), ``token_gather_not_matched``, ``weights_before_gather`` (rows weighted before the
+    ``descending_sort``, ``expert_ids_mutated`` (in-place writes to the ids that change ids in
+    ``[0, E)``), ``expert_ids_unbounded`` (the graph handles sentinel ids ``>= E`` and the ids are not a
+    router's top-k over ``E`` scores: expert parallelism), ``token_gather_not_matched``, ``weights_before_gather`` (rows weighted before the
     gather), ``multiple_gather_sources``, ``token_index_mismatch``, ``offsets_not_matched``,
     ``no_grouped_gemm``, ``padding_not_proven``, ``unsupported_alignment``, ``region_not_rowwise``
     (an op between gather and combine mixes rows), ``rows_escape_region`` (permuted rows are a graph
@@ -63,6 +64,7 @@ from moe_compile.passes._dispatch_match import (
     Dispatch,
     Matcher,
     find_dispatch_anchors,
+    is_sentinel_test,
     looks_like_dispatch,
 )
 from moe_compile.passes._graph import arg, erase_dead, graph_call, op_name, same_int, tensor_val, topo_index
@@ -211,17 +213,6 @@ def rewrite(graph: fx.Graph, d: Dispatch, debug: bool = False) -> str:
 _MASK_VIEWS = ("unsqueeze", "view", "reshape", "expand", "expand_as")
 
 
-def _never_true(cmp: fx.Node, ids: fx.Node, num_experts: int) -> bool:
-    """``ids >= c`` with ``c >= E`` or ``ids > c`` with ``c >= E - 1``."""
-    name, args = op_name(cmp), cmp.args
-    if name not in ("ge", "gt") or len(args) != 2 or args[0] is not ids or cmp.kwargs:
-        return False
-    bound = args[1]
-    if isinstance(bound, bool) or not isinstance(bound, int):
-        return False
-    return bound >= num_experts if name == "ge" else bound >= num_experts - 1
-
-
 def _drop_sentinel_masks(graph: fx.Graph, d: Dispatch, dead: list[fx.Node]) -> int:
     """Remove ``masked_fill(rows, ids_sorted >= E, v)`` (and its in-place form): returns how many.
 
@@ -232,7 +223,7 @@ def _drop_sentinel_masks(graph: fx.Graph, d: Dispatch, dead: list[fx.Node]) -> i
     """
     dropped = 0
     for ids in d.sorted_ids:
-        for cmp in [u for u in ids.users if _never_true(u, ids, d.num_experts)]:
+        for cmp in [u for u in ids.users if is_sentinel_test(u, ids, d.num_experts)]:
             masks, fills, work = {cmp}, [], [cmp]
             while work:
                 for u in work.pop().users:
