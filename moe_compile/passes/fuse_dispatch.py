@@ -217,8 +217,8 @@ def _drop_sentinel_masks(graph: fx.Graph, d: Dispatch, dead: list[fx.Node]) -> i
     """Remove ``masked_fill(rows, ids_sorted >= E, v)`` (and its in-place form): returns how many.
 
     transformers masks the rows of expert-parallel sentinel ids (``>= E``) around each grouped GEMM.
-    ``permute_pad`` requires every id in ``[0, E)`` (the contract the rewrite already relies on), so
-    such a mask is all False and the fill is the identity. Without this, each fill is a full extra
+    The matcher proved the ids in ``[0, E)`` (a router's top-k over ``E`` scores; ``permute_pad``'s
+    contract), so such a mask is all False and the fill is the identity. Without this, each fill is a full extra
     pass over the routed rows (and another in the backward), and the sort stays alive for the mask.
     """
     dropped = 0
