@@ -20,8 +20,8 @@ Rewrites to:
     weights and padded buffers become ``rows_MH`` / ``probs_M``, every grouped GEMM of the region takes
     ``offs_E``; the combine becomes ``unpad_unpermute(y, row_map)``. The region itself, the router,
     shared experts and the aux loss are left as they are. Expert-parallel sentinel masks of the rows
-    (``masked_fill(rows, ids_sorted >= E, v)``, transformers 5.17) are dropped: under ``permute_pad``'s
-    contract (ids in ``[0, E)``) they are all False. The original sort, gathers, inverse
+    (``masked_fill(rows, ids_sorted >= E, v)``, transformers 5.17) are dropped: with the ids proven in
+    ``[0, E)`` (a router's top-k) they are all False. The original sort, gathers, inverse
     permutation and scatter-adds are erased. Forward and backward are then sync-free gathers with
     deterministic autograd (no ``index_put(accumulate=True)`` / atomic adds from ``x[perm // K]``).
 
