@@ -189,9 +189,7 @@ def explain(model: Any, *args: Any, backward: bool | None = None, **kwargs: Any)
     if isinstance(model, torch.nn.Module):
         seen = {r.layer for r in report.records}
         for name, module in model.named_modules():
-            if not name or not _is_experts_module(module) or any(
-                layer == name or layer.startswith(name + ".") or name.startswith(layer + ".") for layer in seen
-            ):
+            if not name or not _is_experts_module(module) or any(_same_module(name, layer) for layer in seen):
                 continue
             report.records.append(PassRecord(
                 "explain", "-", "skip", name, "not_in_graph",
@@ -199,6 +197,23 @@ def explain(model: Any, *args: Any, backward: bool | None = None, **kwargs: Any)
                 "Dynamo does not capture; transformers: set_experts_implementation('grouped_mm'))",
             ))
     return report
+
+
+def _same_module(name: str, layer: str) -> bool:
+    """Whether record path ``layer`` is module ``name``, inside it or around it. Record paths are relative to
+    the module whose ``forward`` Dynamo compiled as a frame: transformers' ``*ForCausalLM`` compiles
+    ``model.model``'s forward on its own, so ``model.layers.0.mlp.experts`` is recorded as
+    ``layers.0.mlp.experts``."""
+    return any(
+        path == layer or layer.startswith(path + ".") or path.startswith(layer + ".")
+        for path in _suffixes(name)
+    )
+
+
+def _suffixes(name: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a.b.c", "b.c", "c"]``."""
+    parts = name.split(".")
+    return [".".join(parts[i:]) for i in range(len(parts))]
 
 
 def _is_experts_module(module: torch.nn.Module) -> bool:

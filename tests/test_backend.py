@@ -155,3 +155,16 @@ def test_explain_lists_experts_not_in_any_graph():
     [rec] = rep.records
     assert (rec.layer, rec.kind, rec.what) == ("1", "skip", "not_in_graph")
     assert "ToyExperts" in rec.detail
+
+
+def test_explain_matches_layers_of_frames_compiled_below_the_root():
+    """transformers' CausalLM is compiled frame by frame: records name ``layers.0.mlp.experts`` (relative to
+    ``model.model``); the experts modules are in the graph, so none is reported ``not_in_graph``."""
+    pytest.importorskip("transformers")
+    from tests.models.hf_models import build_causal_lm
+
+    model, inputs = build_causal_lm("mixtral", dtype=torch.bfloat16)
+    inputs.pop("labels")
+    rep = moe_compile.explain(model, backward=False, **inputs)
+    assert rep.count("fuse_dispatch") == 2, rep.table()
+    assert [r for r in rep.records if r.what == "not_in_graph"] == [], rep.table()
