@@ -101,7 +101,6 @@ class Fold:
     nodes: list[fx.Node]  # the multiply and the scale chain (erased)
 
 
-
 def _clamp_bounds(node: fx.Node) -> tuple[int | None, int | None] | None:
     """``(min, max)`` of an in-place ``clamp_`` / ``clamp_min_`` / ``clamp_max_`` with int bounds, else None."""
     name = op_name(node)
@@ -120,7 +119,7 @@ def _clamp_bounds(node: fx.Node) -> tuple[int | None, int | None] | None:
     return low, high
 
 
-def is_sentinel_test(cmp: fx.Node, ids: fx.Node, num_experts: int) -> bool:
+def _is_sentinel_test(cmp: fx.Node, ids: fx.Node, num_experts: int) -> bool:
     """``ids >= c`` with ``c >= E`` or ``ids > c`` with ``c >= E - 1``: the test for sentinel ids."""
     name, args = op_name(cmp), cmp.args
     if name not in ("ge", "gt") or len(args) != 2 or args[0] is not ids or cmp.kwargs:
@@ -131,7 +130,8 @@ def is_sentinel_test(cmp: fx.Node, ids: fx.Node, num_experts: int) -> bool:
     return bound >= num_experts if name == "ge" else bound >= num_experts - 1
 
 
-_INT_DTYPES = (torch.int16, torch.int32, torch.int64)
+# casts that keep every expert id (a router has far fewer than 2**15 experts)
+_ID_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 
 def ids_below(ids_flat: fx.Node, num_experts: int) -> bool:
@@ -140,7 +140,7 @@ def ids_below(ids_flat: fx.Node, num_experts: int) -> bool:
     node = _flat_source(ids_flat)
     while isinstance(node, fx.Node) and op_name(node) in ("to", "long", "int", "type"):
         v = tensor_val(node)
-        if v is None or v.dtype not in _INT_DTYPES:
+        if v is None or v.dtype not in _ID_DTYPES:
             return False
         node = node.args[0]
     if not isinstance(node, fx.Node):
@@ -182,8 +182,9 @@ class Dispatch:
     # in-place clamps of the ids that leave every id in [0, E) unchanged (transformers clamps sorted
     # ids to E-1 for expert-parallel sentinels); erased with the sort
     id_clamps: list[fx.Node] = dataclasses.field(default_factory=list)
-    # nodes whose value is the expert id of each sorted row (sort values, ``ids_flat[perm]``)
-    sorted_ids: list[fx.Node] = dataclasses.field(default_factory=list)
+    # ``ids_sorted >= E`` tests of the sorted ids (transformers' sentinel masks), all False once the ids are
+    # proven in [0, E); the rewrite drops the masked fills they feed
+    sentinel_tests: list[fx.Node] = dataclasses.field(default_factory=list)
 
     @property
     def align(self) -> int:
@@ -407,7 +408,7 @@ class Matcher:
                 raise NoMatch("expert_ids_mutated", f"{clamp.name} clamps expert ids to [{low}, {high}], "
                               f"which changes ids in [0, {num_experts})")
         sentinel_tests = [u for n in sorted(self.sorted_ids, key=lambda n: n.name) for u in n.users
-                          if is_sentinel_test(u, n, num_experts)]
+                          if _is_sentinel_test(u, n, num_experts)]
         if (self.id_clamps or sentinel_tests) and not ids_below(ids_flat, num_experts):
             handling = (self.id_clamps + sentinel_tests)[0].name
             raise NoMatch("expert_ids_unbounded", f"{handling} handles ids >= {num_experts} (expert-parallel "
@@ -423,7 +424,7 @@ class Matcher:
             num_experts=num_experts, x_TH=x_TH, token_gathers=token_gathers, probs_flat=probs_flat,
             probs_TK=probs_TK, weight_gathers=weight_gathers, grouped_mms=grouped_mms, region=region,
             combine=combine, padding=padding, counts_kind=counts_kind, matched=self._ordered_matched(), fold=fold,
-            id_clamps=self.id_clamps, sorted_ids=sorted(self.sorted_ids, key=lambda n: n.name),
+            id_clamps=self.id_clamps, sentinel_tests=sentinel_tests,
         )
 
     def _ordered_matched(self) -> list[str]:

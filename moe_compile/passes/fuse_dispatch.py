@@ -33,12 +33,13 @@ Fires when:
 Skips when (reason tags, reported through ``explain``):
     ``descending_sort``, ``expert_ids_mutated`` (in-place writes to the ids that change ids in
     ``[0, E)``), ``expert_ids_unbounded`` (the graph handles sentinel ids ``>= E`` and the ids are not a
-    router's top-k over ``E`` scores: expert parallelism), ``token_gather_not_matched``, ``weights_before_gather`` (rows weighted before the
-    gather), ``multiple_gather_sources``, ``token_index_mismatch``, ``offsets_not_matched``,
-    ``no_grouped_gemm``, ``padding_not_proven``, ``unsupported_alignment``, ``region_not_rowwise``
-    (an op between gather and combine mixes rows), ``rows_escape_region`` (permuted rows are a graph
-    output), ``combine_not_matched``, ``ops_unavailable``, ``internal_error`` (the matcher raised; the
-    layer is left alone, other layers still rewrite; ``strict`` re-raises).
+    router's top-k over ``E`` scores: expert parallelism), ``token_gather_not_matched``,
+    ``weights_before_gather`` (rows weighted before the gather), ``multiple_gather_sources``,
+    ``token_index_mismatch``, ``offsets_not_matched``, ``no_grouped_gemm``, ``padding_not_proven``,
+    ``unsupported_alignment``, ``region_not_rowwise`` (an op between gather and combine mixes rows),
+    ``rows_escape_region`` (permuted rows are a graph output), ``combine_not_matched``,
+    ``ops_unavailable``, ``internal_error`` (the matcher raised; the layer is left alone, other layers
+    still rewrite; ``strict`` re-raises).
 
 Stage:
     pre-grad (Dynamo's Torch IR). AOTAutograd then traces our ops' registered autograd, so one
@@ -64,7 +65,6 @@ from moe_compile.passes._dispatch_match import (
     Dispatch,
     Matcher,
     find_dispatch_anchors,
-    is_sentinel_test,
     looks_like_dispatch,
 )
 from moe_compile.passes._graph import arg, erase_dead, graph_call, op_name, same_int, tensor_val, topo_index
@@ -218,27 +218,27 @@ def _drop_sentinel_masks(graph: fx.Graph, d: Dispatch, dead: list[fx.Node]) -> i
 
     transformers masks the rows of expert-parallel sentinel ids (``>= E``) around each grouped GEMM.
     The matcher proved the ids in ``[0, E)`` (a router's top-k over ``E`` scores; ``permute_pad``'s
-    contract), so such a mask is all False and the fill is the identity. Without this, each fill is a full extra
-    pass over the routed rows (and another in the backward), and the sort stays alive for the mask.
+    contract) and found the tests (``d.sentinel_tests``), so such a mask is all False and the fill is
+    the identity. Without this, each fill is a full extra pass over the routed rows (and another in the
+    backward), and the sort stays alive for the mask.
     """
     dropped = 0
-    for ids in d.sorted_ids:
-        for cmp in [u for u in ids.users if is_sentinel_test(u, ids, d.num_experts)]:
-            masks, fills, work = {cmp}, [], [cmp]
-            while work:
-                for u in work.pop().users:
-                    name = op_name(u)
-                    if name in _MASK_VIEWS and u.args and u.args[0] in masks:
-                        masks.add(u)
-                        work.append(u)
-                    elif name in ("masked_fill", "masked_fill_") and arg(u, 1, "mask") in masks \
-                            and arg(u, 0, "input") not in masks:
-                        fills.append(u)
-            for fill in fills:
-                fill.replace_all_uses_with(arg(fill, 0, "input"))
-                graph.erase_node(fill)
-                dropped += 1
-            dead.extend(masks)
+    for cmp in d.sentinel_tests:
+        masks, fills, work = {cmp}, [], [cmp]
+        while work:
+            for u in work.pop().users:
+                name = op_name(u)
+                if name in _MASK_VIEWS and u.args and u.args[0] in masks:
+                    masks.add(u)
+                    work.append(u)
+                elif name in ("masked_fill", "masked_fill_") and arg(u, 1, "mask") in masks \
+                        and arg(u, 0, "input") not in masks:
+                    fills.append(u)
+        for fill in fills:
+            fill.replace_all_uses_with(arg(fill, 0, "input"))
+            graph.erase_node(fill)
+            dropped += 1
+        dead.extend(masks)
     return dropped
 
 
