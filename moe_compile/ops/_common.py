@@ -32,6 +32,7 @@ def check_alignment(align: int, arg: str = "align") -> None:
 
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)  # for the wrappers' fast argument checks
 # every integer dtype (what ``check_int_tensor`` accepts without a ``dtypes`` list); for fast checks
 INT_DTYPES = frozenset(
     d

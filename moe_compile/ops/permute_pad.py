@@ -121,8 +121,6 @@ def permute_pad_backward_reference(
 
 # ===== validation =====
 
-_FLOAT_DTYPES = frozenset(_common.FLOAT_DTYPES)
-
 
 def _check_args(x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts: int, align: int) -> None:
     # Fast path: one expression over the common case; anything off goes to the detailed checks below,
@@ -130,7 +128,7 @@ def _check_args(x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts
     if (
         isinstance(x, Tensor)
         and isinstance(expert_idx, Tensor)
-        and x.dtype in _FLOAT_DTYPES
+        and x.dtype in _common.FLOAT_DTYPE_SET
         and expert_idx.dtype in _common.INT_DTYPES
         and x.dim() == 2
         and expert_idx.dim() == 2
@@ -144,7 +142,7 @@ def _check_args(x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts
             probs is None
             or (
                 isinstance(probs, Tensor)
-                and probs.dtype in _FLOAT_DTYPES
+                and probs.dtype in _common.FLOAT_DTYPE_SET
                 and probs.shape == expert_idx.shape
                 and probs.device == x.device
             )

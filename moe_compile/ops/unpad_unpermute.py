@@ -92,15 +92,12 @@ def unpad_unpermute_backward_reference(
 # ===== validation =====
 
 
-_FLOAT_DTYPES = frozenset(_common.FLOAT_DTYPES)
-
-
 def _check_args(rows: Tensor, row_map: Tensor, probs: Tensor | None) -> None:
     # Fast path over the common case; anything off goes to the detailed checks (first failing argument).
     if (
         isinstance(rows, Tensor)
         and isinstance(row_map, Tensor)
-        and rows.dtype in _FLOAT_DTYPES
+        and rows.dtype in _common.FLOAT_DTYPE_SET
         and row_map.dtype == torch.int32
         and rows.dim() == 2
         and row_map.dim() == 2
@@ -111,7 +108,7 @@ def _check_args(rows: Tensor, row_map: Tensor, probs: Tensor | None) -> None:
             probs is None
             or (
                 isinstance(probs, Tensor)
-                and probs.dtype in _FLOAT_DTYPES
+                and probs.dtype in _common.FLOAT_DTYPE_SET
                 and probs.dim() == 2
                 and probs.shape[0] == row_map.shape[0]
                 and probs.shape[1] == row_map.shape[1] // 2
