@@ -145,14 +145,15 @@ def _pick_decode_config(M: int, E: int, N: int, K: int, fmt: str, num_sms: int, 
     block_m = max(_next_pow2(int(1.5 * M / max(E, 1)) + 1), 16)
     if block_m > 32:
         return None
+    active = min(E, M)  # row tiles with work, at most
     block_n = max(min(64, _next_pow2(N)), 16)
-    if min(E, M) * triton.cdiv(N, block_n) < 1.5 * num_sms and block_n > 32:
+    if active * triton.cdiv(N, block_n) < 1.5 * num_sms and block_n > 32:
         block_n = 32  # 1-1.5 waves leave SMs idle in the last one: narrower tiles, more programs
     # 64 x 128 tiles (the fp32 dequantised tile at 64 registers per thread); NVFP4 loads half the
     # bytes per value, so 64 x 256 (H200 sweep, E128 H2048 I768 at T 1 and 64)
     tile = 16384 if fmt == "nvfp4" else 8192
     block_k = max(min(tile // block_n, 256, _next_pow2(K)), MX_BLOCK if fmt != "plain" else 16)
-    programs = min(E, M) * triton.cdiv(N, block_n)
+    programs = active * triton.cdiv(N, block_n)
     split_k = 1
     while programs * split_k < num_sms and K >= 4 * split_k * block_k and split_k * M * N < 2**30:
         split_k *= 2
