@@ -102,6 +102,9 @@ def grouped_mm_wgrad_reference(dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_E: 
 # ===== Triton launchers =====
 
 _FORMATS = {"plain": 0, "mxfp8": 1, "nvfp4": 2}
+# smallest BLOCK_K: one MMA K step (16) per operand; MXFP8 one scale block; NVFP4 splits the tile
+# into its 4 k-mod-4 column sets (NOTE [NVFP4 decode]), each a 16-deep MMA at least
+_MIN_BLOCK_K = {"plain": 16, "mxfp8": MX_BLOCK, "nvfp4": 64}
 
 
 def _pick_config(M: int, E: int, N: int, K: int, fmt: str, num_sms: int | None, fp32: bool) -> dict:
@@ -113,7 +116,8 @@ def _pick_config(M: int, E: int, N: int, K: int, fmt: str, num_sms: int | None, 
     128 x 128 tiles. ``benchmarks/bench_grouped_weight.py --sweep`` times alternatives on the GPU.
     """
     if num_sms is None:  # CPU tensors (interpreter): smallest legal tiles keep it fast
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
+        block_k = _MIN_BLOCK_K[fmt] if fmt == "nvfp4" else 32
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, GROUP_M=4, SWAP_AB=False, num_warps=4, num_stages=1)
     rows_per_expert = M / max(E, 1)
     block_m = min(max(_next_pow2(int(1.5 * rows_per_expert) + 1), 16), 128)
     if block_m <= 32:
@@ -126,9 +130,10 @@ def _pick_config(M: int, E: int, N: int, K: int, fmt: str, num_sms: int | None, 
         cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
     else:
         cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    cfg["SWAP_AB"] = False
     if fp32:
         cfg["BLOCK_K"] = 32
-    min_k = MX_BLOCK if fmt != "plain" else 16
+    min_k = _MIN_BLOCK_K[fmt]
     cfg["BLOCK_K"] = max(min(cfg["BLOCK_K"], _next_pow2(K)), min_k)
     cfg["BLOCK_N"] = max(min(cfg["BLOCK_N"], _next_pow2(N)), 16)
     return cfg
@@ -146,13 +151,22 @@ def _pick_decode_config(M: int, E: int, N: int, K: int, fmt: str, num_sms: int, 
     if block_m > 32:
         return None
     active = min(E, M)  # row tiles with work, at most
-    block_n = max(min(64, _next_pow2(N)), 16)
-    if active * triton.cdiv(N, block_n) < 1.5 * num_sms and block_n > 32:
-        block_n = 32  # 1-1.5 waves leave SMs idle in the last one: narrower tiles, more programs
-    # 64 x 128 tiles (the fp32 dequantised tile at 64 registers per thread); NVFP4 loads half the
-    # bytes per value, so 64 x 256 (H200 sweep, E128 H2048 I768 at T 1 and 64)
-    tile = 16384 if fmt == "nvfp4" else 8192
-    block_k = max(min(tile // block_n, 256, _next_pow2(K)), MX_BLOCK if fmt != "plain" else 16)
+    if fmt == "nvfp4" and not fp32:
+        # 16384-value tiles, 64 x 256 or 128 x 128 (>= 8 K steps per program); never under 64 rows:
+        # the swapped MMA takes the weight tile as its 64-row register operand (H200 sweep, E128
+        # H2048 I768, T 1-64)
+        block_k = 256 if K >= 8 * 256 else 128
+        block_n = 16384 // block_k
+        if active * triton.cdiv(N, block_n) < 1.5 * num_sms and block_n > 64:
+            block_n, block_k = 64, 256
+        block_n = max(min(block_n, _next_pow2(N)), 16)
+        block_k = max(min(block_k, _next_pow2(K)), _MIN_BLOCK_K[fmt])
+    else:
+        block_n = max(min(64, _next_pow2(N)), 16)
+        if active * triton.cdiv(N, block_n) < 1.5 * num_sms and block_n > 32:
+            block_n = 32  # 1-1.5 waves leave SMs idle in the last one: narrower tiles, more programs
+        # 64 x 128 tiles: the fp32 dequantised tile at 64 registers per thread
+        block_k = max(min(8192 // block_n, 256, _next_pow2(K)), _MIN_BLOCK_K[fmt])
     programs = active * triton.cdiv(N, block_n)
     split_k = 1
     while programs * split_k < num_sms and K >= 4 * split_k * block_k and split_k * M * N < 2**30:
@@ -161,6 +175,10 @@ def _pick_decode_config(M: int, E: int, N: int, K: int, fmt: str, num_sms: int, 
         KERNEL="decode", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         SWAP_AB=not fp32, num_warps=4, num_stages=3,
     )  # fmt: skip
+
+
+def _ptx_decode_supported(x_MK: torch.Tensor) -> bool:
+    return x_MK.is_cuda and x_MK.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_MK.device) >= (8, 0)
 
 
 def grid_m_slots(M: int, E: int, block_m: int) -> int:
@@ -204,9 +222,15 @@ def launch_grouped_mm(
         num_sms = torch.cuda.get_device_properties(x_MK.device).multi_processor_count
         config = _pick_decode_config(M, E, N, K, fmt, num_sms, fp32) or _pick_config(M, E, N, K, fmt, num_sms, fp32)
     cfg = dict(config or _pick_config(M, E, N, K, fmt, None, fp32))
+    if fmt == "nvfp4":  # the kernels read int16 words of four codes (NOTE [NVFP4 decode])
+        if w.stride(-1) != 1 or w.storage_offset() % 2:
+            w = w.contiguous()
+        w = w.view(torch.int16)
     scale = w_scale if w_scale is not None else w
     gscale = w_gscale if w_gscale is not None else offs_E
     ieee = fp32 or not x_MK.is_cuda
+    # NOTE [NVFP4 decode]: inline-PTX bit moves for bf16 on sm80+ (fma.rn.bf16x2); elsewhere Triton ops
+    ptx = cfg.pop("PTX_DECODE", _ptx_decode_supported(x_MK))
     wrap = wrap_triton if x_MK.is_cuda else (lambda k: k)
     m_slots = grid_m_slots(M, E, cfg["BLOCK_M"])
     if cfg.pop("KERNEL", "tiled") == "decode":
@@ -223,7 +247,7 @@ def launch_grouped_mm(
             w.stride(0), w.stride(1), w.stride(2),
             scale.stride(0), scale.stride(1), scale.stride(-1),
             *part_strides,
-            W_FORMAT=_FORMATS[fmt], IEEE_DOT=ieee, BLOCK_E=max(_next_pow2(E), 16), **cfg,
+            W_FORMAT=_FORMATS[fmt], IEEE_DOT=ieee, PTX_DECODE=ptx, BLOCK_E=max(_next_pow2(E), 16), **cfg,
         )  # fmt: skip
         if split_k > 1:
             block = 1024
@@ -231,6 +255,7 @@ def launch_grouped_mm(
                 part, out_MN, M, N, split_k, out_MN.stride(0), out_MN.stride(1), BLOCK=block, num_warps=4
             )
         return out_MN
+    cfg.setdefault("SWAP_AB", False)
     grid = (m_slots * triton.cdiv(N, cfg["BLOCK_N"]),)
     wrap(kernels._grouped_mm_kernel)[grid](
         x_MK, w, scale, gscale, offs_E, out_MN,
@@ -240,7 +265,7 @@ def launch_grouped_mm(
         scale.stride(0), scale.stride(1), scale.stride(-1),
         out_MN.stride(0), out_MN.stride(1),
         m_slots,
-        W_FORMAT=_FORMATS[fmt], IEEE_DOT=ieee,
+        W_FORMAT=_FORMATS[fmt], IEEE_DOT=ieee, PTX_DECODE=ptx,
         BLOCK_E=max(_next_pow2(E), 16), **cfg,
     )  # fmt: skip
     return out_MN

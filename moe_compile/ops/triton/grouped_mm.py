@@ -16,8 +16,22 @@ and their inclusive prefix sum, and finds its expert with one vector compare:
 Weight formats (``W_FORMAT``): 0 plain (``w`` already in the compute dtype, any strides), 1 MXFP8
 (``w`` float8_e4m3fn ``[E, N, K]``, ``w_scale`` uint8 e8m0 ``[E, N, K/32]``), 2 NVFP4 (``w`` uint8
 ``[E, N, K/2]``, two e2m1 codes per byte, low nibble first; ``w_scale`` float8_e4m3fn ``[E, N, K/16]``;
-``w_gscale`` fp32 ``[E]`` per-expert scale). Quantised tiles are decoded in registers with the same
-fp32 arithmetic as the PyTorch reference, so the dequantised tile is bitwise the reference's.
+``w_gscale`` fp32 ``[E]`` per-expert scale). MXFP8 tiles are decoded in registers with the same fp32
+arithmetic as the PyTorch reference (bitwise the reference's dequantised tile). NVFP4: see NOTE [NVFP4
+decode].
+
+NOTE [NVFP4 decode]
+Dequantising to ``gscale * s * v`` (fp32 multiplies, then a cast) costs ~9 instructions per weight,
+which bounds the kernel on sm90 (no FP4 hardware). Instead the tile holds ``v * s * 2**-7`` (e2m1
+value times its e4m3 block scale: at most 6 significant bits, exact in bf16, fp16 and fp32) and the
+per-expert ``gscale * 2**7`` multiplies the fp32 accumulator once, as hardware block-scaled GEMMs
+apply their per-tensor scale. A code's bits moved under the top mantissa bit of a bf16/fp32 are
+``v * 2**-126`` (code 1 is the denormal ``2**-127``), so one exact multiply by ``s * 2**119`` finishes
+it. The two codes of a byte are k and k+1: the tile comes back as its even-k and odd-k halves,
+multiplied with the matching halves of the activations (no interleave). For bf16 on CUDA
+(``PTX_DECODE``) the bit moves run as inline PTX on two bytes per 32-bit register (3-4 logic ops per
+pair) with one ``fma.rn.bf16x2`` for the scale; elsewhere in fp32 Triton ops (the interpreter has no
+bf16 arithmetic), bitwise the same tile (GPU test).
 
 ``IEEE_DOT``: upcast both operands to fp32 and multiply without TF32. Used for fp32 data and always
 under ``TRITON_INTERPRET=1`` (the triton 3.9 interpreter's ``tl.dot`` returns garbage for bf16).
@@ -72,51 +86,139 @@ def _decode_e8m0(s):
 
 
 @triton.jit
-def _decode_e2m1_pairs(packed):
-    """``[R, C]`` bytes of two e2m1 codes (low nibble first) -> fp32 ``[R, 2C]`` in memory order.
+def _e2m1x8_to_bf16(words, scale):
+    """Inline PTX: int16 words of four e2m1 codes -> their codes 0, 1, 2, 3 as bf16 times ``scale``
+    (bf16, broadcast like ``words``); NOTE [NVFP4 decode].
 
-    A code's 3 magnitude bits land on fp32 bits 22-24 (top mantissa bit + two lowest exponent bits)
-    and its sign on bit 31: that is exactly ``value * 2**-126`` (code 1 is the denormal ``2**-127``),
-    so one exact multiply by ``2**126`` finishes it. Both codes are taken straight from the byte
-    (low: bits 0-2 and 3, high: bits 4-6 and 7), with no nibble split first: integer ops per value
-    bound the NVFP4 kernels on sm90 (64 INT32 lanes per SM against 128 FP32).
+    Per two words ($4 = bytes b0 b1 | b2 b3, $5 = their scales as bf16x2): t = [b0, 0, b2, 0] puts
+    one byte per 16-bit half; a low code (bits 0-3) moves to bits 6-8 (magnitude) and 15 (sign), a
+    high code (bits 4-7) likewise; -0.0 as the addend keeps the product's sign of zero. One line (no
+    newlines): Inductor copies kernel sources into generated modules.
     """
-    p = packed.to(tl.int32)
-    lo = ((p << 22) & 0x01C00000) | ((p << 28) & -2147483648)
-    hi = ((p << 18) & 0x01C00000) | ((p << 24) & -2147483648)
-    values = tl.join(lo, hi).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2**126
-    return values.reshape(packed.shape[0], 2 * packed.shape[1])
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t0, t1, a, b, nz; mov.b32 nz, 0x80008000; "
+        "prmt.b32 t0, $4, 0, 0x4240; prmt.b32 t1, $4, 0, 0x4341; "
+        "shl.b32 a, t0, 6; shl.b32 b, t0, 12; or.b32 a, a, b; and.b32 a, a, 0x81C081C0; "
+        "fma.rn.bf16x2 $0, a, $5, nz; "
+        "shl.b32 a, t0, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t0, 8; and.b32 b, b, 0x80008000; "
+        "or.b32 a, a, b; fma.rn.bf16x2 $1, a, $5, nz; "
+        "shl.b32 a, t1, 6; shl.b32 b, t1, 12; or.b32 a, a, b; and.b32 a, a, 0x81C081C0; "
+        "fma.rn.bf16x2 $2, a, $5, nz; "
+        "shl.b32 a, t1, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t1, 8; and.b32 b, b, 0x80008000; "
+        "or.b32 a, a, b; fma.rn.bf16x2 $3, a, $5, nz; }",
+        "=r,=r,=r,=r,r,r",
+        [words, scale],
+        dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def _e2m1_code(word, SHIFT: tl.constexpr):
+    """The e2m1 code at bit ``SHIFT`` of int32 ``word`` as fp32 ``v * 2**-126``: its 3 magnitude bits
+    on bits 22-24 (top mantissa bit, two lowest exponent bits), its sign on bit 31."""
+    code = word >> SHIFT
+    return (((code & 7) << 22) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nvfp4_tile(
+    w_base, s_base, k0, K, col_mask, stride_wk, stride_sk,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr, PTX_DECODE: tl.constexpr,
+):  # fmt: skip
+    """The NVFP4 ``[BLOCK_N, BLOCK_K]`` tile at ``k0`` as four ``[BLOCK_N, BLOCK_K/4]`` tiles of
+    ``v * s * 2**-7`` in ``OUT_DTYPE``, of the k = 0, 1, 2, 3 mod 4 columns (zeros past ``K``/``N``).
+
+    ``w_base`` points at int16 words of four codes; NOTE [NVFP4 decode].
+    """
+    kw = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+    words = tl.load(w_base + kw[None, :] * stride_wk, mask=col_mask[:, None] & (kw[None, :] < K // 4), other=0)
+    # [BLOCK_N, blocks, 4 words]: a block's scale broadcasts along the last dim in registers
+    words = words.reshape(BLOCK_N, BLOCK_K // NV_BLOCK, NV_BLOCK // 4)
+    sk = k0 // NV_BLOCK + tl.arange(0, BLOCK_K // NV_BLOCK)
+    s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // NV_BLOCK), other=0.0)
+    scale = (s.to(tl.float32) * 6.64613997892457936e35)[:, :, None]  # e4m3 * 2**119: exact, finite
+    if PTX_DECODE:
+        w0, w1, w2, w3 = _e2m1x8_to_bf16(words, scale.to(tl.bfloat16))
+    else:  # v * 2**-126 * s * 2**119: exact in fp32 and in OUT_DTYPE (6 significant bits, in range)
+        word = words.to(tl.int32)
+        w0 = (_e2m1_code(word, 0) * scale).to(OUT_DTYPE)
+        w1 = (_e2m1_code(word, 4) * scale).to(OUT_DTYPE)
+        w2 = (_e2m1_code(word, 8) * scale).to(OUT_DTYPE)
+        w3 = (_e2m1_code(word, 12) * scale).to(OUT_DTYPE)
+    shape: tl.constexpr = (BLOCK_N, BLOCK_K // 4)
+    return w0.reshape(shape), w1.reshape(shape), w2.reshape(shape), w3.reshape(shape)
 
 
 @triton.jit
 def _dequant_tile(
-    w_base, s_base, gscale, k0, K, col_mask, stride_wk, stride_sk,
+    w_base, s_base, k0, K, col_mask, stride_wk, stride_sk,
     W_FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """The ``[BLOCK_N, BLOCK_K]`` weight tile at ``k0`` in ``OUT_DTYPE`` (zeros past ``K``/``N``).
 
-    ``w_base`` / ``s_base`` are ``[BLOCK_N, 1]`` pointer columns of one expert's rows. Quantised
-    tiles are decoded once per tile with the reference's fp32 arithmetic (bitwise the reference).
+    ``w_base`` / ``s_base`` are ``[BLOCK_N, 1]`` pointer columns of one expert's rows. MXFP8 tiles
+    are decoded once per tile with the reference's fp32 arithmetic (bitwise the reference).
     """
     if W_FORMAT == W_PLAIN:
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & (ks[None, :] < K), other=0.0)
         return w.to(OUT_DTYPE)
-    elif W_FORMAT == W_MXFP8:
+    else:
+        tl.static_assert(W_FORMAT == W_MXFP8, "NVFP4 tiles come from _nvfp4_tile")
         ks = k0 + tl.arange(0, BLOCK_K)
         q = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & (ks[None, :] < K), other=0.0)
         sk = k0 // MX_BLOCK + tl.arange(0, BLOCK_K // MX_BLOCK)
         s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // MX_BLOCK), other=127)
         w = q.to(tl.float32).reshape(BLOCK_N, BLOCK_K // MX_BLOCK, MX_BLOCK) * _decode_e8m0(s)[:, :, None]
         return w.reshape(BLOCK_N, BLOCK_K).to(OUT_DTYPE)
+
+
+@triton.jit
+def _dot(acc, x, w, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr):
+    """``acc += x @ w^T`` (``[BLOCK_M, BLOCK_N]``), or its transpose ``w @ x^T`` when ``SWAP_AB``."""
+    if IEEE_DOT:
+        x = x.to(tl.float32)
+        w = w.to(tl.float32)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
     else:
-        kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_base + kp[None, :] * stride_wk, mask=col_mask[:, None] & (kp[None, :] < K // 2), other=0)
-        sk = k0 // NV_BLOCK + tl.arange(0, BLOCK_K // NV_BLOCK)
-        s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // NV_BLOCK), other=0.0)
-        scale = gscale * s.to(tl.float32)  # same order as torchao: per_tensor_scale * e4m3 scale
-        w = _decode_e2m1_pairs(packed).reshape(BLOCK_N, BLOCK_K // NV_BLOCK, NV_BLOCK) * scale[:, :, None]
-        return w.reshape(BLOCK_N, BLOCK_K).to(OUT_DTYPE)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _mma_step(
+    acc, x_base, w_base, s_base, k0, K, row_mask, col_mask, stride_xk, stride_wk, stride_sk,
+    W_FORMAT: tl.constexpr, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, PTX_DECODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One K step: ``acc += x[:, k0:k0+BLOCK_K] @ W[:, k0:k0+BLOCK_K]^T`` (NVFP4: without the
+    per-expert scale, which the caller applies once; NOTE [NVFP4 decode])."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_base + ks[None, :] * stride_xk, mask=row_mask[:, None] & (ks[None, :] < K), other=0.0)
+    if W_FORMAT == W_NVFP4:
+        w0, w1, w2, w3 = _nvfp4_tile(
+            w_base, s_base, k0, K, col_mask, stride_wk, stride_sk, BLOCK_N, BLOCK_K, x.dtype, PTX_DECODE
+        )
+        # k = 4j + 2h + l: split l, then h
+        x_l0, x_l1 = tl.split(x.reshape(BLOCK_M, BLOCK_K // 4, 2, 2))
+        x0, x2 = tl.split(x_l0)
+        x1, x3 = tl.split(x_l1)
+        acc = _dot(acc, x0, w0, IEEE_DOT, SWAP_AB)
+        acc = _dot(acc, x1, w1, IEEE_DOT, SWAP_AB)
+        acc = _dot(acc, x2, w2, IEEE_DOT, SWAP_AB)
+        acc = _dot(acc, x3, w3, IEEE_DOT, SWAP_AB)
+    else:
+        w = _dequant_tile(w_base, s_base, k0, K, col_mask, stride_wk, stride_sk, W_FORMAT, BLOCK_N, BLOCK_K, x.dtype)
+        acc = _dot(acc, x, w, IEEE_DOT, SWAP_AB)
+    return acc
 
 
 @triton.jit
@@ -125,15 +227,16 @@ def _expert_operands(
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, W_FORMAT: tl.constexpr,
 ):  # fmt: skip
     """Pointer columns of the tile's activation rows and of expert ``e``'s weight / scale rows, and the
-    NVFP4 per-expert scale (1.0 for the other formats)."""
+    factor for the fp32 accumulator: NVFP4's per-expert scale times ``2**7`` (NOTE [NVFP4 decode]),
+    1.0 for the other formats."""
     x_base = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     w_base = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
     s_base = w_scale_ptr + e.to(tl.int64) * stride_se + cols[:, None].to(tl.int64) * stride_sn
     if W_FORMAT == W_NVFP4:
-        gscale = tl.load(w_gscale_ptr + e)
+        acc_scale = tl.load(w_gscale_ptr + e) * 128.0
     else:
-        gscale = 1.0
-    return x_base, w_base, s_base, gscale
+        acc_scale = 1.0
+    return x_base, w_base, s_base, acc_scale
 
 
 @triton.jit
@@ -147,6 +250,8 @@ def _grouped_mm_kernel(
     NUM_M_SLOTS,
     W_FORMAT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    PTX_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -154,6 +259,7 @@ def _grouped_mm_kernel(
 
     1-D grid of ``NUM_M_SLOTS * cdiv(N, BLOCK_N)`` programs, ordered in groups of ``GROUP_M`` row
     tiles so that neighbouring programs share activation and weight tiles in L2 (prefill).
+    ``SWAP_AB`` computes ``(W x^T)^T``: the decoded weight tile is the MMA's register operand.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -172,24 +278,26 @@ def _grouped_mm_kernel(
     # tail slots run zero K iterations and store zeros (no scf.if: keeps the K loop pipelinable)
     k_end = tl.where(is_work, K, 0)
     e = tl.minimum(e, E - 1)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    x_base, w_base, s_base, gscale = _expert_operands(
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_base, w_base, s_base, acc_scale = _expert_operands(
         x_ptr, w_ptr, w_scale_ptr, w_gscale_ptr, rows, cols, e,
         stride_xm, stride_we, stride_wn, stride_se, stride_sn, W_FORMAT,
     )  # fmt: skip
     for k0 in range(0, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        x = tl.load(x_base + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = _dequant_tile(
-            w_base, s_base, gscale, k0, K, col_mask, stride_wk, stride_sk,
-            W_FORMAT, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty,
+        acc = _mma_step(
+            acc, x_base, w_base, s_base, k0, K, row_mask, col_mask, stride_xk, stride_wk, stride_sk,
+            W_FORMAT, IEEE_DOT, SWAP_AB, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        if IEEE_DOT:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    if W_FORMAT == W_NVFP4:
+        acc = acc * acc_scale
+    if SWAP_AB:
+        out = tl.trans(acc)
+    else:
+        out = acc
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -203,6 +311,7 @@ def _grouped_mm_decode_kernel(
     W_FORMAT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    PTX_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """Decode-shaped (few rows per expert) weight-streaming variant of ``_grouped_mm_kernel``.
@@ -226,7 +335,7 @@ def _grouped_mm_decode_kernel(
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.where(is_work, tl.minimum(k_lo + K_PER_SPLIT, K), k_lo)  # tail slots: store zeros
     e = tl.minimum(e, E - 1)
-    x_base, w_base, s_base, gscale = _expert_operands(
+    x_base, w_base, s_base, acc_scale = _expert_operands(
         x_ptr, w_ptr, w_scale_ptr, w_gscale_ptr, rows, cols, e,
         stride_xm, stride_we, stride_wn, stride_se, stride_sn, W_FORMAT,
     )  # fmt: skip
@@ -235,25 +344,12 @@ def _grouped_mm_decode_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_base + ks[None, :] * stride_xk, mask=row_mask[:, None] & (ks[None, :] < K), other=0.0)
-        w = _dequant_tile(
-            w_base, s_base, gscale, k0, K, col_mask, stride_wk, stride_sk,
-            W_FORMAT, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty,
+        acc = _mma_step(
+            acc, x_base, w_base, s_base, k0, K, row_mask, col_mask, stride_xk, stride_wk, stride_sk,
+            W_FORMAT, IEEE_DOT, SWAP_AB, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        if IEEE_DOT:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        if SWAP_AB:
-            if IEEE_DOT:
-                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(x), acc)
-        else:
-            if IEEE_DOT:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
+    if W_FORMAT == W_NVFP4:
+        acc = acc * acc_scale
     if SWAP_AB:
         out = tl.trans(acc)
     else:

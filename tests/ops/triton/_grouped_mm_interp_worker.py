@@ -27,6 +27,8 @@ CASES = {
     "nvfp4_fp32_empty_experts": ("nvfp4", [3, 0, 5, 2], 12, 24, 96, "float32"),
     "nvfp4_bf16_e7_tail_rows": ("nvfp4", [2, 0, 0, 1, 4, 0, 3], 14, 24, 48, "bfloat16"),
     "nvfp4_fp32_one_expert": ("nvfp4", [0, 7], 7, 16, 32, "float32"),
+    "nvfp4_fp16_swapped": ("swapped:nvfp4", [4, 0, 3], 9, 24, 80, "float16"),
+    "plain_bf16_swapped": ("swapped:plain", [2, 5, 0], 10, 16, 40, "bfloat16"),
     "wgrad_fp32_empty_experts": ("wgrad", [3, 0, 5, 2], 12, 24, 40, "float32"),
     "wgrad_fp32_tail_rows": ("wgrad", [1, 0, 6], 10, 16, 48, "float32"),
     "wgrad_bf16_one_expert": ("wgrad", [0, 0, 9], 9, 16, 24, "bfloat16"),
@@ -35,7 +37,7 @@ CASES = {
     "decode_plain_fp32_split3_swap": ("decode:plain:3:1", [3, 0, 5, 2], 12, 24, 96, "float32"),
     "decode_mxfp8_bf16_split2": ("decode:mxfp8:2:0", [2, 0, 0, 1, 4, 0, 3], 14, 24, 128, "bfloat16"),
     "decode_mxfp8_fp32_split1_swap": ("decode:mxfp8:1:1", [3, 0, 5, 2], 12, 24, 96, "float32"),
-    "decode_nvfp4_fp32_split2_swap_big_expert": ("decode:nvfp4:2:1", [0, 37, 0, 2], 41, 24, 64, "float32"),
+    "decode_nvfp4_fp32_split2_swap_big_expert": ("decode:nvfp4:2:1", [0, 37, 0, 2], 41, 24, 128, "float32"),
     "decode_nvfp4_bf16_split1": ("decode:nvfp4:1:0", [0, 7, 1], 9, 16, 32, "bfloat16"),
     "decode_nvfp4_fp32_no_rows": ("decode:nvfp4:2:1", [0, 0, 0], 4, 16, 64, "float32"),
 }
@@ -74,9 +76,13 @@ def _run_case(gmm, kind, counts, M, N, K, dtype_name):
     x = torch.randn(M, K, generator=gen).to(dtype)
 
     config = None
+    if kind.startswith("swapped:"):  # the tiled kernel computing (W x^T)^T
+        kind = kind.split(":")[1]
+        config = dict(gmm._pick_config(M, E, N, K, kind, None, False), SWAP_AB=True)
     if kind.startswith("decode:"):  # the decode kernel, with explicit split-K and operand order
         _, kind, split_k, swap = kind.split(":")
-        config = dict(KERNEL="decode", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=int(split_k), SWAP_AB=swap == "1")
+        block_k = 64 if kind == "nvfp4" else 32
+        config = dict(KERNEL="decode", BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, SPLIT_K=int(split_k), SWAP_AB=swap == "1")
 
     def launch(w, scale, gscale, fmt):
         out = torch.full((M, N), float("nan"), dtype=dtype)
@@ -135,7 +141,7 @@ _SM90_TYPES = {  # format, activation dtype -> (x/y, weight, scale, per-expert s
     ("plain", "fp16"): ("*fp16", "*fp16", "*fp16", "*i32"),
     ("plain", "fp32"): ("*fp32", "*fp32", "*fp32", "*i32"),
     ("mxfp8", "bf16"): ("*bf16", "*fp8e4nv", "*u8", "*i32"),
-    ("nvfp4", "bf16"): ("*bf16", "*u8", "*fp8e4nv", "*fp32"),
+    ("nvfp4", "bf16"): ("*bf16", "*i16", "*fp8e4nv", "*fp32"),  # int16 words of four e2m1 codes
 }
 
 
@@ -156,7 +162,7 @@ def compile_sm90() -> dict:
             if dtype != "bf16" and M > 8:
                 continue  # fp16/fp32 plain weights: one shape is enough
             cfg = gmm._pick_config(M, E, N, K, fmt, 132, dtype == "fp32")
-            consts = dict(W_FORMAT=gmm._FORMATS[fmt], IEEE_DOT=dtype == "fp32", BLOCK_E=max(gmm._next_pow2(E), 16))
+            consts = dict(W_FORMAT=gmm._FORMATS[fmt], IEEE_DOT=dtype == "fp32", PTX_DECODE=dtype == "bf16", BLOCK_E=max(gmm._next_pow2(E), 16))
             consts.update({k: v for k, v in cfg.items() if k.isupper()})
             ptrs = dict(x_ptr=x_t, w_ptr=w_t, w_scale_ptr=s_t, w_gscale_ptr=g_t, offs_ptr="*i32", y_ptr=x_t)
             sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in kernel.arg_names}
@@ -167,7 +173,7 @@ def compile_sm90() -> dict:
         for M in (8, 512, 2048):  # T = 1, 64, 256 at top-8: BLOCK_M 16 / 32, split-K or not
             cfg = gmm._pick_decode_config(M, 128, 1536, 2048, fmt, 132, dtype == "fp32")
             split = cfg.pop("SPLIT_K") > 1
-            consts = dict(W_FORMAT=gmm._FORMATS[fmt], IEEE_DOT=dtype == "fp32", BLOCK_E=128)
+            consts = dict(W_FORMAT=gmm._FORMATS[fmt], IEEE_DOT=dtype == "fp32", PTX_DECODE=dtype == "bf16", BLOCK_E=128)
             consts.update({k: v for k, v in cfg.items() if k.isupper() and k != "KERNEL"})
             ptrs = dict(x_ptr=x_t, w_ptr=w_t, w_scale_ptr=s_t, w_gscale_ptr=g_t, offs_ptr="*i32")
             ptrs["y_ptr"] = "*fp32" if split else x_t
