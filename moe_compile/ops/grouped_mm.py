@@ -14,7 +14,7 @@ ever reads it on the host, and every fake is static (output ``[M, N]``).
 | ``moe::grouped_mm`` | bf16/fp16/fp32 ``[E, N, K]``, any strides | bf16 on sm90/sm100 with 16-byte strides: ``torch._grouped_mm`` (CUTLASS, sync-free); else Triton | ``grouped_mm_reference`` |
 | ``moe::grouped_mm_wgrad`` | returns ``dW_ENK = dY^T X`` per expert | bf16 sm90/sm100: ``torch._grouped_mm`` 2-D x 2-D; else Triton (one program per tile, no atomics) | reference |
 | ``moe::grouped_mm_mxfp8`` | e4m3 ``[E, N, K]`` + e8m0-as-uint8 ``[E, N, K/32]`` | Triton weight-only (dequantise tiles in registers) | dequantise + reference |
-| ``moe::grouped_mm_nvfp4`` | packed e2m1 uint8 ``[E, N, K/2]`` + e4m3 ``[E, N, K/16]`` + fp32 ``[E]`` | Triton weight-only | dequantise + reference |
+| ``moe::grouped_mm_nvfp4`` | packed e2m1 uint8 ``[E, N, K/2]`` + e4m3 ``[E, N, K/16]`` + fp32 ``[E]`` | Triton weight-only (per-expert scale on the fp32 accumulator) | dequantise + reference |
 
 Autograd: ``grouped_mm`` gives ``dX`` (a ``grouped_mm`` against ``w.transpose(1, 2)``) and ``dW``
 (``grouped_mm_wgrad``), both deterministic. The quantised ops differentiate w.r.t. ``x`` only.

@@ -14,24 +14,26 @@ and their inclusive prefix sum, and finds its expert with one vector compare:
     pid 4.. -> tail: rows >= offs[-1] = 7 are written as zeros (if M > 7), later pids do nothing.
 
 Weight formats (``W_FORMAT``): 0 plain (``w`` already in the compute dtype, any strides), 1 MXFP8
-(``w`` float8_e4m3fn ``[E, N, K]``, ``w_scale`` uint8 e8m0 ``[E, N, K/32]``), 2 NVFP4 (``w`` uint8
-``[E, N, K/2]``, two e2m1 codes per byte, low nibble first; ``w_scale`` float8_e4m3fn ``[E, N, K/16]``;
-``w_gscale`` fp32 ``[E]`` per-expert scale). MXFP8 tiles are decoded in registers with the same fp32
-arithmetic as the PyTorch reference (bitwise the reference's dequantised tile). NVFP4: see NOTE [NVFP4
-decode].
+(``w`` float8_e4m3fn ``[E, N, K]``, ``w_scale`` uint8 e8m0 ``[E, N, K/32]``), 2 NVFP4 (``w`` int16
+``[E, N, K/4]``: the packed uint8 ``[E, N, K/2]`` (low nibble first) viewed as words of four e2m1
+codes; ``w_scale`` float8_e4m3fn ``[E, N, K/16]``; ``w_gscale`` fp32 ``[E]`` per-expert scale). MXFP8
+tiles are decoded in registers with the same fp32 arithmetic as the PyTorch reference (bitwise the
+reference's dequantised tile). NVFP4: NOTE [NVFP4 decode].
 
 NOTE [NVFP4 decode]
 Dequantising to ``gscale * s * v`` (fp32 multiplies, then a cast) costs ~9 instructions per weight,
 which bounds the kernel on sm90 (no FP4 hardware). Instead the tile holds ``v * s * 2**-7`` (e2m1
 value times its e4m3 block scale: at most 6 significant bits, exact in bf16, fp16 and fp32) and the
 per-expert ``gscale * 2**7`` multiplies the fp32 accumulator once, as hardware block-scaled GEMMs
-apply their per-tensor scale. A code's bits moved under the top mantissa bit of a bf16/fp32 are
-``v * 2**-126`` (code 1 is the denormal ``2**-127``), so one exact multiply by ``s * 2**119`` finishes
-it. The two codes of a byte are k and k+1: the tile comes back as its even-k and odd-k halves,
-multiplied with the matching halves of the activations (no interleave). For bf16 on CUDA
-(``PTX_DECODE``) the bit moves run as inline PTX on two bytes per 32-bit register (3-4 logic ops per
-pair) with one ``fma.rn.bf16x2`` for the scale; elsewhere in fp32 Triton ops (the interpreter has no
-bf16 arithmetic), bitwise the same tile (GPU test).
+apply their per-tensor scale (so no weight is rounded to bf16: the result differs from
+dequantise-then-bf16 by that reference's rounding). A code's bits moved under the top mantissa bit of
+a bf16/fp32 are ``v * 2**-126`` (code 1 is the denormal ``2**-127``); one exact multiply by
+``s * 2**119`` finishes it. An int16 word holds codes k = 4j..4j+3: the tile comes back as its four
+k-mod-4 column sets, each multiplied with the matching activation columns (no interleave, which would
+cost a byte shuffle per pair). For bf16 on CUDA (``PTX_DECODE``) the bit moves run as inline PTX on
+two words per 32-bit register (3-4 logic ops per pair of values) with one ``fma.rn.bf16x2`` for the
+scale, ~5 instructions per weight in all; elsewhere as fp32 Triton ops (the interpreter has no bf16
+arithmetic), bitwise the same tile (GPU test).
 
 ``IEEE_DOT``: upcast both operands to fp32 and multiply without TF32. Used for fp32 data and always
 under ``TRITON_INTERPRET=1`` (the triton 3.9 interpreter's ``tl.dot`` returns garbage for bf16).
