@@ -242,6 +242,37 @@ def _expert_operands(
 
 
 @triton.jit
+def _expert_tile_gemm(
+    x_ptr, w_ptr, w_scale_ptr, w_gscale_ptr, rows, cols, e, row_mask, col_mask, k_lo, k_hi, K,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    W_FORMAT: tl.constexpr, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, PTX_DECODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """fp32 ``[BLOCK_M, BLOCK_N]`` = ``x[rows, k_lo:k_hi] @ W[e][cols, k_lo:k_hi]^T`` (NVFP4's
+    per-expert scale applied), computed as ``(W x^T)^T`` when ``SWAP_AB``."""
+    x_base, w_base, s_base, acc_scale = _expert_operands(
+        x_ptr, w_ptr, w_scale_ptr, w_gscale_ptr, rows, cols, e,
+        stride_xm, stride_we, stride_wn, stride_se, stride_sn, W_FORMAT,
+    )  # fmt: skip
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        acc = _mma_step(
+            acc, x_base, w_base, s_base, k0, K, row_mask, col_mask, stride_xk, stride_wk, stride_sk,
+            W_FORMAT, IEEE_DOT, SWAP_AB, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    if W_FORMAT == W_NVFP4:
+        acc = acc * acc_scale
+    if SWAP_AB:
+        out = tl.trans(acc)
+    else:
+        out = acc
+    return out
+
+
+@triton.jit
 def _grouped_mm_kernel(
     x_ptr, w_ptr, w_scale_ptr, w_gscale_ptr, offs_ptr, y_ptr,
     M, N, K, E,
@@ -279,26 +310,11 @@ def _grouped_mm_kernel(
     out_mask = row_mask[:, None] & col_mask[None, :]
     # tail slots run zero K iterations and store zeros (no scf.if: keeps the K loop pipelinable)
     k_end = tl.where(is_work, K, 0)
-    e = tl.minimum(e, E - 1)
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    x_base, w_base, s_base, acc_scale = _expert_operands(
-        x_ptr, w_ptr, w_scale_ptr, w_gscale_ptr, rows, cols, e,
-        stride_xm, stride_we, stride_wn, stride_se, stride_sn, W_FORMAT,
+    out = _expert_tile_gemm(
+        x_ptr, w_ptr, w_scale_ptr, w_gscale_ptr, rows, cols, tl.minimum(e, E - 1), row_mask, col_mask, 0, k_end, K,
+        stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+        W_FORMAT, IEEE_DOT, SWAP_AB, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
-    for k0 in range(0, k_end, BLOCK_K):
-        acc = _mma_step(
-            acc, x_base, w_base, s_base, k0, K, row_mask, col_mask, stride_xk, stride_wk, stride_sk,
-            W_FORMAT, IEEE_DOT, SWAP_AB, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-    if W_FORMAT == W_NVFP4:
-        acc = acc * acc_scale
-    if SWAP_AB:
-        out = tl.trans(acc)
-    else:
-        out = acc
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -336,26 +352,11 @@ def _grouped_mm_decode_kernel(
     col_mask = cols < N
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.where(is_work, tl.minimum(k_lo + K_PER_SPLIT, K), k_lo)  # tail slots: store zeros
-    e = tl.minimum(e, E - 1)
-    x_base, w_base, s_base, acc_scale = _expert_operands(
-        x_ptr, w_ptr, w_scale_ptr, w_gscale_ptr, rows, cols, e,
-        stride_xm, stride_we, stride_wn, stride_se, stride_sn, W_FORMAT,
+    out = _expert_tile_gemm(
+        x_ptr, w_ptr, w_scale_ptr, w_gscale_ptr, rows, cols, tl.minimum(e, E - 1), row_mask, col_mask, k_lo, k_hi, K,
+        stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+        W_FORMAT, IEEE_DOT, SWAP_AB, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        acc = _mma_step(
-            acc, x_base, w_base, s_base, k0, K, row_mask, col_mask, stride_xk, stride_wk, stride_sk,
-            W_FORMAT, IEEE_DOT, SWAP_AB, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-    if W_FORMAT == W_NVFP4:
-        acc = acc * acc_scale
-    if SWAP_AB:
-        out = tl.trans(acc)
-    else:
-        out = acc
     y_ptrs = y_ptr + pid_k * stride_ys + rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
