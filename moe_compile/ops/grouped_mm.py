@@ -178,6 +178,7 @@ def _pick_decode_config(M: int, E: int, N: int, K: int, fmt: str, num_sms: int, 
 
 
 def _ptx_decode_supported(x_MK: torch.Tensor) -> bool:
+    """NOTE [NVFP4 decode]: the inline-PTX path needs bf16 activations and ``fma.rn.bf16x2`` (sm80+)."""
     return x_MK.is_cuda and x_MK.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_MK.device) >= (8, 0)
 
 
