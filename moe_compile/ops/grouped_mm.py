@@ -116,7 +116,7 @@ def _pick_config(M: int, E: int, N: int, K: int, fmt: str, num_sms: int | None, 
     128 x 128 tiles. ``benchmarks/bench_grouped_weight.py --sweep`` times alternatives on the GPU.
     """
     if num_sms is None:  # CPU tensors (interpreter): smallest legal tiles keep it fast
-        block_k = _MIN_BLOCK_K[fmt] if fmt == "nvfp4" else 32
+        block_k = max(32, _MIN_BLOCK_K[fmt])
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, GROUP_M=4, SWAP_AB=False, num_warps=4, num_stages=1)
     rows_per_expert = M / max(E, 1)
     block_m = min(max(_next_pow2(int(1.5 * rows_per_expert) + 1), 16), 128)
@@ -230,8 +230,9 @@ def launch_grouped_mm(
     scale = w_scale if w_scale is not None else w
     gscale = w_gscale if w_gscale is not None else offs_E
     ieee = fp32 or not x_MK.is_cuda
-    # NOTE [NVFP4 decode]: inline-PTX bit moves for bf16 on sm80+ (fma.rn.bf16x2); elsewhere Triton ops
-    ptx = cfg.pop("PTX_DECODE", _ptx_decode_supported(x_MK))
+    # NOTE [NVFP4 decode]: inline-PTX bit moves for bf16 on sm80+ (fma.rn.bf16x2); elsewhere Triton ops.
+    # Only NVFP4 reads it: the other formats skip the device-capability query.
+    ptx = cfg.pop("PTX_DECODE", fmt == "nvfp4" and _ptx_decode_supported(x_MK))
     wrap = wrap_triton if x_MK.is_cuda else (lambda k: k)
     m_slots = grid_m_slots(M, E, cfg["BLOCK_M"])
     if cfg.pop("KERNEL", "tiled") == "decode":

@@ -81,7 +81,7 @@ def _run_case(gmm, kind, counts, M, N, K, dtype_name):
         config = dict(gmm._pick_config(M, E, N, K, kind, None, False), SWAP_AB=True)
     if kind.startswith("decode:"):  # the decode kernel, with explicit split-K and operand order
         _, kind, split_k, swap = kind.split(":")
-        block_k = 64 if kind == "nvfp4" else 32
+        block_k = max(32, gmm._MIN_BLOCK_K[kind])
         config = dict(KERNEL="decode", BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, SPLIT_K=int(split_k), SWAP_AB=swap == "1")
 
     def launch(w, scale, gscale, fmt):
