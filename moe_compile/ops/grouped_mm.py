@@ -187,6 +187,12 @@ def grid_m_slots(M: int, E: int, block_m: int) -> int:
     return triton.cdiv(M, block_m) + min(E, M) + 1
 
 
+def k_align(K: int) -> int:
+    """The kernels' ``K_ALIGN``: the largest power of two (up to 64) dividing ``K``, so that masks at
+    the K edge keep full-width vector loads (an NVFP4 row is int16 words: K % 32 gives 16 bytes)."""
+    return min(K & -K, 64)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
@@ -249,7 +255,7 @@ def launch_grouped_mm(
             w.stride(0), w.stride(1), w.stride(2),
             scale.stride(0), scale.stride(1), scale.stride(-1),
             *part_strides,
-            W_FORMAT=_FORMATS[fmt], IEEE_DOT=ieee, PTX_DECODE=ptx, BLOCK_E=max(_next_pow2(E), 16), **cfg,
+            W_FORMAT=_FORMATS[fmt], IEEE_DOT=ieee, PTX_DECODE=ptx, K_ALIGN=k_align(K), BLOCK_E=max(_next_pow2(E), 16), **cfg,
         )  # fmt: skip
         if split_k > 1:
             block = 1024
@@ -267,7 +273,7 @@ def launch_grouped_mm(
         scale.stride(0), scale.stride(1), scale.stride(-1),
         out_MN.stride(0), out_MN.stride(1),
         m_slots,
-        W_FORMAT=_FORMATS[fmt], IEEE_DOT=ieee, PTX_DECODE=ptx,
+        W_FORMAT=_FORMATS[fmt], IEEE_DOT=ieee, PTX_DECODE=ptx, K_ALIGN=k_align(K),
         BLOCK_E=max(_next_pow2(E), 16), **cfg,
     )  # fmt: skip
     return out_MN

@@ -126,20 +126,20 @@ def _e2m1_code(word, SHIFT: tl.constexpr):
 
 @triton.jit
 def _nvfp4_tile(
-    w_base, s_base, k0, K, col_mask, stride_wk, stride_sk,
+    w_base, s, k0, K, col_mask, stride_wk,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr, PTX_DECODE: tl.constexpr,
 ):  # fmt: skip
     """The NVFP4 ``[BLOCK_N, BLOCK_K]`` tile at ``k0`` as four ``[BLOCK_N, BLOCK_K/4]`` tiles of
     ``v * s * 2**-7`` in ``OUT_DTYPE``, of the k = 0, 1, 2, 3 mod 4 columns (zeros past ``K``/``N``).
 
-    ``w_base`` points at int16 words of four codes; NOTE [NVFP4 decode].
+    ``w_base`` points at int16 words of four codes, ``s`` is the tile's e4m3 scales (``_load_scales``);
+    NOTE [NVFP4 decode].
     """
-    kw = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+    # k0 is a multiple of BLOCK_K: the hint keeps 16-byte loads of the words
+    kw = tl.multiple_of(k0 // 4, BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
     words = tl.load(w_base + kw[None, :] * stride_wk, mask=col_mask[:, None] & (kw[None, :] < K // 4), other=0)
     # [BLOCK_N, blocks, 4 words]: a block's scale broadcasts along the last dim in registers
     words = words.reshape(BLOCK_N, BLOCK_K // NV_BLOCK, NV_BLOCK // 4)
-    sk = k0 // NV_BLOCK + tl.arange(0, BLOCK_K // NV_BLOCK)
-    s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // NV_BLOCK), other=0.0)
     scale = (s.to(tl.float32) * 6.64613997892457936e35)[:, :, None]  # e4m3 * 2**119: exact, finite
     if PTX_DECODE:
         w0, w1, w2, w3 = _e2m1x8_to_bf16(words, scale.to(tl.bfloat16))
@@ -154,25 +154,45 @@ def _nvfp4_tile(
 
 
 @triton.jit
+def _load_scales(
+    s_base, k0, K, col_mask, stride_sk, W_FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):  # fmt: skip
+    """The raw block scales of the ``[BLOCK_N, BLOCK_K]`` weight tile at ``k0`` (MXFP8: uint8 e8m0
+    ``[BLOCK_N, BLOCK_K/32]``, 127 = 1.0 past ``K``; NVFP4: e4m3 ``[BLOCK_N, BLOCK_K/16]``, 0 past ``K``;
+    plain: a dummy scalar).
+
+    NOTE [scale prefetch]: the K loop loads these one step ahead. Byte loads are too narrow for the
+    cp.async pipeline that carries the weight and activation tiles, so without the prefetch every
+    step waited on a global load (the largest stall on the H100).
+    """
+    if W_FORMAT == W_MXFP8:
+        sk = k0 // MX_BLOCK + tl.arange(0, BLOCK_K // MX_BLOCK)
+        return tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // MX_BLOCK), other=127)
+    elif W_FORMAT == W_NVFP4:
+        sk = k0 // NV_BLOCK + tl.arange(0, BLOCK_K // NV_BLOCK)
+        return tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // NV_BLOCK), other=0.0)
+    else:
+        return 0
+
+
+@triton.jit
 def _dequant_tile(
-    w_base, s_base, k0, K, col_mask, stride_wk, stride_sk,
+    w_base, s, k0, K, col_mask, stride_wk,
     W_FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """The ``[BLOCK_N, BLOCK_K]`` weight tile at ``k0`` in ``OUT_DTYPE`` (zeros past ``K``/``N``).
 
-    ``w_base`` / ``s_base`` are ``[BLOCK_N, 1]`` pointer columns of one expert's rows. MXFP8 tiles
-    are decoded once per tile with the reference's fp32 arithmetic (bitwise the reference).
+    ``w_base`` is a ``[BLOCK_N, 1]`` pointer column of one expert's rows, ``s`` the tile's scales
+    (``_load_scales``). MXFP8 tiles are decoded once per tile with the reference's fp32 arithmetic
+    (bitwise the reference).
     """
+    ks = k0 + tl.arange(0, BLOCK_K)
     if W_FORMAT == W_PLAIN:
-        ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & (ks[None, :] < K), other=0.0)
         return w.to(OUT_DTYPE)
     else:
         tl.static_assert(W_FORMAT == W_MXFP8, "NVFP4 tiles come from _nvfp4_tile")
-        ks = k0 + tl.arange(0, BLOCK_K)
         q = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & (ks[None, :] < K), other=0.0)
-        sk = k0 // MX_BLOCK + tl.arange(0, BLOCK_K // MX_BLOCK)
-        s = tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // MX_BLOCK), other=127)
         w = q.to(tl.float32).reshape(BLOCK_N, BLOCK_K // MX_BLOCK, MX_BLOCK) * _decode_e8m0(s)[:, :, None]
         return w.reshape(BLOCK_N, BLOCK_K).to(OUT_DTYPE)
 
@@ -197,18 +217,16 @@ def _dot(acc, x, w, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr):
 
 @triton.jit
 def _mma_step(
-    acc, x_base, w_base, s_base, k0, K, row_mask, col_mask, stride_xk, stride_wk, stride_sk,
+    acc, x_base, w_base, s, k0, K, row_mask, col_mask, stride_xk, stride_wk,
     W_FORMAT: tl.constexpr, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, PTX_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One K step: ``acc += x[:, k0:k0+BLOCK_K] @ W[:, k0:k0+BLOCK_K]^T`` (NVFP4: without the
-    per-expert scale, which the caller applies once; NOTE [NVFP4 decode])."""
+    """One K step: ``acc += x[:, k0:k0+BLOCK_K] @ W[:, k0:k0+BLOCK_K]^T`` given the step's block
+    scales ``s`` (NVFP4: without the per-expert scale, which the caller applies once; NOTE [NVFP4 decode])."""
     ks = k0 + tl.arange(0, BLOCK_K)
     x = tl.load(x_base + ks[None, :] * stride_xk, mask=row_mask[:, None] & (ks[None, :] < K), other=0.0)
     if W_FORMAT == W_NVFP4:
-        w0, w1, w2, w3 = _nvfp4_tile(
-            w_base, s_base, k0, K, col_mask, stride_wk, stride_sk, BLOCK_N, BLOCK_K, x.dtype, PTX_DECODE
-        )
+        w0, w1, w2, w3 = _nvfp4_tile(w_base, s, k0, K, col_mask, stride_wk, BLOCK_N, BLOCK_K, x.dtype, PTX_DECODE)
         # k = 4j + 2h + l: split l, then h
         x_l0, x_l1 = tl.split(x.reshape(BLOCK_M, BLOCK_K // 4, 2, 2))
         x0, x2 = tl.split(x_l0)
@@ -218,7 +236,7 @@ def _mma_step(
         acc = _dot(acc, x2, w2, IEEE_DOT, SWAP_AB)
         acc = _dot(acc, x3, w3, IEEE_DOT, SWAP_AB)
     else:
-        w = _dequant_tile(w_base, s_base, k0, K, col_mask, stride_wk, stride_sk, W_FORMAT, BLOCK_N, BLOCK_K, x.dtype)
+        w = _dequant_tile(w_base, s, k0, K, col_mask, stride_wk, W_FORMAT, BLOCK_N, BLOCK_K, x.dtype)
         acc = _dot(acc, x, w, IEEE_DOT, SWAP_AB)
     return acc
 
@@ -258,11 +276,14 @@ def _expert_tile_gemm(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s = _load_scales(s_base, k_lo, K, col_mask, stride_sk, W_FORMAT, BLOCK_N, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
+        s_next = _load_scales(s_base, k0 + BLOCK_K, K, col_mask, stride_sk, W_FORMAT, BLOCK_N, BLOCK_K)
         acc = _mma_step(
-            acc, x_base, w_base, s_base, k0, K, row_mask, col_mask, stride_xk, stride_wk, stride_sk,
+            acc, x_base, w_base, s, k0, K, row_mask, col_mask, stride_xk, stride_wk,
             W_FORMAT, IEEE_DOT, SWAP_AB, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
+        s = s_next  # NOTE [scale prefetch]
     if W_FORMAT == W_NVFP4:
         acc = acc * acc_scale
     if SWAP_AB:
@@ -285,6 +306,7 @@ def _grouped_mm_kernel(
     IEEE_DOT: tl.constexpr,
     SWAP_AB: tl.constexpr,
     PTX_DECODE: tl.constexpr,
+    K_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -294,6 +316,7 @@ def _grouped_mm_kernel(
     tiles so that neighbouring programs share activation and weight tiles in L2 (prefill).
     ``SWAP_AB`` computes ``(W x^T)^T``: the decoded weight tile is the MMA's register operand.
     """
+    K = K // K_ALIGN * K_ALIGN  # == K; shows the compiler K_ALIGN divides K (vector loads at the K edge)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
@@ -330,6 +353,7 @@ def _grouped_mm_decode_kernel(
     IEEE_DOT: tl.constexpr,
     SWAP_AB: tl.constexpr,
     PTX_DECODE: tl.constexpr,
+    K_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """Decode-shaped (few rows per expert) weight-streaming variant of ``_grouped_mm_kernel``.
@@ -342,6 +366,7 @@ def _grouped_mm_decode_kernel(
     ``_splitk_reduce_kernel`` sums them in a fixed order (deterministic, no atomics). ``SWAP_AB``
     computes ``(W x^T)^T`` so the weight tile is the MMA's wide operand.
     """
+    K = K // K_ALIGN * K_ALIGN  # == K; shows the compiler K_ALIGN divides K (vector loads at the K edge)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
