@@ -190,7 +190,7 @@ def grid_m_slots(M: int, E: int, block_m: int) -> int:
 def k_align(K: int) -> int:
     """The kernels' ``K_ALIGN``: the largest power of two (up to 64) dividing ``K``, so that masks at
     the K edge keep full-width vector loads (an NVFP4 row is int16 words: K % 32 gives 16 bytes)."""
-    return min(K & -K, 64)
+    return min(K & -K, 64) if K else 64
 
 
 def _next_pow2(n: int) -> int:

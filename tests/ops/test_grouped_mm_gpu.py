@@ -93,6 +93,38 @@ def test_weight_only_kernel_matches_dequant_then_grouped_mm(recipe, shape):
     assert torch.equal(y, op(x, offs))  # deterministic
 
 
+@pytest.mark.parametrize(
+    "recipe,K", [("nvfp4", 48), ("nvfp4", 336), ("nvfp4", 2064), ("mxfp8", 96), ("mxfp8", 352), ("mxfp8", 2080)]
+)
+@pytest.mark.parametrize("kernel", ["decode", "decode_split3", "tiled"])
+def test_weight_only_kernel_ragged_k(recipe, K, kernel):
+    """K not a multiple of the K tile (nor of 32 / 64 for some): the last step's masked weight, scale
+    and activation loads (NOTE [scale prefetch], ``K_ALIGN``), with and without split-K."""
+    gen = torch.Generator().manual_seed(K)
+    E, N, counts = 16, 192, _uniform_counts(8, 16, 4, K)
+    M = sum(counts) + 2
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    w = (torch.randn(E, N, K, generator=gen) * K**-0.5).bfloat16().to(DEV)
+    offs = _offs(counts)
+    from moe_compile.grouped_weight import quantize_stored
+
+    qdata, scale, expert_scale = quantize_stored(w, recipe)
+    if recipe == "mxfp8":
+        deq = gmm.dequantize_mxfp8(qdata, scale, torch.bfloat16)
+    else:
+        deq = gmm.dequantize_nvfp4(qdata, scale, expert_scale, torch.bfloat16)
+    if kernel == "tiled":
+        cfg = gmm._pick_config(M, E, N, K, recipe, 132, False)
+    else:
+        cfg = dict(gmm._pick_decode_config(M, E, N, K, recipe, 132, False), SPLIT_K=3 if kernel == "decode_split3" else 1)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    gscale = expert_scale if recipe == "nvfp4" else None
+    y = gmm.launch_grouped_mm(x, qdata, scale, gscale, offs, out, recipe, config=cfg)
+    ref = torch._grouped_mm(x, deq.transpose(-2, -1), offs=offs)
+    assert _rel(y, ref, sum(counts)) < 1e-2
+    assert torch.all(y[sum(counts) :] == 0)
+
+
 @pytest.mark.parametrize("shape,kernel", [("decode_e128", "decode"), ("small_e64", "decode"), ("skewed_e8", "tiled"), ("prefill_e8", "tiled")])
 def test_nvfp4_ptx_decode_bitwise_equals_triton_decode(shape, kernel):
     """NOTE [NVFP4 decode]: the inline-PTX bit moves + bf16x2 scale multiply give the same tile as the
