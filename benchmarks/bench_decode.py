@@ -18,9 +18,10 @@ once per T (``dynamic=False``); the compile time is reported separately.
 Usage: ``python benchmarks/bench_decode.py --json benchmarks/results/decode.json [--quick] [--small]
 [--models qwen3] [--variants inductor]``. A time budget (``--budget-s``, default 80) skips what is left
 once exceeded (reported as skipped), and ``--compile-timeout-s`` gives up on a compile that runs longer.
-An existing ``--json`` file is merged into: rows measured now replace the rows of the same (model, T,
-variant), except that a row skipped now never replaces a measured one, so one table can be filled
-over several runs (plain Inductor's compile of the E=128 host-padded graph alone takes minutes).
+An existing ``--json`` file from the same setup (device, torch, triton, Mixtral size) is merged into:
+rows measured now replace the rows of the same (model, T, variant), except that a row skipped now
+never replaces a measured one, so one table can be filled over several runs (plain Inductor's
+compile of the E=128 host-padded graph alone takes minutes).
 """
 
 from __future__ import annotations
@@ -204,18 +205,19 @@ def main() -> None:
         share = start + args.budget_s * (i + 1) / len(configs)
         results += run_model(cfg, tokens, bw, rep, min(share, deadline), tuple(args.variants), args.compile_timeout_s)
         print(f"{cfg.name}: done at {time.perf_counter() - start:.0f} s", flush=True)
-    if args.json and pathlib.Path(args.json).exists():
-        # a row skipped now (time budget) never replaces a row measured earlier
-        earlier = {(r.model, r.T, r.variant): r for r in
-                   (Result(**d) for d in json.loads(pathlib.Path(args.json).read_text()).get("results", []))}
+    env = device_env(copy_bandwidth_GBps=round(bw / 1e9, 1), mixtral_I=get_configs(args.small)[0].I,
+                     wall_s=round(time.perf_counter() - start, 1))
+    earlier_file = json.loads(pathlib.Path(args.json).read_text()) if args.json and pathlib.Path(args.json).exists() else {}
+    same_setup = ("device", "torch", "triton", "mixtral_I")
+    if all(earlier_file.get("env", {}).get(k) == env[k] for k in same_setup):
+        # a row skipped now (time budget) never replaces a row measured earlier on the same setup
+        earlier = {(r.model, r.T, r.variant): r for r in (Result(**d) for d in earlier_file.get("results", []))}
         for r in results:
             key = (r.model, r.T, r.variant)
             if key not in earlier or not r.note.startswith("skipped") or earlier[key].note.startswith("skipped"):
                 earlier[key] = r
         results = list(earlier.values())
     summary = summarize(results)
-    env = device_env(copy_bandwidth_GBps=round(bw / 1e9, 1), mixtral_I=get_configs(args.small)[0].I,
-                     wall_s=round(time.perf_counter() - start, 1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "summary": summary, "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
