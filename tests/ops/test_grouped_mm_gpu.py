@@ -70,14 +70,20 @@ def test_plain_triton_fp16_fp32(shape, dtype, tol):
     assert torch.all(y[rows:] == 0)
 
 
-def _quantized(w: torch.Tensor, recipe: str):
+def _stored(w: torch.Tensor, recipe: str):
+    """``(qdata, scale, expert_scale or None, dequantised bf16 weight)``."""
     from moe_compile.grouped_weight import quantize_stored
 
     qdata, scale, expert_scale = quantize_stored(w, recipe)
     if recipe == "mxfp8":
-        deq = gmm.dequantize_mxfp8(qdata, scale, torch.bfloat16)
+        return qdata, scale, None, gmm.dequantize_mxfp8(qdata, scale, torch.bfloat16)
+    return qdata, scale, expert_scale, gmm.dequantize_nvfp4(qdata, scale, expert_scale, torch.bfloat16)
+
+
+def _quantized(w: torch.Tensor, recipe: str):
+    qdata, scale, expert_scale, deq = _stored(w, recipe)
+    if recipe == "mxfp8":
         return (lambda x, offs: gmm.grouped_mm_mxfp8(x, qdata, scale, offs)), deq
-    deq = gmm.dequantize_nvfp4(qdata, scale, expert_scale, torch.bfloat16)
     return (lambda x, offs: gmm.grouped_mm_nvfp4(x, qdata, scale, expert_scale, offs)), deq
 
 
@@ -106,19 +112,12 @@ def test_weight_only_kernel_ragged_k(recipe, K, kernel):
     x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
     w = (torch.randn(E, N, K, generator=gen) * K**-0.5).bfloat16().to(DEV)
     offs = _offs(counts)
-    from moe_compile.grouped_weight import quantize_stored
-
-    qdata, scale, expert_scale = quantize_stored(w, recipe)
-    if recipe == "mxfp8":
-        deq = gmm.dequantize_mxfp8(qdata, scale, torch.bfloat16)
-    else:
-        deq = gmm.dequantize_nvfp4(qdata, scale, expert_scale, torch.bfloat16)
+    qdata, scale, gscale, deq = _stored(w, recipe)
     if kernel == "tiled":
         cfg = gmm._pick_config(M, E, N, K, recipe, 132, False)
     else:
         cfg = dict(gmm._pick_decode_config(M, E, N, K, recipe, 132, False), SPLIT_K=3 if kernel == "decode_split3" else 1)
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV)
-    gscale = expert_scale if recipe == "nvfp4" else None
     y = gmm.launch_grouped_mm(x, qdata, scale, gscale, offs, out, recipe, config=cfg)
     ref = torch._grouped_mm(x, deq.transpose(-2, -1), offs=offs)
     assert _rel(y, ref, sum(counts)) < 1e-2
