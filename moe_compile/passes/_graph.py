@@ -184,9 +184,11 @@ def module_path(dynamo_path: str) -> str:
 def layer_name(node: fx.Node, default: str | None = None) -> str:
     """The innermost module path of ``node`` from ``nn_module_stack`` (``model.layers.0.mlp.experts``).
 
-    Falls back to ``default`` or ``"<graph>"`` when the node carries no module stack (a function).
+    Backward nodes of joint graphs use the module stack of the forward node they differentiate
+    (``fwd_nn_module_stack``). Falls back to ``default`` or ``"<graph>"`` when the node carries no module
+    stack (a function).
     """
-    stack = node.meta.get("nn_module_stack")
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if stack:
         path = list(stack.values())[-1]
         path = path[0] if isinstance(path, tuple) else str(path)
@@ -248,6 +250,7 @@ __all__ = [
     "erase_dead",
     "fake_eval",
     "graph_call",
+    "insert_traced",
     "is_inplace",
     "known_int",
     "layer_name",
@@ -259,3 +262,28 @@ __all__ = [
     "topo_index",
     "val",
 ]
+
+
+def insert_traced(graph: fx.Graph, fn: Any, args: tuple[fx.Node, ...], meta_from: fx.Node | None = None) -> Any:
+    """Trace ``fn(*args)`` to ATen with Inductor's decompositions (what joint and post-grad graphs hold)
+    on the args' fake values and copy it in at the graph's insertion point; returns the output node(s).
+
+    Use it where inserted nodes must already be in Inductor's decomposed form (the joint stage).
+    """
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    values = [val(a) for a in args]
+    mode = _fake_mode(values)
+    with mode:
+        traced = make_fx(fn, decomposition_table=select_decomp_table())(*values)
+    env = dict(zip(traced.graph.find_nodes(op="placeholder"), args))
+    out = graph.graph_copy(traced.graph, env)
+    if meta_from is not None:
+        for new in env.values():
+            if new in args:
+                continue
+            for k in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
+                if k in meta_from.meta:
+                    new.meta.setdefault(k, meta_from.meta[k])
+    return out
