@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from moe_compile.passes import NoMatch
 from moe_compile.passes import _index_algebra as ia
+from moe_compile.passes._combine_forms import match_unpermute_sum
 from moe_compile.passes._graph import (
     arg,
     is_inplace,
@@ -79,6 +80,8 @@ class Combine:
     result: fx.Node  # the node whose value is the combined [T, H]
     inplace_buffer: fx.Node | None  # the zeros buffer an in-place accumulate mutated
     nodes: list[fx.Node]  # combine nodes to erase after rewiring
+    # routing weight applied after un-permuting, in [T, K] order ((y.view(T, K, H) * w[..., None]).sum(1))
+    weight_TK: fx.Node | None = None
 
 
 @dataclasses.dataclass
@@ -439,6 +442,12 @@ class Matcher:
         Only when the combine's result is used at the rows' dtype (directly or through casts to it), so
         the result never carries more precision than the unweighted rows, as in eager PyTorch.
         """
+        if combine.weight_TK is not None:
+            rows_dtype = tensor_val(combine.source).dtype
+            if not self._result_used_at(combine, rows_dtype):
+                raise NoMatch("combine_not_matched", f"the weighted combine {combine.result.name} is used above "
+                              f"the rows' precision ({rows_dtype}); moe.unpad_unpermute rounds to it once")
+            return None
         prod = combine.source
         if op_name(prod) != "mul" or len(prod.args) != 2 or len(prod.users) != 1:
             return None
@@ -929,28 +938,14 @@ class Matcher:
         yv = tensor_val(y)
         if yv is None or yv.dim() != 2:
             return None
-        # (a) y[inverse(perm)].view(T, K, H).sum(1)
-        if name == "getitem" and u.args[0] is y and isinstance(u.args[1], fx.Node) \
-                and self._is_inverse_perm(u.args[1], u):
-            if len(u.users) != 1:
-                raise NoMatch("combine_not_matched", f"unpermuted rows {u.name} have other users")
-            view = next(iter(u.users))
-            if op_name(view) not in ("view", "reshape", "unflatten"):
-                raise NoMatch("combine_not_matched", f"unpermuted rows are not viewed as [T, K, H] ({view.name})")
-            vv = tensor_val(view)
-            if vv is None or not same_shape(vv.shape, (self._num_tokens(), val(self.top_k), yv.shape[1])):
-                raise NoMatch("combine_not_matched", f"{view.name} is not a [T, K, H] view of the unpermuted rows")
-            if len(view.users) != 1:
-                raise NoMatch("combine_not_matched", f"{view.name} has other users")
-            total = next(iter(view.users))
-            dim = arg(total, 1, "dim")
-            dims = dim if isinstance(dim, (list, tuple)) else (dim,)
-            if op_name(total) != "sum" or len(dims) != 1 or not isinstance(dims[0], int) or dims[0] % 3 != 1 \
-                    or arg(total, 2, "keepdim", False) or total.kwargs.get("dtype") is not None:
-                raise NoMatch("combine_not_matched", f"{total.name} is not a sum over the top-k slots")
-            inv = u.args[1]
-            inv_writes = [w for w in inv.users if w is not u]  # inv[perm] = arange(S)
-            return Combine("inverse_perm_sum", y, total, None, [u, view, total, *inv_writes])
+        # (a) un-permute + sum over the top-k slots (the spellings in _combine_forms)
+        total = _unpermute_sum_candidate(u, y)
+        if total is not None:
+            found = match_unpermute_sum(total, self.top_k, lambda order: order is self.perm)
+            if found is None or found.rows is not y:
+                raise NoMatch("combine_not_matched", f"{u.name} un-permutes the rows, but {total.name} is not "
+                              "a (weighted) sum of their [T, K, H] view")
+            return Combine(found.kind, y, total, None, found.nodes, weight_TK=found.weight_TK)
         # (b) zeros[T, H] accumulated at perm // K
         if name in ("index_add_", "index_add"):
             if arg(u, 3, "source") is not y or u.args[0] is y or known_int(arg(u, 1, "dim")) != 0:
@@ -991,35 +986,6 @@ class Matcher:
                 if other is not u and self.order[other] < self.order[u]:
                     raise NoMatch("combine_not_matched", f"zeros buffer {buf.name} is used before the accumulate")
         return Combine(kind, y, u, buf if inplace else None, [u])
-
-    def _is_inverse_perm(self, inv: fx.Node, reader: fx.Node) -> bool:
-        name = op_name(inv)
-        if name == "argsort" and inv.args[0] is self.perm:
-            return True
-        if name not in ("empty_like", "zeros_like", "empty", "zeros", "new_empty", "new_zeros"):
-            return False
-        writes = [w for w in inv.users if w is not reader]
-        if len(writes) != 1:
-            return False
-        w = writes[0]
-        wname = op_name(w)
-        if self.order[w] > self.order[reader]:
-            return False
-        if wname == "setitem" and w.args[0] is inv and w.args[1] is self.perm:
-            values = w.args[2]
-        elif wname == "index_put_" and w.args[0] is inv and tuple(arg(w, 1, "indices")) == (self.perm,) \
-                and not arg(w, 3, "accumulate", False):
-            values = arg(w, 2, "values")
-        elif wname == "scatter_" and w.args[0] is inv and known_int(arg(w, 1, "dim")) == 0 \
-                and arg(w, 2, "index") is self.perm:
-            values = arg(w, 3, "src")
-        else:
-            return False
-        try:
-            return ia.LinearForms(lambda n: False, lambda n: False, lambda r: same_int(r, self.S))(values) \
-                == ia.Form.atom(ia.ARANGE)
-        except ia.NotLinear:
-            return False
 
     # -- 3. counts and offsets -------------------------------------------------------------------
     def _counts_of(self, node: fx.Node) -> tuple[int, str] | None:
@@ -1166,6 +1132,30 @@ class Matcher:
             if not statically_known_true(padding.num_rows >= bound):
                 raise NoMatch("padding_not_proven", f"padded buffer has {padding.num_rows} rows, fewer than the "
                               f"worst case {bound}")
+
+
+def _unpermute_sum_candidate(u: fx.Node, y: fx.Node) -> fx.Node | None:
+    """The top-k sum an un-permutation of ``y`` by ``u`` feeds (``u`` is ``y[inv]`` or ``buf[perm] = y``):
+    the ``sum`` reached through a ``[T, K, H]`` view and an optional weight multiply, else None."""
+    name = op_name(u)
+    if name == "getitem" and u.args[0] is y and isinstance(u.args[1], fx.Node):
+        start = u
+    elif name in ("setitem", "index_put_") and u.args[0] is not y and isinstance(u.args[0], fx.Node) \
+            and (u.args[2] if name == "setitem" else arg(u, 2, "values")) is y:
+        start = u.args[0]
+    else:
+        return None
+    views = [v for v in start.users if op_name(v) in ("view", "reshape", "unflatten")]
+    if len(views) != 1:
+        return None
+    node = views[0]
+    for _ in range(2):
+        if len(node.users) != 1:
+            return None
+        node = next(iter(node.users))
+        if op_name(node) == "sum":
+            return node
+    return None
 
 
 def _alignment_of_offsets(form: ia.Form) -> int | None:

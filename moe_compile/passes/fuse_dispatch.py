@@ -176,8 +176,10 @@ def rewrite(graph: fx.Graph, d: Dispatch, debug: bool = False) -> str:
             source = c.source
             if padding is not None and source in padding.unpads:
                 source = source.args[0]
-            combined = _call(graph, c.result, torch.ops.moe.unpad_unpermute.default, source, row_map, None,
+            combined = _call(graph, c.result, torch.ops.moe.unpad_unpermute.default, source, row_map, c.weight_TK,
                              name="combined", **extra)
+            if tensor_val(combined).dtype != tensor_val(c.result).dtype:
+                combined = _call(graph, c.result, torch.Tensor.to, combined, tensor_val(c.result).dtype)
         else:
             # NOTE [weight fold]: y[t] = sum_k w[t, k] * rows[row(t, k)] in fp32, cast once to the rows'
             # dtype; the matcher checked that the combined result is only used at that dtype.

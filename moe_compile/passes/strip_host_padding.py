@@ -72,6 +72,7 @@ import torch.fx as fx
 
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS
 from moe_compile.passes import NoMatch, PassContext
+from moe_compile.passes._combine_forms import UnpermuteSum, match_unpermute_sum
 from moe_compile.passes._graph import erase_dead, layer_name, op_name, topo_index
 from moe_compile.passes._host_sync import (
     HostRead,
@@ -121,7 +122,7 @@ class Permute:
 class Region:
     layer: str
     sink: fx.Node
-    dest: fx.Node
+    dest: fx.Node | None  # the zeros buffer of an accumulate combine (None for un-permute + sum)
     permute: Permute
     X: fx.Node  # first padded tensor (the pad cat), or x_NH without pad block
     Y: fx.Node  # last padded tensor (input of the unpad split), or the unpadded expert output
@@ -155,6 +156,13 @@ def _flat_base(node: Any) -> Any:
         value, base = tensor_value(node), tensor_value(node.args[0])
         if value is not None and base is not None and value.dim() == 1 and base.dim() == 2:
             return node.args[0]
+    return node
+
+
+def _unsorted(node: Any) -> Any:
+    """``ids`` for the values of ``sort(ids)`` (a permutation of ``ids``: the same histogram); else the node."""
+    if is_call(node, "getitem") and node.args[1] == 0 and is_call(node.args[0], "sort"):
+        return node.args[0].args[0]
     return node
 
 
@@ -294,7 +302,7 @@ def _histogram_ids(counts: Any) -> tuple[fx.Node, int] | None:
             ids = src.args[0]
             ids_dim = tensor_value(ids).dim()
             ok = (ids_dim == 1 and dim in (0, (0,), [0])) or (ids_dim == 2 and dim in ((0, 1), [0, 1]))
-            return (_flat_base(ids), E) if ok else None
+            return (_flat_base(_unsorted(ids)), E) if ok else None
         if is_call(src, "eq", "__eq__"):
             a, b = src.args[0], src.args[1]
             for ids_col, rng in ((a, b), (b, a)):
@@ -306,7 +314,7 @@ def _histogram_ids(counts: Any) -> tuple[fx.Node, int] | None:
             ids = _routing_map_ids(src)
             return (ids, E) if ids is not None else None
     if name == "histc":
-        ids = _peel(counts.args[0], {"float", "to", "double"})
+        ids = _unsorted(_peel(counts.args[0], {"float", "to", "double", "int", "long"}))
         bins, lo, hi = (_int_arg(counts, 1, "bins", 100), _int_arg(counts, 2, "min", 0), _int_arg(counts, 3, "max", 0))
         if bins == E and lo == 0 and hi in (E - 1, E):
             return _flat_base(ids), E
@@ -337,6 +345,22 @@ def _combine_parts(sink: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
     if is_call(token, "view", "reshape") and tuple(token.args[1:]) in ((-1, 1), ((-1, 1),)):
         return dest, token.args[0], src
     raise NoMatch("combine_index_not_matched", f"{sink.name}: scatter index is not token_N[:, None].expand(-1, H)")
+
+
+def _unpermute_sum(sink: fx.Node) -> UnpermuteSum | None:
+    """The sink as an un-permute + top-k sum combine (``y[order] = ys`` or ``ys[inverse(order)]``)."""
+    if op_name(sink) != "sum":
+        return None
+    return match_unpermute_sum(sink, None, lambda order: _argsort_of(order) is not None)
+
+
+def _token_index(order: fx.Node) -> fx.Node:
+    """``order // K``, the source token of each sorted row, as the graph computes it for the row gather."""
+    for u in order.users:
+        split = _floordiv_by(u)
+        if split is not None and split[0] is order:
+            return u
+    raise NoMatch("permute_not_matched", f"no token index {order.name} // K gathers the rows")
 
 
 def _probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx.Node | None]:
@@ -611,23 +635,37 @@ class _Matcher:
         self.counts: list[sympy.Expr] | None = None
 
     def match(self, sink: fx.Node) -> Region:
-        dest, token_N, src = _combine_parts(sink)
-        order = topo_index(self.graph)
-        if not _is_zeros(dest):
-            raise NoMatch(
-                "combine_buffer_reused", f"{sink.name} accumulates into {dest.name}, not a fresh zeros buffer"
-            )
-        if any(order[u] < order[sink] for u in dest.users if u is not sink):
-            raise NoMatch("combine_buffer_reused", f"{dest.name} is used before the combine")
-        perm = _match_permute(token_N)
-        matched = [perm.kind, op_name(sink)]
+        unpermute = _unpermute_sum(sink)
+        if unpermute is not None:
+            dest, src = None, unpermute.rows
+            token_N = _token_index(unpermute.order)
+            perm = _match_permute(token_N)
+            matched = [perm.kind, unpermute.kind]
+        else:
+            dest, token_N, src = _combine_parts(sink)
+            order = topo_index(self.graph)
+            if not _is_zeros(dest):
+                raise NoMatch(
+                    "combine_buffer_reused", f"{sink.name} accumulates into {dest.name}, not a fresh zeros buffer"
+                )
+            if any(order[u] < order[sink] for u in dest.users if u is not sink):
+                raise NoMatch("combine_buffer_reused", f"{dest.name} is used before the combine")
+            perm = _match_permute(token_N)
+            matched = [perm.kind, op_name(sink)]
 
         # combine source: casts, optional probs multiply, casts
         tail = {src}
         y = _peel(src, CASTS)
         tail |= _chain_to(src, y)
         probs_TK = probs_TE = None
-        if is_call(y, "mul", "__mul__") and len(y.args) == 2 and all(isinstance(a, fx.Node) for a in y.args):
+        if unpermute is not None:
+            tail |= set(unpermute.nodes)
+            if unpermute.weight_TK is not None:
+                w, ids = tensor_value(unpermute.weight_TK), tensor_value(perm.idx_TK)
+                if tuple(w.shape) != tuple(ids.shape):
+                    raise NoMatch("probs_not_matched", f"combine weight {tuple(w.shape)} is not [T, K]")
+                probs_TK = unpermute.weight_TK
+        elif is_call(y, "mul", "__mul__") and len(y.args) == 2 and all(isinstance(a, fx.Node) for a in y.args):
             a, b = y.args
             va, vb = tensor_value(a), tensor_value(b)
             if vb is not None and vb.dim() == 2 and vb.shape[1] == 1:
@@ -808,11 +846,12 @@ def _rewrite(graph: fx.Graph, r: Region) -> str:
         if r.probs_TE_gather is not None:
             probs = call(graph, torch.gather, r.probs_TE_gather, 1, perm.idx_TK, meta_from=meta)
         y = call(graph, torch.ops.moe.unpad_unpermute.default, r.Y, row_map, probs, meta_from=meta)
-        out_dtype = tensor_value(r.dest).dtype
+        out_dtype = tensor_value(r.sink).dtype
         if tensor_value(y).dtype != out_dtype:
             y = call(graph, torch.Tensor.to, y, out_dtype, meta_from=meta)
     r.sink.replace_all_uses_with(y)
-    replace_uses_after(r.dest, y, r.sink)
+    if r.dest is not None:
+        replace_uses_after(r.dest, y, r.sink)
     inputs = list(r.sink.all_input_nodes)
     graph.erase_node(r.sink)
     erase_dead(graph, inputs + r.dead + [r.X])
@@ -838,6 +877,11 @@ def _ops_available() -> bool:
 
 
 def _host_sized(sink: fx.Node) -> bool:
+    unpermute = _unpermute_sum(sink)
+    if unpermute is not None:
+        return has_unbacked_shape(unpermute.rows)
+    if op_name(sink) not in COMBINES:
+        return False
     try:
         _, token, src = _combine_parts(sink)
     except NoMatch:
@@ -848,7 +892,7 @@ def _host_sized(sink: fx.Node) -> bool:
 def run(graph: fx.Graph, ctx: PassContext) -> None:
     """Rewrite every provable host-padded MoE region of ``graph`` (see the module docstring)."""
     reads = host_reads(graph)
-    sinks = [n for n in graph.nodes if op_name(n) in COMBINES and _host_sized(n)]
+    sinks = [n for n in graph.nodes if (op_name(n) in COMBINES or op_name(n) == "sum") and _host_sized(n)]
     touched: list[str] = []
     for sink in sinks:
         if sink.graph is not graph or getattr(sink, "_erased", False):

@@ -13,6 +13,8 @@ class                          dispatch style
                                weight after the MLP in fp32, fp32 ``index_add_``
 ``WeightBetweenGemms``         unstable ``sort`` + ``x[perm // K]`` + ``histc``, weight applied
                                between the two GEMMs, ``index_put_(accumulate=True)``
+``UnpermuteScatterWeightedSum``  ``y[perm] = ys`` un-permute, weight after it, sum over the top-k view
+``UnpermuteGatherWeightedSum``   ``ys[argsort(perm)]`` un-permute, same weighted sum
 ``PaddedIndexPut``             FP8-style device padding to ``align`` rows per expert with a static
                                bound: padded destinations, ``index_put`` into zeros, ``Y[dest]``
 ``PaddedSentinelRow``          same padding via a ``full(M, T)`` index buffer and a zero sentinel row
@@ -98,6 +100,33 @@ class WeightBetweenGemms(_MoEBase):
         out = x_TH.new_zeros(x_TH.shape)
         out.index_put_((perm_S // self.top_k,), y, accumulate=True)
         return out
+
+
+class UnpermuteScatterWeightedSum(_MoEBase):
+    """Un-permute by ``y[perm] = ys`` (or ``ys[argsort(perm)]`` with ``gather=True``), then weight and sum the
+    ``[T, K, H]`` view (the routing weight applied after un-permuting)."""
+
+    def __init__(self, *args, gather: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gather = gather
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        T, H = x_TH.shape
+        weights_TK, ids_TK = self.route(x_TH)
+        ids_sorted, perm_S = torch.sort(ids_TK.reshape(-1))
+        counts_E = torch.histc(ids_sorted.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+        ys = self.mlp(x_TH[perm_S // self.top_k], torch.cumsum(counts_E, 0, dtype=torch.int32))
+        if self.gather:
+            y = ys[torch.argsort(perm_S)]
+        else:
+            y = torch.empty_like(ys)
+            y[perm_S] = ys
+        return (y.view(T, self.top_k, H) * weights_TK.unsqueeze(-1).to(ys.dtype)).sum(1)
+
+
+class UnpermuteGatherWeightedSum(UnpermuteScatterWeightedSum):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, gather=True, **kwargs)
 
 
 class _Padded(_MoEBase):
@@ -189,5 +218,6 @@ class RowMixingRegion(_MoEBase):
         return out
 
 
-REWRITTEN = (SortIndexSelectScatterAdd, ArgsortGatherIndexAdd, WeightBetweenGemms, PaddedIndexPut, PaddedSentinelRow)
+REWRITTEN = (SortIndexSelectScatterAdd, ArgsortGatherIndexAdd, WeightBetweenGemms, PaddedIndexPut, PaddedSentinelRow,
+             UnpermuteScatterWeightedSum, UnpermuteGatherWeightedSum)
 NOT_REWRITTEN = {WeightsBeforeGather: "weights_before_gather", RowMixingRegion: "region_not_rowwise"}

@@ -12,6 +12,9 @@ Shape suffixes: ``T`` tokens, ``H`` hidden, ``E`` experts, ``K`` top-k, ``N = T*
   padding by ``cat`` with zeros, unpad by slicing, ``scatter_add_`` combine (Megatron's unfused path).
 * :class:`ExpertLoopMoE` (layer 3): a Python loop over ``torch.split`` chunks, each through its own
   expert MLP (``ModuleList`` of ``nn.Linear``, or slices ``w1[e]`` of stacked weights).
+* :class:`SortHistcPadMoE` (layer 4): ``sort``, ``histc(...).long().tolist()`` counts, split + ``F.pad`` +
+  cat, three grouped GEMMs, split + slice unpad, un-permute by ``y[order] = ys`` (or ``ys[argsort(order)]``)
+  and a weighted sum over the top-k view.
 * :class:`PrePaddedMoE`: routing already aligned by ``moe_compile.ops.permute_pad``; the model still
   pads on the host (a no-op), which the pass must not pad again.
 
@@ -133,6 +136,48 @@ class MaskedSelectMoE(_RoutedExperts):
         return torch.zeros_like(x_TH).scatter_add_(0, index_NH, y_NH)
 
 
+class SortHistcPadMoE(_RoutedExperts):
+    """Layer 4: ``sort``; counts by ``histc(...).long().tolist()``; ``torch.split`` + ``F.pad`` to a
+    multiple of ``align`` + ``cat``; offsets from ``torch.tensor(sizes).cumsum(0)``; three grouped GEMMs
+    (separate gate and up weights); unpad by split + slice + ``cat``; then un-permute and weight per
+    token after the experts.
+
+    ``combine="scatter"``: ``y = empty_like(ys); y[order] = ys``; ``"gather"``: ``y = ys[argsort(order)]``;
+    both then ``(y.view(T, K, H) * w.unsqueeze(-1)).sum(1)``.
+    """
+
+    def __init__(self, *args, combine: str = "scatter", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if combine not in ("scatter", "gather"):
+            raise ValueError(f"combine must be 'scatter' or 'gather', got {combine!r}")
+        self.combine = combine
+        inter = self.w2_EHI.shape[2]
+        self.w1_EIH = nn.Parameter(self.w13_EIH.detach()[:, :inter].clone())
+        self.w3_EIH = nn.Parameter(self.w13_EIH.detach()[:, inter:].clone())
+        del self.w13_EIH
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        T, H = x_TH.shape
+        E, K, a = self.num_experts, self.top_k, self.align
+        probs_TK, idx_TK = self.route(x_TH)
+        ids_sorted_N, order_N = torch.sort(idx_TK.reshape(-1))
+        x_NH = x_TH[order_N // K]
+        sizes = torch.histc(ids_sorted_N.float(), bins=E, min=0, max=E - 1).long().tolist()
+        padded = [(n + a - 1) // a * a for n in sizes]
+        x_PH = torch.cat([F.pad(c, (0, 0, 0, p - n)) for c, n, p in zip(torch.split(x_NH, sizes), sizes, padded)])
+        offs_E = torch.tensor(padded, device=x_TH.device).cumsum(0).to(torch.int32)
+        gate_PI = grouped_mm(x_PH, self.w1_EIH.transpose(-2, -1), offs_E)
+        up_PI = grouped_mm(x_PH, self.w3_EIH.transpose(-2, -1), offs_E)
+        y_PH = grouped_mm(F.silu(gate_PI) * up_PI, self.w2_EHI.transpose(-2, -1), offs_E)
+        y_NH = torch.cat([c[:n] for c, n in zip(torch.split(y_PH, padded), sizes)])
+        if self.combine == "scatter":
+            y_unsorted_NH = torch.empty_like(y_NH)
+            y_unsorted_NH[order_N] = y_NH
+        else:
+            y_unsorted_NH = y_NH[torch.argsort(order_N)]
+        return (y_unsorted_NH.view(T, K, H) * probs_TK.unsqueeze(-1).to(y_NH.dtype)).sum(1)
+
+
 class SwiGLUExpert(nn.Module):
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, act: str = "silu", bias: bool = False) -> None:
         super().__init__()
@@ -232,6 +277,7 @@ class PrePaddedMoE(_RoutedExperts):
 
 LAYERS = {
     "split_pad": SplitPadGroupedMoE,
+    "sort_histc_pad": SortHistcPadMoE,
     "masked_select": MaskedSelectMoE,
     "loop": ExpertLoopMoE,
 }

@@ -70,6 +70,12 @@ class CompiledLayerTest(unittest.TestCase):
     def test_masked_select_inference_through_api(self):
         self.check("masked_select", path="api", train=False)
 
+    def test_sort_histc_pad_scatter_unpermute_training_fullgraph_backend(self):
+        self.check("sort_histc_pad", path="backend", train=True, align=16)
+
+    def test_sort_histc_pad_gather_unpermute_inference_through_api(self):
+        self.check("sort_histc_pad", path="api", train=False, combine="gather")
+
     def test_negative_control_pass_off_keeps_host_syncs(self):
         model = make_layer("split_pad", num_experts=2, top_k=1)
         gm = check_pass_off_keeps_host_syncs(self, model, layer_input(7), "strip_host_padding")

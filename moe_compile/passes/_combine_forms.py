@@ -1,0 +1,183 @@
+"""The ways MoE code writes "un-permute the expert rows and sum each token's top-k rows", in Dynamo IR.
+
+One table for every pass: :data:`UNPERMUTE_FORMS` turns each spelling of the un-permutation into the
+permutation it inverts; :func:`match_unpermute_sum` reads the whole combine ``y_TH`` from its last node.
+``S = T*K`` sorted rows ``ys_SH``, ``order_S`` the ascending sort of the flattened expert ids::
+
+    scatter       y = empty_like(ys); y[order] = ys          (setitem / index_put_ / scatter_)
+    gather        y = ys[inv] with inv = argsort(order), or inv = empty(S); inv[order] = arange(S)
+    then          y_TH = (y.view(T, K, H) [* w_TK[..., None]]).sum(1)
+
+Both put row ``i`` of ``ys`` at position ``order[i]``, so ``y.view(T, K, H)[t, k]`` is the row of slot
+``t*K + k``: the combine is ``sum_k w[t, k] * ys[row(t, k)]``, what ``moe.unpad_unpermute`` computes.
+Extend the table (a function ``(node, order) -> bool``) to teach every pass a new spelling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+
+from moe_compile.passes import _index_algebra as ia
+from moe_compile.passes._graph import arg, known_int, op_name, same_int, same_shape, tensor_val
+
+_VIEWS_TKH = ("view", "reshape", "unflatten")
+_WEIGHT_CASTS = ("to", "float", "bfloat16", "half", "type_as", "double")
+_FRESH = ("empty_like", "zeros_like", "empty", "zeros", "new_empty", "new_zeros")
+
+
+@dataclasses.dataclass
+class UnpermuteSum:
+    """``y_TH = sum_k w_TK[t, k] * ys[row(t, k)]`` read from the graph."""
+
+    kind: str  # "scatter_unpermute_sum" | "inverse_perm_sum"
+    rows: fx.Node  # ys_SH, sorted rows
+    order: fx.Node  # the permutation (sort indices)
+    weight_TK: fx.Node | None  # routing weight applied after un-permuting (in [T, K] order), if any
+    result: fx.Node  # the sum over the top-k slots
+    nodes: list[fx.Node]  # the combine's own nodes (erased by a rewrite)
+
+
+_WRITES = ("setitem", "index_put_", "scatter_")
+
+
+def _written_by_permutation(buf: fx.Node, order: fx.Node, exclude: fx.Node | None = None) -> Any:
+    """``values`` when ``buf`` is a fresh tensor written once, as ``buf[order] = values`` (else None);
+    ``exclude`` is its one reader (the others must all be that write)."""
+    if op_name(buf) not in _FRESH:
+        return None
+    writes = [w for w in buf.users if w is not exclude and op_name(w) in _WRITES and w.args[0] is buf]
+    if len(writes) != 1 or any(u is not exclude and u not in writes for u in buf.users if exclude is not None):
+        return None
+    w = writes[0]
+    name = op_name(w)
+    if name == "setitem" and w.args[0] is buf and w.args[1] is order:
+        return w.args[2]
+    if name == "index_put_" and w.args[0] is buf and tuple(arg(w, 1, "indices")) == (order,) \
+            and not arg(w, 3, "accumulate", False):
+        return arg(w, 2, "values")
+    if name == "scatter_" and w.args[0] is buf and known_int(arg(w, 1, "dim")) == 0 and arg(w, 2, "index") is order:
+        return arg(w, 3, "src")
+    return None
+
+
+def _is_arange(values: Any, n: Any) -> bool:
+    try:
+        return ia.LinearForms(lambda _: False, lambda _: False, lambda r: same_int(r, n))(values) == \
+            ia.Form.atom(ia.ARANGE)
+    except ia.NotLinear:
+        return False
+
+
+def is_inverse_of(inv: Any, order: fx.Node, reader: fx.Node) -> bool:
+    """``inv`` is the inverse permutation of ``order``: ``argsort(order)`` or ``inv[order] = arange(S)``."""
+    if not isinstance(inv, fx.Node):
+        return False
+    if op_name(inv) == "argsort" and inv.args[0] is order and not arg(inv, 2, "descending", False):
+        return True
+    values = _written_by_permutation(inv, order, reader)
+    return values is not None and _is_arange(values, tensor_val(order).shape[0])
+
+
+def _scatter_unpermute(y: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """``(ys, order, nodes)`` for ``y = empty_like(ys); y[order] = ys`` (read at ``y``'s view)."""
+    for w in y.users:
+        if op_name(w) in ("setitem", "index_put_", "scatter_") and w.args[0] is y:
+            order = w.args[1] if op_name(w) == "setitem" else (
+                arg(w, 1, "indices")[0] if op_name(w) == "index_put_" else arg(w, 2, "index"))
+            if isinstance(order, fx.Node):
+                ys = _written_by_permutation(y, order)
+                if isinstance(ys, fx.Node):
+                    return ys, order, [w, y]
+    return None
+
+
+def _inverse_gather(y: fx.Node, is_permutation: Callable[[fx.Node], bool]) -> tuple[fx.Node, fx.Node, list] | None:
+    """``(ys, order, nodes)`` for ``y = ys[inv]`` with ``inv`` the inverse of a permutation ``order``."""
+    if op_name(y) != "getitem" or not isinstance(y.args[1], fx.Node):
+        return None
+    inv = y.args[1]
+    candidates = [inv.args[0]] if op_name(inv) == "argsort" else \
+        [w.args[1] for w in inv.users if w is not y and op_name(w) in ("setitem",) and w.args[0] is inv]
+    candidates += [arg(w, 1, "indices")[0] for w in inv.users
+                   if w is not y and op_name(w) == "index_put_" and w.args[0] is inv]
+    for order in candidates:
+        if isinstance(order, fx.Node) and is_permutation(order) and is_inverse_of(inv, order, y):
+            return y.args[0], order, [y, *(w for w in inv.users if w is not y)]
+    return None
+
+
+def match_unpermute_sum(total: fx.Node, top_k: Any, is_permutation: Callable[[fx.Node], bool]) -> UnpermuteSum | None:
+    """Read ``total`` as ``(y.view(T, K, H) [* w_TK[..., None]]).sum(1)`` over an un-permuted ``y``
+    (``top_k=None``: any ``K``); ``is_permutation(order)`` must accept the permutation."""
+    dims = arg(total, 1, "dim")
+    dims = dims if isinstance(dims, (list, tuple)) else (dims,)
+    if op_name(total) != "sum" or len(dims) != 1 or not isinstance(dims[0], int) or dims[0] % 3 != 1 \
+            or arg(total, 2, "keepdim", False) or total.kwargs.get("dtype") is not None:
+        return None
+    body = total.args[0]
+    if not isinstance(body, fx.Node):
+        return None
+    nodes, weight = [total], None
+    if op_name(body) == "mul" and len(body.args) == 2 and all(isinstance(a, fx.Node) for a in body.args):
+        for view, col in (body.args, body.args[::-1]):
+            w = _weight_column(col)
+            if op_name(view) in _VIEWS_TKH and w is not None:
+                nodes += [body, *_chain(col, w)]
+                body, weight = view, w
+                break
+        else:
+            return None
+    if op_name(body) not in _VIEWS_TKH or len(body.users) != 1:
+        return None
+    view, y = body, body.args[0]
+    vv, yv = tensor_val(view), tensor_val(y)
+    if vv is None or yv is None or vv.dim() != 3 or yv.dim() != 2 \
+            or (top_k is not None and not same_int(vv.shape[1], top_k)) or not same_int(vv.shape[2], yv.shape[1]):
+        return None
+    if weight is not None:
+        wv = tensor_val(weight)
+        if wv is None or not same_shape(wv.shape, vv.shape[:2]) or not wv.dtype.is_floating_point:
+            return None
+    nodes.append(view)
+    for kind, reader in (("scatter_unpermute_sum", lambda n: _scatter_unpermute(n)),
+                         ("inverse_perm_sum", lambda n: _inverse_gather(n, is_permutation))):
+        found = reader(y)
+        if found is not None:
+            ys, order, own = found
+            if not is_permutation(order) or len(y.users) != 1 + (kind == "scatter_unpermute_sum"):
+                continue
+            return UnpermuteSum(kind, ys, order, weight, total, nodes + own)
+    return None
+
+
+def _weight_column(col: fx.Node) -> fx.Node | None:
+    """``w_TK`` for ``w_TK.unsqueeze(-1)`` / ``w_TK[..., None]`` / ``w_TK.view(T, K, 1)`` (through casts)."""
+    node = col
+    while op_name(node) in _WEIGHT_CASTS and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    name = op_name(node)
+    if name == "unsqueeze" and node.args[1] in (2, -1):
+        return node.args[0]
+    if name == "getitem" and isinstance(node.args[1], tuple) and node.args[1][-1] is None \
+            and all(s == slice(None) or s is Ellipsis for s in node.args[1][:-1]):
+        return node.args[0]
+    if name in ("view", "reshape"):
+        wv = tensor_val(node)
+        if wv is not None and wv.dim() == 3 and known_int(wv.shape[2]) == 1:
+            return node.args[0]
+    return None
+
+
+def _chain(col: fx.Node, w: fx.Node) -> list[fx.Node]:
+    out, node = [], col
+    while node is not w:
+        out.append(node)
+        node = node.args[0]
+    return out
+
+
+__all__ = ["UnpermuteSum", "is_inverse_of", "match_unpermute_sum"]
