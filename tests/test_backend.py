@@ -112,8 +112,11 @@ def test_explain_reports_rewrites_and_skips_per_layer():
     [good] = d["layers"]["good"]
     assert (good["pass"], good["kind"]) == ("fuse_dispatch", "rewrite")
     assert "moe.permute_pad" in good["detail"] and "sort(ids)" in good["what"]
-    [bad] = d["layers"]["bad"]
-    assert (bad["kind"], bad["what"]) == ("skip", "weights_before_gather")
+    bad = {r["pass"]: r for r in d["layers"]["bad"]}
+    assert (bad["fuse_dispatch"]["kind"], bad["fuse_dispatch"]["what"]) == ("skip", "weights_before_gather")
+    # the layer's combine keeps its accumulating index_add, and explain says so
+    assert (bad["deterministic_accumulate"]["kind"], bad["deterministic_accumulate"]["what"]) == \
+        ("skip", "index_not_distinct")
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -168,3 +171,28 @@ def test_explain_matches_layers_of_frames_compiled_below_the_root():
     rep = moe_compile.explain(model, backward=False, **inputs)
     assert rep.count("fuse_dispatch") == 2, rep.table()
     assert [r for r in rep.records if r.what == "not_in_graph"] == [], rep.table()
+
+
+def test_pass_that_raises_is_undone_and_compilation_goes_on(monkeypatch):
+    """A pre-grad pass that raises after editing the graph: the graph is restored (with the placeholder
+    nodes Dynamo and AOTAutograd annotate), a warning names the pass, the later passes still run, and
+    training through Inductor matches eager."""
+    from moe_compile.passes import strip_host_padding
+    from tests.passes._harness import assert_matches_eager, Run
+
+    def broken(graph, ctx):
+        first = next(n for n in graph.nodes if n.op == "call_function")
+        with graph.inserting_before(first):
+            graph.call_function(torch.neg, (graph.find_nodes(op="placeholder")[-1],))
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(strip_host_padding, "run", broken)
+    model = hw.SortIndexSelectScatterAdd(hidden=32)
+    x = torch.randn(6, 32, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="strip_host_padding"), moe_compile.report.collecting() as rep:
+        ours, ours_grads = _run(model, x, "moe_compile", True)
+    assert [(r.pass_name, r.what) for r in rep.errors] == [("strip_host_padding", "RuntimeError")]
+    assert rep.count("fuse_dispatch") == 1
+    eager, eager_grads = _run(model, x, "eager", True)
+    assert_matches_eager(Run(ours, ours_grads, rep, []), model, (x,), train=True, eager=(eager, eager_grads),
+                         loss_fn=lambda out: out.float().pow(2).mean())

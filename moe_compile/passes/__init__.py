@@ -97,23 +97,29 @@ class PassContext:
         report.add(report.PassRecord(self.pass_name, self.stage, "skip", layer, reason, detail))
 
 
-def _copy_into(dst: fx.Graph, src: fx.Graph) -> None:
-    value, src_output = dst.graph_copy(src, {}, return_output_node=True)
+def _copy_into(dst: fx.Graph, src: fx.Graph, placeholders: dict[fx.Node, fx.Node]) -> None:
+    value, src_output = dst.graph_copy(src, dict(placeholders), return_output_node=True)
     out = dst.output(value, type_expr=src_output.type)
     out.meta = dict(src_output.meta)
 
 
 def _snapshot(graph: fx.Graph) -> fx.Graph:
     copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
-    _copy_into(copy, graph)
+    _copy_into(copy, graph, {})
     return copy
 
 
 def _restore(graph: fx.Graph, snapshot: fx.Graph) -> None:
+    """Put ``snapshot``'s nodes back into ``graph``, keeping ``graph``'s own placeholder nodes: Dynamo and
+    AOTAutograd keep attributes on them (``_dynamo_source``) that a copy would lose."""
+    own = list(graph.find_nodes(op="placeholder"))
     for node in reversed(list(graph.nodes)):
+        if node.op != "placeholder":
+            node.users.clear()
+            graph.erase_node(node)
+    for node in own:
         node.users.clear()
-        graph.erase_node(node)
-    _copy_into(graph, snapshot)
+    _copy_into(graph, snapshot, dict(zip(snapshot.find_nodes(op="placeholder"), own)))
 
 
 def _is_training_graph(graph: fx.Graph) -> bool:

@@ -1,7 +1,8 @@
 """The ways MoE code writes "un-permute the expert rows and sum each token's top-k rows", in Dynamo IR.
 
-One table for every pass: :data:`UNPERMUTE_FORMS` turns each spelling of the un-permutation into the
-permutation it inverts; :func:`match_unpermute_sum` reads the whole combine ``y_TH`` from its last node.
+One place for every pass: :func:`match_unpermute_sum` reads an un-permute + top-k sum combine from its
+last node, :func:`read_accumulate` an accumulate into a ``[T, H]`` buffer at token indices
+(``index_add_`` / ``scatter_add_`` / ``index_put_(accumulate=True)``).
 ``S = T*K`` sorted rows ``ys_SH``, ``order_S`` the ascending sort of the flattened expert ids::
 
     scatter       y = empty_like(ys); y[order] = ys          (setitem / index_put_ / scatter_)
@@ -10,7 +11,7 @@ permutation it inverts; :func:`match_unpermute_sum` reads the whole combine ``y_
 
 Both put row ``i`` of ``ys`` at position ``order[i]``, so ``y.view(T, K, H)[t, k]`` is the row of slot
 ``t*K + k``: the combine is ``sum_k w[t, k] * ys[row(t, k)]``, what ``moe.unpad_unpermute`` computes.
-Extend the table (a function ``(node, order) -> bool``) to teach every pass a new spelling.
+A new spelling is a new reader here; every pass then knows it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,63 @@ class UnpermuteSum:
 
 
 _WRITES = ("setitem", "index_put_", "scatter_")
+
+
+@dataclasses.dataclass
+class AccumulateCombine:
+    """``buffer`` (``[T, H]``) with ``src`` rows added at the 1-D token index ``index`` along dim 0."""
+
+    kind: str  # "index_add" | "scatter_add" | "index_put"
+    node: fx.Node
+    buffer: Any
+    index: Any
+    src: Any
+    inplace: bool
+
+
+def expanded_index(node: Any) -> Any:
+    """``idx`` for ``idx.unsqueeze(-1).expand(-1, H)`` (also ``view(-1, 1)``, ``idx[:, None]``, ``expand_as``,
+    ``repeat``); else None."""
+    if not isinstance(node, fx.Node) or op_name(node) not in ("expand", "expand_as", "repeat"):
+        return None
+    inner = node.args[0]
+    if not isinstance(inner, fx.Node):
+        return None
+    name = op_name(inner)
+    iv = tensor_val(inner)
+    if iv is None or iv.dim() != 2 or iv.shape[1] != 1:
+        return None
+    if name == "unsqueeze" and arg(inner, 1, "dim") in (1, -1):
+        return inner.args[0]
+    if name in ("view", "reshape"):
+        return inner.args[0]
+    if name == "getitem" and isinstance(inner.args[1], tuple) and len(inner.args[1]) == 2 \
+            and inner.args[1][0] == slice(None) and inner.args[1][1] is None:
+        return inner.args[0]
+    return None
+
+
+def read_accumulate(node: fx.Node) -> AccumulateCombine | None:
+    """An accumulate of rows into a buffer along dim 0 (``index_add_``, ``scatter_add_`` with an expanded
+    row index, ``index_put_(..., accumulate=True)``, in-place or not); None for anything else. A
+    ``scatter_add`` whose index is not an expanded row index reads with ``index=None``."""
+    name = op_name(node)
+    if name in ("index_add_", "index_add"):
+        if known_int(arg(node, 1, "dim")) != 0 or arg(node, 4, "alpha", 1) != 1:
+            return None
+        return AccumulateCombine("index_add", node, node.args[0], arg(node, 2, "index"), arg(node, 3, "source"),
+                                 name.endswith("_"))
+    if name in ("scatter_add_", "scatter_add"):
+        if known_int(arg(node, 1, "dim")) != 0:
+            return None
+        return AccumulateCombine("scatter_add", node, node.args[0], expanded_index(arg(node, 2, "index")),
+                                 arg(node, 3, "src"), name.endswith("_"))
+    if name in ("index_put_", "index_put"):
+        idx = arg(node, 1, "indices")
+        if not arg(node, 3, "accumulate", False) or not isinstance(idx, (list, tuple)) or len(idx) != 1:
+            return None
+        return AccumulateCombine("index_put", node, node.args[0], idx[0], arg(node, 2, "values"), name.endswith("_"))
+    return None
 
 
 def _written_by_permutation(buf: fx.Node, order: fx.Node, exclude: fx.Node | None = None) -> Any:
@@ -180,4 +238,5 @@ def _chain(col: fx.Node, w: fx.Node) -> list[fx.Node]:
     return out
 
 
-__all__ = ["UnpermuteSum", "is_inverse_of", "match_unpermute_sum"]
+__all__ = ["AccumulateCombine", "UnpermuteSum", "expanded_index", "is_inverse_of", "match_unpermute_sum",
+           "read_accumulate"]

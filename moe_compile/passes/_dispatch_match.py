@@ -37,7 +37,8 @@ import torch.fx as fx
 
 from moe_compile.passes import NoMatch
 from moe_compile.passes import _index_algebra as ia
-from moe_compile.passes._combine_forms import match_unpermute_sum
+from moe_compile.passes._combine_forms import expanded_index, match_unpermute_sum, read_accumulate
+from moe_compile.passes._count_forms import expert_counts, ids_base
 from moe_compile.passes._graph import (
     arg,
     is_inplace,
@@ -234,27 +235,6 @@ def _index_of_floordiv(node: Any, perm: fx.Node) -> Any:
     return None
 
 
-def _expanded_index(node: Any) -> Any:
-    """``idx.unsqueeze(-1).expand(-1, H)`` (and ``view(-1, 1)``, ``idx[:, None]``, ``expand_as``) -> idx."""
-    if not isinstance(node, fx.Node) or op_name(node) not in ("expand", "expand_as", "repeat"):
-        return None
-    inner = node.args[0]
-    if not isinstance(inner, fx.Node):
-        return None
-    name = op_name(inner)
-    iv = tensor_val(inner)
-    if iv is None or iv.dim() != 2 or iv.shape[1] != 1:
-        return None
-    if name == "unsqueeze" and arg(inner, 1, "dim") in (1, -1):
-        return inner.args[0]
-    if name in ("view", "reshape"):
-        return inner.args[0]
-    if name == "getitem" and isinstance(inner.args[1], tuple) and len(inner.args[1]) == 2 \
-            and inner.args[1][0] == slice(None) and inner.args[1][1] is None:
-        return inner.args[0]
-    return None
-
-
 def _gather_parts(node: fx.Node) -> tuple[Any, Any] | None:
     """``(src, idx)`` for a row gather ``src[idx]`` / ``index_select(src, 0, idx)`` / ``gather(src, 0, idx2d)``."""
     name = op_name(node)
@@ -275,7 +255,7 @@ def _gather_parts(node: fx.Node) -> tuple[Any, Any] | None:
         sv = tensor_val(src)
         if sv is not None and sv.dim() == 1:
             return src, idx
-        inner = _expanded_index(idx)
+        inner = expanded_index(idx)
         return (src, inner) if inner is not None else None
     return None
 
@@ -947,26 +927,10 @@ class Matcher:
                               "a (weighted) sum of their [T, K, H] view")
             return Combine(found.kind, y, total, None, found.nodes, weight_TK=found.weight_TK)
         # (b) zeros[T, H] accumulated at perm // K
-        if name in ("index_add_", "index_add"):
-            if arg(u, 3, "source") is not y or u.args[0] is y or known_int(arg(u, 1, "dim")) != 0:
-                return None
-            if arg(u, 4, "alpha", 1) != 1:
-                raise NoMatch("combine_not_matched", f"{u.name}: index_add with alpha != 1")
-            return self._accumulate(u, y, arg(u, 2, "index"), "index_add")
-        if name in ("scatter_add_", "scatter_add"):
-            if arg(u, 3, "src") is not y or u.args[0] is y or known_int(arg(u, 1, "dim")) != 0:
-                return None
-            return self._accumulate(u, y, _expanded_index(arg(u, 2, "index")), "scatter_add")
-        if name in ("index_put_", "index_put"):
-            if arg(u, 2, "values") is not y or u.args[0] is y:
-                return None
-            if not arg(u, 3, "accumulate", False):
-                return None
-            idx = arg(u, 1, "indices")
-            if not isinstance(idx, (list, tuple)) or len(idx) != 1:
-                return None
-            return self._accumulate(u, y, idx[0], "index_put")
-        return None
+        acc = read_accumulate(u)
+        if acc is None or acc.src is not y or acc.buffer is y:
+            return None
+        return self._accumulate(u, y, acc.index, acc.kind)
 
     def _accumulate(self, u: fx.Node, y: fx.Node, index: Any, kind: str) -> Combine:
         k = _index_of_floordiv(index, self.perm)
@@ -989,42 +953,8 @@ class Matcher:
 
     # -- 3. counts and offsets -------------------------------------------------------------------
     def _counts_of(self, node: fx.Node) -> tuple[int, str] | None:
-        """``(E, kind)`` if ``node`` counts the routed expert ids per expert."""
-        name = op_name(node)
-        if name == "histc":
-            inp = ia.strip_casts(node.args[0])
-            bins = known_int(arg(node, 1, "bins", 100))
-            lo, hi = arg(node, 2, "min", 0), arg(node, 3, "max", 0)
-            if bins is None or not self._is_ids(inp) or lo != 0 or hi not in (bins - 1, bins):
-                return None
-            return bins, "histc"
-        if name == "bincount":
-            inp = ia.strip_casts(node.args[0])
-            if arg(node, 1, "weights") is not None or not self._is_ids(inp):
-                return None
-            minlength = known_int(arg(node, 2, "minlength", 0))
-            return (minlength, "bincount") if minlength else None
-        if name == "sum":
-            inp = node.args[0]
-            dim = arg(node, 1, "dim")
-            dims = tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
-            inner = ia.strip_casts(inp)
-            iv = tensor_val(inner)
-            if iv is None or iv.dim() < 2 or sorted(d % iv.dim() for d in dims if isinstance(d, int)) \
-                    != list(range(iv.dim() - 1)):
-                return None
-            E = known_int(iv.shape[-1])
-            if op_name(inner) == "one_hot":
-                if self._is_ids(inner.args[0]) and known_int(arg(inner, 1, "num_classes", -1)) == E and E:
-                    return E, "one_hot.sum"
-                return None
-            if op_name(inner) == "eq":
-                a, b = inner.args[0], inner.args[1]
-                for ids_side, ar_side in ((a, b), (b, a)):
-                    if self._is_ids_column(ids_side) and self._is_expert_arange(ar_side, E):
-                        return E, "(ids == arange(E)).sum"
-            return None
-        return None
+        """``(E, kind)`` if ``node`` counts the routed expert ids per expert (forms in ``_count_forms``)."""
+        return expert_counts(node, self._is_ids)
 
     def _is_ids(self, node: Any) -> bool:
         """The routed expert ids in any order or flattening (what counts may be computed from)."""
@@ -1033,38 +963,7 @@ class Matcher:
             return False
         if node in self.sorted_ids:
             return True
-        return _flat_source(node) is _flat_source(self.ids_flat)
-
-    def _is_ids_column(self, node: Any) -> bool:
-        """``ids.unsqueeze(-1)`` / ``ids[..., None]`` / ``ids.view(-1, 1)``."""
-        if not isinstance(node, fx.Node):
-            return False
-        name = op_name(node)
-        if name == "unsqueeze" and arg(node, 1, "dim") in (-1, tensor_val(node).dim() - 1):
-            return self._is_ids(node.args[0])
-        if name == "getitem" and isinstance(node.args[1], tuple) and node.args[1][-1] is None \
-                and all(i in (slice(None), Ellipsis) for i in node.args[1][:-1]):
-            return self._is_ids(node.args[0])
-        if name in ("view", "reshape") and tensor_val(node).shape[-1] == 1:
-            return self._is_ids(node.args[0])
-        return False
-
-    def _is_expert_arange(self, node: Any, E: int | None) -> bool:
-        node = ia.strip_casts(node)
-        if not isinstance(node, fx.Node) or E is None:
-            return False
-        if op_name(node) in ("view", "reshape", "unsqueeze"):
-            return self._is_expert_arange(node.args[0], E)
-        if op_name(node) == "getitem" and isinstance(node.args[1], tuple) and all(
-            i in (None, slice(None), Ellipsis) for i in node.args[1]
-        ):
-            return self._is_expert_arange(node.args[0], E)
-        if op_name(node) != "arange":
-            return False
-        args = node.args
-        start, end, step = (0, args[0], 1) if len(args) == 1 else (arg(node, 0, "start", 0), arg(node, 1, "end"),
-                                                                  arg(node, 2, "step", 1))
-        return known_int(start) == 0 and known_int(end) == E and known_int(step) == 1
+        return ids_base(node) is ids_base(self.ids_flat)
 
     def _check_offsets(self, grouped_mms: list[fx.Node], padding: Padding | None) -> tuple[int, str]:
         found: dict[str, Any] = {}

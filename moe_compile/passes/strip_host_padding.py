@@ -72,7 +72,8 @@ import torch.fx as fx
 
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS
 from moe_compile.passes import NoMatch, PassContext
-from moe_compile.passes._combine_forms import UnpermuteSum, match_unpermute_sum
+from moe_compile.passes._combine_forms import UnpermuteSum, match_unpermute_sum, read_accumulate
+from moe_compile.passes._count_forms import expert_counts, ids_base, routing_map_ids, strip_casts
 from moe_compile.passes._graph import erase_dead, layer_name, op_name, topo_index
 from moe_compile.passes._host_sync import (
     HostRead,
@@ -104,7 +105,7 @@ UNARY_ROWWISE = {
 } | CASTS
 BINARY_ROWWISE = {"mul", "add", "sub", "truediv", "div", "pow", "maximum", "minimum", "clamp"}
 LAST_DIM_SPLITS = {"chunk", "split", "unbind", "tensor_split", "narrow"}
-COMBINES = {"index_add_", "index_add", "scatter_add_", "scatter_add"}
+COMBINES = {"index_add_", "index_add", "scatter_add_", "scatter_add", "index_put_", "index_put"}
 
 
 @dataclasses.dataclass
@@ -156,13 +157,6 @@ def _flat_base(node: Any) -> Any:
         value, base = tensor_value(node), tensor_value(node.args[0])
         if value is not None and base is not None and value.dim() == 1 and base.dim() == 2:
             return node.args[0]
-    return node
-
-
-def _unsorted(node: Any) -> Any:
-    """``ids`` for the values of ``sort(ids)`` (a permutation of ``ids``: the same histogram); else the node."""
-    if is_call(node, "getitem") and node.args[1] == 0 and is_call(node.args[0], "sort"):
-        return node.args[0].args[0]
     return node
 
 
@@ -233,18 +227,6 @@ def _floordiv_by(node: Any) -> tuple[fx.Node, int] | None:
     return None
 
 
-def _routing_map_ids(map_TE: Any) -> fx.Node | None:
-    """``idx_TK`` for ``zeros(T, E, bool).scatter(1, idx_TK, True)`` (top-k ids, distinct per row)."""
-    map_TE = _peel(map_TE, {"bool", "to", "contiguous"})
-    if is_call(map_TE, "scatter", "scatter_") and _int_arg(map_TE, 1, "dim") in (1, -1):
-        src = map_TE.args[3] if len(map_TE.args) > 3 else map_TE.kwargs.get("value", map_TE.kwargs.get("src"))
-        if _is_zeros(map_TE.args[0]) and src in (True, 1):
-            return map_TE.args[2]
-    if is_call(map_TE, "sum") and is_call(map_TE.args[0], "one_hot") and _int_arg(map_TE, 1, "dim") in (1, -2):
-        return map_TE.args[0].args[0]
-    return None
-
-
 def _match_permute(token_N: fx.Node) -> Permute:
     """Prove how ``token_N`` (source token of each permuted row) and the gathered rows were built."""
     gathers = [
@@ -276,7 +258,7 @@ def _match_permute(token_N: fx.Node) -> Permute:
         if not (is_call(base, "arange") and tuple(base.args) in ((T,), (0, T))):
             raise NoMatch("permute_not_matched", "masked_select source is not arange(T) expanded over experts")
         map_TE = _transposed_base(map_ET)
-        idx_TK = _routing_map_ids(map_TE) if map_TE is not None else None
+        idx_TK = routing_map_ids(map_TE) if map_TE is not None else None
         if idx_TK is None:
             raise NoMatch("routing_map_not_topk", "routing map not proven to hold exactly K distinct experts per token")
         if not _topk_indices(idx_TK):
@@ -286,39 +268,14 @@ def _match_permute(token_N: fx.Node) -> Permute:
     raise NoMatch("permute_not_matched", f"{token_N.name} is neither argsort // K nor masked_select(arange)")
 
 
-def _histogram_ids(counts: Any) -> tuple[fx.Node, int] | None:
-    """``(idx_TK, E)`` when ``counts`` is the per-expert count of the ids in ``idx_TK``."""
-    counts = _peel(counts, {"to", "int", "long", "type", "contiguous"})
-    if not isinstance(counts, fx.Node):
-        return None
+def _histogram_of(counts: Any, idx_TK: fx.Node) -> int | None:
+    """``E`` when ``counts`` is the per-expert count of the ids in ``idx_TK`` (forms in ``_count_forms``)."""
+    counts = strip_casts(counts)
     value = tensor_value(counts)
     if value is None or value.dim() != 1 or not isinstance(value.shape[0], int):
         return None
-    E = value.shape[0]
-    name = op_name(counts)
-    if name == "sum":
-        src, dim = counts.args[0], _int_arg(counts, 1, "dim")
-        if is_call(src, "one_hot"):
-            ids = src.args[0]
-            ids_dim = tensor_value(ids).dim()
-            ok = (ids_dim == 1 and dim in (0, (0,), [0])) or (ids_dim == 2 and dim in ((0, 1), [0, 1]))
-            return (_flat_base(_unsorted(ids)), E) if ok else None
-        if is_call(src, "eq", "__eq__"):
-            a, b = src.args[0], src.args[1]
-            for ids_col, rng in ((a, b), (b, a)):
-                if is_call(ids_col, "unsqueeze") and is_call(rng, "arange") and dim in (0, (0,), [0]):
-                    if ids_col.args[1] in (1, -1) and tuple(rng.args) in ((E,), (0, E)):
-                        return _flat_base(ids_col.args[0]), E
-            return None
-        if dim in (0, (0,), [0]):
-            ids = _routing_map_ids(src)
-            return (ids, E) if ids is not None else None
-    if name == "histc":
-        ids = _unsorted(_peel(counts.args[0], {"float", "to", "double", "int", "long"}))
-        bins, lo, hi = (_int_arg(counts, 1, "bins", 100), _int_arg(counts, 2, "min", 0), _int_arg(counts, 3, "max", 0))
-        if bins == E and lo == 0 and hi in (E - 1, E):
-            return _flat_base(ids), E
-    return None
+    found = expert_counts(counts, lambda n: ids_base(n) is idx_TK)
+    return found[0] if found is not None and found[0] == value.shape[0] else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -327,24 +284,11 @@ def _histogram_ids(counts: Any) -> tuple[fx.Node, int] | None:
 
 
 def _combine_parts(sink: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
-    """``(dest, token_N, src)`` of an ``index_add_`` / ``scatter_add_`` along dim 0."""
-    name = op_name(sink)
-    dest, dim, index = sink.args[0], kwarg(sink, "dim"), kwarg(sink, "index")
-    src = kwarg(sink, "source") if name.startswith("index_add") else kwarg(sink, "src")
-    if dim != 0 or not isinstance(index, fx.Node) or not isinstance(src, fx.Node):
-        raise NoMatch("combine_index_not_matched", f"{sink.name}: not a row combine along dim 0")
-    if name.startswith("index_add"):
-        if kwarg(sink, "alpha", 1) != 1:
-            raise NoMatch("combine_index_not_matched", f"{sink.name}: alpha != 1")
-        return dest, index, src
-    token = index
-    if is_call(token, "expand", "expand_as"):
-        token = token.args[0]
-    if is_call(token, "unsqueeze") and token.args[1] in (1, -1):
-        return dest, token.args[0], src
-    if is_call(token, "view", "reshape") and tuple(token.args[1:]) in ((-1, 1), ((-1, 1),)):
-        return dest, token.args[0], src
-    raise NoMatch("combine_index_not_matched", f"{sink.name}: scatter index is not token_N[:, None].expand(-1, H)")
+    """``(dest, token_N, src)`` of a row accumulate along dim 0 (forms in ``_combine_forms``)."""
+    acc = read_accumulate(sink)
+    if acc is None or not isinstance(acc.index, fx.Node) or not isinstance(acc.src, fx.Node):
+        raise NoMatch("combine_index_not_matched", f"{sink.name}: not a row combine along dim 0 at a token index")
+    return acc.buffer, acc.index, acc.src
 
 
 def _unpermute_sum(sink: fx.Node) -> UnpermuteSum | None:
@@ -665,7 +609,8 @@ class _Matcher:
                 if tuple(w.shape) != tuple(ids.shape):
                     raise NoMatch("probs_not_matched", f"combine weight {tuple(w.shape)} is not [T, K]")
                 probs_TK = unpermute.weight_TK
-        elif is_call(y, "mul", "__mul__") and len(y.args) == 2 and all(isinstance(a, fx.Node) for a in y.args):
+        if probs_TK is None and is_call(y, "mul", "__mul__") and len(y.args) == 2 \
+                and all(isinstance(a, fx.Node) for a in y.args):
             a, b = y.args
             va, vb = tensor_value(a), tensor_value(b)
             if vb is not None and vb.dim() == 2 and vb.shape[1] == 1:
@@ -730,7 +675,13 @@ class _Matcher:
 
     def _counts(self, sizes: list[Any] | None, perm: Permute, offs_nodes: list[fx.Node]) -> int:
         """Prove the split sizes (or the device offsets' counts) are the per-expert counts of the ids."""
-        if sizes is None:
+        read_tensors = _host_read_tensors(offs_nodes[0], self.reads)
+        if sizes is None and read_tensors:
+            # no host split, offsets from host sizes (torch.tensor(counts.tolist()).cumsum(0))
+            if len(read_tensors) != 1:
+                raise NoMatch("counts_not_histogram", f"offsets read from {len(read_tensors)} tensors")
+            counts_node = read_tensors.pop()
+        elif sizes is None:
             # no host split: the offsets must be a cumsum of a device histogram of the ids
             base = _peel(offs_nodes[0], {"to", "int", "long", "type", "contiguous"})
             if not is_call(base, "cumsum"):
@@ -750,12 +701,11 @@ class _Matcher:
             if len(tensors) != 1:
                 raise NoMatch("counts_not_histogram", f"split sizes read from {len(tensors)} tensors")
             counts_node = tensors.pop()
-        source = _histogram_ids(counts_node)
-        if source is None or source[0] is not perm.idx_TK:
+        E = _histogram_of(counts_node, perm.idx_TK)
+        if E is None:
             raise NoMatch(
                 "counts_not_histogram", f"{counts_node.name} is not the per-expert count of {perm.idx_TK.name}"
             )
-        E = source[1]
         if perm.num_experts > 0 and perm.num_experts != E:
             raise NoMatch("counts_not_histogram", f"{E} counts for {perm.num_experts} experts")
         self.counts_node, self.counts = counts_node, leaf_vector(counts_node, E)
@@ -876,17 +826,50 @@ def _ops_available() -> bool:
         return False
 
 
+def _host_read_tensors(node: fx.Node, reads: dict[sympy.Symbol, HostRead], limit: int = 64) -> set[fx.Node]:
+    """The device tensors whose host reads (``item``) ``node`` is computed from (a bounded backward walk)."""
+    by_item = {r.item: r.tensor for r in reads.values()}
+    found, seen, work = set(), set(), [node]
+    while work and len(seen) < limit:
+        n = work.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in by_item:
+            found.add(by_item[n])
+            continue
+        work.extend(n.all_input_nodes)
+    return found
+
+
+def _offsets_from_host(rows: fx.Node, limit: int = 256) -> bool:
+    """Whether a grouped GEMM that ``rows`` is computed from takes offsets built from host reads."""
+    seen, work = set(), [rows]
+    while work and len(seen) < limit:
+        n = work.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if op_name(n) in GROUPED_MM:
+            offs = n.args[2] if len(n.args) > 2 else n.kwargs.get("offs")
+            if isinstance(offs, fx.Node) and _host_read_tensors(offs, host_reads(n.graph)):
+                return True
+        work.extend(n.all_input_nodes)
+    return False
+
+
 def _host_sized(sink: fx.Node) -> bool:
     unpermute = _unpermute_sum(sink)
     if unpermute is not None:
-        return has_unbacked_shape(unpermute.rows)
-    if op_name(sink) not in COMBINES:
+        src, token = unpermute.rows, None
+    elif op_name(sink) in COMBINES:
+        try:
+            _, token, src = _combine_parts(sink)
+        except NoMatch:
+            return False
+    else:
         return False
-    try:
-        _, token, src = _combine_parts(sink)
-    except NoMatch:
-        return False
-    return has_unbacked_shape(src) or has_unbacked_shape(token)
+    return has_unbacked_shape(src) or has_unbacked_shape(token) or _offsets_from_host(src)
 
 
 def run(graph: fx.Graph, ctx: PassContext) -> None:

@@ -1,0 +1,96 @@
+"""The cross product of dispatch forms: every combination of permutation, counts (device or host),
+padding, combine and weight placement from ``tests/models/composed.py`` is rewritten by exactly one pass,
+leaves no accumulating scatter and no host read in the graph, and matches eager (forward and grads).
+
+Default run: a Hypothesis sample of the combinations (the failing combination and Hypothesis' seed are
+printed on failure; ``@reproduce_failure`` blobs are printed too). ``-m slow``: all of them.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moe_compile import report
+from moe_compile.config import MoECompileConfig
+from moe_compile.passes import StagePass
+from moe_compile.passes._graph import arg, op_name
+from tests.models.composed import ComposedMoE, Forms, all_forms
+from tests.passes._harness import assert_matches_eager, fresh_cache, run_once
+
+FORMS = list(all_forms())
+DISPATCH_PASSES = ("fuse_dispatch", "strip_host_padding")
+_ACCUMULATING = {"index_add_", "index_add", "scatter_add_", "scatter_add"}
+_HOST_READS = {"item", "tolist", "_local_scalar_dense"}
+
+
+def _left_behind(gm: torch.fx.GraphModule) -> list[str]:
+    """Accumulating scatters and host reads in a Dynamo graph after our pre-grad passes."""
+    found = []
+    for n in gm.graph.nodes:
+        name = op_name(n)
+        if name in _ACCUMULATING or name in _HOST_READS:
+            found.append(f"{n.name} ({name})")
+        elif name in ("index_put_", "index_put") and arg(n, 3, "accumulate", False):
+            found.append(f"{n.name} (index_put accumulate)")
+    return found
+
+
+def _compile_forms(model: torch.nn.Module, x: torch.Tensor) -> tuple[Any, list[str], report.Report, list[str]]:
+    """Compile with moe_compile's pre-grad passes then AOTAutograd (eager kernels), ``fullgraph=True``;
+    returns (out, grads), what is left in the graph, the report and the ops in the rewritten graph."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    left: list[str] = []
+    ops: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        StagePass("pre_grad", MoECompileConfig())(gm.graph)
+        gm.recompile()
+        left.extend(_left_behind(gm))
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return aot_eager(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with fresh_cache(), report.collecting() as rep:
+        result = run_once(torch.compile(model, backend=backend, fullgraph=True), (x,), train=True)
+    torch._dynamo.reset()
+    return result, left, rep, ops
+
+
+def check_forms(forms: Forms, seed: int = 0) -> None:
+    torch.manual_seed(seed)
+    model = ComposedMoE(forms, seed=seed)
+    x = torch.randn(10, 16, dtype=torch.bfloat16, requires_grad=True)
+    eager = run_once(model, (x,), train=True)
+    (out, grads), left, rep, ops = _compile_forms(model, x)
+    rewrites = collections.Counter(r.pass_name for r in rep.rewrites if r.pass_name in DISPATCH_PASSES)
+    skips = [(r.pass_name, r.what, r.detail) for r in rep.skips if r.pass_name in DISPATCH_PASSES
+             and r.what != "already_aligned"]
+    expected_pass = "strip_host_padding" if forms.host else "fuse_dispatch"
+    assert not rep.errors, f"{forms}: pass errors {rep.errors}"
+    assert dict(rewrites) == {expected_pass: 1}, f"{forms}: rewrites {dict(rewrites)}, skips {skips}\n{rep.table()}"
+    assert left == [], f"{forms}: left in the graph: {left}"
+    assert sum("moe.permute_pad" in o for o in ops) == 1 and sum("moe.unpad_unpermute" in o for o in ops) == 1
+    from tests.passes._harness import Run
+
+    assert_matches_eager(Run(out, grads, rep, []), model, (x,), train=True, eager=eager, tol_dtype=torch.bfloat16)
+
+
+@settings(max_examples=24, deadline=None, derandomize=False, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(forms=st.sampled_from(FORMS), seed=st.integers(0, 2**16))
+def test_sampled_dispatch_forms_rewrite(forms, seed):
+    check_forms(forms, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("forms", FORMS, ids=str)
+def test_every_dispatch_form_rewrites(forms):
+    check_forms(forms)
