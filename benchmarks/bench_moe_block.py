@@ -1,7 +1,9 @@
 """HF sparse MoE blocks, bf16, forward and forward+backward: moe_compile vs eager vs plain Inductor.
 
-Blocks are transformers' own ``MixtralSparseMoeBlock`` (T 4096, H 4096, I 3584, E 8, K 2) and
-``Qwen3MoeSparseMoeBlock`` (T 4096, H 2048, I 768, E 128, K 8), built from a config with
+Blocks are transformers' own ``MixtralSparseMoeBlock`` (T 4096, H 4096, I 3584, E 8, K 2),
+``Qwen3MoeSparseMoeBlock`` (T 4096, H 2048, I 768, E 128, K 8), ``DeepseekV3MoE`` (H 2048, I 1408, E 64,
+K 6; sigmoid router with selection bias and group-limited top-k, weights gathered from the scores, a
+shared expert) and ``GptOssMLP`` (H 2880, I 2880, E 32, K 4; per-expert biases), built from a config with
 ``_experts_implementation="grouped_mm"`` and every parameter initialised. Variants:
 
 * ``eager``: the block as is;
@@ -54,6 +56,11 @@ class Config:
 CONFIGS = (
     Config("mixtral", T=4096, H=4096, I=3584, E=8, K=2),
     Config("qwen3_moe", T=4096, H=2048, I=768, E=128, K=8),
+    # sigmoid scores + selection bias, group-limited top-k (8 groups, 4 kept), weights gathered from the
+    # scores (backward: a scatter-add at the top-k indices), one shared expert
+    Config("deepseek_v3", T=4096, H=2048, I=1408, E=64, K=6),
+    # per-expert biases on both projections (gathered by sorted expert ids), clamped GLU
+    Config("gpt_oss", T=4096, H=2880, I=2880, E=32, K=4),
 )
 
 
@@ -81,6 +88,15 @@ def build_block(cfg: Config, device: str = "cuda") -> torch.nn.Module:
         config = transformers.MixtralConfig(hidden_size=cfg.H, intermediate_size=cfg.I, num_local_experts=cfg.E,
                                             num_experts_per_tok=cfg.K, router_jitter_noise=0.0)
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+    elif cfg.name == "deepseek_v3":
+        config = transformers.DeepseekV3Config(hidden_size=cfg.H, moe_intermediate_size=cfg.I, n_routed_experts=cfg.E,
+                                               num_experts_per_tok=cfg.K, n_group=8, topk_group=4, n_shared_experts=1,
+                                               norm_topk_prob=True)
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as Block
+    elif cfg.name == "gpt_oss":
+        config = transformers.GptOssConfig(hidden_size=cfg.H, intermediate_size=cfg.I, num_local_experts=cfg.E,
+                                           num_experts_per_tok=cfg.K)
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP as Block
     else:
         config = transformers.Qwen3MoeConfig(hidden_size=cfg.H, moe_intermediate_size=cfg.I, num_experts=cfg.E,
                                              num_experts_per_tok=cfg.K, norm_topk_prob=True)
@@ -91,8 +107,12 @@ def build_block(cfg: Config, device: str = "cuda") -> torch.nn.Module:
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in block.named_parameters():
-            std = 0.5 / cfg.H**0.5 if "gate" in name and p.dim() == 2 else 1.0 / p.shape[-1] ** 0.5
+            router = ("gate" in name or "router" in name) and p.dim() == 2
+            std = 0.5 / cfg.H**0.5 if router else 0.1 if p.dim() <= 2 and "bias" in name else 1.0 / p.shape[-1] ** 0.5
             p.copy_(torch.randn(p.shape, generator=gen, device=device) * std)
+        for name, b in block.named_buffers():  # DeepSeek-V3's selection bias
+            if b.is_floating_point():
+                b.copy_(torch.randn(b.shape, generator=gen, device=device) * 0.01)
     return block.to(torch.bfloat16)
 
 

@@ -24,10 +24,13 @@ from torch import Tensor, nn
 from moe_compile.ops import static_row_bound
 
 # ---- permutation: (ids_S) -> (ids_sorted_S, perm_S) -----------------------------------------------
-PERMUTES: dict[str, Callable[[Tensor], tuple[Tensor, Tensor]]] = {
+PERMUTES: dict[str, Callable[[Tensor], tuple[Tensor, Tensor]] | None] = {
     "sort": lambda ids: torch.sort(ids),
     "sort_stable": lambda ids: torch.sort(ids, stable=True),
     "argsort_stable": lambda ids: (lambda p: (ids[p], p))(torch.argsort(ids, stable=True)),
+    # Megatron's unfused permute: tokens of each expert by masked_select over the [E, T] routing map
+    # (data-dependent length: host-sized layers only, accumulate combines only; see ComposedMoE)
+    "masked_select": None,
 }
 
 # ---- counts per expert: (ids_S, ids_sorted_S, E) -> counts_E ---------------------------------------
@@ -51,9 +54,9 @@ PADDINGS = (
 COMBINES = ("index_add", "scatter_add", "index_put_acc", "inverse_gather_sum", "scatter_unpermute_sum",
             "argsort_gather_sum")
 SUM_COMBINES = ("inverse_gather_sum", "scatter_unpermute_sum", "argsort_gather_sum")
-# where the routing weight multiplies: the sorted rows in fp32 / in the activation dtype, or (sum
-# combines only) the un-permuted [T, K, H] view
-WEIGHTS = ("rows_fp32", "rows_act", "after_unpermute")
+# where the routing weight multiplies: the sorted expert outputs in fp32 / in the activation dtype, the
+# sorted rows before the experts, or (sum combines only) the un-permuted [T, K, H] view
+WEIGHTS = ("rows_fp32", "rows_act", "before_experts", "after_unpermute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +85,8 @@ def valid(f: Forms) -> bool:
         return False
     if f.weight == "after_unpermute" and f.combine not in SUM_COMBINES:
         return False
+    if f.permute == "masked_select":
+        return f.host and f.combine not in SUM_COMBINES and f.counts != "histc_sorted"
     return True
 
 
@@ -115,9 +120,19 @@ class ComposedMoE(nn.Module):
         probs_TK, idx_TK = torch.topk(F.linear(x_TH, self.router).float().softmax(-1), K, dim=-1)
         probs_TK = probs_TK / probs_TK.sum(-1, keepdim=True)
         ids_S = idx_TK.reshape(-1)
-        ids_sorted_S, perm_S = PERMUTES[f.permute](ids_S)
-        token_S = perm_S // K
-        rows_SH = x_TH[token_S]
+        if f.permute == "masked_select":
+            map_ET = torch.zeros(T, E, dtype=torch.bool, device=x_TH.device).scatter(1, idx_TK, True).T.contiguous()
+            token_S = torch.arange(T, device=x_TH.device).unsqueeze(0).expand(E, -1).masked_select(map_ET)
+            probs_TE = torch.zeros(T, E, dtype=probs_TK.dtype, device=x_TH.device).scatter(1, idx_TK, probs_TK)
+            w_S = probs_TE.T.contiguous().masked_select(map_ET)
+            rows_SH, ids_sorted_S, perm_S = x_TH.index_select(0, token_S), None, None
+        else:
+            ids_sorted_S, perm_S = PERMUTES[f.permute](ids_S)
+            token_S = perm_S // K
+            w_S = probs_TK.reshape(-1)[perm_S]
+            rows_SH = x_TH[token_S]
+        if f.weight == "before_experts":
+            rows_SH = rows_SH * w_S.unsqueeze(-1).to(rows_SH.dtype)
         counts_E = COUNTS[f.counts](ids_S, ids_sorted_S, E)
         if f.padding == "device_static":
             ys_SH = self._device_padded(rows_SH, ids_sorted_S, counts_E.long(), T * K)
@@ -125,7 +140,7 @@ class ComposedMoE(nn.Module):
             ys_SH = self._host_sized(rows_SH, counts_E.long().tolist())
         else:
             ys_SH = self._experts(rows_SH, torch.cumsum(counts_E, 0, dtype=torch.int32))
-        return self._combine(ys_SH, perm_S, token_S, probs_TK, T, H, x_TH.dtype)
+        return self._combine(ys_SH, perm_S, token_S, w_S, probs_TK, T, H, x_TH.dtype)
 
     def _device_padded(self, rows_SH: Tensor, ids_sorted_S: Tensor, counts_E: Tensor, S: int) -> Tensor:
         a = self.align
@@ -156,10 +171,9 @@ class ComposedMoE(nn.Module):
             return torch.cat([y.narrow(0, 0, n) for y, n in zip(pieces, sizes)])
         return torch.cat([y[:n] for y, n in zip(pieces, sizes)])
 
-    def _combine(self, ys_SH: Tensor, perm_S: Tensor, token_S: Tensor, probs_TK: Tensor, T: int, H: int,
-                 dtype: torch.dtype) -> Tensor:
+    def _combine(self, ys_SH: Tensor, perm_S: Tensor | None, token_S: Tensor, w_S: Tensor, probs_TK: Tensor,
+                 T: int, H: int, dtype: torch.dtype) -> Tensor:
         f, K = self.forms, self.top_k
-        w_S = probs_TK.reshape(-1)[perm_S]
         if f.weight == "rows_fp32":
             ys_SH = ys_SH.float() * w_S.unsqueeze(-1)
         elif f.weight == "rows_act":

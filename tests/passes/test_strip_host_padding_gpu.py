@@ -54,7 +54,8 @@ def _fresh():
 
 
 @pytest.mark.parametrize(
-    "kind,path", [("split_pad", "api"), ("split_pad", "backend"), ("masked_select", "api"), ("loop", "api")]
+    "kind,path", [("split_pad", "api"), ("split_pad", "backend"), ("masked_select", "api"), ("loop", "api"),
+                  ("sort_histc_pad", "backend")]
 )
 def test_forward_is_captured_and_replayed(kind, path):
     model = _layer(kind)
@@ -69,7 +70,7 @@ def test_forward_is_captured_and_replayed(kind, path):
     assert _recorded_graphs() >= 1
 
 
-@pytest.mark.parametrize("kind", ["split_pad", "masked_select", "loop"])
+@pytest.mark.parametrize("kind", ["split_pad", "masked_select", "loop", "sort_histc_pad"])
 def test_training_step_is_captured_and_replayed(kind):
     model = _layer(kind)
     eager = copy.deepcopy(model)
