@@ -174,16 +174,16 @@ def test_explain_matches_layers_of_frames_compiled_below_the_root():
 
 
 def test_pass_that_raises_is_undone_and_compilation_goes_on(monkeypatch):
-    """A pre-grad pass that raises after editing the graph: the graph is restored (with the placeholder
-    nodes Dynamo and AOTAutograd annotate), a warning names the pass, the later passes still run, and
-    training through Inductor matches eager."""
+    """A pre-grad pass that raises after leaving the graph out of order: the graph is restored (with the
+    placeholder nodes Dynamo and AOTAutograd annotate), a warning names the pass, the later passes still
+    run, and training through Inductor matches eager."""
     from moe_compile.passes import strip_host_padding
     from tests.passes._harness import assert_matches_eager, Run
 
     def broken(graph, ctx):
         first = next(n for n in graph.nodes if n.op == "call_function")
-        with graph.inserting_before(first):
-            graph.call_function(torch.neg, (graph.find_nodes(op="placeholder")[-1],))
+        with graph.inserting_before(first):  # a node that uses `first` before it is defined
+            graph.call_function(torch.neg, (first,))
         raise RuntimeError("boom")
 
     monkeypatch.setattr(strip_host_padding, "run", broken)

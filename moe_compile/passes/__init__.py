@@ -116,6 +116,8 @@ def _restore(graph: fx.Graph, snapshot: fx.Graph) -> None:
     for node in reversed(list(graph.nodes)):
         if node.op != "placeholder":
             node.users.clear()
+            for inp in node.all_input_nodes:  # a failed pass may have left the graph out of order
+                inp.users.setdefault(node, None)
             graph.erase_node(node)
     for node in own:
         node.users.clear()

@@ -94,6 +94,9 @@ class Padding:
     prob_seeds: list[fx.Node]  # padded [M] probs buffers (replaced by probs_M)
     writes: list[fx.Node]  # in-place writes that build the padded buffers (erased)
     unpads: list[fx.Node]  # Y[dest] gathers back to sorted rows (replaced by Y)
+    # seeds written with the token rows weighted before the experts (x[perm // K] * w[perm][:, None]):
+    # replaced by rows_MH * probs_M[:, None] in the rows' dtype
+    weighted_seeds: list[fx.Node] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -588,20 +591,26 @@ class Matcher:
                     return w, arg(w, 2, "index")
             return None
 
-        # (a) zeros[M, H] written at dest with the gathered token rows
+        # (a) zeros[M, H] written at dest with the gathered token rows, or with them weighted by the
+        # routing weight gathered alongside (weights applied before the experts)
+        weighted_seeds: list[fx.Node] = []
         for g in token_gathers:
-            for w in list(g.users):
-                name = op_name(w)
-                if name in ("setitem", "index_put_", "index_copy_") and w.args[0] is not g \
-                        and ia.is_zeros_creation(w.args[0]):
-                    found = padded_write(w.args[0], g)
-                    if found is None or found[0] is not w:
-                        continue
-                    if dest is not None and found[1] is not dest:
-                        raise NoMatch("padding_not_proven", "two different padded destinations")
-                    dest = found[1]
-                    writes.append(w)
-                    seeds.append(w.args[0])
+            values = [(g, False)] + [(u, True) for u in g.users if self._is_weighted_rows_of(u, g, weight_gathers)]
+            for value, weighted in values:
+                for w in list(value.users):
+                    name = op_name(w)
+                    if name in ("setitem", "index_put_", "index_copy_") and w.args[0] is not value \
+                            and ia.is_zeros_creation(w.args[0]):
+                        found = padded_write(w.args[0], value)
+                        if found is None or found[0] is not w:
+                            continue
+                        if dest is not None and found[1] is not dest:
+                            raise NoMatch("padding_not_proven", "two different padded destinations")
+                        dest = found[1]
+                        writes.append(w)
+                        seeds.append(w.args[0])
+                        if weighted:
+                            weighted_seeds.append(w.args[0])
         # (b) sentinel gather: src = full((M,), T); src[dest] = perm // K; cat([x, zeros(1, H)])[src]
         for u in self.perm.users:
             if _index_of_floordiv(u, self.perm) is None:
@@ -644,7 +653,24 @@ class Matcher:
         unpads = []
         self.matched.append("pad(index_put into zeros)" if op_name(seeds[0]) != "getitem" else "pad(sentinel row)")
         return Padding(align=0, num_rows=num_rows, dest=dest, seeds=seeds, prob_seeds=prob_seeds,
-                       writes=writes, unpads=unpads)
+                       writes=writes, unpads=unpads, weighted_seeds=weighted_seeds)
+
+    def _is_weighted_rows_of(self, node: fx.Node, rows: fx.Node, weight_gathers: list[fx.Node]) -> bool:
+        """``rows * w[perm][:, None]`` (through casts of the column) with ``w[perm]`` a weight gather."""
+        if op_name(node) != "mul" or len(node.args) != 2 or rows not in node.args:
+            return False
+        col = node.args[1] if node.args[0] is rows else node.args[0]
+        while isinstance(col, fx.Node) and op_name(col) in ("to", "float", "bfloat16", "half", "type_as"):
+            col = col.args[0]
+        if not isinstance(col, fx.Node):
+            return False
+        if op_name(col) == "unsqueeze" and arg(col, 1, "dim") in (-1, 1):
+            col = col.args[0]
+        elif op_name(col) == "getitem" and col.args[1] in ((slice(None), None), (Ellipsis, None)):
+            col = col.args[0]
+        else:
+            return False
+        return col in weight_gathers
 
     def _num_tokens(self) -> Any:
         return tensor_val(self.x_TH).shape[0]

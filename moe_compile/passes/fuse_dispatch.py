@@ -128,7 +128,8 @@ def rewrite(graph: fx.Graph, d: Dispatch, debug: bool = False) -> str:
         if probs_TK is None and d.probs_flat is not None:
             probs_TK = _call(graph, meta, torch.reshape, d.probs_flat, (-1, d.top_k))
         gathered_weights = [g for g in d.weight_gathers if d.fold is None or g is not d.fold.weight_gather]
-        use_probs = probs_TK is not None and bool(gathered_weights or (d.padding and d.padding.prob_seeds))
+        use_probs = probs_TK is not None and bool(
+            gathered_weights or (d.padding and (d.padding.prob_seeds or d.padding.weighted_seeds)))
         pp = _call(graph, meta, torch.ops.moe.permute_pad.default, d.x_TH, ids_TK,
                    probs_TK if use_probs else None, d.num_experts, d.align, name="permute_pad", **extra)
         rows = _call(graph, meta, operator.getitem, pp, 0, name="rows_MH")
@@ -148,8 +149,16 @@ def rewrite(graph: fx.Graph, d: Dispatch, debug: bool = False) -> str:
                 rows_in_user_buffer = _call(graph, meta, torch.nn.functional.pad, rows, (0, 0, 0, extra_rows))
                 if probs_M is not None:
                     probs_M = _call(graph, meta, torch.nn.functional.pad, probs_M, (0, extra_rows))
+        weighted_rows = None
+        if padding.weighted_seeds:
+            if probs_M is None:
+                raise AssertionError("rows weighted before the experts without probs")
+            with graph.inserting_before((rows_in_user_buffer if rows_in_user_buffer is not rows else row_map).next):
+                column = _call(graph, meta, torch.Tensor.unsqueeze, probs_M, -1)
+                column = _call(graph, meta, torch.Tensor.to, column, tensor_val(rows).dtype)
+                weighted_rows = _call(graph, meta, torch.mul, rows_in_user_buffer, column)
         for seed in padding.seeds:
-            _replace(seed, rows_in_user_buffer, dead)
+            _replace(seed, weighted_rows if seed in padding.weighted_seeds else rows_in_user_buffer, dead)
         for seed in padding.prob_seeds:
             _replace(seed, probs_M, dead)
         for unpad in padding.unpads:

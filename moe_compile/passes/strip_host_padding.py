@@ -135,6 +135,9 @@ class Region:
     pad_was_noop: bool
     matched: list[str]
     dead: list[fx.Node]
+    # the permuted rows weighted before the experts (``x_NH * probs_N[:, None]``): (multiply, probs_TK or None,
+    # probs_TE or None); rebuilt as ``rows_MH * probs_M[:, None]`` from permute_pad's permuted probs
+    pre_weight: tuple[fx.Node, fx.Node | None, fx.Node | None] | None = None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -305,6 +308,24 @@ def _token_index(order: fx.Node) -> fx.Node:
         if split is not None and split[0] is order:
             return u
     raise NoMatch("permute_not_matched", f"no token index {order.name} // K gathers the rows")
+
+
+def _weighted_rows(perm: Permute) -> tuple[fx.Node, fx.Node | None, fx.Node | None] | None:
+    """``(x_NH * probs_N[:, None], probs_TK, probs_TE)`` when the permuted rows' only use is that
+    multiply by the routing probs permuted alongside them (weights applied before the experts)."""
+    users = list(perm.x_NH.users)
+    if len(users) != 1 or not is_call(users[0], "mul", "__mul__") or len(users[0].args) != 2:
+        return None
+    mul = users[0]
+    col = mul.args[1] if mul.args[0] is perm.x_NH else mul.args[0]
+    cv = tensor_value(col) if isinstance(col, fx.Node) else None
+    if cv is None or cv.dim() != 2 or cv.shape[1] != 1:
+        return None
+    try:
+        probs_TK, probs_TE = _probs_source(col, perm)
+    except NoMatch:
+        return None
+    return mul, probs_TK, probs_TE
 
 
 def _probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx.Node | None]:
@@ -633,16 +654,18 @@ class _Matcher:
             chunks = [p.args[0] for p in pieces]
             inner = set(pieces) | set(chunks) | {unpad.cat}
             bad = [u for n in [unpad.split, *chunks, *pieces] for u in n.users if u not in inner]
-            bad += [u for u in unpad.cat.users if u not in tail]
+            bad += [u for u in unpad.cat.users if u not in tail and u is not sink]
             if bad:
                 raise NoMatch("expert_region_escapes", f"the unpadded rows are also used by {bad[0].name}")
-        pad = _match_pad(perm.x_NH)
+        pre_weight = _weighted_rows(perm)
+        rows_NH = pre_weight[0] if pre_weight is not None else perm.x_NH
+        pad = _match_pad(rows_NH)
         Y = unpad.split.args[0] if unpad is not None else y
-        X = pad.cat if pad is not None else perm.x_NH
+        X = pad.cat if pad is not None else rows_NH
         if unpad is None and pad is not None:
             raise NoMatch("unpad_not_matched", f"{y.name}: padded rows reach the combine without an unpad")
         E_hint = perm.num_experts if perm.num_experts > 0 else None
-        y_consumers = {unpad.split} if unpad is not None else tail
+        y_consumers = {unpad.split} if unpad is not None else tail | {sink}
         middle, offs_uses, offs_nodes = _rowwise_region(X, Y, E_hint, y_consumers)
         inside = set(middle) | {X}
         escaping = [u for u in X.users if u not in inside]
@@ -667,10 +690,12 @@ class _Matcher:
             matched.append("split+narrow+cat")
         if probs_TK is not None or probs_TE is not None:
             matched.append("probs")
-        dead = [perm.x_NH, *offs_nodes, *tail]
+        if pre_weight is not None:
+            matched.append("probs before experts")
+        dead = [perm.x_NH, *offs_nodes, *tail] + ([pre_weight[0]] if pre_weight is not None else [])
         return Region(
             layer_name(sink), sink, dest, perm, X, Y, middle, offs_uses, probs_TK, probs_TE, align, noop,
-            matched, dead,
+            matched, dead, pre_weight,
         )
 
     def _counts(self, sizes: list[Any] | None, perm: Permute, offs_nodes: list[fx.Node]) -> int:
@@ -778,11 +803,22 @@ def _rewrite(graph: fx.Graph, r: Region) -> str:
     first_middle = min(r.middle, key=order.__getitem__)
     meta = r.sink
     with graph.inserting_before(first_middle):
-        pp = call(graph, torch.ops.moe.permute_pad.default, perm.x_TH, perm.idx_TK, None,
+        pre_probs = None
+        if r.pre_weight is not None:
+            _, pre_probs, pre_probs_TE = r.pre_weight
+            if pre_probs_TE is not None:
+                pre_probs = call(graph, torch.gather, pre_probs_TE, 1, perm.idx_TK, meta_from=meta)
+        pp = call(graph, torch.ops.moe.permute_pad.default, perm.x_TH, perm.idx_TK, pre_probs,
                         perm.num_experts, r.align, meta_from=meta)
         rows = call(graph, operator.getitem, pp, 0, meta_from=meta)
         offs = call(graph, operator.getitem, pp, 2, meta_from=meta)
         row_map = call(graph, operator.getitem, pp, 3, meta_from=meta)
+        if pre_probs is not None:
+            # pad rows: 0 * 0; real rows: the user's x * w[perm] in the rows' dtype
+            probs_M = call(graph, operator.getitem, pp, 1, meta_from=meta)
+            column = call(graph, torch.Tensor.unsqueeze, probs_M, -1, meta_from=meta)
+            column = call(graph, torch.Tensor.to, column, tensor_value(perm.x_NH).dtype, meta_from=meta)
+            rows = call(graph, torch.mul, rows, column, meta_from=meta)
     for node in r.middle:
         node.replace_input_with(r.X, rows)
     for node in r.offs_uses:

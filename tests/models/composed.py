@@ -90,15 +90,6 @@ def valid(f: Forms) -> bool:
     return True
 
 
-def known_gap(f: Forms) -> str | None:
-    """Why the recogniser does not rewrite ``f`` yet (None: it must). Each gap is a failing case of the
-    cross-product test (``xfail(strict=True)``), so closing it shows up there."""
-    if f.weight == "before_experts" and (f.host or f.padding != "none"):
-        return "weights applied before the experts together with padding or host sizes: the padded rows " \
-               "would need the weighted rows rebuilt from permute_pad's rows and probs"
-    return None
-
-
 def all_forms() -> Iterator[Forms]:
     for combo in itertools.product(PERMUTES, COUNTS, COUNT_PLACES, PADDINGS, COMBINES, WEIGHTS):
         f = Forms(*combo)
