@@ -42,6 +42,7 @@ Seen in: Megatron-LM ``SequentialMLP``, DeepSeek-V3 reference ``MoE.forward``, t
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
@@ -60,6 +61,7 @@ from moe_compile.passes._host_sync import (
     tensor_value,
     transitive_users,
 )
+from moe_compile.passes._selection_loop import canonicalize, find_selection_loops
 from moe_compile.passes.strip_host_padding import BINARY_ROWWISE, LAST_DIM_SPLITS, UNARY_ROWWISE
 
 
@@ -289,24 +291,48 @@ class _GemmPlan:
     kind: str  # "aten" (torch._grouped_mm) or "moe" (torch.ops.moe.grouped_mm)
 
 
-def _plan(loop: Loop, slots: list[Slot]) -> tuple[dict[int, tuple[str, Any, bool]], dict[fx.Node, _GemmPlan]]:
-    """Check the body (expert 0's copy) can run over all rows; returns the weight and GEMM plans."""
+def _linear_bias(n: fx.Node) -> Any:
+    return n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+
+
+def _plan(loop: Loop, slots: list[Slot], row_inputs: dict[fx.Node, fx.Node] | None = None,
+          biases: bool = False) -> tuple[dict[int, tuple[str, Any, bool]], dict[fx.Node, _GemmPlan]]:
+    """Check the body (expert 0's copy) can run over all rows; returns the weight and GEMM plans.
+    ``row_inputs``: per-expert inputs of expert 0's body that are its rows of an all-rows tensor;
+    ``biases``: per-expert ``linear`` biases are allowed (the caller knows each row's expert)."""
     body0 = loop.bodies[0]
     x = tensor_value(loop.x_NH)
     if x is None or x.dim() != 2:
         raise NoMatch("loop_not_matched", f"{loop.x_NH.name} is not [N, H]")
     weights: dict[int, tuple[str, Any, bool]] = {}
     for j, slot in enumerate(slots):
-        if slot.shared:
+        if slot.nodes[0] in (row_inputs or {}):
             continue
+        # with one expert every input looks shared: its GEMM weights and biases are still the experts'
+        single = len(slot.nodes) == 1 and any(
+            op_name(n) in GEMMS and (_gemm_weight(n) is slot.nodes[0] or (biases and _linear_bias(n) is slot.nodes[0]))
+            for n in body0)
+        if slot.shared and not single:
+            continue
+        is_bias = False
         for n in body0:
             if slot.nodes[0] not in n.all_input_nodes:
                 continue
             name = op_name(n)
+            if biases and name == "linear" and _linear_bias(n) is slot.nodes[0] and n.args[0] is not slot.nodes[0] \
+                    and _gemm_weight(n) is not slot.nodes[0]:
+                is_bias = True
+                continue
             if name not in GEMMS or n.args[0] is slot.nodes[0] or _gemm_weight(n) is not slot.nodes[0]:
                 raise NoMatch("per_expert_op_unsupported", f"{n.name}: per-expert input {slot.nodes[0].name} used by {name}")
-            if name == "linear" and ((len(n.args) > 2 and n.args[2] is not None) or n.kwargs.get("bias") is not None):
+            if name == "linear" and _linear_bias(n) is not None and not biases:
                 raise NoMatch("per_expert_op_unsupported", f"{n.name}: linear with a per-expert bias")
+        if is_bias:
+            shapes = {tuple(tensor_value(b).shape) for b in slot.nodes}
+            if len(shapes) != 1 or len(next(iter(shapes))) != 1:
+                raise NoMatch("weights_not_stackable", f"per-expert biases {slot.nodes[0].name}... differ in shape")
+            weights[j] = ("stack", list(slot.nodes), False)
+            continue
         plan = _stack_plan(slot)
         if plan is None:
             names = [n.name for n in slot.nodes[:3]]
@@ -342,20 +368,27 @@ def _plan(loop: Loop, slots: list[Slot]) -> tuple[dict[int, tuple[str, Any, bool
     return weights, gemms
 
 
-def _rewrite(graph: fx.Graph, loop: Loop, slots: list[Slot]) -> str:
-    """Build one copy of the body over all rows; returns a description. Raises NoMatch before any edit."""
+def _rewrite(graph: fx.Graph, loop: Loop, slots: list[Slot], offs: fx.Node | None = None,
+             row_inputs: dict[fx.Node, fx.Node] | None = None, row_expert: fx.Node | None = None) -> str:
+    """Build one copy of the body over all rows; returns a description. Raises NoMatch before any edit.
+
+    ``offs`` (int32 end offsets on the device) replaces the offsets derived from the split sizes;
+    ``row_inputs`` maps per-expert inputs of expert 0's body to their all-rows tensors; ``row_expert``
+    (the expert of each row, ascending) lets per-expert ``linear`` biases through as ``bias_EN[row_expert]``."""
     E = len(loop.chunks)
     body0 = loop.bodies[0]
-    weights, gemms = _plan(loop, slots)
-    offs_plan = _offsets_plan(graph, loop)
+    weights, gemms = _plan(loop, slots, row_inputs, biases=row_expert is not None)
+    offs_plan = offs if offs is not None else _offsets_plan(graph, loop)
 
     meta = loop.cat
     order = topo_index(graph)
-    anchors = [loop.x_NH, loop.split] + [n for j in weights for n in slots[j].nodes]
+    anchors = [loop.x_NH, loop.split] + [n for j in weights for n in slots[j].nodes] + list((row_inputs or {}).values())
     if isinstance(offs_plan, fx.Node):
         anchors.append(offs_plan)
     with graph.inserting_after(max(anchors, key=order.__getitem__)):
-        if isinstance(offs_plan, fx.Node):
+        if offs is not None:
+            pass
+        elif isinstance(offs_plan, fx.Node):
             offs = call(graph, torch.Tensor.to, call(graph, torch.cumsum, offs_plan, 0, meta_from=meta),
                         torch.int32, meta_from=meta)
         else:
@@ -365,7 +398,7 @@ def _rewrite(graph: fx.Graph, loop: Loop, slots: list[Slot]) -> str:
             j: what if how == "base" else call(graph, torch.stack, list(what), meta_from=meta)
             for j, (how, what, _) in weights.items()
         }
-        env: dict[fx.Node, fx.Node] = {loop.chunks[0]: loop.x_NH}
+        env: dict[fx.Node, fx.Node] = {loop.chunks[0]: loop.x_NH, **(row_inputs or {})}
         for n in body0:
             plan = gemms.get(n)
             if plan is not None:
@@ -378,6 +411,12 @@ def _rewrite(graph: fx.Graph, loop: Loop, slots: list[Slot]) -> str:
                     env[n] = call(graph, torch._grouped_mm, h, mat2, offs=offs, meta_from=n)
                 else:
                     env[n] = call(graph, torch.ops.moe.grouped_mm.default, h, W_ENK, offs, meta_from=n)
+                bias = _linear_bias(n) if op_name(n) == "linear" else None
+                if bias is not None:
+                    bias_slot = next((j for j in weights if slots[j].nodes[0] is bias), None)
+                    rows_bias = call(graph, operator.getitem, stacked[bias_slot], row_expert, meta_from=n) \
+                        if bias_slot is not None else bias
+                    env[n] = call(graph, torch.add, env[n], rows_bias, meta_from=n)
                 continue
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a, a))
             new = graph.create_node(n.op, n.target, args, kwargs, name=n.name + "_all")
@@ -427,6 +466,14 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             continue
         ctx.rewrite(layer, f"split -> {len(loop.chunks)} expert copies -> cat", replaced_by)
         fused = True
+    for out, selections in find_selection_loops(graph):
+        layer = layer_name(selections[0].acc)
+        try:
+            replaced_by = canonicalize(graph, out, selections)
+        except NoMatch as skip:
+            ctx.skip(layer, skip.reason, skip.detail)
+            continue
+        ctx.rewrite(layer, f"{len(selections)} x (where(expert mask) -> expert copy -> index_add_)", replaced_by)
     if fused:
         erase_dead_host_reads(graph)
 
