@@ -29,12 +29,17 @@ _CASTS = {"to", "float", "int", "long", "double", "half", "type", "contiguous", 
 _FLAT = {"reshape", "view", "flatten", "ravel"}
 
 
-def strip_casts(node: Any) -> Any:
-    while isinstance(node, fx.Node) and op_name(node) in _CASTS and node.args:
+def peel(node: Any, names: set[str]) -> Any:
+    """``node`` through unary ops named in ``names`` (a ``to`` whose dtype comes from a tensor stops)."""
+    while isinstance(node, fx.Node) and op_name(node) in names and node.args:
         if op_name(node) == "to" and any(isinstance(a, fx.Node) for a in node.args[1:]):
             break
         node = node.args[0]
     return node
+
+
+def strip_casts(node: Any) -> Any:
+    return peel(node, _CASTS)
 
 
 def permutation_of(order: Any) -> Any:
@@ -178,4 +183,4 @@ def expert_counts(node: Any, is_ids: IsIds) -> tuple[int, str] | None:
     return E, name
 
 
-__all__ = ["COUNT_FORMS", "expert_counts", "ids_base", "permutation_of", "routing_map_ids", "strip_casts"]
+__all__ = ["COUNT_FORMS", "expert_counts", "ids_base", "peel", "permutation_of", "routing_map_ids", "strip_casts"]

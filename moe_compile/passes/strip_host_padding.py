@@ -73,7 +73,7 @@ import torch.fx as fx
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._combine_forms import UnpermuteSum, match_unpermute_sum, read_accumulate
-from moe_compile.passes._count_forms import expert_counts, ids_base, routing_map_ids, strip_casts
+from moe_compile.passes._count_forms import expert_counts, ids_base, peel, routing_map_ids, strip_casts
 from moe_compile.passes._graph import erase_dead, layer_name, op_name, topo_index
 from moe_compile.passes._host_sync import (
     HostRead,
@@ -145,17 +145,9 @@ class Region:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _peel(node: Any, names: set[str]) -> Any:
-    while isinstance(node, fx.Node) and op_name(node) in names and node.args:
-        if op_name(node) == "to" and any(isinstance(a, fx.Node) for a in node.args[1:]):
-            break
-        node = node.args[0]
-    return node
-
-
 def _flat_base(node: Any) -> Any:
     """``idx_TK`` for ``idx_TK.reshape(-1)`` / ``.view(-1)`` / ``.flatten()``; else the node."""
-    node = _peel(node, {"contiguous"})
+    node = peel(node, {"contiguous"})
     if is_call(node, "reshape", "view", "flatten", "ravel"):
         value, base = tensor_value(node), tensor_value(node.args[0])
         if value is not None and base is not None and value.dim() == 1 and base.dim() == 2:
@@ -165,7 +157,7 @@ def _flat_base(node: Any) -> Any:
 
 def _transposed_base(node: Any) -> Any:
     """``m_TE`` for ``m_TE.T`` / ``.t()`` / ``.transpose(0, 1)`` / ``.permute(1, 0)`` [``.contiguous()``]."""
-    node = _peel(node, {"contiguous"})
+    node = peel(node, {"contiguous"})
     if not isinstance(node, fx.Node):
         return None
     name = op_name(node)
@@ -330,7 +322,7 @@ def _weighted_rows(perm: Permute) -> tuple[fx.Node, fx.Node | None, fx.Node | No
 
 def _probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx.Node | None]:
     """``(probs_TK, None)`` or ``(None, probs_TE)`` for the permuted combine weight ``probs_col`` ([N, 1])."""
-    node = _peel(probs_col, CASTS)
+    node = peel(probs_col, CASTS)
     if is_call(node, "unsqueeze") and node.args[1] in (1, -1):
         node = node.args[0]
     elif is_call(node, "view", "reshape") and tuple(node.args[1:]) in ((-1, 1), ((-1, 1),)):
@@ -340,7 +332,7 @@ def _probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx
         node = node.args[0]
     else:
         raise NoMatch("probs_not_matched", f"{probs_col.name} is not a column of permuted probs")
-    node = _peel(node, CASTS)
+    node = peel(node, CASTS)
     if perm.kind == "argsort" and is_call(node, "getitem") and node.args[1] is perm.order:
         probs_TK = _flat_base(node.args[0])
         value, ids = tensor_value(probs_TK), tensor_value(perm.idx_TK)
@@ -620,7 +612,7 @@ class _Matcher:
 
         # combine source: casts, optional probs multiply, casts
         tail = {src}
-        y = _peel(src, CASTS)
+        y = peel(src, CASTS)
         tail |= _chain_to(src, y)
         probs_TK = probs_TE = None
         if unpermute is not None:
@@ -643,7 +635,7 @@ class _Matcher:
             probs_TK, probs_TE = _probs_source(col, perm)
             tail.add(next(u for u in y.users if is_call(u, "mul", "__mul__") and col in u.args))
             y0 = y
-            y = _peel(y, CASTS)
+            y = peel(y, CASTS)
             tail |= _chain_to(y0, y)
 
         # unpad block (optional), the expert region, the pad block (optional) or x_NH
@@ -708,7 +700,7 @@ class _Matcher:
             counts_node = read_tensors.pop()
         elif sizes is None:
             # no host split: the offsets must be a cumsum of a device histogram of the ids
-            base = _peel(offs_nodes[0], {"to", "int", "long", "type", "contiguous"})
+            base = peel(offs_nodes[0], {"to", "int", "long", "type", "contiguous"})
             if not is_call(base, "cumsum"):
                 raise NoMatch("offsets_not_matched", f"{offs_nodes[0].name} is not a cumsum of device counts")
             counts_node = base.args[0]
