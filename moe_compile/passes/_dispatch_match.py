@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from moe_compile.passes import NoMatch
 from moe_compile.passes import _index_algebra as ia
+from moe_compile.passes._op_tables import ALONG_DIM, BINARY, CASTS, FLAT_VIEWS, GROUPED_MM, REDUCTIONS, SPLITS, UNARY
 from moe_compile.passes._combine_forms import expanded_index, match_unpermute_sum, read_accumulate
 from moe_compile.passes._count_forms import expert_counts, ids_base
 from moe_compile.passes._graph import (
@@ -52,26 +53,6 @@ from moe_compile.passes._graph import (
 )
 
 
-GROUPED_MM = {"_grouped_mm", "grouped_mm", "aten._grouped_mm", "transformers.grouped_mm_fallback", "moe.grouped_mm"}
-_VIEWS_FLAT = {"reshape", "view", "flatten", "contiguous", "ravel"}
-_CASTS = {"to", "float", "double", "half", "bfloat16", "type_as", "type", "contiguous", "clone", "detach",
-          "int", "long"}
-_UNARY = {
-    "neg", "silu", "gelu", "relu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "abs", "clamp", "clamp_min",
-    "clamp_max", "softplus", "leaky_relu", "elu", "hardtanh", "erf", "sin", "cos", "square", "reciprocal", "mish",
-    "relu6", "hardswish", "hardsigmoid", "logsigmoid", "selu", "celu", "silu_", "relu_", "gelu_", "sigmoid_",
-    "tanh_", "clamp_", "nan_to_num", "sign", "floor", "ceil", "round", "trunc", "exp2", "log1p", "expm1",
-    "sinh", "cosh", "logical_not", "bitwise_not",
-}
-_BINARY = {
-    "add", "sub", "mul", "truediv", "div", "pow", "maximum", "minimum", "where", "masked_fill", "add_", "sub_",
-    "mul_", "div_", "truediv_", "masked_fill_", "rsub", "eq", "ne", "lt", "le", "gt", "ge", "fmod", "remainder",
-    "mod", "and", "or", "logical_and", "logical_or", "bitwise_and", "bitwise_or", "lerp", "addcmul", "addcdiv",
-    "copysign", "atan2", "hypot", "xlogy", "float_power",
-}
-_REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "norm", "var", "std", "logsumexp", "max", "min", "all", "any"}
-_SOFTMAX = {"softmax", "log_softmax", "glu", "normalize", "cumsum", "cumprod"}
-_SPLITS = {"chunk", "split", "tensor_split", "unbind", "split_with_sizes"}
 
 
 @dataclasses.dataclass
@@ -216,7 +197,7 @@ def _is_float_tensor(node: Any, ndim: int | None = None) -> bool:
 
 def _flat_source(node: fx.Node) -> fx.Node:
     """Walk back through flatten-like views (``reshape(-1)``, ``view(-1)``, ``flatten()``)."""
-    while isinstance(node, fx.Node) and op_name(node) in _VIEWS_FLAT:
+    while isinstance(node, fx.Node) and op_name(node) in FLAT_VIEWS:
         src = node.args[0]
         sv = tensor_val(src)
         if sv is None or sv.numel() != tensor_val(node).numel():
@@ -560,7 +541,7 @@ class Matcher:
             name = op_name(node)
             if name in ("mul", "mul_", "truediv"):
                 return True
-            if name in _VIEWS_FLAT | _CASTS | {"unsqueeze", "expand"}:
+            if name in FLAT_VIEWS | CASTS | {"unsqueeze", "expand"}:
                 node = node.args[0]
                 continue
             return False
@@ -776,7 +757,7 @@ class Matcher:
             table = tensor_val(node.args[0])
             return table is not None and self._is_sorted_ids_function(node.args[1], depth + 1) \
                 and not self._depends_on_rows(node.args[0])
-        if name in _UNARY | _BINARY | _CASTS | {"unsqueeze"}:
+        if name in UNARY | BINARY | CASTS | {"unsqueeze"}:
             return all(
                 self._is_sorted_ids_function(a, depth + 1) or (isinstance(a, fx.Node) and tensor_val(a) is not None
                                                                and tensor_val(a).dim() == 0)
@@ -810,12 +791,12 @@ class Matcher:
                 raise fail("grouped GEMM with a bias")
             spaces.add(region[x])
             return one_space()
-        if name == "getitem" and isinstance(u.args[1], int) and op_name(u.args[0]) in _SPLITS:
+        if name == "getitem" and isinstance(u.args[1], int) and op_name(u.args[0]) in SPLITS:
             spaces.add(region[u.args[0]])
             return one_space()
         if out is None and not isinstance(val(u), (tuple, list)):
             raise fail("has no tensor value")
-        if name in _SPLITS:
+        if name in SPLITS:
             dim = arg(u, 2 if name != "unbind" else 1, "dim", 0)
             src = tensor_val(u.args[0])
             if dim is None or dim % src.dim() == 0:
@@ -824,7 +805,7 @@ class Matcher:
             return one_space()
         if out is None:
             raise fail("has no tensor value")
-        if name in _CASTS or name in _UNARY:
+        if name in CASTS or name in UNARY:
             if u.args[0] not in region:
                 raise fail("is not applied to the routed rows")
             if name == "type_as" and not self._operand_ok(u.args[1], out, region, spaces):
@@ -838,7 +819,7 @@ class Matcher:
                 raise fail("random dropout (row order changes the random mask)")
             spaces.add(region[u.args[0]])
             return one_space()
-        if name in _BINARY:
+        if name in BINARY:
             tensors = [a for a in u.args if isinstance(a, fx.Node)] + [
                 v for v in u.kwargs.values() if isinstance(v, fx.Node)]
             if not all(self._operand_ok(a, out, region, spaces) for a in tensors):
@@ -863,7 +844,7 @@ class Matcher:
                 raise fail("group_norm mixes rows")
             spaces.add(region[u.args[0]])
             return one_space()
-        if name in _REDUCTIONS | _SOFTMAX:
+        if name in REDUCTIONS | ALONG_DIM:
             src = tensor_val(u.args[0])
             dim = arg(u, 1, "dim", None)
             if u.args[0] not in region or dim is None:

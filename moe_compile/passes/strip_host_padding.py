@@ -73,6 +73,7 @@ import torch.fx as fx
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._combine_forms import UnpermuteSum, match_unpermute_sum, read_accumulate
+from moe_compile.passes._op_tables import BINARY, CASTS, GROUPED_MM, LAST_DIM_SPLITS, UNARY
 from moe_compile.passes._count_forms import expert_counts, ids_base, peel, routing_map_ids, strip_casts
 from moe_compile.passes._graph import erase_dead, layer_name, op_name, topo_index
 from moe_compile.passes._host_sync import (
@@ -96,15 +97,8 @@ from moe_compile.passes._host_sync import (
 )
 
 
-CASTS = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous"}
-FLAT_VIEWS = {"reshape", "view", "flatten", "ravel", "contiguous"}
-GROUPED_MM = {"_grouped_mm", "grouped_mm", "moe.grouped_mm"}
-UNARY_ROWWISE = {
-    "silu", "gelu", "relu", "sigmoid", "tanh", "neg", "exp", "square", "abs", "softplus", "mish", "elu",
-    "leaky_relu", "hardswish", "sqrt", "rsqrt", "clone", "detach", "silu_", "relu_",
-} | CASTS
-BINARY_ROWWISE = {"mul", "add", "sub", "truediv", "div", "pow", "maximum", "minimum", "clamp"}
-LAST_DIM_SPLITS = {"chunk", "split", "unbind", "tensor_split", "narrow"}
+UNARY_ROWWISE = UNARY | CASTS
+BINARY_ROWWISE = BINARY | {"clamp"}
 COMBINES = {"index_add_", "index_add", "scatter_add_", "scatter_add", "index_put_", "index_put"}
 
 
