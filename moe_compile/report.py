@@ -10,6 +10,8 @@ Semantics of a :class:`Report`, per layer (module path from ``nn_module_stack``,
 * ``skip``: ``what`` is a reason tag (``weights_before_gather``, ``region_not_rowwise``, ...), ``detail``
   a sentence ("combine not matched: weights applied before gather ...").
 * ``error``: a pass raised and the graph was restored (plain Inductor for that pass).
+* ``left``: the audit (:mod:`moe_compile.audit`) found an accumulating scatter or a host sync in a
+  compiled graph; ``what`` is the op, ``detail`` the model source line; :attr:`Report.clean`.
 * ``explain`` also lists experts modules of the model that no compiled graph contained
   (``not_in_graph``: e.g. transformers' eager experts loop, which Dynamo never captures).
 
@@ -33,7 +35,7 @@ import torch
 class PassRecord:
     pass_name: str
     stage: str
-    kind: Literal["rewrite", "skip", "error"]
+    kind: Literal["rewrite", "skip", "error", "left"]
     layer: str
     # for a rewrite: the chain that matched; for a skip: the reason tag (e.g. "weights_before_gather")
     what: str
@@ -57,6 +59,18 @@ class Report:
     @property
     def errors(self) -> list[PassRecord]:
         return [r for r in self.records if r.kind == "error"]
+
+    @property
+    def left(self) -> list[PassRecord]:
+        """The audit's findings (:mod:`moe_compile.audit`): accumulating scatters and host syncs left in the
+        compiled graphs, forward and backward, with the model source line."""
+        return [r for r in self.records if r.kind == "left"]
+
+    @property
+    def clean(self) -> bool:
+        """Nothing non-deterministic or CUDA-graph unsafe is left in the compiled graphs (the token
+        embedding's backward, outside any MoE layer, is reported but not counted)."""
+        return not [r for r in self.left if "(embedding)" not in r.what]
 
     def layers(self) -> list[str]:
         return sorted({r.layer for r in self.records})
@@ -87,6 +101,8 @@ class Report:
             "rewrites": len(self.rewrites),
             "skips": len(self.skips),
             "errors": len(self.errors),
+            "left": len(self.left),
+            "clean": self.clean,
             "rewritten_layers": sorted({r.layer for r in self.rewrites}, key=_natural_key),
         }
         return {"graphs": self.graphs, "summary": summary, "layers": layers}
@@ -111,7 +127,9 @@ class Report:
         out += [line(r) for r in rows]
         n_layers = len({r.layer for r in self.rewrites})
         out.append(f"{self.graphs} graph(s) compiled; {n_layers} layer(s) rewritten, "
-                   f"{len(self.skips)} skip(s), {len(self.errors)} error(s)")
+                   f"{len(self.skips)} skip(s), {len(self.errors)} error(s); "
+                   + ("clean: no accumulating scatter or host sync left" if self.clean
+                      else f"{len(self.left)} accumulating scatter(s) / host sync(s) left (audit)"))
         return "\n".join(out)
 
     def __str__(self) -> str:

@@ -65,6 +65,8 @@ PASSES: tuple[PassEntry, ...] = (
     PassEntry("deterministic_accumulate", "joint", "moe_compile.passes.deterministic_accumulate:run", default=True,
               doc="scatter-adds into zeros: plain scatters for distinct (top-k/sort) indices, one-hot GEMMs "
                   "for per-expert gathers' backward (no atomics)"),
+    PassEntry("audit", "post_grad", "moe_compile.audit:run", default=True,
+              doc="read-only: records accumulating scatters and host syncs left in the final graphs (explain)"),
 )
 
 

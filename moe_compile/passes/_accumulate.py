@@ -78,9 +78,18 @@ def is_accumulating(node: fx.Node) -> bool:
         return bool(arg(node, 3, "accumulate", False))
     if node.target in ACCUMULATING_FORMS:
         return True
-    if node.target in (aten.scatter_reduce.two, aten.scatter_reduce_.two):
-        return True
-    return node.target in (aten.embedding_dense_backward.default,)
+    if node.target in (aten._index_put_impl_.default, aten.put.default, aten.put_.default):
+        return bool(arg(node, 3 if "index_put" in str(node.target) else 2, "accumulate", False))
+    return node.target in _ALWAYS_ACCUMULATING
+
+
+# ops that always add at computed indices (Inductor: atomic adds on the GPU)
+_ALWAYS_ACCUMULATING = {
+    aten.scatter_reduce.two, aten.scatter_reduce_.two, aten.index_reduce.default, aten.index_reduce_.default,
+    aten.embedding_dense_backward.default,
+    # what Inductor's decompositions turn the embedding backward into
+    aten._unsafe_masked_index_put_accumulate.default,
+}
 
 
 def read(node: fx.Node) -> Accumulate | None:
