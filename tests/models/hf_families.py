@@ -1,0 +1,205 @@
+"""Every transformers MoE family, found in the installed package and built from a tiny config.
+
+:func:`moe_families` lists the model types whose modeling file uses transformers' experts interface
+(``use_experts_implementation``); :func:`build` makes a ``*ForCausalLM`` (or the family's first causal
+LM class) from the family's config class with generic tiny overrides: every MoE attribute under each of
+its names (experts 8, top-k 2, groups that divide them, every layer sparse), hidden 64, one layer.
+Families that cannot be built or run from a config alone raise :class:`Unbuildable` with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import re
+from typing import Any
+
+import torch
+
+HIDDEN, EXPERTS, TOP_K, VOCAB, LAYERS = 64, 8, 2, 128, 1
+
+# attribute -> tiny value, set wherever a config has the attribute (several names for one idea)
+TINY: dict[str, Any] = {
+    "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 64, "moe_intermediate_size": 32,
+    "expert_intermediate_size": 32, "shared_expert_intermediate_size": 32, "ffn_hidden_size": 64,
+    "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
+    "max_position_embeddings": 64, "num_experts": EXPERTS, "num_local_experts": EXPERTS,
+    "n_routed_experts": EXPERTS, "moe_num_experts": EXPERTS, "num_experts_per_tok": TOP_K, "moe_topk": TOP_K,
+    "top_k": TOP_K, "moe_k": TOP_K, "n_group": 2, "topk_group": 1, "num_expert_group": 2, "topk_group_size": 1,
+    "first_k_dense_replace": 0, "first_k_dense": 0, "decoder_sparse_step": 1, "moe_layer_freq": 1,
+    "mlp_only_layers": [], "n_shared_experts": 1, "num_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": None,
+    "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "use_cache": False, "router_jitter_noise": 0.0,
+    "output_router_logits": True, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 64,
+}
+
+
+class Unbuildable(Exception):
+    """A family that cannot be built or run from a config alone (the message says why)."""
+
+
+@functools.cache
+def moe_families() -> tuple[str, ...]:
+    """Model types whose modeling file uses ``use_experts_implementation`` (installed transformers)."""
+    import transformers
+
+    root = pathlib.Path(transformers.__file__).parent / "models"
+    found = set()
+    for path in root.glob("*/modeling_*.py"):
+        if "use_experts_implementation" in path.read_text(errors="ignore"):
+            found.add(path.parent.name)
+    return tuple(sorted(found))
+
+
+def _config_and_class(family: str):
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = [family, family.replace("_", "-")]
+    model_type = next((n for n in names if n in CONFIG_MAPPING), None)
+    if model_type is None:
+        raise Unbuildable(f"no config registered for model type {family!r}")
+    cls_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if cls_name is None:
+        raise Unbuildable("no causal LM class (multimodal or encoder-only family)")
+    import transformers
+
+    cls = getattr(transformers, cls_name if isinstance(cls_name, str) else cls_name[0], None)
+    if cls is None:
+        raise Unbuildable(f"{cls_name} is not importable")
+    return CONFIG_MAPPING[model_type], cls
+
+
+def tiny_config(family: str):
+    config_cls, _ = _config_and_class(family)
+    try:
+        config = config_cls()
+    except Exception as exc:  # noqa: BLE001 - a config that needs arguments
+        raise Unbuildable(f"config() fails: {type(exc).__name__}: {str(exc)[:120]}") from None
+    for attr, value in TINY.items():
+        if hasattr(config, attr):
+            setattr(config, attr, value)
+    for attr in ("layer_types", "mlp_layer_types", "moe_layers"):
+        value = getattr(config, attr, None)
+        if isinstance(value, (list, tuple)) and len(value) != LAYERS:
+            setattr(config, attr, list(value[:LAYERS]) if len(value) >= LAYERS else list(value) * LAYERS)
+    return config
+
+
+def build(family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """``(model, inputs)`` for one training step of ``family``'s tiny causal LM (labels included)."""
+    from tests.models.hf_models import init_params_
+
+    _, cls = _config_and_class(family)
+    config = tiny_config(family)
+    try:
+        model = cls(config)
+    except Exception as exc:  # noqa: BLE001 - families needing more than a config
+        raise Unbuildable(f"{cls.__name__}(config) fails: {type(exc).__name__}: {_first_line(exc)}") from None
+    if not any(type(m).__name__.endswith("Experts") for m in model.modules()):
+        raise Unbuildable("no experts module after the tiny config (MoE layers not enabled by any known attribute)")
+    init_params_(model, seed)
+    model = model.to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (2, 8), generator=gen)
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    except Exception as exc:  # noqa: BLE001
+        raise Unbuildable(f"eager forward fails: {type(exc).__name__}: {_first_line(exc)}") from None
+    return model, inputs
+
+
+def _first_line(exc: Exception) -> str:
+    return re.sub(r"\s+", " ", str(exc))[:160]
+
+
+def _loss_and_grads(model: torch.nn.Module, inputs: dict[str, Any], fn: Any = None
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and parameter grads of one step of ``fn`` (default ``model``; a compiled ``model``)."""
+    model.zero_grad(set_to_none=True)
+    loss = (fn if fn is not None else model)(**inputs).loss
+    loss.backward()
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach().float(), grads
+
+
+def check_family(family: str) -> dict[str, Any]:
+    """One training step of ``family`` through ``torch.compile(backend="moe_compile", fullgraph=True)``.
+
+    Returns ``{"family", "status", "rewritten", "left", "numerics", "worst"}``: ``rewritten`` the experts
+    layers the dispatch passes rewrote, ``left`` the audit's findings outside the token embedding,
+    ``numerics`` whether loss and every gradient are as close to a float32 eager run as bf16 eager is
+    (``|compiled - fp32| <= 4 |eager_bf16 - fp32| + 2^-8 max|fp32|`` per tensor: bf16 eager's own error is
+    the noise of this computation, and the compiled step may sum in another order, so the bound scales
+    with it instead of a fixed tolerance), ``worst`` the tensor closest to failing that bound.
+    """
+    import copy
+
+    from moe_compile import report
+
+    try:
+        model, inputs = build(family)
+    except Unbuildable as exc:
+        return {"family": family, "status": f"skip: {exc}"}
+    model.train()
+    ref32 = _loss_and_grads(copy.deepcopy(model).float(), inputs)
+    eager = _loss_and_grads(model, inputs)
+    torch._dynamo.reset()
+    compiled_model = torch.compile(model, backend="moe_compile", fullgraph=True)
+    try:
+        with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True):
+            compiled = _loss_and_grads(model, inputs, compiled_model)
+    except Exception as exc:  # noqa: BLE001 - a family Dynamo cannot capture whole
+        return {"family": family, "status": f"compile fails: {type(exc).__name__}: {_first_line(exc)}"}
+    finally:
+        torch._dynamo.reset()
+    rewritten = sorted({r.layer for r in rep.rewrites if r.pass_name in ("fuse_dispatch", "strip_host_padding")})
+    left = sorted({f"{r.layer}: {r.what} @ {r.detail}" for r in rep.left if "(embedding)" not in r.what})
+    worst, ok = ("", 0.0), True
+    pairs = [("loss", compiled[0], eager[0], ref32[0])]
+    pairs += [(n, compiled[1].get(n), eager[1].get(n), g) for n, g in ref32[1].items()]
+    for name, got, bf16, ref in pairs:
+        if got is None or bf16 is None:
+            ok, worst = False, (f"{name}: no gradient", float("inf"))
+            continue
+        bound = 4 * (bf16 - ref).abs().max().item() + 2**-8 * ref.abs().max().item()
+        ratio = (got - ref).abs().max().item() / max(bound, 1e-30)
+        if ratio > worst[1]:
+            worst = (name, ratio)
+        ok = ok and ratio <= 1.0
+    return {"family": family, "status": "ok", "rewritten": rewritten, "left": left, "numerics": ok,
+            "worst": f"{worst[0]} ({worst[1]:.2f} of bound)"}
+
+
+def main() -> None:
+    """``python -m tests.models.hf_families [--json PATH] [family ...]``: the family table."""
+    import argparse
+    import json
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("families", nargs="*")
+    parser.add_argument("--json", type=pathlib.Path)
+    args = parser.parse_args()
+    rows = []
+    for family in args.families or moe_families():
+        row = check_family(family)
+        rows.append(row)
+        print(f"{family:24s} {row['status'][:70]:70s} rewritten={len(row.get('rewritten', []))} "
+              f"left={len(row.get('left', []))} numerics={row.get('numerics')} {row.get('worst', '')}", flush=True)
+        for item in row.get("left", []):
+            print(f"    left: {item[:200]}", flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        import transformers
+
+        args.json.write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
+                                         "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
