@@ -51,11 +51,15 @@ def expert_of_rows(offs_E: Tensor, num_rows: int) -> Tensor:
     return torch.searchsorted(offs_E, rows_M, right=True).clamp_(max=offs_E.shape[0] - 1)
 
 
-def grouped_linear(x_MK: Tensor, proj: Projection, offs_E: Tensor, expert_M: Tensor | None) -> Tensor:
-    """``x_MK @ w_ENK[e]^T (+ bias_EN[e])`` per expert segment; ``expert_M`` is needed only with a bias."""
+def grouped_linear(x_MK: Tensor, proj: Projection, offs_E: Tensor, onehot_ME: Tensor | None) -> Tensor:
+    """``x_MK @ w_ENK[e]^T (+ bias_EN[e])`` per expert segment; ``onehot_ME`` is needed only with a bias.
+
+    The bias is added as ``onehot_ME @ bias_EN`` rather than ``bias_EN[expert_M]``: the gather's backward is an
+    accumulating scatter (atomics, order-dependent); the matmul's is ``onehot^T @ dY``, deterministic.
+    """
     y_MN = gmm.grouped_mm(x_MK, proj.w_ENK, offs_E)
     if proj.bias_EN is not None:
-        y_MN = y_MN + proj.bias_EN.to(y_MN.dtype)[expert_M]
+        y_MN = y_MN + onehot_ME @ proj.bias_EN.to(y_MN.dtype)
     return y_MN
 
 
@@ -102,10 +106,13 @@ def fused_experts_forward(
     if weights_before:
         rows_MH = (rows_MH * out.probs_M.unsqueeze(-1)).to(x_TH.dtype)
     has_bias = any(p.bias_EN is not None for p in (*(up if isinstance(up, tuple) else (up,)), down))
-    expert_M = expert_of_rows(out.offs_E, rows_MH.shape[0]) if has_bias else None
+    onehot_ME = None
+    if has_bias:
+        expert_M = expert_of_rows(out.offs_E, rows_MH.shape[0])
+        onehot_ME = (expert_M[:, None] == torch.arange(num_experts, device=expert_M.device)).to(x_TH.dtype)
     ups = up if isinstance(up, tuple) else (up,)
-    h_MI = middle(*(grouped_linear(rows_MH, proj, out.offs_E, expert_M) for proj in ups))
-    y_MH = grouped_linear(h_MI.to(x_TH.dtype), down, out.offs_E, expert_M)
+    h_MI = middle(*(grouped_linear(rows_MH, proj, out.offs_E, onehot_ME) for proj in ups))
+    y_MH = grouped_linear(h_MI.to(x_TH.dtype), down, out.offs_E, onehot_ME)
     if post is not None:
         y_MH = post(y_MH)
     return unpad_unpermute(y_MH, out.row_map, None if weights_before else weights_TK).to(x_TH.dtype)

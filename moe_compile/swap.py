@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from moe_compile.experts import ExpertGroup, find_expert_weights
+from moe_compile.experts import ExpertGroup, ExpertLinear, find_expert_weights
 from moe_compile.experts_impl import SUPPORTED_DTYPES, Projection, fused_experts_forward
 
 _GATED = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
@@ -285,6 +285,19 @@ def _regroup_after_apply(block: nn.Module, views: _GroupedViews) -> None:
     block._apply = types.MethodType(_apply, block)
 
 
+def _single_expert_lists(model: nn.Module) -> list[ExpertGroup]:
+    """``experts`` ModuleLists of one expert (``experts.py`` wants ``E >= 2``: one expert is no group to it)."""
+    groups = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == 1 and name.rpartition(".")[2] == "experts":
+            linears = {n: m for n, m in module[0].named_modules() if isinstance(m, nn.Linear) and n}
+            specs = tuple(ExpertLinear(n, 1, m.out_features, m.in_features, False, m.bias is not None)
+                          for n, m in linears.items())
+            if specs:
+                groups.append(ExpertGroup(name, module, "module_list", specs))
+    return groups
+
+
 def swap_expert_loops(model: nn.Module) -> list[tuple[str, str, str, str]]:
     """Swap every recognised expert-loop block of ``model`` (in place); returns explain records.
 
@@ -295,7 +308,7 @@ def swap_expert_loops(model: nn.Module) -> list[tuple[str, str, str, str]]:
 
     records = []
     modules = dict(model.named_modules())
-    for group in find_expert_weights(model):
+    for group in [*find_expert_weights(model), *_single_expert_lists(model)]:
         if is_hf_experts(group.module) or getattr(group.module, "_moe_compile_swapped", False):
             continue
         block_name = group.name.rpartition(".")[0]
