@@ -28,11 +28,12 @@ existing ``p.grad``) and clears ``G.grad``. Trade-offs: ``torch.nn.utils.paramet
 ``state_dict`` keys; a grouped ``nn.Parameter`` (``quantize_experts``) replaces the per-expert parameters, which
 breaks optimizers built before the swap; ``torch.stack`` per step copies every weight on every step. With views,
 anything that rebinds ``p.data`` out of place breaks the aliasing: ``module.to()`` / ``.half()`` are handled (the
-block regroups after ``_apply``), a direct ``p.data = ...`` is not.
+block regroups after ``_apply``), ``copy.deepcopy`` regroups the copy; a direct ``p.data = ...`` is not handled.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 from collections.abc import Callable
@@ -108,6 +109,10 @@ class _GroupedViews:
         self.experts, self.paths = experts, paths
         self.grouped: dict[str, Tensor] = {}
         self.regroup()
+
+    def __deepcopy__(self, memo: dict) -> "_GroupedViews":
+        # a deep copy of the block copies every parameter on its own: regroup the copies
+        return _GroupedViews(copy.deepcopy(self.experts, memo), self.paths)
 
     def _params(self, path: str, attr: str) -> list[nn.Parameter] | None:
         params = [getattr(e.get_submodule(path), attr) for e in self.experts]
@@ -252,16 +257,15 @@ def swap_block(block: nn.Module, group: ExpertGroup) -> str:
     finally:
         for m, t in zip(block.modules(), was_training):
             m.training = t
-    if group.kind == "module_list":
-        views = _GroupedViews(group.module, plan.paths)
-        projections = lambda: [views.projection(p) for p in plan.paths]  # noqa: E731
-        _regroup_after_apply(block, views)
-    else:
-        projections = probe_projections
     block._moe_compile_original_forward = block.forward
-    block.forward = types.MethodType(
-        lambda self, hidden_states, *a, **k: _fused_block_forward(self, plan, projections, hidden_states), block
-    )
+    block._moe_compile_plan = plan
+    if group.kind == "module_list":
+        block._moe_compile_views = _GroupedViews(group.module, plan.paths)
+        block._apply = types.MethodType(_apply_then_regroup, block)
+        block.forward = types.MethodType(_swapped_module_list_forward, block)
+    else:
+        block._moe_compile_experts = group
+        block.forward = types.MethodType(_swapped_stacked_forward, block)
     return (f"{group.kind} experts ({plan.num_experts}, {'gated' if plan.gated else 'plain'} "
             f"{'/'.join(plan.paths)}), weights {'before' if plan.weights_before else 'after'} the MLP: "
             "permute_pad -> grouped GEMMs -> unpad_unpermute")
@@ -272,17 +276,24 @@ def _hidden_size(group: ExpertGroup, plan: _Plan) -> int:
     return first.in_features
 
 
-def _regroup_after_apply(block: nn.Module, views: _GroupedViews) -> None:
+def _swapped_module_list_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+    """The swapped forward of a ModuleList block; state lives on ``self`` so ``copy.deepcopy`` follows it."""
+    plan, views = self._moe_compile_plan, self._moe_compile_views
+    return _fused_block_forward(self, plan, lambda: [views.projection(p) for p in plan.paths], hidden_states)
+
+
+def _swapped_stacked_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+    plan, group = self._moe_compile_plan, self._moe_compile_experts
+    stacked = _stacked_projections(group)
+    return _fused_block_forward(self, plan, lambda: [stacked[p] for p in plan.paths], hidden_states)
+
+
+def _apply_then_regroup(self: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -> nn.Module:
     """``module.to()`` / ``.half()`` rebind every ``p.data``: regroup afterwards (NOTE [grouped views])."""
-    apply = block._apply
-
-    def _apply(self: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -> nn.Module:
-        out = apply(fn, *args, **kwargs)
-        if not views.aliased():
-            views.regroup()
-        return out
-
-    block._apply = types.MethodType(_apply, block)
+    out = nn.Module._apply(self, fn, *args, **kwargs)
+    if not self._moe_compile_views.aliased():
+        self._moe_compile_views.regroup()
+    return out
 
 
 def _single_expert_lists(model: nn.Module) -> list[ExpertGroup]:

@@ -15,7 +15,7 @@ import moe_compile
 from moe_compile import report
 from moe_compile.api import prepare_expert_loops
 from moe_compile.swap import swap_expert_loops
-from tests.models.loop_models import SigmoidRoutedLoopMoE, make_loop_moe
+from tests.models.loop_models import LogitsLoopMoE, SigmoidRoutedLoopMoE, make_loop_moe
 from tests.passes._harness import fresh_cache, no_scatter_add
 
 H = 32
@@ -172,6 +172,29 @@ class SwapParametersTest(unittest.TestCase):
         block.to(torch.bfloat16)
         x = torch.randn(2, 5, H, dtype=torch.bfloat16)
         _assert_close(self, block(x), eager(x), "after .to(bf16)")
+
+    def test_deepcopy_after_swap_owns_its_weights(self):
+        block = make_loop_moe(seed=5, hidden=H)
+        swap_expert_loops(block)
+        twin = copy.deepcopy(block)
+        reference = make_loop_moe(seed=5, hidden=H)
+        with torch.no_grad():
+            for p, q in zip(twin.parameters(), reference.parameters()):
+                p.mul_(0.5)
+                q.mul_(0.5)
+        x = torch.randn(2, 5, H)
+        _assert_close(self, twin(x).detach(), reference(x).detach(), "deep copy")
+        _assert_close(self, block(x).detach(), make_loop_moe(seed=5, hidden=H)(x).detach(), "original")
+
+    def test_block_returning_router_logits(self):
+        torch.manual_seed(0)
+        block = LogitsLoopMoE(hidden=H)
+        eager = copy.deepcopy(block)
+        self.assertEqual([r[1] for r in swap_expert_loops(block)], ["rewrite"])
+        x = torch.randn(2, 5, H)
+        (y, logits), (y_ref, logits_ref) = block(x), eager(x)
+        _assert_close(self, y.detach(), y_ref.detach(), "output")
+        self.assertTrue(torch.equal(logits, logits_ref))
 
     def test_load_state_dict_reaches_the_grouped_weight(self):
         block, other = make_loop_moe(seed=3, hidden=H), make_loop_moe(seed=4, hidden=H)

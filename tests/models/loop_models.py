@@ -107,6 +107,13 @@ class SigmoidRoutedLoopMoE(LoopMoE):
         return out_TH.reshape(hidden.shape)
 
 
+class LogitsLoopMoE(LoopMoE):
+    """transformers 4.x's return convention: ``(y_BSH, router_logits_TE)``."""
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().forward(hidden), self.gate(hidden.reshape(-1, hidden.shape[-1]))
+
+
 def make_loop_moe(seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs) -> LoopMoE:
     """A :class:`LoopMoE` with seeded random parameters in ``dtype``."""
     torch.manual_seed(seed)
