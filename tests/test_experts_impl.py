@@ -186,17 +186,15 @@ class InstalledFamiliesTest(unittest.TestCase):
             with self.subTest(cls=class_name):
                 module = importlib.import_module(module_name)
                 cls = getattr(module, class_name)
-                config_cls = getattr(module, "config_class", None) or _config_class(module)
-                if config_cls is None:
-                    self.skipTest(f"{class_name}: no config class found")
-                config = config_cls(hidden_size=H, intermediate_size=I, moe_intermediate_size=I,
-                                    num_local_experts=E, num_experts=E, num_experts_per_tok=K)
-                config._experts_implementation = "eager"
-                torch.manual_seed(0)
+                config_cls = _config_class(module, cls)
                 try:
+                    config = config_cls(hidden_size=H, intermediate_size=I, moe_intermediate_size=I,
+                                        num_local_experts=E, num_experts=E, num_experts_per_tok=K)
+                    config._experts_implementation = "eager"
+                    torch.manual_seed(0)
                     experts = cls(config)
                 except Exception as err:  # noqa: BLE001 - some experts need extra config fields
-                    self.skipTest(f"{class_name}: cannot build from a tiny config ({err})")
+                    self.skipTest(f"{class_name}: cannot build from a tiny {config_cls.__name__} ({err})")
                 for p in experts.parameters():
                     nn.init.normal_(p, std=0.1)
                 n = experts.num_experts
@@ -210,11 +208,17 @@ class InstalledFamiliesTest(unittest.TestCase):
                     _close(self, got, want, class_name)
 
 
-def _config_class(module) -> type | None:
-    for name in dir(module):
-        if name.endswith("Config"):
-            return getattr(module, name)
-    return None
+def _config_class(module, cls: type) -> type:
+    """The config class the experts read: a ``*TextConfig`` for multimodal models, else the model's config."""
+    from transformers import PretrainedConfig
+
+    configs = {name: getattr(module, name) for name in dir(module) if name.endswith("Config")}
+    configs = {n: c for n, c in configs.items() if isinstance(c, type) and issubclass(c, PretrainedConfig)}
+    prefix = cls.__name__.removesuffix("Experts")
+    for name in (f"{prefix}Config", *(n for n in configs if n.endswith("TextConfig")), *configs):
+        if name in configs and "Audio" not in name and "Vision" not in name:
+            return configs[name]
+    return PretrainedConfig
 
 
 if __name__ == "__main__":
