@@ -85,6 +85,12 @@ class SwapNumericsTest(unittest.TestCase):
             with self.subTest(train=train, **kwargs):
                 _check_against_eager(self, kwargs, train=train, compiled=True)
 
+    def test_bf16_probe_picks_the_weight_position(self):
+        """In bf16 a wrong candidate (weights after the MLP) can be close to a weights-before block: the
+        closest one must win."""
+        kwargs = dict(layout="stacked", mlp="swiglu", weights_before=True, num_experts=8, top_k=2)
+        _check_against_eager(self, kwargs, train=False, compiled=False, dtype=torch.bfloat16)
+
     @pytest.mark.slow
     def test_bf16_compiled_matches_loop(self):
         for kwargs in FAST_CASES:
