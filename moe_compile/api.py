@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from moe_compile import report
 from moe_compile.backend import ConfiguredBackend
 from moe_compile.config import make_config
 
@@ -24,6 +25,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     debug: bool = False,
     strict: bool = False,
     capture_host_syncs: bool = True,
+    swap_expert_loops: bool = True,
     **torch_compile_kwargs: Any,
 ) -> Any:
     """``torch.compile(model, backend=moe_compile)`` with MoE-friendly Dynamo settings.
@@ -51,6 +53,11 @@ def compile(  # noqa: A001 - mirrors torch.compile
         strict: a failing pass raises instead of falling back to plain Inductor.
         capture_host_syncs: trace with ``capture_scalar_outputs`` and
             ``capture_dynamic_output_shape_ops`` on (the default).
+        swap_expert_loops: for a module, first route expert loops that Dynamo cannot capture through the
+            fused ops (in place, parameters and ``state_dict`` unchanged): transformers experts set to
+            ``"eager"`` (or unset) are set to the ``"moe_compile"`` experts implementation, and blocks that
+            loop over an ``nn.ModuleList`` (or stacked weights) of experts get a fused forward
+            (``moe_compile/swap.py``). ``explain`` lists what was swapped and what was left, with reasons.
         **torch_compile_kwargs: ``mode``, ``options``, ``dynamic``, ``fullgraph``, ... as for
             ``torch.compile`` (``backend`` is set here and rejected).
 
@@ -65,6 +72,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if "backend" in torch_compile_kwargs:
         raise ValueError("moe_compile.compile sets backend= itself; call torch.compile for another backend")
     config = make_config(metrics=metrics, passes=passes or {}, debug=debug, strict=strict)
+    if swap_expert_loops and isinstance(model, torch.nn.Module):
+        prepare_expert_loops(model)
     if metrics and isinstance(model, torch.nn.Module):
         from moe_compile import metrics as router_metrics
 
@@ -74,6 +83,22 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if not capture_host_syncs:
         return compiled
     return _with_capture_flags(compiled)
+
+
+def prepare_expert_loops(model: torch.nn.Module) -> list[report.PassRecord]:
+    """Route ``model``'s uncapturable expert loops through the fused ops (see ``compile``); returns the records.
+
+    Idempotent: already swapped modules are not swapped again. The records are kept for ``explain``.
+    """
+    from moe_compile.experts_impl import use_fused_hf_experts
+    from moe_compile.swap import swap_expert_loops
+
+    found = [("experts_impl", *r) for r in use_fused_hf_experts(model)]
+    found += [("swap_expert_loops", *r) for r in swap_expert_loops(model)]
+    records = [report.PassRecord(name, "module", kind, layer, what, detail)
+               for name, layer, kind, what, detail in found]
+    report.add_module_records(model, records)
+    return records
 
 
 def _with_capture_flags(compiled: Any) -> Any:

@@ -12,6 +12,9 @@ Semantics of a :class:`Report`, per layer (module path from ``nn_module_stack``,
 * ``error``: a pass raised and the graph was restored (plain Inductor for that pass).
 * ``left``: the audit (:mod:`moe_compile.audit`) found an accumulating scatter or a host sync in a
   compiled graph; ``what`` is the op, ``detail`` the model source line; :attr:`Report.clean`.
+* ``module`` stage records (passes ``experts_impl``, ``swap_expert_loops``): expert loops that Dynamo cannot
+  capture, routed through the fused ops before compiling (``rewrite``: swapped / interfaced, with what), or
+  left alone (``skip`` with a reason tag: ``probe_mismatch``, ``no_router``, ``expert_parallel``, ...).
 * ``explain`` also lists experts modules of the model that no compiled graph contained
   (``not_in_graph``: e.g. transformers' eager experts loop, which Dynamo never captures).
 
@@ -25,6 +28,7 @@ import contextlib
 import contextvars
 import dataclasses
 import re
+import weakref
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -172,6 +176,26 @@ def graph_compiled() -> None:
         report.graphs += 1
 
 
+# Records of module-level rewrites (moe_compile.compile's expert-loop swaps), per model, for explain.
+_MODULE_RECORDS: "weakref.WeakKeyDictionary[torch.nn.Module, list[PassRecord]]" = weakref.WeakKeyDictionary()
+
+
+def add_module_records(model: torch.nn.Module, records: list[PassRecord]) -> None:
+    """Keep ``records`` (swapped / left-alone expert loops) for ``explain(model)``; new ones first-seen only."""
+    kept = _MODULE_RECORDS.setdefault(model, [])
+    for r in records:
+        if r not in kept:
+            kept.append(r)
+
+
+def module_records(model: Any) -> list[PassRecord]:
+    """The module-level records ``moe_compile.compile`` kept for ``model`` (empty for a function)."""
+    try:
+        return list(_MODULE_RECORDS.get(model, []))
+    except TypeError:
+        return []
+
+
 def last_report() -> Report:
     return _LAST
 
@@ -205,6 +229,7 @@ def explain(model: Any, *args: Any, backward: bool | None = None, **kwargs: Any)
             p.grad = g
         torch._dynamo.reset()
     if isinstance(model, torch.nn.Module):
+        report.records[:0] = module_records(model)
         seen = {r.layer for r in report.records}
         for name, module in model.named_modules():
             if not name or not _is_experts_module(module) or any(_same_module(name, layer) for layer in seen):

@@ -155,9 +155,12 @@ class ToyExperts(nn.Module):
 def test_explain_lists_experts_not_in_any_graph():
     model = nn.Sequential(nn.Linear(16, 16), ToyExperts())
     rep = moe_compile.explain(model, torch.randn(3, 16), backward=False)
-    [rec] = rep.records
+    [rec] = [r for r in rep.records if r.pass_name == "explain"]
     assert (rec.layer, rec.kind, rec.what) == ("1", "skip", "not_in_graph")
     assert "ToyExperts" in rec.detail
+    # moe_compile.compile's expert-loop swap looked at the block and left it alone, saying why
+    [swap] = [r for r in rep.records if r.pass_name == "swap_expert_loops"]
+    assert (swap.kind, swap.what) == ("skip", "unknown_expert_mlp")
 
 
 def test_explain_matches_layers_of_frames_compiled_below_the_root():

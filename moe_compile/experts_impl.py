@@ -1,0 +1,215 @@
+"""Run a routed expert MLP through the fused path: ``permute_pad -> grouped GEMMs -> unpad_unpermute``.
+
+Shapes: ``T`` tokens, ``H`` hidden, ``E`` experts, ``K`` top-k, ``M`` static padded rows, ``N``/``I``
+projection output / intermediate features.
+
+One place runs experts whose Python loop Dynamo cannot capture (``nonzero``-driven trip counts):
+
+* :func:`fused_experts_forward` is the shared body: ``rows_MH = permute_pad(x_TH, ids_TK)``, one grouped
+  GEMM per projection (``torch.ops.moe.grouped_mm``: CUTLASS ``_grouped_mm`` for bf16 on sm90+, Triton
+  otherwise, the PyTorch reference on CPU), the row-wise middle (GLU / activation), and the fp32
+  gather-sum ``unpad_unpermute``. No host sync, no atomics, static shapes, deterministic autograd.
+* :func:`hf_experts_forward` is registered as transformers' ``"moe_compile"`` experts implementation
+  (:func:`register_hf_experts`); it reads the decorated ``*Experts`` module's attributes.
+* ``moe_compile/swap.py`` calls :func:`fused_experts_forward` for ``nn.ModuleList`` experts.
+
+Routing weights are applied where the model applies them: after the MLP (in the combine, the default)
+or before it (``weights_before=True``: the permuted rows are scaled first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+import torch
+from torch import Tensor, nn
+
+from moe_compile.ops import grouped_mm as gmm
+from moe_compile.ops.permute_pad import permute_pad
+from moe_compile.ops.unpad_unpermute import unpad_unpermute
+
+IMPLEMENTATION_NAME = "moe_compile"
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """One expert projection over all experts.
+
+    Attributes:
+        w_ENK: ``[E, N, K]`` weight (any strides: a ``transpose(1, 2)`` view of an ``[E, K, N]`` tensor works).
+        bias_EN: optional ``[E, N]`` per-expert bias.
+    """
+
+    w_ENK: Tensor
+    bias_EN: Tensor | None = None
+
+
+def expert_of_rows(offs_E: Tensor, num_rows: int) -> Tensor:
+    """int64 ``[M]``: the expert owning each padded row (tail rows get ``E - 1``; their output is never read)."""
+    rows_M = torch.arange(num_rows, device=offs_E.device, dtype=offs_E.dtype)
+    return torch.searchsorted(offs_E, rows_M, right=True).clamp_(max=offs_E.shape[0] - 1)
+
+
+def grouped_linear(x_MK: Tensor, proj: Projection, offs_E: Tensor, onehot_ME: Tensor | None) -> Tensor:
+    """``x_MK @ w_ENK[e]^T (+ bias_EN[e])`` per expert segment; ``onehot_ME`` is needed only with a bias.
+
+    The bias is added as ``onehot_ME @ bias_EN`` rather than ``bias_EN[expert_M]``: the gather's backward is an
+    accumulating scatter (atomics, order-dependent); the matmul's is ``onehot^T @ dY``, deterministic.
+    """
+    y_MN = gmm.grouped_mm(x_MK, proj.w_ENK, offs_E)
+    if proj.bias_EN is not None:
+        y_MN = y_MN + onehot_ME @ proj.bias_EN.to(y_MN.dtype)
+    return y_MN
+
+
+def fused_experts_forward(
+    x_TH: Tensor,
+    ids_TK: Tensor,
+    weights_TK: Tensor,
+    up: Projection | tuple[Projection, ...],
+    middle: Callable[..., Tensor],
+    down: Projection,
+    *,
+    num_experts: int,
+    weights_before: bool = False,
+    post: Callable[[Tensor], Tensor] | None = None,
+    align: int = 1,
+) -> Tensor:
+    """``sum_k w[t, k] * down(middle(up(x[t])))`` with expert ``ids[t, k]``, through the fused ops.
+
+    Args:
+        x_TH: ``[T, H]`` activations (bf16/fp16/fp32; the weights must have this dtype).
+        ids_TK: ``[T, K]`` integer expert ids in ``[0, num_experts)``.
+        weights_TK: ``[T, K]`` routing weights (any float dtype).
+        up: the first projection (``gate_up`` or ``up``), ``[E, N, H]``, or several (``gate``, ``up``),
+            each run as one grouped GEMM over the same rows.
+        middle: row-wise map of the ``up`` outputs ``[M, N]...`` to ``[M, I]`` (``act(gate) * up``, or the
+            activation).
+        down: the last projection, ``[E, H, I]``.
+        num_experts: ``E``.
+        weights_before: scale the rows by their weight before ``up`` instead of in the combine.
+        post: optional row-wise map after ``down`` (a post-expert norm).
+        align: segment alignment of ``permute_pad``.
+
+    Returns:
+        ``[T, H]`` in ``x_TH.dtype``; the combine accumulates in fp32 in a fixed order.
+    """
+    if x_TH.dim() != 2 or ids_TK.dim() != 2 or ids_TK.shape != weights_TK.shape or ids_TK.shape[0] != x_TH.shape[0]:
+        raise ValueError(
+            f"expected x_TH [T, H], ids_TK and weights_TK [T, K]; got {tuple(x_TH.shape)}, "
+            f"{tuple(ids_TK.shape)}, {tuple(weights_TK.shape)}"
+        )
+    probs = weights_TK if weights_before else None
+    out = permute_pad(x_TH, ids_TK, probs, num_experts=num_experts, align=align)
+    rows_MH = out.rows_MH
+    if weights_before:
+        rows_MH = (rows_MH * out.probs_M.unsqueeze(-1)).to(x_TH.dtype)
+    has_bias = any(p.bias_EN is not None for p in (*(up if isinstance(up, tuple) else (up,)), down))
+    onehot_ME = None
+    if has_bias:
+        expert_M = expert_of_rows(out.offs_E, rows_MH.shape[0])
+        onehot_ME = (expert_M[:, None] == torch.arange(num_experts, device=expert_M.device)).to(x_TH.dtype)
+    ups = up if isinstance(up, tuple) else (up,)
+    h_MI = middle(*(grouped_linear(rows_MH, proj, out.offs_E, onehot_ME) for proj in ups))
+    y_MH = grouped_linear(h_MI.to(x_TH.dtype), down, out.offs_E, onehot_ME)
+    if post is not None:
+        y_MH = post(y_MH)
+    return unpad_unpermute(y_MH, out.row_map, None if weights_before else weights_TK).to(x_TH.dtype)
+
+
+# ===== transformers' experts interface =====
+
+
+def hf_unsupported_reason(module: nn.Module) -> str | None:
+    """Why the decorated transformers ``*Experts`` ``module`` cannot take the fused path (``None``: it can)."""
+    has_gate = getattr(module, "has_gate", None)
+    if has_gate is None or not hasattr(module, "down_proj") or not hasattr(module, "num_experts"):
+        return "not_hf_experts: no has_gate / down_proj / num_experts attributes"
+    if getattr(module, "_is_expert_parallel", False):
+        return "expert_parallel: sentinel ids >= E (expert parallelism) are not supported"
+    up = module.gate_up_proj if has_gate else getattr(module, "up_proj", None)
+    weights = [up, module.down_proj]
+    if any(not isinstance(w, Tensor) or w.dim() != 3 for w in weights):
+        return "weights_not_stacked: expected 3-D gate_up_proj/up_proj and down_proj"
+    if any(type(w) not in (Tensor, nn.Parameter) for w in weights):
+        return f"weight_subclass: {type(up).__name__} weights (quantised or sharded) keep their own implementation"
+    if up.dtype not in SUPPORTED_DTYPES or module.down_proj.dtype != up.dtype:
+        return f"dtype: {up.dtype} / {module.down_proj.dtype} (supported: bf16, fp16, fp32, one dtype)"
+    return None
+
+
+def _hf_projection(module: nn.Module, name: str) -> Projection:
+    w = getattr(module, name)
+    bias = getattr(module, name + "_bias", None) if getattr(module, "has_bias", False) else None
+    return Projection(w.transpose(1, 2) if getattr(module, "is_transposed", False) else w, bias)
+
+
+def original_forward(module: nn.Module) -> Callable[..., Tensor]:
+    """The class's own (eager loop) experts forward, under the ``use_experts_implementation`` wrapper."""
+    forward = type(module).forward
+    return getattr(forward, "__wrapped__", forward)
+
+
+def hf_experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """transformers' ``"moe_compile"`` experts implementation: ``[T, H], [T, K], [T, K] -> [T, H]``.
+
+    Supports concatenated or interleaved gate/up (the class's ``_apply_gate``), transposed weights, biases,
+    non-gated MLPs (``act_fn``) and a post-expert norm. A module that :func:`hf_unsupported_reason`
+    rejects runs its class's eager forward (``moe_compile.compile`` records why for ``explain``).
+    """
+    if getattr(module, "_moe_compile_unsupported", None) or hf_unsupported_reason(module) is not None:
+        return original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
+    has_gate = module.has_gate
+    up = _hf_projection(module, "gate_up_proj" if has_gate else "up_proj")
+    middle = module._apply_gate if has_gate else module.act_fn
+    post = module.post_expert_norm if getattr(module, "has_post_expert_norm", False) else None
+    return fused_experts_forward(
+        hidden_states, top_k_index, top_k_weights, up, middle, _hf_projection(module, "down_proj"),
+        num_experts=module.num_experts, post=post,
+    )
+
+
+def register_hf_experts() -> bool:
+    """Register :func:`hf_experts_forward` as transformers' ``"moe_compile"`` experts implementation.
+
+    Returns False (and does nothing) when transformers or its experts interface is not importable.
+    """
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except Exception:  # noqa: BLE001 - transformers is optional
+        return False
+    if ALL_EXPERTS_FUNCTIONS.get(IMPLEMENTATION_NAME, None) is not hf_experts_forward:
+        ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION_NAME, hf_experts_forward)
+    return True
+
+
+def is_hf_experts(module: nn.Module) -> bool:
+    """A module decorated by transformers' ``use_experts_implementation`` (it has a ``config`` and ``has_gate``)."""
+    return hasattr(module, "has_gate") and hasattr(module, "config") and hasattr(module, "is_concatenated")
+
+
+def use_fused_hf_experts(model: nn.Module) -> list[tuple[str, str, str, str]]:
+    """Point every transformers experts module of ``model`` whose implementation is eager (or unset) to ours.
+
+    Modules set to another implementation (``grouped_mm``, ...) are left alone: the FX passes handle them.
+    Returns ``(module name, kind, tag, detail)`` records for ``explain`` (kind ``"rewrite"`` or ``"skip"``).
+    """
+    records: list[tuple[str, str, str, str]] = []
+    experts = [(n, m) for n, m in model.named_modules() if is_hf_experts(m)]
+    if not experts or not register_hf_experts():
+        return records
+    for name, module in experts:
+        impl = getattr(module.config, "_experts_implementation", None)
+        if impl not in (None, "eager", IMPLEMENTATION_NAME):
+            continue
+        reason = hf_unsupported_reason(module)
+        if reason is not None:
+            module._moe_compile_unsupported = reason
+            tag, _, detail = reason.partition(": ")
+            records.append((name, "skip", tag, f"eager experts loop kept: {detail}"))
+            continue
+        module.config._experts_implementation = IMPLEMENTATION_NAME
+        records.append((name, "rewrite", f"experts_implementation={impl or 'unset'}",
+                        "transformers experts interface 'moe_compile': permute_pad -> grouped GEMMs -> unpad_unpermute"))
+    return records

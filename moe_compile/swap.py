@@ -1,0 +1,341 @@
+"""Module-level swap of MoE blocks whose forward loops over experts (``nonzero`` / ``torch.where`` trip counts).
+
+Dynamo cannot capture such a loop (its trip count is data dependent), so no FX pass sees it. ``swap_expert_loops``
+replaces the block's ``forward`` (on the instance) by one that routes, then runs the experts through
+:func:`moe_compile.experts_impl.fused_experts_forward` (one grouped GEMM per projection, no host sync).
+
+What is recognised (``E`` experts, ``H`` hidden):
+
+* experts: an ``nn.ModuleList`` of identical MLPs (``experts.py``'s ``module_list`` layout) or stacked ``[E, N, K]``
+  parameters on an experts module, with projections named ``w1/w3/w2`` or ``gate_proj/up_proj/down_proj`` (gated:
+  ``down(act(gate(x)) * up(x))``), or ``fc1/fc2``, ``up_proj/down_proj``, ``w1/w2`` (``down(act(up(x)))``); the
+  activation is the expert's (or experts module's) ``act_fn`` / ``act`` / ``activation``;
+* routing: the block's ``route(x_TH) -> (ids_TK, weights_TK)`` if it has one, else ``gate`` (``nn.Linear`` H -> E)
+  + ``top_k`` / ``num_experts_per_tok``: ``softmax`` in fp32 -> ``topk`` (renormalised or not);
+* weights applied before or after the MLP.
+
+NOTE [probe before swap]: nothing above is proven from the code. Each candidate (weights before / after the MLP,
+renormalised or not) runs once on a random probe ``[2, 3, H]`` in ``eval`` mode next to the block's own forward;
+the closest candidate is taken if it is within ``64 * eps(dtype) * max|y|`` (errors computed in fp32). Otherwise
+the block is left alone, and ``explain`` says why (``probe_mismatch``, ``no_router``, ...).
+
+NOTE [grouped views]: ``nn.ModuleList`` experts keep their per-expert ``nn.Parameter`` objects (same identity, so
+optimizers and their state stay valid; same ``state_dict`` keys and values). Each projection's weights are copied
+once into one grouped ``[E, N, K]`` leaf tensor ``G`` and every per-expert parameter's ``.data`` becomes the view
+``G[e]``: in-place updates (optimizer steps, ``load_state_dict``) write into ``G``. The fused forward uses ``G``;
+a post-accumulate-grad hook on ``G`` hands each expert's slice of ``G.grad`` to ``p.grad`` (a view, or added into an
+existing ``p.grad``) and clears ``G.grad``. Trade-offs: ``torch.nn.utils.parametrize`` would rename the
+``state_dict`` keys; a grouped ``nn.Parameter`` (``quantize_experts``) replaces the per-expert parameters, which
+breaks optimizers built before the swap; ``torch.stack`` per step copies every weight on every step. With views,
+anything that rebinds ``p.data`` out of place breaks the aliasing: ``module.to()`` / ``.half()`` are handled (the
+block regroups after ``_apply``), ``copy.deepcopy`` regroups the copy; a direct ``p.data = ...`` is not handled.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from moe_compile.experts import ExpertGroup, ExpertLinear, find_expert_weights
+from moe_compile.experts_impl import SUPPORTED_DTYPES, Projection, fused_experts_forward
+
+_GATED = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+_PLAIN = (("fc1", "fc2"), ("up_proj", "down_proj"), ("w1", "w2"))
+_ACT_NAMES = ("act_fn", "act", "activation", "activation_fn")
+
+
+class NotSwappable(Exception):
+    """A block the swap leaves alone; ``tag`` is the ``explain`` reason."""
+
+    def __init__(self, tag: str, detail: str):
+        super().__init__(f"{tag}: {detail}")
+        self.tag, self.detail = tag, detail
+
+
+@dataclasses.dataclass
+class _Plan:
+    paths: tuple[str, ...]  # projection names, the last one is down
+    gated: bool
+    act: Callable[[Tensor], Tensor]
+    num_experts: int
+    top_k: int | None
+    weights_before: bool = False
+    renormalize: bool = False
+    returns_logits: bool = False
+
+
+# ===== expert layout =====
+
+
+def _act_of(*owners: Any) -> Callable[[Tensor], Tensor]:
+    for owner in owners:
+        for name in _ACT_NAMES:
+            act = getattr(owner, name, None)
+            if callable(act):
+                return act
+    raise NotSwappable("no_activation", f"no callable {' / '.join(_ACT_NAMES)} on the experts")
+
+
+def _projection_names(available: set[str]) -> tuple[tuple[str, ...], bool]:
+    for names in _GATED:
+        if set(names) <= available:
+            return names, True
+    for names in _PLAIN:
+        if set(names) <= available:
+            return names, False
+    raise NotSwappable("unknown_expert_mlp", f"projections {sorted(available)} are not w1/w3/w2, gate/up/down, fc1/fc2")
+
+
+def _stacked_projections(group: ExpertGroup) -> dict[str, Projection]:
+    module = group.module
+    out = {}
+    for lin in group.linears:
+        w = getattr(module, lin.path)
+        bias = getattr(module, lin.path + "_bias", None)
+        out[lin.path] = Projection(w.transpose(1, 2) if lin.is_transposed else w, bias)
+    return out
+
+
+class _GroupedViews:
+    """One grouped ``[E, ...]`` leaf per parameter name of a ModuleList's linears; see NOTE [grouped views]."""
+
+    def __init__(self, experts: nn.ModuleList, paths: tuple[str, ...]):
+        self.experts, self.paths = experts, paths
+        self.grouped: dict[str, Tensor] = {}
+        self.regroup()
+
+    def __deepcopy__(self, memo: dict) -> "_GroupedViews":
+        # a deep copy of the block copies every parameter on its own: regroup the copies
+        return _GroupedViews(copy.deepcopy(self.experts, memo), self.paths)
+
+    def _params(self, path: str, attr: str) -> list[nn.Parameter] | None:
+        params = [getattr(e.get_submodule(path), attr) for e in self.experts]
+        return None if params[0] is None else params
+
+    def regroup(self) -> None:
+        """Copy the per-expert weights into fresh grouped leaves and make every parameter a view of them."""
+        for path in self.paths:
+            for attr in ("weight", "bias"):
+                params = self._params(path, attr)
+                if params is None:
+                    continue
+                grouped = torch.stack([p.detach() for p in params]).requires_grad_(params[0].requires_grad)
+                for e, p in enumerate(params):
+                    p.data = grouped.detach()[e]
+                if grouped.requires_grad:
+                    grouped.register_post_accumulate_grad_hook(_grad_splitter(params))
+                self.grouped[f"{path}.{attr}"] = grouped
+
+    def projection(self, path: str) -> Projection:
+        return Projection(self.grouped[f"{path}.weight"], self.grouped.get(f"{path}.bias"))
+
+    def aliased(self) -> bool:
+        """Whether every per-expert parameter is still a view of its grouped tensor."""
+        for key, grouped in self.grouped.items():
+            path, attr = key.rsplit(".", 1)
+            for e, p in enumerate(self._params(path, attr)):
+                if p.data_ptr() != grouped[e].data_ptr() or p.shape != grouped.shape[1:]:
+                    return False
+        return True
+
+
+def _grad_splitter(params: list[nn.Parameter]) -> Callable[[Tensor], None]:
+    def split(grouped: Tensor) -> None:
+        grad, grouped.grad = grouped.grad, None
+        for e, p in enumerate(params):
+            if p.grad is None:
+                p.grad = grad[e]
+            else:
+                p.grad.add_(grad[e])
+
+    return split
+
+
+# ===== routing and the swapped forward =====
+
+
+def _route(block: nn.Module, plan: _Plan, x_TH: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    if callable(getattr(block, "route", None)):
+        ids_TK, weights_TK = block.route(x_TH)
+        return ids_TK, weights_TK, None
+    logits_TE = block.gate(x_TH)
+    probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+    weights_TK, ids_TK = torch.topk(probs_TE, plan.top_k, dim=-1)
+    if plan.renormalize:
+        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    return ids_TK, weights_TK.to(x_TH.dtype), logits_TE
+
+
+def _fused_block_forward(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projection]],
+                         hidden: Tensor) -> Any:
+    x_TH = hidden.reshape(-1, hidden.shape[-1])
+    ids_TK, weights_TK, logits_TE = _route(block, plan, x_TH)
+    projs = projections()
+    if plan.gated:
+        def middle(gate_MI: Tensor, up_MI: Tensor) -> Tensor:
+            return plan.act(gate_MI) * up_MI
+        ups = (projs[0], projs[1])
+    else:
+        middle, ups = plan.act, (projs[0],)
+    y_TH = fused_experts_forward(x_TH, ids_TK, weights_TK, ups, middle, projs[-1], num_experts=plan.num_experts,
+                                 weights_before=plan.weights_before)
+    y = y_TH.reshape(hidden.shape)
+    return (y, logits_TE) if plan.returns_logits else y
+
+
+def _probe_error(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projection]], hidden: int,
+                 dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
+    """``(max |fused - block|, tolerance)`` on the probe (``inf`` when the outputs do not even line up)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(2, 3, hidden, generator=gen).to(device=device, dtype=dtype)
+    want = block.forward(x)
+    plan.returns_logits = isinstance(want, tuple)
+    if plan.returns_logits and (plan.top_k is None or len(want) != 2):
+        return math.inf, 0.0
+    got = _fused_block_forward(block, plan, projections, x)
+    want_y, got_y = (want[0], got[0]) if plan.returns_logits else (want, got)
+    if not isinstance(want_y, Tensor) or want_y.shape != got_y.shape:
+        return math.inf, 0.0
+    scale = max(want_y.abs().max().item(), 1e-6)
+    return (got_y.float() - want_y.float()).abs().max().item(), 64 * torch.finfo(dtype).eps * scale
+
+
+def _plan_block(block: nn.Module, group: ExpertGroup) -> _Plan:
+    E = group.linears[0].num_experts
+    names, gated = _projection_names({lin.path for lin in group.linears})
+    act = _act_of(group.module[0] if group.kind == "module_list" else group.module, block)
+    has_route = callable(getattr(block, "route", None))
+    top_k = getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok", None)
+    gate = getattr(block, "gate", None)
+    if not has_route and not (isinstance(gate, nn.Linear) and gate.out_features == E and isinstance(top_k, int)):
+        raise NotSwappable("no_router", "no route(x) method and no gate Linear(H, E) with top_k")
+    return _Plan(names, gated, act, E, None if has_route else top_k)
+
+
+def swap_block(block: nn.Module, group: ExpertGroup) -> str:
+    """Swap ``block``'s forward to the fused path (see the module docstring); returns a description.
+
+    Raises:
+        NotSwappable: the block is left unchanged; ``tag`` says why.
+    """
+    plan = _plan_block(block, group)
+    weight = next(block.parameters())
+    if weight.dtype not in SUPPORTED_DTYPES:
+        raise NotSwappable("dtype", f"{weight.dtype} (supported: bf16, fp16, fp32)")
+    if group.kind == "module_list":
+        def stacked() -> list[Projection]:  # the probe only: the swapped forward uses the grouped views
+            out = []
+            for path in plan.paths:
+                mods = [e.get_submodule(path) for e in group.module]
+                bias = torch.stack([m.bias for m in mods]) if mods[0].bias is not None else None
+                out.append(Projection(torch.stack([m.weight for m in mods]), bias))
+            return out
+        probe_projections = stacked
+    else:
+        probe_projections = lambda: [_stacked_projections(group)[p] for p in plan.paths]  # noqa: E731
+    hidden = _hidden_size(group, plan)
+    was_training = [m.training for m in block.modules()]
+    block.eval()
+    try:
+        with torch.no_grad():
+            candidates = [(before, renorm) for before in (False, True) for renorm in (True, False)]
+            if plan.top_k is None:
+                candidates = [(before, False) for before in (False, True)]
+            errors = {}
+            for before, renorm in candidates:
+                plan.weights_before, plan.renormalize = before, renorm
+                errors[(before, renorm)] = _probe_error(block, plan, probe_projections, hidden, weight.dtype,
+                                                        weight.device)
+            # the closest candidate, if it is within tolerance (in bf16 a wrong candidate can come close)
+            (before, renorm), (err, tol) = min(errors.items(), key=lambda item: item[1][0])
+            if not err <= tol:
+                raise NotSwappable("probe_mismatch", f"no fused candidate matched the block's own forward on a probe "
+                                                     f"(closest: max error {err:.2e} > {tol:.2e})")
+            plan.weights_before, plan.renormalize = before, renorm
+            _probe_error(block, plan, probe_projections, hidden, weight.dtype, weight.device)  # sets returns_logits
+    finally:
+        for m, t in zip(block.modules(), was_training):
+            m.training = t
+    block._moe_compile_original_forward = block.forward
+    block._moe_compile_plan = plan
+    if group.kind == "module_list":
+        block._moe_compile_views = _GroupedViews(group.module, plan.paths)
+        block._apply = types.MethodType(_apply_then_regroup, block)
+        block.forward = types.MethodType(_swapped_module_list_forward, block)
+    else:
+        block._moe_compile_experts = group
+        block.forward = types.MethodType(_swapped_stacked_forward, block)
+    return (f"{group.kind} experts ({plan.num_experts}, {'gated' if plan.gated else 'plain'} "
+            f"{'/'.join(plan.paths)}), weights {'before' if plan.weights_before else 'after'} the MLP: "
+            "permute_pad -> grouped GEMMs -> unpad_unpermute")
+
+
+def _hidden_size(group: ExpertGroup, plan: _Plan) -> int:
+    first = next(lin for lin in group.linears if lin.path == plan.paths[0])
+    return first.in_features
+
+
+def _swapped_module_list_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+    """The swapped forward of a ModuleList block; state lives on ``self`` so ``copy.deepcopy`` follows it."""
+    plan, views = self._moe_compile_plan, self._moe_compile_views
+    return _fused_block_forward(self, plan, lambda: [views.projection(p) for p in plan.paths], hidden_states)
+
+
+def _swapped_stacked_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+    plan, group = self._moe_compile_plan, self._moe_compile_experts
+    stacked = _stacked_projections(group)
+    return _fused_block_forward(self, plan, lambda: [stacked[p] for p in plan.paths], hidden_states)
+
+
+def _apply_then_regroup(self: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -> nn.Module:
+    """``module.to()`` / ``.half()`` rebind every ``p.data``: regroup afterwards (NOTE [grouped views])."""
+    out = nn.Module._apply(self, fn, *args, **kwargs)
+    if not self._moe_compile_views.aliased():
+        self._moe_compile_views.regroup()
+    return out
+
+
+def _single_expert_lists(model: nn.Module) -> list[ExpertGroup]:
+    """``experts`` ModuleLists of one expert (``experts.py`` wants ``E >= 2``: one expert is no group to it)."""
+    groups = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == 1 and name.rpartition(".")[2] == "experts":
+            linears = {n: m for n, m in module[0].named_modules() if isinstance(m, nn.Linear) and n}
+            specs = tuple(ExpertLinear(n, 1, m.out_features, m.in_features, False, m.bias is not None)
+                          for n, m in linears.items())
+            if specs:
+                groups.append(ExpertGroup(name, module, "module_list", specs))
+    return groups
+
+
+def swap_expert_loops(model: nn.Module) -> list[tuple[str, str, str, str]]:
+    """Swap every recognised expert-loop block of ``model`` (in place); returns explain records.
+
+    transformers ``*Experts`` modules (interface-decorated) are skipped here: ``experts_impl`` covers them.
+    Records are ``(block name, "rewrite" | "skip", tag, detail)``.
+    """
+    from moe_compile.experts_impl import is_hf_experts
+
+    records = []
+    modules = dict(model.named_modules())
+    for group in [*find_expert_weights(model), *_single_expert_lists(model)]:
+        if is_hf_experts(group.module) or getattr(group.module, "_moe_compile_swapped", False):
+            continue
+        block_name = group.name.rpartition(".")[0]
+        block = modules.get(block_name)
+        if block is None or getattr(block, "_moe_compile_original_forward", None) is not None:
+            continue
+        try:
+            detail = swap_block(block, group)
+        except NotSwappable as why:
+            records.append((block_name or "<root>", "skip", why.tag, why.detail))
+            continue
+        records.append((block_name or "<root>", "rewrite", "expert_loop_swapped", detail))
+    return records

@@ -1,0 +1,225 @@
+"""transformers' ``"moe_compile"`` experts implementation: every decorator variant, and MoE blocks set to eager."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import itertools
+import pathlib
+import re
+import unittest
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.integrations.moe import (  # noqa: E402
+    ALL_EXPERTS_FUNCTIONS,
+    batched_mm_experts_forward,
+    use_experts_implementation,
+)
+
+import moe_compile  # noqa: E402
+from moe_compile.api import prepare_expert_loops  # noqa: E402
+from moe_compile.experts_impl import hf_experts_forward, register_hf_experts  # noqa: E402
+from tests.models.hf_models import FAMILIES, block_output, build_sparse_moe_block  # noqa: E402
+from tests.passes._harness import fresh_cache, no_scatter_add  # noqa: E402
+
+T, H, I, E, K = 10, 16, 24, 6, 2
+# |got - want| <= ULPS * eps * max|want| (fp32: sums over <= max(H, 2I) products, different order)
+ULPS = 256
+
+
+def _close(test: unittest.TestCase, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    tol = ULPS * torch.finfo(want.dtype).eps * max(want.abs().max().item(), 1.0)
+    err = (got.float() - want.float()).abs().max().item()
+    test.assertLessEqual(err, tol, f"{what}: {err:.3e} > {tol:.3e}")
+
+
+class _Config:
+    _experts_implementation = "eager"
+
+
+def _experts_class(has_gate: bool, has_bias: bool, is_transposed: bool, post_norm: bool, clamp: bool):
+    """A decorated experts class of one variant (what transformers' model files declare)."""
+
+    @use_experts_implementation(is_transposed=is_transposed, has_bias=has_bias, has_gate=has_gate,
+                                has_post_expert_norm=post_norm)
+    class Experts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = E
+            up_out = 2 * I if has_gate else I
+            shape = lambda n, k: (E, k, n) if is_transposed else (E, n, k)  # noqa: E731
+            name = "gate_up_proj" if has_gate else "up_proj"
+            setattr(self, name, nn.Parameter(torch.randn(*shape(up_out, H)) / H**0.5))
+            self.down_proj = nn.Parameter(torch.randn(*shape(H, I)) / I**0.5)
+            if has_bias:
+                setattr(self, name + "_bias", nn.Parameter(torch.randn(E, up_out) * 0.1))
+                self.down_proj_bias = nn.Parameter(torch.randn(E, H) * 0.1)
+            if post_norm:
+                self.post_expert_norm = nn.LayerNorm(H)
+            self.act_fn = nn.SiLU()
+
+        if clamp:  # a GPT-OSS-like clamped, interleaved GLU
+            def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+                gate, up = gate_up[..., ::2].clamp(max=7.0), gate_up[..., 1::2].clamp(-7.0, 7.0)
+                return (up + 1) * gate * torch.sigmoid(gate * 1.702)
+
+    return Experts
+
+
+class InterfaceVariantsTest(unittest.TestCase):
+    def test_registered(self):
+        self.assertTrue(register_hf_experts())
+        self.assertIs(ALL_EXPERTS_FUNCTIONS["moe_compile"], hf_experts_forward)
+
+    def test_every_variant_matches_batched_mm_forward_and_backward(self):
+        for has_gate, has_bias, is_transposed, post_norm in itertools.product((True, False), repeat=4):
+            for clamp in ((False, True) if has_gate else (False,)):
+                with self.subTest(gate=has_gate, bias=has_bias, transposed=is_transposed, post_norm=post_norm,
+                                  clamp=clamp):
+                    torch.manual_seed(0)
+                    module = _experts_class(has_gate, has_bias, is_transposed, post_norm, clamp)(_Config())
+                    x = torch.randn(T, H, requires_grad=True)
+                    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+                    w = torch.rand(T, K, requires_grad=True)
+                    outs, grads = [], []
+                    for fn in (batched_mm_experts_forward, hf_experts_forward):
+                        module.zero_grad(set_to_none=True)
+                        x.grad = w.grad = None
+                        y = fn(module, x, ids, w)
+                        y.square().sum().backward()
+                        outs.append(y.detach())
+                        grads.append([x.grad, w.grad] + [p.grad for p in module.parameters()])
+                    _close(self, outs[1], outs[0], "output")
+                    for i, (g, r) in enumerate(zip(grads[1], grads[0])):
+                        _close(self, g, r, f"grad {i}")
+
+    def test_expert_parallel_falls_back_with_a_reason(self):
+        module = _experts_class(True, False, False, False, False)(_Config())
+        module._is_expert_parallel = True
+        records = prepare_expert_loops(module)
+        self.assertEqual([(r.kind, r.what) for r in records], [("skip", "expert_parallel")])
+        self.assertEqual(module.config._experts_implementation, "eager")
+
+
+def _block(family: str, dtype=torch.float32) -> nn.Module:
+    block = build_sparse_moe_block(family, dtype=dtype)
+    for m in block.modules():
+        if hasattr(m, "config"):
+            m.config._experts_implementation = "eager"
+    return block
+
+
+def _check_block(test: unittest.TestCase, family: str, train: bool) -> None:
+    torch._dynamo.reset()
+    block = _block(family)
+    eager = copy.deepcopy(block)
+    x = torch.randn(2, 7, block_output(eager(torch.zeros(1, 1, 64))).shape[-1])
+    compiled = moe_compile.compile(block, fullgraph=True)
+    records = [r for r in moe_compile.report.module_records(block) if r.pass_name == "experts_impl"]
+    test.assertEqual([(r.kind, r.what) for r in records], [("rewrite", "experts_implementation=eager")])
+    results = []
+    for fn in (eager, compiled):
+        xi = x.clone().requires_grad_(train)
+
+        def step():
+            y = block_output(fn(xi))
+            if train:
+                y.square().mean().backward()
+            return y.detach()
+
+        if fn is compiled:
+            from torch._inductor.utils import run_and_get_code
+
+            with fresh_cache():
+                y, codes = run_and_get_code(step)
+            for code in codes:
+                no_scatter_add(code)
+        else:
+            y = step()
+        results.append((y, [xi.grad] if train else []))
+    _close(test, results[1][0], results[0][0], f"{family} output")
+    for g, r in zip(results[1][1], results[0][1]):
+        _close(test, g, r, f"{family} input grad")
+    for (name, p), q in zip(block.named_parameters(), eager.parameters()):
+        if train and q.grad is not None:
+            _close(test, p.grad, q.grad, f"{family} {name}.grad")
+
+
+class EagerExpertsBlocksTest(unittest.TestCase):
+    def test_mixtral_block_training(self):
+        _check_block(self, "mixtral", train=True)
+
+    @pytest.mark.slow
+    def test_every_family_training_and_inference(self):
+        for family, train in itertools.product(FAMILIES, (True, False)):
+            with self.subTest(family=family, train=train):
+                _check_block(self, family, train)
+
+
+def decorated_experts_classes() -> list[tuple[str, str]]:
+    """``(model module, experts class)`` for every ``@use_experts_implementation`` class installed."""
+    root = pathlib.Path(transformers.__file__).parent / "models"
+    found = []
+    for path in sorted(root.glob("*/modeling_*.py")):
+        text = path.read_text()
+        for match in re.finditer(r"@use_experts_implementation[^\n]*\n(?:@[^\n]*\n)*class (\w+)", text):
+            found.append((f"transformers.models.{path.parent.name}.{path.stem}", match.group(1)))
+    return found
+
+
+class InstalledFamiliesTest(unittest.TestCase):
+    def test_installed_transformers_has_decorated_experts(self):
+        classes = decorated_experts_classes()
+        self.assertGreaterEqual(len(classes), len(FAMILIES))
+        names = {c for _, c in classes}
+        for family_class in ("MixtralExperts", "Qwen3MoeExperts", "OlmoeExperts"):
+            self.assertIn(family_class, names)
+
+    @pytest.mark.slow
+    def test_every_installed_experts_class_matches_its_eager_loop(self):
+        for module_name, class_name in decorated_experts_classes():
+            with self.subTest(cls=class_name):
+                module = importlib.import_module(module_name)
+                cls = getattr(module, class_name)
+                config_cls = _config_class(module, cls)
+                try:
+                    config = config_cls(hidden_size=H, intermediate_size=I, moe_intermediate_size=I,
+                                        num_local_experts=E, num_experts=E, num_experts_per_tok=K)
+                    config._experts_implementation = "eager"
+                    torch.manual_seed(0)
+                    experts = cls(config)
+                except Exception as err:  # noqa: BLE001 - some experts need extra config fields
+                    self.skipTest(f"{class_name}: cannot build from a tiny {config_cls.__name__} ({err})")
+                for p in experts.parameters():
+                    nn.init.normal_(p, std=0.1)
+                n = experts.num_experts
+                x = torch.randn(T, config.hidden_size)
+                ids = torch.stack([torch.randperm(n)[:K] for _ in range(T)])
+                w = torch.rand(T, K)
+                want = experts(x, ids, w)
+                records = prepare_expert_loops(experts)
+                got = experts(x, ids, w)
+                if records and records[0].kind == "rewrite":
+                    _close(self, got, want, class_name)
+
+
+def _config_class(module, cls: type) -> type:
+    """The config class the experts read: a ``*TextConfig`` for multimodal models, else the model's config."""
+    from transformers import PretrainedConfig
+
+    configs = {name: getattr(module, name) for name in dir(module) if name.endswith("Config")}
+    configs = {n: c for n, c in configs.items() if isinstance(c, type) and issubclass(c, PretrainedConfig)}
+    prefix = cls.__name__.removesuffix("Experts")
+    for name in (f"{prefix}Config", *(n for n in configs if n.endswith("TextConfig")), *configs):
+        if name in configs and "Audio" not in name and "Vision" not in name:
+            return configs[name]
+    return PretrainedConfig
+
+
+if __name__ == "__main__":
+    unittest.main()

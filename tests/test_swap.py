@@ -1,0 +1,235 @@
+"""Expert-loop blocks (``nonzero``-driven loops over ModuleList / stacked experts) swapped onto the fused path."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import itertools
+import unittest
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import moe_compile
+from moe_compile import report
+from moe_compile.api import prepare_expert_loops
+from moe_compile.swap import swap_expert_loops
+from tests.models.loop_models import LogitsLoopMoE, SigmoidRoutedLoopMoE, make_loop_moe
+from tests.passes._harness import fresh_cache, no_scatter_add
+
+H = 32
+# |compiled - eager| <= TOL_ULPS * eps(dtype) * max|eager|: a few roundings of sums over <= max(H, I) terms
+TOL_ULPS = {torch.float32: 256, torch.bfloat16: 8}
+HOST_SYNCS = {"nonzero", "item", "tolist", "_local_scalar_dense", "index_add_", "index_add", "where"}
+
+
+def _assert_close(test: unittest.TestCase, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    tol = TOL_ULPS[want.dtype] * torch.finfo(want.dtype).eps * max(want.abs().max().item(), 1.0)
+    err = (got.float() - want.float()).abs().max().item()
+    test.assertLessEqual(err, tol, f"{what}: max error {err:.3e} > {tol:.3e}")
+
+
+def _run(block: torch.nn.Module, x: torch.Tensor, train: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    x = x.detach().clone().requires_grad_(train)
+    y = block(x)
+    if not train:
+        return y.detach(), []
+    y.float().square().mean().backward()
+    return y.detach(), [x.grad] + [p.grad for p in block.parameters()]
+
+
+def _check_against_eager(test, kwargs, train, compiled: bool, dtype=torch.float32) -> moe_compile.Report | None:
+    torch._dynamo.reset()
+    block = make_loop_moe(seed=1, dtype=dtype, hidden=H, **kwargs)
+    eager = copy.deepcopy(block)
+    x = torch.randn(3, 7, H, dtype=dtype)
+    want, want_grads = _run(eager, x, train)
+    if compiled:
+        with fresh_cache():
+            got, got_grads = _run(moe_compile.compile(block, fullgraph=True), x, train)
+    else:
+        records = swap_expert_loops(block)
+        test.assertEqual([r[1] for r in records], ["rewrite"], records)
+        got, got_grads = _run(block, x, train)
+    _assert_close(test, got, want, f"{kwargs} output")
+    test.assertEqual(len(got_grads), len(want_grads))
+    for i, (g, w) in enumerate(zip(got_grads, want_grads)):
+        _assert_close(test, g, w, f"{kwargs} grad {i}")
+    return block
+
+
+CASES = [
+    dict(layout=layout, mlp=mlp, weights_before=before, num_experts=E, top_k=K)
+    for layout, mlp, before, (E, K) in itertools.product(
+        ("module_list", "stacked"), ("swiglu", "gelu_bias"), (False, True), ((1, 1), (6, 2), (8, 1), (8, 2), (6, 6)))
+]
+# a default-size slice covering each layout, MLP, weight position, E in {1, 6, 8} and K in {1, 2, E}
+FAST_CASES = [CASES[i] for i in (0, 6, 14, 22, 28, 37)]
+
+
+class SwapNumericsTest(unittest.TestCase):
+    def test_swapped_eager_matches_loop_training(self):
+        for kwargs in FAST_CASES:
+            with self.subTest(**kwargs):
+                _check_against_eager(self, kwargs, train=True, compiled=False)
+
+    def test_compiled_matches_loop_training_and_inference(self):
+        for kwargs, train in ((FAST_CASES[1], True), (FAST_CASES[4], False)):
+            with self.subTest(train=train, **kwargs):
+                _check_against_eager(self, kwargs, train=train, compiled=True)
+
+    @pytest.mark.slow
+    def test_compiled_matches_loop_full_matrix(self):
+        for kwargs, train in itertools.product(CASES, (False, True)):
+            with self.subTest(train=train, **kwargs):
+                _check_against_eager(self, kwargs, train=train, compiled=True)
+
+    def test_bf16_probe_picks_the_weight_position(self):
+        """In bf16 a wrong candidate (weights after the MLP) can be close to a weights-before block: the
+        closest one must win."""
+        kwargs = dict(layout="stacked", mlp="swiglu", weights_before=True, num_experts=8, top_k=2)
+        _check_against_eager(self, kwargs, train=False, compiled=False, dtype=torch.bfloat16)
+
+    @pytest.mark.slow
+    def test_bf16_compiled_matches_loop(self):
+        for kwargs in FAST_CASES:
+            with self.subTest(**kwargs):
+                _check_against_eager(self, kwargs, train=True, compiled=True, dtype=torch.bfloat16)
+
+
+class SwapGraphTest(unittest.TestCase):
+    def _graph(self, **kwargs) -> torch.fx.GraphModule:
+        torch._dynamo.reset()
+        block = make_loop_moe(hidden=H, **kwargs)
+        prepare_expert_loops(block)
+        graphs = []
+
+        def capture(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch.compile(block, backend=capture, fullgraph=True)(torch.randn(2, 5, H))
+        self.assertEqual(len(graphs), 1)
+        return graphs[0]
+
+    def test_one_grouped_gemm_per_projection_no_host_sync(self):
+        for kwargs, projections in ((dict(mlp="swiglu"), 3), (dict(mlp="gelu_bias", layout="stacked"), 2)):
+            with self.subTest(**kwargs):
+                gm = self._graph(**kwargs)
+                targets = collections.Counter(
+                    getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
+                    if n.op in ("call_function", "call_method"))
+                self.assertEqual(targets["grouped_mm.default"], projections, targets)
+                self.assertEqual(targets["permute_pad.default"], 1, targets)
+                self.assertEqual(targets["unpad_unpermute.default"], 1, targets)
+                self.assertFalse(HOST_SYNCS & {str(t).split(".")[-1] for t in targets}, targets)
+                self.assertFalse([t for t in targets if "linear" in str(t) and targets[t] > 1], targets)
+
+    def test_generated_code_has_no_atomics(self):
+        torch._dynamo.reset()
+        block = make_loop_moe(hidden=H, mlp="gelu_bias", num_experts=6, top_k=2)
+        compiled = moe_compile.compile(block, fullgraph=True)
+        x = torch.randn(2, 5, H, requires_grad=True)
+
+        def step():
+            compiled(x).square().sum().backward()
+
+        with fresh_cache():
+            _, codes = run_and_get_code(step)
+        self.assertEqual(len(codes), 2)  # forward and backward
+        for code in codes:
+            no_scatter_add(code)
+
+
+class SwapParametersTest(unittest.TestCase):
+    def test_state_dict_and_parameters_unchanged(self):
+        block = make_loop_moe(hidden=H, mlp="gelu_bias")
+        before = {k: v.clone() for k, v in block.state_dict().items()}
+        params = list(block.parameters())
+        swap_expert_loops(block)
+        after = block.state_dict()
+        self.assertEqual(list(before), list(after))
+        for k in before:
+            self.assertTrue(torch.equal(before[k], after[k]), k)
+        self.assertEqual([id(p) for p in params], [id(p) for p in block.parameters()])
+        self.assertTrue(all(p.is_leaf for p in block.parameters()))
+
+    def test_optimizer_built_before_swap_keeps_training(self):
+        block = make_loop_moe(seed=2, hidden=H)
+        eager = copy.deepcopy(block)
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (block, eager)]
+        swap_expert_loops(block)
+        for _ in range(3):
+            x = torch.randn(4, 3, H)
+            for m, opt in zip((block, eager), opts):
+                opt.zero_grad()
+                m(x).square().mean().backward()
+                opt.step()
+        for (name, p), q in zip(block.named_parameters(), eager.parameters()):
+            _assert_close(self, p.detach(), q.detach(), name)
+        x = torch.randn(4, 3, H)
+        _assert_close(self, block(x).detach(), eager(x).detach(), "after optimizer steps")
+
+    def test_dtype_move_after_swap_regroups(self):
+        block = make_loop_moe(hidden=H)
+        eager = copy.deepcopy(block).to(torch.bfloat16)
+        swap_expert_loops(block)
+        block.to(torch.bfloat16)
+        x = torch.randn(2, 5, H, dtype=torch.bfloat16)
+        _assert_close(self, block(x), eager(x), "after .to(bf16)")
+
+    def test_deepcopy_after_swap_owns_its_weights(self):
+        block = make_loop_moe(seed=5, hidden=H)
+        swap_expert_loops(block)
+        twin = copy.deepcopy(block)
+        reference = make_loop_moe(seed=5, hidden=H)
+        with torch.no_grad():
+            for p, q in zip(twin.parameters(), reference.parameters()):
+                p.mul_(0.5)
+                q.mul_(0.5)
+        x = torch.randn(2, 5, H)
+        _assert_close(self, twin(x).detach(), reference(x).detach(), "deep copy")
+        _assert_close(self, block(x).detach(), make_loop_moe(seed=5, hidden=H)(x).detach(), "original")
+
+    def test_block_returning_router_logits(self):
+        torch.manual_seed(0)
+        block = LogitsLoopMoE(hidden=H)
+        eager = copy.deepcopy(block)
+        self.assertEqual([r[1] for r in swap_expert_loops(block)], ["rewrite"])
+        x = torch.randn(2, 5, H)
+        (y, logits), (y_ref, logits_ref) = block(x), eager(x)
+        _assert_close(self, y.detach(), y_ref.detach(), "output")
+        self.assertTrue(torch.equal(logits, logits_ref))
+
+    def test_load_state_dict_reaches_the_grouped_weight(self):
+        block, other = make_loop_moe(seed=3, hidden=H), make_loop_moe(seed=4, hidden=H)
+        swap_expert_loops(block)
+        block.load_state_dict(other.state_dict())
+        x = torch.randn(2, 5, H)
+        _assert_close(self, block(x).detach(), other(x).detach(), "after load_state_dict")
+
+
+class SwapExplainTest(unittest.TestCase):
+    def test_explain_reports_swapped_and_left_alone(self):
+        model = torch.nn.ModuleDict({"good": make_loop_moe(hidden=H), "odd": SigmoidRoutedLoopMoE(hidden=H)})
+        model_fn = torch.nn.Module()
+        model_fn.blocks = model
+        model_fn.forward = lambda x: model["good"](x) + model["odd"](x)  # type: ignore[method-assign]
+        records = prepare_expert_loops(model_fn)
+        got = {(r.layer, r.kind, r.what) for r in records}
+        self.assertEqual(got, {("blocks.good", "rewrite", "expert_loop_swapped"),
+                               ("blocks.odd", "skip", "probe_mismatch")})
+        self.assertEqual(report.module_records(model_fn), records)
+        self.assertEqual(prepare_expert_loops(model_fn), [r for r in records if r.kind == "skip"])
+
+    def test_explain_table_lists_the_swap(self):
+        block = make_loop_moe(hidden=H)
+        rep = moe_compile.explain(block, torch.randn(2, 5, H))
+        swaps = [r for r in rep.records if r.pass_name == "swap_expert_loops"]
+        self.assertEqual([(r.kind, r.what) for r in swaps], [("rewrite", "expert_loop_swapped")])
+        self.assertIn("expert_loop_swapped", rep.table())
+
+
+if __name__ == "__main__":
+    unittest.main()
