@@ -1,8 +1,6 @@
 """What a compiled graph still does that is non-deterministic or not CUDA-graph safe, per layer.
 
-Runs read-only as the last post-grad pass, on the forward and the backward graph (ATen, after every
-rewrite; device-independent: it reads ops, not generated code). Each finding becomes a ``left`` record
-of the :class:`~moe_compile.report.Report`:
+Matches (each finding becomes a ``left`` record of the :class:`~moe_compile.report.Report`):
 
 * ``accumulate``: an accumulating scatter (``index_put(accumulate=True)``, ``scatter_add``,
   ``index_add``, ``scatter_reduce``, ``embedding_dense_backward``; the table is
@@ -14,6 +12,13 @@ of the :class:`~moe_compile.report.Report`:
 ``what`` names the op (``scatter_add [backward of gather]``), ``detail`` the model source line from the
 node's stack trace. The token embedding's backward is tagged ``embedding``: it lies outside any MoE
 layer and :attr:`Report.clean <moe_compile.report.Report.clean>` does not count it.
+
+Rewrites to:
+    nothing: the pass only reads the graph.
+
+Stage:
+    post_grad, last: the forward and the backward graph after every rewrite (ATen; device-independent,
+    it reads ops, not generated code).
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ TINY: dict[str, Any] = {
     "first_k_dense_replace": 0, "first_k_dense": 0, "decoder_sparse_step": 1, "moe_layer_freq": 1,
     "mlp_only_layers": [], "n_shared_experts": 1, "num_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": None,
     "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "use_cache": False, "router_jitter_noise": 0.0,
+    "num_dense_layers": 0, "moe_layer_start_index": 0, "moe_layer_interval": 1, "expert_layer_period": 1,
+    "expert_layer_offset": 0, "num_experts_per_token": TOP_K, "moe_num_shared_experts": 1,
     "output_router_logits": True, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False,
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 64,
 }
@@ -78,11 +80,21 @@ def tiny_config(family: str):
         raise Unbuildable(f"config() fails: {type(exc).__name__}: {str(exc)[:120]}") from None
     for attr, value in TINY.items():
         if hasattr(config, attr):
-            setattr(config, attr, value)
-    for attr in ("layer_types", "mlp_layer_types", "moe_layers"):
+            try:
+                setattr(config, attr, value)
+            except Exception:  # noqa: BLE001 - a validated field that refuses this value: keep the default
+                pass
+    if isinstance(getattr(config, "moe_layer_end_index", None), int):
+        config.moe_layer_end_index = LAYERS - 1
+    for attr in ("layer_types", "mlp_layer_types"):
         value = getattr(config, attr, None)
-        if isinstance(value, (list, tuple)) and len(value) != LAYERS:
-            setattr(config, attr, list(value[:LAYERS]) if len(value) >= LAYERS else list(value) * LAYERS)
+        if isinstance(value, (list, tuple)) and value and len(value) != LAYERS:
+            # attention kinds: the first ones; MLP kinds: the last one (deep layers are the sparse ones)
+            new = list(value[:LAYERS]) if attr == "layer_types" else [value[-1]] * LAYERS
+            try:
+                setattr(config, attr, new)
+            except Exception:  # noqa: BLE001
+                pass
     return config
 
 
