@@ -196,6 +196,21 @@ def layer_name(node: fx.Node, default: str | None = None) -> str:
     return default or "<graph>"
 
 
+SIZE_QUERIES = frozenset({"aten.sym_size", "aten.sym_numel", "aten.sym_stride", "sym_size", "size", "dim", "numel"})
+
+
+def outside_users(nodes: Iterable[fx.Node], allowed: Iterable[fx.Node]) -> list[fx.Node]:
+    """Users of ``nodes`` not in ``allowed`` that read more than a size.
+
+    Size queries (``sym_size.int`` and friends, which Dynamo adds with their ``_assert_scalar`` checks
+    after slicing by an unbacked length) do not make a value escape a region: once the region is
+    rewritten, :func:`~moe_compile.passes._host_sync.erase_dead_host_reads` erases the ones whose values
+    feed no tensor op, and any other keeps the old value alive, still correct.
+    """
+    allowed = set(allowed)
+    return [u for n in nodes for u in n.users if u not in allowed and op_name(u) not in SIZE_QUERIES]
+
+
 def is_inplace(node: fx.Node) -> bool:
     """True for in-place calls (``x.add_(y)``, ``operator.setitem``, ``x += y``)."""
     name = op_name(node)

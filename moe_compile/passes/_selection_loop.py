@@ -41,7 +41,7 @@ import torch.fx as fx
 
 from moe_compile.passes import NoMatch
 from moe_compile.passes._combine_forms import read_accumulate
-from moe_compile.passes._graph import erase_dead, known_int, op_name, topo_index
+from moe_compile.passes._graph import erase_dead, known_int, op_name, outside_users, topo_index
 from moe_compile.passes._host_sync import call, tensor_value, transitive_users
 
 
@@ -195,7 +195,7 @@ def canonicalize(graph: fx.Graph, out: fx.Node, sels: list[Selection]) -> str:
             body.add(n)
             stack.extend(a for a in n.all_input_nodes if a in forward)
         for n in body | sources:
-            bad = [u for u in n.users if u not in body and u is not s.acc]
+            bad = outside_users([n], body | {s.acc})
             if bad:
                 raise NoMatch("expert_region_escapes", f"{n.name} (expert {s.expert}) is also used by {bad[0].name}")
         bodies.append(sorted(body, key=order.__getitem__))

@@ -49,7 +49,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes import NoMatch, PassContext
-from moe_compile.passes._graph import erase_dead, layer_name, op_name, topo_index
+from moe_compile.passes._graph import erase_dead, layer_name, op_name, outside_users, topo_index
 from moe_compile.passes._host_sync import (
     call,
     erase_dead_host_reads,
@@ -153,7 +153,7 @@ def _match_loop(split: fx.Node) -> Loop:
         ordered = sorted(body, key=order.__getitem__)
         for n in ordered + [chunk]:
             allowed = body | ({cat} if n is out else set())
-            bad = [u for u in n.users if u not in allowed]
+            bad = outside_users([n], allowed)
             if bad:
                 raise NoMatch("expert_region_escapes", f"{n.name} (expert {e}) is also used by {bad[0].name}")
         bodies.append(ordered)

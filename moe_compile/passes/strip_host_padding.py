@@ -75,7 +75,7 @@ from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._combine_forms import UnpermuteSum, match_unpermute_sum, read_accumulate
 from moe_compile.passes._op_tables import BINARY, CASTS, GROUPED_MM, LAST_DIM_SPLITS, UNARY
 from moe_compile.passes._count_forms import expert_counts, ids_base, peel, routing_map_ids, strip_casts
-from moe_compile.passes._graph import erase_dead, layer_name, op_name, topo_index
+from moe_compile.passes._graph import erase_dead, layer_name, op_name, outside_users, topo_index
 from moe_compile.passes._host_sync import (
     HostRead,
     call,
@@ -417,7 +417,7 @@ def _match_pad(x_NH: fx.Node) -> _Pad | None:
     for i in range(len(sizes)):
         chunk = chunks[i]
         # `chunk.new_zeros(q, H)` only borrows dtype and device from the chunk
-        users = [u for u in chunk.users if not (is_call(u, "new_zeros") and u.args[0] is chunk)]
+        users = [u for u in outside_users([chunk], ()) if not (is_call(u, "new_zeros") and u.args[0] is chunk)]
         if len(users) != 1:
             return None
         user = users[0]
@@ -572,7 +572,7 @@ def _rowwise_region(
             offs_uses.append(node)
             offs_nodes += [o for o in found if o not in offs_nodes]
         allowed = inside | y_consumers if node is Y else inside
-        escaping = [u for u in node.users if u not in allowed]
+        escaping = outside_users([node], allowed)
         if escaping:
             raise NoMatch("expert_region_escapes", f"{node.name} is also used by {escaping[0].name}")
     return middle, offs_uses, offs_nodes
@@ -639,8 +639,8 @@ class _Matcher:
             pieces = list(unpad.cat.args[0])
             chunks = [p.args[0] for p in pieces]
             inner = set(pieces) | set(chunks) | {unpad.cat}
-            bad = [u for n in [unpad.split, *chunks, *pieces] for u in n.users if u not in inner]
-            bad += [u for u in unpad.cat.users if u not in tail and u is not sink]
+            bad = outside_users([unpad.split, *chunks, *pieces], inner)
+            bad += outside_users([unpad.cat], tail | {sink})
             if bad:
                 raise NoMatch("expert_region_escapes", f"the unpadded rows are also used by {bad[0].name}")
         pre_weight = _weighted_rows(perm)
@@ -654,7 +654,7 @@ class _Matcher:
         y_consumers = {unpad.split} if unpad is not None else tail | {sink}
         middle, offs_uses, offs_nodes = _rowwise_region(X, Y, E_hint, y_consumers)
         inside = set(middle) | {X}
-        escaping = [u for u in X.users if u not in inside]
+        escaping = outside_users([X], inside)
         if escaping:
             raise NoMatch("expert_region_escapes", f"{X.name} is also used by {escaping[0].name}")
         if not offs_uses:
