@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every GPU test and every benchmark (one device call), then prints a short table last.
 # Usage on a CUDA machine, from the repo root:  bash benchmarks/run_gpu.sh [all|tests|bench] [--quick]
-# ("tests" / "bench" split the work in two when one call has less than ~15 minutes.)
+# ("tests" / "bench" split the work in two when one call has less than ~15 minutes; BENCHES="moe_block loops"
+# runs only those benchmarks, BUDGET_S gives each a time budget.)
 # Optional wheels (torchao, expecttest, hypothesis) in .whl/ are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,10 +25,12 @@ fi
 if [ "$what" != tests ]; then
   for bench in benchmarks/bench_*.py; do
     stem=$(basename "$bench" .py); stem=${stem#bench_}
+    if [ -n "${BENCHES:-}" ] && [[ " $BENCHES " != *" $stem "* ]]; then continue; fi
     extra=()
     [ "$stem" = decode ] && extra=(--budget-s 150)
+    [ -n "${BUDGET_S:-}" ] && grep -q -- "--budget-s" "$bench" && extra=(--budget-s "$BUDGET_S")
     echo "=== $bench"
-    timeout 240 python3 "$bench" --json "benchmarks/results/$stem.json" "${extra[@]}" "$@" > "/tmp/bench_$stem.log" 2>&1 || status=1
+    timeout $(( ${BUDGET_S:-200} + 60 )) python3 "$bench" --json "benchmarks/results/$stem.json" "${extra[@]}" "$@" > "/tmp/bench_$stem.log" 2>&1 || status=1
     grep -v Warning "/tmp/bench_$stem.log" | tail -4
     [ -f "benchmarks/results/$stem.json" ] && cp "benchmarks/results/$stem.json" "$OUT_DIR/" 2>/dev/null
   done
