@@ -23,8 +23,8 @@ NOTE [grouped views]: ``nn.ModuleList`` experts keep their per-expert ``nn.Param
 optimizers and their state stay valid; same ``state_dict`` keys and values). Each projection's weights are copied
 once into one grouped ``[E, N, K]`` leaf tensor ``G`` and every per-expert parameter's ``.data`` becomes the view
 ``G[e]``: in-place updates (optimizer steps, ``load_state_dict``) write into ``G``. The fused forward uses ``G``;
-a post-accumulate-grad hook on ``G`` hands each expert's slice of ``G.grad`` to ``p.grad`` (a view, or added into an
-existing ``p.grad``) and clears ``G.grad``. Trade-offs: ``torch.nn.utils.parametrize`` would rename the
+hooks on ``G`` keep every ``p.grad`` a view of one gradient buffer (:class:`_GradViews`: accumulation over
+micro-batches adds into that buffer in place; ``zero_grad`` works either way). Trade-offs: ``torch.nn.utils.parametrize`` would rename the
 ``state_dict`` keys; a grouped ``nn.Parameter`` (``quantize_experts``) replaces the per-expert parameters, which
 breaks optimizers built before the swap; ``torch.stack`` per step copies every weight on every step. With views,
 anything that rebinds ``p.data`` out of place breaks the aliasing: ``module.to()`` / ``.half()`` are handled (the
@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -130,7 +132,7 @@ class _GroupedViews:
                 for e, p in enumerate(params):
                     p.data = grouped.detach()[e]
                 if grouped.requires_grad:
-                    grouped.register_post_accumulate_grad_hook(_grad_splitter(params))
+                    _GradViews(grouped, params)
                 self.grouped[f"{path}.{attr}"] = grouped
 
     def projection(self, path: str) -> Projection:
@@ -146,16 +148,46 @@ class _GroupedViews:
         return True
 
 
-def _grad_splitter(params: list[nn.Parameter]) -> Callable[[Tensor], None]:
-    def split(grouped: Tensor) -> None:
-        grad, grouped.grad = grouped.grad, None
-        for e, p in enumerate(params):
-            if p.grad is None:
-                p.grad = grad[e]
-            else:
-                p.grad.add_(grad[e])
+class _GradViews:
+    """Every per-expert ``p.grad`` is a view of the grouped leaf's gradient (see NOTE [grouped views]).
 
-    return split
+    Before the grouped gradient accumulates (a tensor hook), ``G.grad`` is set to what the per-expert
+    grads hold: their common buffer when every ``p.grad`` is still the view it was given (autograd then
+    adds in place: gradient accumulation costs no copy), nothing when all were reset to ``None`` (the new
+    gradient is taken as is), else a stack of them. After it accumulates, the views are handed out again
+    (one ``unbind``) unless they still are, and ``G.grad`` is dropped so that ``zero_grad`` frees it.
+    Per step this is one Python check and one assignment per expert, not one indexing op and one add.
+    """
+
+    def __init__(self, grouped: Tensor, params: list[nn.Parameter]):
+        self.params = params
+        self.buffer: weakref.ref[Tensor] | None = None
+        grouped.register_hook(functools.partial(self._before, weakref.ref(grouped)))
+        grouped.register_post_accumulate_grad_hook(self._after)
+
+    def _views_intact(self) -> Tensor | None:
+        buffer = self.buffer() if self.buffer is not None else None
+        if buffer is None:
+            return None
+        return buffer if all(p.grad is not None and p.grad._base is buffer for p in self.params) else None
+
+    def _before(self, grouped_ref: weakref.ref[Tensor], grad: Tensor) -> None:
+        grouped = grouped_ref()
+        buffer = self._views_intact()
+        if buffer is not None:
+            grouped.grad = buffer
+        elif all(p.grad is None for p in self.params):
+            grouped.grad = None
+        else:
+            grouped.grad = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
+
+    def _after(self, grouped: Tensor) -> None:
+        grad, grouped.grad = grouped.grad, None
+        if self._views_intact() is grad:
+            return
+        for p, view in zip(self.params, grad.unbind(0)):
+            p.grad = view
+        self.buffer = weakref.ref(grad)
 
 
 # ===== routing and the swapped forward =====

@@ -318,6 +318,22 @@ def _use_cutlass_bf16(x: torch.Tensor, *mats: torch.Tensor) -> bool:
     )
 
 
+def zero_empty_groups(w_ENK: torch.Tensor, offs_E: torch.Tensor, kernels=None) -> torch.Tensor:
+    """Zero ``w_ENK[e]`` in place for every expert with no rows (``_grouped_mm`` leaves them unwritten).
+
+    A Triton kernel that touches only the empty groups: the alternative, ``where(counts > 0, w, 0)``, reads
+    and writes the whole weight gradient (0.27 ms per projection at Qwen3-MoE's E128 H2048 I768 on an H100).
+    """
+    kernels = kernels or _kernels
+    if not w_ENK.is_contiguous():
+        raise ValueError(f"w_ENK must be contiguous, got strides {w_ENK.stride()}")
+    group = w_ENK[0].numel()
+    chunk = 1 << 16
+    kernel = wrap_triton(kernels._zero_empty_groups_kernel) if w_ENK.is_cuda else kernels._zero_empty_groups_kernel
+    kernel[(offs_E.shape[0], triton.cdiv(group, chunk))](w_ENK, offs_E, group, CHUNK=chunk, BLOCK=1024)
+    return w_ENK
+
+
 def _zero_rows_past(y_MN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     rows = torch.arange(y_MN.shape[0], device=y_MN.device, dtype=torch.int32)
     return torch.where((rows < offs_E[-1:])[:, None], y_MN, 0)
@@ -341,9 +357,7 @@ def _grouped_mm_wgrad_op(dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_E: torch.
     if x_MK.device.type != "cuda":
         return grouped_mm_wgrad_reference(dy_MN, x_MK, offs_E)
     if _use_cutlass_bf16(dy_MN.t(), x_MK):
-        dw = torch._grouped_mm(dy_MN.t(), x_MK, offs=offs_E)
-        counts = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
-        return torch.where((counts > 0)[:, None, None], dw, 0)  # empty groups may be left unwritten
+        return zero_empty_groups(torch._grouped_mm(dy_MN.t(), x_MK, offs=offs_E).contiguous(), offs_E)
     out = x_MK.new_empty(offs_E.shape[0], dy_MN.shape[1], x_MK.shape[1])
     return launch_grouped_mm_wgrad(dy_MN, x_MK, offs_E, out)
 

@@ -444,3 +444,20 @@ def _grouped_mm_wgrad_kernel(
             acc = tl.dot(tl.trans(dy), x, acc)
     dw_ptrs = dw_ptr + e.to(tl.int64) * stride_we + cols_n[:, None] * stride_wn + cols_k[None, :] * stride_wk
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
+
+
+@triton.jit
+def _zero_empty_groups_kernel(w_ptr, offs_ptr, GROUP_NUMEL, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Zero ``w[e]`` (contiguous ``[E, ...]``) where expert ``e`` has no rows; one program per (expert, chunk).
+
+    Programs of non-empty experts return after two loads, so the cost does not grow with the weights.
+    """
+    e = tl.program_id(0)
+    chunk = tl.program_id(1)
+    end = tl.load(offs_ptr + e)
+    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+    if end == start:
+        base = w_ptr + e.to(tl.int64) * GROUP_NUMEL
+        for i in range(chunk * CHUNK, tl.minimum((chunk + 1) * CHUNK, GROUP_NUMEL), BLOCK):
+            idx = i + tl.arange(0, BLOCK)
+            tl.store(base + idx, tl.zeros([BLOCK], dtype=w_ptr.dtype.element_ty), mask=idx < GROUP_NUMEL)

@@ -32,6 +32,9 @@ CASES = {
     "wgrad_fp32_empty_experts": ("wgrad", [3, 0, 5, 2], 12, 24, 40, "float32"),
     "wgrad_fp32_tail_rows": ("wgrad", [1, 0, 6], 10, 16, 48, "float32"),
     "wgrad_bf16_one_expert": ("wgrad", [0, 0, 9], 9, 16, 24, "bfloat16"),
+    # only the empty experts' groups are zeroed; the others keep their values bit for bit
+    "zero_empty_groups_bf16": ("zero_empty", [3, 0, 5, 0, 0, 2], 10, 24, 40, "bfloat16"),
+    "zero_empty_groups_fp32_none_empty": ("zero_empty", [1, 2, 3], 6, 8, 16, "float32"),
     "deterministic_nvfp4": ("repeat", [3, 0, 5, 2], 12, 16, 64, "bfloat16"),
     # decode kernel: (fmt, split_k, swap_ab); split-K partials + fixed-order reduction, row tiles > 1 per expert
     "decode_plain_fp32_split3_swap": ("decode:plain:3:1", [3, 0, 5, 2], 12, 24, 96, "float32"),
@@ -88,6 +91,12 @@ def _run_case(gmm, kind, counts, M, N, K, dtype_name):
         out = torch.full((M, N), float("nan"), dtype=dtype)
         return gmm.launch_grouped_mm(x, w, scale, gscale, offs, out, fmt, config=config)
 
+    if kind == "zero_empty":
+        w = torch.randn(E, N, K, generator=gen).to(dtype)
+        got = gmm.zero_empty_groups(w.clone(), offs)
+        empty = torch.tensor(counts) == 0
+        assert torch.equal(got[~empty], w[~empty]) and torch.all(got[empty] == 0)
+        return
     if kind == "wgrad":
         dy = torch.randn(M, N, generator=gen).to(dtype)
         dw = torch.full((E, N, K), float("nan"), dtype=dtype)
@@ -189,6 +198,9 @@ def compile_sm90() -> dict:
         sig = {n: "constexpr" if n in consts else f"*{dtype}" if n.endswith("_ptr") else "i32" for n in wgrad.arg_names}
         sig["offs_ptr"] = "*i32"
         jobs[f"wgrad_{dtype}"] = (wgrad, sig, consts, dict(num_warps=warps, num_stages=3))
+    zero = gmm._kernels._zero_empty_groups_kernel
+    sig = dict(w_ptr="*bf16", offs_ptr="*i32", GROUP_NUMEL="i32", CHUNK="constexpr", BLOCK="constexpr")
+    jobs["zero_empty_groups_bf16"] = (zero, sig, dict(CHUNK=1 << 16, BLOCK=1024), dict(num_warps=4))
     results = {}
     for name, (fn, sig, consts, options) in jobs.items():
         try:
