@@ -168,3 +168,47 @@ def chain_rel(k_dims: Sequence[int], dtype: torch.dtype, *, roundings: int = 0) 
     elif dtype == torch.float32:
         rel += 2 * roundings * unit_roundoff(torch.float32)
     return rel
+
+
+# ===== layers: a chain of GEMMs compared normwise (compiled vs eager) =====
+
+
+def gemm_k_dims(weights: Sequence[torch.Tensor]) -> list[int]:
+    """Reduction lengths of the GEMMs that read ``weights``: ``in_features`` of a 2-D ``[out, in]`` weight,
+    the larger trailing dim of a 3-D expert weight (``[E, N, K]`` and ``[E, K, N]`` layouts both occur)."""
+    dims = []
+    for w in weights:
+        if w.is_floating_point() and w.dim() == 2:
+            dims.append(int(w.shape[-1]))
+        elif w.is_floating_point() and w.dim() >= 3:
+            dims.append(int(max(w.shape[-2:])))
+    return dims
+
+
+def layer_rel(k_dims: Sequence[int], dtype: torch.dtype, *, backward: bool = False, rows: int = 1) -> float:
+    """Normwise relative bound (``max |got - want| / max |want|``) for a layer computed twice in ``dtype``.
+
+    Forward: each GEMM of reduction length ``K_i`` adds ``2 gamma_{K_i}`` (both sides accumulate in fp32,
+    at least), and each result stored in ``dtype`` adds ``2 u`` (both sides round, at different places once
+    Inductor fuses): two per GEMM (its output and the elementwise op after it) plus four for the routing
+    (softmax, top-k weights, weighting, combine). Backward: each GEMM runs twice more (``dX`` over the same
+    ``K``, ``dW`` over ``rows``) and every rounding happens again for the gradients. First order in ``u``;
+    the bound is normwise because a layer's elementwise magnitudes (``|a| @ |b|`` of each GEMM) are not
+    visible from outside: the slack between the worst case ``K u`` and the typical ``sqrt(K) u`` of a sum of
+    random terms covers the ratio of ``|a| @ |b|`` to ``|a @ b|`` (about ``sqrt(K)`` for zero-mean inputs).
+    """
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    roundings = 2 * len(k_dims) + 4
+    rel = sum(accumulation_rel(k, (acc, acc)) for k in k_dims)
+    if backward:
+        rel += sum(accumulation_rel(k, (acc, acc)) + accumulation_rel(rows, (acc, acc)) for k in k_dims)
+        roundings *= 2
+    return rel + 2 * roundings * unit_roundoff(dtype)
+
+
+def assert_layer_close(got: torch.Tensor, want: torch.Tensor, k_dims: Sequence[int], dtype: torch.dtype | None = None,
+                       *, backward: bool = False, rows: int = 1, what: str = "") -> None:
+    """``|got - want| <= layer_rel(...) * max |want|`` elementwise (see :func:`layer_rel`)."""
+    rel = layer_rel(k_dims, dtype or want.dtype, backward=backward, rows=rows)
+    scale = want.detach().double().abs().max().item() if want.numel() else 0.0
+    assert_within(got, want, rel * scale, f"{what} (rel {rel:.3g} of max |want| {scale:.3g}, K {list(k_dims)})")
