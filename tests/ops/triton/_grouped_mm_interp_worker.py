@@ -42,6 +42,11 @@ CASES = {
     "decode_nvfp4_fp32_split2_swap_big_expert": ("decode:nvfp4:2:1", [0, 37, 0, 2], 41, 24, 128, "float32"),
     "decode_nvfp4_bf16_split1": ("decode:nvfp4:1:0", [0, 7, 1], 9, 16, 32, "bfloat16"),
     "decode_nvfp4_fp32_no_rows": ("decode:nvfp4:2:1", [0, 0, 0], 4, 16, 64, "float32"),
+    # deliberate bugs: the kernel run on a perturbed input must FAIL the derived comparison with the
+    # unperturbed reference (tests/test_tolerance.py does the same on the CPU ops, on Hypothesis inputs)
+    "bug_mxfp8_fp32_scale_exponent_plus_one": ("bug:scale", [3, 0, 5, 2], 12, 24, 96, "float32"),
+    "bug_plain_fp32_offset_shifted_one_row": ("bug:offs", [3, 0, 5, 2], 12, 24, 40, "float32"),
+    "bug_plain_bf16_dropped_k_term": ("bug:k", [2, 0, 0, 1, 4, 0, 3], 14, 24, 40, "bfloat16"),
 }
 
 
@@ -105,6 +110,9 @@ def _run_case(gmm, kind, counts, M, N, K, dtype_name):
         out = torch.full((M, N), float("nan"), dtype=dtype)
         return gmm.launch_grouped_mm(x, w, scale, gscale, offs, out, fmt, config=config)
 
+    if kind.startswith("bug:"):
+        _run_bug(torch, gmm, kind.split(":")[1], gen, x, offs, E, M, N, K, dtype)
+        return
     if kind == "wgrad":
         dy = torch.randn(M, N, generator=gen).to(dtype)
         dw = torch.full((E, N, K), float("nan"), dtype=dtype)
@@ -134,6 +142,40 @@ def _run_case(gmm, kind, counts, M, N, K, dtype_name):
     mag = _import_tolerance().grouped_abs_matmul(x, w_ref, offs)
     _assert_close(torch, y, gmm.grouped_mm_reference(x, w_ref, offs), mag, K, _operand_rel(torch, fmt, dtype))
     assert torch.all(y[int(offs[-1]) :] == 0), "rows past offs[-1] must be zero"
+
+
+def _run_bug(torch, gmm, bug, gen, x, offs, E, M, N, K, dtype):
+    """Launch the kernel with one deliberate bug; the derived comparison must raise (and pass without it)."""
+
+    def launch(x_in, w, scale, offs_in, fmt):
+        out = torch.full((M, N), float("nan"), dtype=dtype)
+        return gmm.launch_grouped_mm(x_in, w, scale, None, offs_in, out, fmt, config=None)
+
+    if bug == "scale":  # one e8m0 exponent + 1 on expert 2 (5 rows): one block of 32 weights doubled
+        qdata, scale = _random_mxfp8(torch, gen, E, N, K)
+        w_ref, fmt = gmm.dequantize_mxfp8(qdata, scale, dtype), "mxfp8"
+        bad = scale.clone()
+        bad[2, 7, 1] += 1
+        right, wrong = launch(x, qdata, scale, offs, fmt), launch(x, qdata, bad, offs, fmt)
+    else:
+        w_ref = torch.randn(E, N, K, generator=gen).to(dtype)
+        right = launch(x, w_ref, None, offs, "plain")
+        if bug == "offs":  # expert 2 ends one row early (offs 3 3 8 10 -> 3 3 7 10): row 7 gets expert 3
+            bad = offs.clone()
+            bad[2] -= 1
+            wrong = launch(x, w_ref, None, bad, "plain")
+        else:  # column 5 of x left out of the K sum
+            dropped = x.clone()
+            dropped[:, 5] = 0
+            wrong = launch(dropped, w_ref, None, offs, "plain")
+    want = gmm.grouped_mm_reference(x, w_ref, offs)
+    mag = _import_tolerance().grouped_abs_matmul(x, w_ref, offs)
+    _assert_close(torch, right, want, mag, K)
+    try:
+        _assert_close(torch, wrong, want, mag, K)
+    except AssertionError:
+        return
+    raise AssertionError(f"deliberate bug {bug!r} passed the derived comparison")
 
 
 def _import_tolerance():
