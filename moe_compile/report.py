@@ -31,6 +31,7 @@ import contextvars
 import dataclasses
 import re
 import textwrap
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -254,7 +255,10 @@ def explain(model: Any, *args: Any, backward: bool | None = None, **kwargs: Any)
     torch._dynamo.reset()
     compiled = moe_compile_fn(model)
     try:
-        with collecting() as report, torch._inductor.config.patch(force_disable_caches=True):
+        with collecting() as report, torch._inductor.config.patch(force_disable_caches=True), \
+                warnings.catch_warnings():
+            # the caches are off on purpose (every pass must run); PGO warns that it is off with them
+            warnings.filterwarnings("ignore", message="dynamo_pgo force disabled", category=UserWarning)
             out = compiled(*args, **kwargs)
             if hasattr(out, "to_tuple"):  # transformers ModelOutput
                 out = out.to_tuple()
