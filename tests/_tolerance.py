@@ -153,23 +153,6 @@ def assert_close_matmul(got: torch.Tensor, want: torch.Tensor, a_abs: torch.Tens
     assert_within(got, want, bound, what)
 
 
-def chain_rel(k_dims: Sequence[int], dtype: torch.dtype, *, roundings: int = 0) -> float:
-    """Normwise relative bound for a chain of GEMMs (a layer), computed twice in ``dtype`` arithmetic.
-
-    Each GEMM of reduction length ``K_i`` adds ``2 gamma_{K_i}`` (both computations accumulate in fp32) and
-    each of ``roundings`` intermediate results stored in ``dtype`` (bf16/fp16 activations) adds ``2 u``
-    (both sides round, possibly at different places). First order in the errors; the layer's
-    nonlinearities (SiLU, softmax, routing weights <= 1) do not amplify them by more than a constant, which
-    the caller's ``c`` covers.
-    """
-    rel = sum(accumulation_rel(k) for k in k_dims)
-    if dtype in LOW_PRECISION:
-        rel += 2 * roundings * unit_roundoff(dtype)
-    elif dtype == torch.float32:
-        rel += 2 * roundings * unit_roundoff(torch.float32)
-    return rel
-
-
 # ===== layers: a chain of GEMMs compared normwise (compiled vs eager) =====
 
 
