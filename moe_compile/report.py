@@ -20,6 +20,8 @@ Semantics of a :class:`Report`, per layer (module path from ``nn_module_stack``,
 
 The same record can appear once per compiled graph (recompiles, forward and backward graphs);
 :meth:`Report.table` and :meth:`Report.to_dict` show it once with a count, ``records`` keeps them all.
+The table fits ``TABLE_WIDTH`` (120) columns: a rewrite's chain in short, each detail wrapped below its
+row; :meth:`Report.to_dict` has every field in full.
 """
 
 from __future__ import annotations
@@ -28,11 +30,16 @@ import contextlib
 import contextvars
 import dataclasses
 import re
+import textwrap
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
+
+# explain()'s table fits a terminal of this many columns
+TABLE_WIDTH = 120
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,29 +118,45 @@ class Report:
         }
         return {"graphs": self.graphs, "summary": summary, "layers": layers}
 
-    def table(self, max_width: int | None = None) -> str:
-        """A printable table, one block per layer: pass, result, what matched / reason, what replaced it.
+    def table(self, width: int = TABLE_WIDTH) -> str:
+        """A printable table, at most ``width`` columns, one block per layer.
 
-        ``max_width`` clips the ``what`` and ``detail`` cells (no clipping by default).
+        Each record is one row (layer, pass, result, ``what``: a skip's reason tag, or a rewrite's chain
+        in short: the head of each matched part, see :func:`short_chain`; wrapped in its column), then its
+        ``detail`` (what replaced the chain, or why it was skipped) wrapped on the lines below. The full matched chain is in
+        :meth:`to_dict` (``what``).
         """
         if not self.records:
             return f"moe_compile: {self.graphs} graph(s) compiled, no MoE dispatch found"
-        headers = ("layer", "pass", "result", "what", "detail")
-        rows = []
+        headers = ("layer", "pass", "result", "what")
+        rows, details = [], []
         for layer, entries in self.grouped().items():
             for i, (r, n) in enumerate(entries):
                 result = r.kind if n == 1 else f"{r.kind} x{n}"
-                rows.append((layer if i == 0 else "", r.pass_name, result, _clip(r.what, max_width),
-                             _clip(r.detail, max_width)))
-        widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-        line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+                what = short_chain(r.what) if r.kind == "rewrite" else r.what
+                rows.append([layer if i == 0 else "", r.pass_name, result, what])
+                details.append(r.detail)
+        # fixed columns get at most a third of the width each; ``what`` takes the rest
+        widths = [min(max(len(x[c]) for x in [headers, *rows]), width // 3) for c in range(3)]
+        while sum(widths) + 2 * 3 + 16 > width and max(widths[:2]) > 8:  # narrow terminals: clip layer / pass
+            widths[widths.index(max(widths[:2]))] -= 1
+        widths.append(max(width - sum(widths) - 2 * 3, 16))
+        indent = " " * (widths[0] + 2)
+        line = lambda cells: "  ".join(_clip(str(c), w).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
         out = [line(headers), line("-" * w for w in widths)]
-        out += [line(r) for r in rows]
+        for row, detail in zip(rows, details):
+            what = textwrap.wrap(row[3], widths[3], subsequent_indent="  ", break_on_hyphens=False) or [""]
+            out.append(line([*row[:3], what[0]]))
+            out += [line(["", "", "", more]) for more in what[1:]]
+            if detail:
+                out += textwrap.wrap(detail, width, initial_indent=indent + "  ", subsequent_indent=indent + "    ",
+                                     break_on_hyphens=False)
         n_layers = len({r.layer for r in self.rewrites})
-        out.append(f"{self.graphs} graph(s) compiled; {n_layers} layer(s) rewritten, "
+        summary = (f"{self.graphs} graph(s) compiled; {n_layers} layer(s) rewritten, "
                    f"{len(self.skips)} skip(s), {len(self.errors)} error(s); "
                    + ("clean: no accumulating scatter or host sync left" if self.clean
                       else f"{len(self.left)} accumulating scatter(s) / host sync(s) left (audit)"))
+        out += textwrap.wrap(summary, width, subsequent_indent="  ")
         return "\n".join(out)
 
     def __str__(self) -> str:
@@ -146,6 +169,22 @@ def _natural_key(text: str) -> list[Any]:
 
 def _clip(text: str, width: int | None) -> str:
     return text if width is None or len(text) <= width else text[: max(width - 3, 0)] + "..."
+
+
+_PART_HEAD = re.compile(r"(?:\d+ ?x )?[A-Za-z_][\w.\-]*")
+
+
+def short_chain(what: str) -> str:
+    """A rewrite's matched chain in short: the head of each ``" + "``-joined part, arguments dropped.
+
+    ``"sort(ids) + gather(x[perm//K] x1)+weights[perm] + counts(histc)->cumsum offsets + 2x grouped_mm"``
+    -> ``"sort + gather + counts + 2x grouped_mm"``. A single part is kept as it is.
+    """
+    parts = what.split(" + ")
+    if len(parts) == 1:
+        return what
+    heads = [m.group(0) if (m := _PART_HEAD.match(p.strip())) else p.strip() for p in parts]
+    return " + ".join(heads)
 
 
 _ACTIVE: contextvars.ContextVar[list[Report]] = contextvars.ContextVar("moe_compile_reports", default=[])
@@ -216,7 +255,10 @@ def explain(model: Any, *args: Any, backward: bool | None = None, **kwargs: Any)
     torch._dynamo.reset()
     compiled = moe_compile_fn(model)
     try:
-        with collecting() as report, torch._inductor.config.patch(force_disable_caches=True):
+        with collecting() as report, torch._inductor.config.patch(force_disable_caches=True), \
+                warnings.catch_warnings():
+            # the caches are off on purpose (every pass must run); PGO warns that it is off with them
+            warnings.filterwarnings("ignore", message="dynamo_pgo force disabled", category=UserWarning)
             out = compiled(*args, **kwargs)
             if hasattr(out, "to_tuple"):  # transformers ModelOutput
                 out = out.to_tuple()

@@ -124,3 +124,23 @@ def test_ci_runs_the_readme_test_command():
     assert marker in readme
     ci_line = next(line for line in ci.splitlines() if "pytest" in line and not line.startswith("#"))
     assert ci_line.replace("--quiet ", "") in readme
+
+
+def test_import_and_compile_without_torchao():
+    """torchao is imported only where quantised weights are used (``quantize_experts``): importing the package
+    prints nothing, and neither it nor compiling an MoE layer with the backend imports torchao (whose import
+    logs CUDA-extension and pytree warnings on CPU machines)."""
+    proc = subprocess.run([sys.executable, "-c", "import sys, moe_compile; assert 'torchao' not in sys.modules"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == "", proc.stdout + proc.stderr
+    code = (
+        "import sys, torch, moe_compile\n"
+        "from tests.models.handwritten import SortIndexSelectScatterAdd\n"
+        "layer = SortIndexSelectScatterAdd(hidden=16, inter=8, experts=4)\n"
+        "rep = moe_compile.explain(layer, torch.randn(6, 16, dtype=torch.bfloat16))\n"
+        "assert rep.count('fuse_dispatch') >= 1, rep.table()\n"
+        "assert 'torchao' not in sys.modules, 'torchao imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "torchao" not in proc.stdout + proc.stderr, proc.stderr[-3000:]

@@ -1,7 +1,7 @@
 """One harness for pass tests: compile, compare with eager (outputs and grads), read our report.
 
 ``check_rewrite(fn, args, expected_rewrites, ...)`` compiles ``fn`` with a fresh cache, runs it (and a
-backward when ``train``), compares with eager PyTorch within the dtype's tolerance, asserts the number of
+backward when ``train``), compares with eager PyTorch within the layer's derived bound (``tests/_tolerance.py``), asserts the number of
 rewrites / skips per pass from moe_compile's report (never Inductor's global counters), and returns a
 :class:`Run` with the report and, for the Inductor backend, the generated code.
 
@@ -24,11 +24,7 @@ import torch
 
 from moe_compile import report as report_mod
 from moe_compile.config import MoECompileConfig
-
-# max |actual - expected| / max |expected| (one table; bf16 covers different summation orders)
-OUT_TOLS = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 4e-2, torch.float16: 1e-2}
-GRAD_TOLS = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 1.2e-1, torch.float16: 2e-2}
-
+from tests import _tolerance as tol
 
 def fresh_cache():
     """A fresh Inductor cache (match counts read 0 on a cache hit: the passes do not run)."""
@@ -59,11 +55,6 @@ class Run:
     grads: list[torch.Tensor | None]
     report: report_mod.Report
     code: list[str]
-
-
-def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, e = actual.detach().double(), expected.detach().double()
-    return ((a - e).abs().max() / e.abs().max().clamp_min(1e-12)).item() if e.numel() else 0.0
 
 
 def _float_leaves(out: Any) -> list[torch.Tensor]:
@@ -127,24 +118,42 @@ def compile_and_run(fn: Any, args: Sequence[Any], kwargs: dict[str, Any] | None 
     return Run(out, grads, rep, code)
 
 
+def _rows(args: Sequence[Any], kwargs: dict[str, Any] | None) -> int:
+    """Tokens in the inputs (the reduction length of every weight gradient)."""
+    rows = 1
+    for a in [*args, *(kwargs or {}).values()]:
+        if isinstance(a, torch.Tensor) and a.dim():
+            rows = max(rows, a.numel() // a.shape[-1] if a.is_floating_point() else a.numel())
+    return rows
+
+
+def layer_k_dims(fn: Any, args: Sequence[Any]) -> list[int]:
+    """The GEMM reduction lengths of ``fn``: from its parameters, or from the weight-like tensor arguments
+    (2-D and up, after the first) of a plain function."""
+    weights = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+    weights += [a for a in args[1:] if isinstance(a, torch.Tensor) and a.dim() >= 2]
+    return tol.gemm_k_dims(weights) or [args[0].shape[-1]]
+
+
 def assert_matches_eager(run: Run, fn: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None, *,
                          train: bool = False, loss_fn: Callable[[Any], torch.Tensor] = default_loss,
                          eager: tuple[Any, list[torch.Tensor | None]] | None = None,
                          tol_dtype: torch.dtype | None = None) -> None:
-    """Outputs and grads within the tolerance of ``tol_dtype`` (the compute dtype; default: each tensor's)."""
+    """Outputs and grads within the derived layer bound (``tests/_tolerance.py::layer_rel``: the GEMM K dims
+    of ``fn``'s weights, the roundings in ``tol_dtype``, the compute dtype; default: each tensor's)."""
     ref_out, ref_grads = eager or run_once(fn, args, kwargs, train=train, loss_fn=loss_fn)
     outs, refs = _float_leaves(run.out), _float_leaves(ref_out)
+    k_dims, rows = layer_k_dims(fn, args), _rows(args, kwargs)
     assert len(outs) == len(refs), f"{len(outs)} compiled outputs vs {len(refs)} eager"
     for i, (a, e) in enumerate(zip(outs, refs)):
         assert a.shape == e.shape and a.dtype == e.dtype, f"output {i}: {a.shape} {a.dtype} vs {e.shape} {e.dtype}"
-        err, tol = max_rel_err(a, e), OUT_TOLS[tol_dtype or e.dtype]
-        assert err <= tol, f"output {i}: max rel err {err:.3g} > {tol}"
+        tol.assert_layer_close(a, e, k_dims, tol_dtype or e.dtype, what=f"output {i}")
     assert len(run.grads) == len(ref_grads)
     for i, (g, r) in enumerate(zip(run.grads, ref_grads)):
         assert (g is None) == (r is None), f"grad {i}: compiled {'None' if g is None else 'set'} vs eager"
         if r is not None:
-            err, tol = max_rel_err(g, r), GRAD_TOLS[tol_dtype or r.dtype]
-            assert err <= tol, f"grad {i} {tuple(r.shape)}: max rel err {err:.3g} > {tol}"
+            tol.assert_layer_close(g, r, k_dims, tol_dtype or r.dtype, backward=True, rows=rows,
+                                   what=f"grad {i} {tuple(r.shape)}")
 
 
 def assert_report(rep: report_mod.Report, rewrites: dict[str, int] | None = None,

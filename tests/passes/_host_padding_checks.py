@@ -21,9 +21,8 @@ from torch._inductor.utils import get_first_incompatible_cudagraph_node
 
 import moe_compile
 from moe_compile import report
+from tests import _tolerance as tol
 
-# bf16 activations and weights: compiled and eager differ in summation order only
-TOLS = {torch.bfloat16: dict(atol=3e-2, rtol=3e-2), torch.float32: dict(atol=1e-4, rtol=1e-4)}
 T, H = 10, 16  # default tokens and hidden size of the test layers' inputs
 
 
@@ -51,6 +50,8 @@ class Result:
     grads: dict[str, torch.Tensor]
     graphs: list[fx.GraphModule]
     records: report.Report
+    # the layer's GEMM reduction lengths (the derived bound of tests/_tolerance.py::layer_rel)
+    k_dims: list[int] = dataclasses.field(default_factory=list)
 
 
 def fresh_caches():
@@ -114,16 +115,19 @@ def run_layer(
         out, grads = _step(compiled, x, train, params=model)
     eager_out, eager_grads = _step(eager_model, x, train, params=eager_model)
     torch._dynamo.reset()
-    return Result(out, grads, keep.graphs, records), Result(eager_out, eager_grads, [], report.Report())
+    k_dims = tol.gemm_k_dims(list(eager_model.parameters()))
+    return (Result(out, grads, keep.graphs, records, k_dims),
+            Result(eager_out, eager_grads, [], report.Report(), k_dims))
 
 
 def assert_matches_eager(test: Any, got: Result, want: Result) -> None:
-    tols = TOLS[want.out.dtype]
-    torch.testing.assert_close(got.out.float(), want.out.float(), **tols)
+    """Output and grads within the layer's derived bound (``tests/_tolerance.py::layer_rel``)."""
+    k_dims = want.k_dims or [want.out.shape[-1]]
+    tol.assert_layer_close(got.out, want.out, k_dims, what="output")
     test.assertEqual(sorted(got.grads), sorted(want.grads))
+    rows = want.grads["x"].shape[0] if "x" in want.grads else 1
     for name, grad in want.grads.items():
-        scale = grad.float().abs().max().clamp_min(1e-3)
-        torch.testing.assert_close(got.grads[name].float() / scale, grad.float() / scale, **tols, msg=name)
+        tol.assert_layer_close(got.grads[name], grad, k_dims, backward=True, rows=rows, what=name)
 
 
 def check_pass_off_keeps_host_syncs(

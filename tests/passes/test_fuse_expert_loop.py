@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from moe_compile.passes import fuse_expert_loop, strip_host_padding
 from moe_compile.passes._graph import op_name
+from tests import _tolerance as tol
 from tests.models.host_padded import make_layer
 from tests.passes._host_padding_checks import (
     assert_matches_eager,
@@ -95,8 +96,8 @@ class FastLoopTest(unittest.TestCase):
                     names = {str(n.target) for n in gm.graph.nodes}
                     self.assertIn("moe.grouped_mm.default", names)
                 with torch.no_grad():
-                    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
-                    torch.testing.assert_close(gm(*inputs)[0].float(), model(x).float(), **tol)
+                    k_dims = tol.gemm_k_dims(list(model.parameters()))
+                    tol.assert_layer_close(gm(*inputs)[0], model(x), k_dims)
 
     def test_does_not_fuse_experts_that_differ(self):
         for variant, reason in (("mixed_act", "experts_not_identical"), ("bias", "per_expert_op_unsupported")):

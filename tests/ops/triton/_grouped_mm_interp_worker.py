@@ -6,9 +6,11 @@ process cannot guarantee. Prints one JSON line ``{case name: "ok" | traceback}``
 data so the parent can import it cheaply.
 
 Interpreter quirks (triton 3.9): ``tl.dot`` is wrong for bf16 inputs, so the launchers use the
-fp32-ieee dot on CPU tensors (``IEEE_DOT``); the fp32 -> bf16 cast truncates, so bf16 outputs are
-compared within one bf16 ulp and fp32 outputs tightly. Quantised weights are random valid encodings
-(every e2m1 code, e8m0 exponents around 2**0), so no torchao import is needed.
+fp32-ieee dot on CPU tensors (``IEEE_DOT``); the fp32 -> bf16 cast truncates (a whole ulp, not half).
+Results are compared within bounds derived from the computation (``tests/_tolerance.py``, NOTE [derived
+tolerances]): two fp32 sums of K products, the rounding of dequantised weights, the output casts.
+Quantised weights are random valid encodings (every e2m1 code, e8m0 exponents around 2**0), so no
+torchao import is needed.
 """
 
 from __future__ import annotations
@@ -43,17 +45,37 @@ CASES = {
     "decode_nvfp4_fp32_split2_swap_big_expert": ("decode:nvfp4:2:1", [0, 37, 0, 2], 41, 24, 128, "float32"),
     "decode_nvfp4_bf16_split1": ("decode:nvfp4:1:0", [0, 7, 1], 9, 16, 32, "bfloat16"),
     "decode_nvfp4_fp32_no_rows": ("decode:nvfp4:2:1", [0, 0, 0], 4, 16, 64, "float32"),
+    # deliberate bugs: the kernel run on a perturbed input must FAIL the derived comparison with the
+    # unperturbed reference (tests/test_tolerance.py does the same on the CPU ops, on Hypothesis inputs)
+    "bug_mxfp8_fp32_scale_exponent_plus_one": ("bug:scale", [3, 0, 5, 2], 12, 24, 96, "float32"),
+    "bug_plain_fp32_offset_shifted_one_row": ("bug:offs", [3, 0, 5, 2], 12, 24, 40, "float32"),
+    "bug_plain_bf16_dropped_k_term": ("bug:k", [2, 0, 0, 1, 4, 0, 3], 14, 24, 40, "bfloat16"),
 }
 
 
-def _assert_close(torch, got, want):
-    """fp32: tight. bf16/fp16: the interpreter truncates casts (dequantised tiles too), so allow a
-    couple of ulps of the output's magnitude."""
-    if got.dtype == torch.float32:
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
-    else:
-        scale = want.float().abs().max().item() + 1.0
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=1.6e-2)
+def _operand_rel(torch, fmt, dtype):
+    """Relative rounding of the dequantised weight, both sides together (NOTE [derived tolerances]).
+
+    plain: none (both sides read the same values). MXFP8: none (e4m3 x 2**k is exact in fp32 and bf16).
+    NVFP4: the reference rounds ``expert_scale * scale`` and then ``value * block_scale`` in fp32 (2 u32)
+    and the kernel at most as often (the per-expert scale on the accumulator, or both in the tile: 2 u32);
+    a bf16/fp16 reference then rounds the weight to its dtype (u of dtype). The kernel's e2m1 x e4m3
+    products have 6 significant bits: exact in every dtype.
+    """
+    tol = _import_tolerance()
+    if fmt != "nvfp4":
+        return 0.0
+    rel = 4 * tol.unit_roundoff(torch.float32)
+    return rel + (tol.unit_roundoff(dtype) if dtype in tol.LOW_PRECISION else 0.0)
+
+
+def _assert_close(torch, got, want, mag, k, operand_rel=0.0):
+    """Within the derived bound: two fp32 sums of ``k`` products of magnitude ``mag = |a| @ |b|``,
+    the weights' rounding, and the output casts (the interpreter's truncates, the reference's rounds)."""
+    tol = _import_tolerance()
+    bound = tol.matmul_bound(mag, k, want, operand_rel=operand_rel, got_dtype=got.dtype, want_dtype=want.dtype,
+                             got_truncates=True)
+    tol.assert_within(got, want, bound)
 
 
 def _random_mxfp8(torch, gen, E, N, K):
@@ -97,11 +119,15 @@ def _run_case(gmm, kind, counts, M, N, K, dtype_name):
         empty = torch.tensor(counts) == 0
         assert torch.equal(got[~empty], w[~empty]) and torch.all(got[empty] == 0)
         return
+    if kind.startswith("bug:"):
+        _run_bug(torch, gmm, kind.split(":")[1], gen, x, offs, E, M, N, K, dtype)
+        return
     if kind == "wgrad":
         dy = torch.randn(M, N, generator=gen).to(dtype)
         dw = torch.full((E, N, K), float("nan"), dtype=dtype)
         gmm.launch_grouped_mm_wgrad(dy, x, offs, dw)
-        _assert_close(torch, dw, gmm.grouped_mm_wgrad_reference(dy, x, offs))
+        mag = _import_tolerance().grouped_wgrad_abs(dy, x, offs)
+        _assert_close(torch, dw, gmm.grouped_mm_wgrad_reference(dy, x, offs), mag, max(max(counts), 1))
         assert torch.all(dw[torch.tensor(counts) == 0] == 0)
         return
     if kind in ("plain", "plain_strided"):
@@ -121,8 +147,57 @@ def _run_case(gmm, kind, counts, M, N, K, dtype_name):
         w_ref = gmm.dequantize_nvfp4(qdata, scale, expert_scale, dtype)
         if kind == "repeat":
             assert torch.equal(y, launch(qdata, scale, expert_scale, "nvfp4"))
-    _assert_close(torch, y, gmm.grouped_mm_reference(x, w_ref, offs))
+    fmt = "plain" if kind.startswith("plain") else "mxfp8" if kind.startswith("mxfp8") else "nvfp4"
+    mag = _import_tolerance().grouped_abs_matmul(x, w_ref, offs)
+    _assert_close(torch, y, gmm.grouped_mm_reference(x, w_ref, offs), mag, K, _operand_rel(torch, fmt, dtype))
     assert torch.all(y[int(offs[-1]) :] == 0), "rows past offs[-1] must be zero"
+
+
+def _run_bug(torch, gmm, bug, gen, x, offs, E, M, N, K, dtype):
+    """Launch the kernel with one deliberate bug; the derived comparison must raise (and pass without it)."""
+
+    def launch(x_in, w, scale, offs_in, fmt):
+        out = torch.full((M, N), float("nan"), dtype=dtype)
+        return gmm.launch_grouped_mm(x_in, w, scale, None, offs_in, out, fmt, config=None)
+
+    if bug == "scale":  # one e8m0 exponent + 1 on expert 2 (5 rows): one block of 32 weights doubled
+        qdata, scale = _random_mxfp8(torch, gen, E, N, K)
+        w_ref, fmt = gmm.dequantize_mxfp8(qdata, scale, dtype), "mxfp8"
+        bad = scale.clone()
+        bad[2, 7, 1] += 1
+        right, wrong = launch(x, qdata, scale, offs, fmt), launch(x, qdata, bad, offs, fmt)
+    else:
+        w_ref = torch.randn(E, N, K, generator=gen).to(dtype)
+        right = launch(x, w_ref, None, offs, "plain")
+        if bug == "offs":  # expert 2 ends one row early (offs 3 3 8 10 -> 3 3 7 10): row 7 gets expert 3
+            bad = offs.clone()
+            bad[2] -= 1
+            wrong = launch(x, w_ref, None, bad, "plain")
+        else:  # column 5 of x left out of the K sum
+            dropped = x.clone()
+            dropped[:, 5] = 0
+            wrong = launch(dropped, w_ref, None, offs, "plain")
+    want = gmm.grouped_mm_reference(x, w_ref, offs)
+    mag = _import_tolerance().grouped_abs_matmul(x, w_ref, offs)
+    _assert_close(torch, right, want, mag, K)
+    try:
+        _assert_close(torch, wrong, want, mag, K)
+    except AssertionError:
+        return
+    raise AssertionError(f"deliberate bug {bug!r} passed the derived comparison")
+
+
+def _import_tolerance():
+    """``tests/_tolerance.py`` (the worker runs as a script: put the repository root on ``sys.path``)."""
+    import pathlib
+    import sys
+
+    root = str(pathlib.Path(__file__).resolve().parents[3])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import importlib
+
+    return importlib.import_module("tests._tolerance")
 
 
 def _import_ops_only():

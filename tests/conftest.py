@@ -1,0 +1,37 @@
+"""Suite-wide settings: Hypothesis draws fresh random inputs on every run, and a red run can be replayed.
+
+* Profile ``moe_compile`` (loaded by default; ``HYPOTHESIS_PROFILE=<name>`` picks another): ``print_blob``
+  (a failure prints ``@reproduce_failure(...)`` for its example), no deadline (the CPU may be shared),
+  random (not derandomised) inputs. Profile ``derandomize``: the same inputs on every run.
+* One seed per session: unless ``--hypothesis-seed=N`` is given, a fresh seed is drawn and every Hypothesis
+  test runs from it; the summary names it when a test failed, and ``--hypothesis-seed=N`` replays that run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+from hypothesis import HealthCheck, core, settings
+
+settings.register_profile(
+    "moe_compile", print_blob=True, deadline=None, derandomize=False, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("derandomize", parent=settings.get_profile("moe_compile"), derandomize=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "moe_compile"))
+
+_SESSION_SEED: list[int] = []
+
+
+def pytest_configure(config) -> None:
+    if config.getoption("hypothesis_seed", None) is None and not settings.default.derandomize:
+        seed = random.SystemRandom().randrange(2**32)
+        core.global_force_seed = seed
+        _SESSION_SEED.append(seed)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if _SESSION_SEED and terminalreporter.stats.get("failed"):
+        terminalreporter.write_line(
+            f"hypothesis: this run drew its examples from --hypothesis-seed={_SESSION_SEED[0]} (pass it to replay)"
+        )

@@ -1,0 +1,64 @@
+"""``Report.table()``: what ``moe_compile.explain`` prints fits a 120-column terminal; ``to_dict`` keeps it all."""
+
+from __future__ import annotations
+
+from expecttest import assert_expected_inline
+
+from moe_compile.report import TABLE_WIDTH, PassRecord, Report, short_chain
+
+# records as the passes write them (taken from explain on a tiny Mixtral and on tests/models/handwritten.py)
+CHAIN = ("sort(ids) + gather(x[perm//K] x1)+weights[perm] + counts(histc)->cumsum offsets + 2x grouped_mm + row-wise "
+         "region (11 ops) + combine(inverse_perm_sum) + weight multiply folded into the combine")
+RECORDS = [
+    PassRecord("audit", "post_grad", "left", "embed_tokens",
+               "accumulate: _unsafe_masked_index_put_accumulate.default [backward of embedding] (embedding)",
+               "mixtral/modeling_mixtral.py:436: inputs_embeds = self.embed_tokens(input_ids)"),
+    PassRecord("fuse_dispatch", "pre_grad", "rewrite", "model.layers.0.mlp.experts", CHAIN,
+               "moe.permute_pad(E=8, align=1) + 2x grouped_mm(offs_E) + moe.unpad_unpermute(probs: weight folded, "
+               "fp32 accumulate)"),
+    *[PassRecord("replace_grouped_mm_fallback", "pre_grad", "rewrite", "model.layers.0.mlp.experts",
+                 "transformers.grouped_mm_fallback (offs.tolist() host sync)", "moe.grouped_mm (sync-free)")] * 2,
+    PassRecord("fuse_dispatch", "pre_grad", "skip", "bad", "weights_before_gather",
+               "combine not matched: weights applied before gather (rows_1 gathers already-weighted [T*K, H] rows by "
+               "perm)"),
+]
+
+
+def test_table_fits_120_columns():
+    table = Report(list(RECORDS), graphs=2).table()
+    assert max(len(line) for line in table.splitlines()) <= TABLE_WIDTH
+    assert_expected_inline(table, """\
+layer                       pass                         result      what
+--------------------------  ---------------------------  ----------  ---------------------------------------------------
+bad                         fuse_dispatch                skip        weights_before_gather
+                              combine not matched: weights applied before gather (rows_1 gathers already-weighted [T*K,
+                                H] rows by perm)
+embed_tokens                audit                        left        accumulate:
+                                                                       _unsafe_masked_index_put_accumulate.default
+                                                                       [backward of embedding] (embedding)
+                              mixtral/modeling_mixtral.py:436: inputs_embeds = self.embed_tokens(input_ids)
+model.layers.0.mlp.experts  fuse_dispatch                rewrite     sort + gather + counts + 2x grouped_mm + row-wise +
+                                                                       combine + weight
+                              moe.permute_pad(E=8, align=1) + 2x grouped_mm(offs_E) + moe.unpad_unpermute(probs: weight
+                                folded, fp32 accumulate)
+                            replace_grouped_mm_fallback  rewrite x2  transformers.grouped_mm_fallback (offs.tolist()
+                                                                       host sync)
+                              moe.grouped_mm (sync-free)
+2 graph(s) compiled; 1 layer(s) rewritten, 1 skip(s), 0 error(s); clean: no accumulating scatter or host sync left""")
+
+
+def test_narrow_table_still_fits():
+    table = Report(list(RECORDS), graphs=1).table(width=80)
+    assert max(len(line) for line in table.splitlines()) <= 80
+
+
+def test_to_dict_keeps_the_full_chain():
+    d = Report(list(RECORDS), graphs=2).to_dict()
+    [rewrite, fallback] = d["layers"]["model.layers.0.mlp.experts"]
+    assert rewrite["what"] == CHAIN and fallback["count"] == 2
+
+
+def test_short_chain():
+    assert short_chain(CHAIN) == "sort + gather + counts + 2x grouped_mm + row-wise + combine + weight"
+    assert short_chain("weights_before_gather") == "weights_before_gather"
+    assert short_chain("split -> 4 expert copies -> cat") == "split -> 4 expert copies -> cat"

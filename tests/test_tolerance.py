@@ -1,0 +1,173 @@
+"""The derived bounds of ``tests/_tolerance.py`` catch bugs: one deliberate bug each, on fresh random inputs.
+
+Each test computes a grouped GEMM through ``moe_compile``'s ops (CPU paths) twice, once right and once with
+one thing perturbed on purpose, and checks both against an independent float64 loop over experts: the right
+one passes the derived comparison and the perturbed one fails it. Hypothesis draws the inputs (seed,
+shapes, routing); a failure prints the example and the blob that replays it (``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from moe_compile.ops import grouped_mm as gmm
+from tests import _tolerance as tol
+
+F32, F64 = torch.float32, torch.float64
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
+
+
+def _loop_reference(x_MK: torch.Tensor, w_ENK: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """float64, per-expert slices with host offsets: the semantics written out (never the op's own code)."""
+    out, start = torch.zeros(x_MK.shape[0], w_ENK.shape[1], dtype=F64), 0
+    for e, c in enumerate(counts):
+        out[start : start + c] = x_MK[start : start + c].double() @ w_ENK[e].double().T
+        start += c
+    return out
+
+
+@st.composite
+def problems(draw, k_multiple: int = 1):
+    """(seed, counts per expert with one non-empty expert at least, N, K, dtype)."""
+    experts = draw(st.integers(2, 6))
+    counts = draw(st.lists(st.integers(0, 6), min_size=experts, max_size=experts).filter(lambda c: sum(c) > 0))
+    n = draw(st.integers(1, 24))
+    k = k_multiple * draw(st.integers(1, 4 if k_multiple > 1 else 96))
+    return draw(st.integers(0, 2**32 - 1)), counts, n, k, draw(DTYPES)
+
+
+def _offs(counts: list[int]) -> torch.Tensor:
+    return torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> None:
+    """The derived comparison: op (fp32 accumulate, stored in x's dtype) vs the float64 loop."""
+    want = _loop_reference(x, w, counts)
+    mag = tol.grouped_abs_matmul(x, w, _offs(counts))
+    bound = tol.matmul_bound(mag, x.shape[1], want, acc_dtypes=(F32, F64), got_dtype=got.dtype)
+    tol.assert_within(got, want, bound)
+
+
+def _floor(x: torch.Tensor, w: torch.Tensor, counts: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """The bound of :func:`_check`: a bug whose effect stays below it on every element is invisible."""
+    mag = tol.grouped_abs_matmul(x, w, _offs(counts))
+    return tol.matmul_bound(mag, x.shape[1], _loop_reference(x, w, counts), acc_dtypes=(F32, F64), got_dtype=dtype)
+
+
+def _fails(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> bool:
+    try:
+        _check(got, x, w, counts)
+    except AssertionError:
+        return True
+    return False
+
+
+def _random_mxfp8(gen: torch.Generator, E: int, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    qdata = (torch.randn(E, N, K, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.randint(120, 135, (E, N, K // gmm.MX_BLOCK), generator=gen, dtype=torch.int32).to(torch.uint8)
+    return qdata, scale
+
+
+@settings(max_examples=40)
+@given(problems(k_multiple=gmm.MX_BLOCK), st.data())
+def test_mxfp8_scale_exponent_off_by_one_fails(problem, data):
+    """An e8m0 scale exponent off by one (one block of 32 weights scaled 2x or 0.5x) fails the comparison."""
+    seed, counts, N, K, dtype = problem
+    gen = torch.Generator().manual_seed(seed)
+    E, M = len(counts), sum(counts)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    qdata, scale = _random_mxfp8(gen, E, N, K)
+    offs, w = _offs(counts), gmm.dequantize_mxfp8(qdata, scale, F64)
+    _check(gmm.grouped_mm_mxfp8(x, qdata, scale, offs), x, w, counts)
+    # the bug: one block of an expert that has rows, exponent +-1; it must touch a non-zero product
+    e = data.draw(st.sampled_from([i for i, c in enumerate(counts) if c]), "expert")
+    n, b = data.draw(st.integers(0, N - 1), "row of w"), data.draw(st.integers(0, K // gmm.MX_BLOCK - 1), "block")
+    step = data.draw(st.sampled_from([1, -1]), "exponent step")
+    start = sum(counts[:e])
+    block = slice(b * gmm.MX_BLOCK, (b + 1) * gmm.MX_BLOCK)
+    # the bug moves y[rows of e, n] by the block's partial sum times 1 (2x) or 1/2 (0.5x); where that stays
+    # within the bound (a block scaled far below the row's others) there is nothing to catch
+    partial = (x[start : start + counts[e], block].double() @ w[e, n, block]).abs() * (1 if step == 1 else 0.5)
+    assume((partial > 4 * _floor(x, w, counts, dtype)[start : start + counts[e], n]).any())
+    bad = scale.clone()
+    bad[e, n, b] += step
+    assert _fails(gmm.grouped_mm_mxfp8(x, qdata, bad, offs), x, w, counts)
+
+
+@settings(max_examples=40)
+@given(problems(), st.data())
+def test_expert_offset_shifted_by_one_row_fails(problem, data):
+    """One expert's end offset one row early or late (a boundary row multiplied by the neighbour's weights)."""
+    seed, counts, N, K, dtype = problem
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(counts), K, generator=gen).to(dtype)
+    w = torch.randn(len(counts), N, K, generator=gen).to(dtype)
+    offs = _offs(counts)
+    _check(gmm.grouped_mm(x, w, offs), x, w, counts)
+    # the bug: offs[e] += 1 or -= 1 for an inner boundary, kept monotone (so the op still accepts it)
+    candidates = [(e, d) for e in range(len(counts) - 1) for d in (1, -1)
+                  if 0 <= int(offs[e]) + d <= sum(counts)
+                  and (e == 0 or int(offs[e - 1]) <= int(offs[e]) + d) and int(offs[e]) + d <= int(offs[e + 1])]
+    assume(candidates)
+    e, d = data.draw(st.sampled_from(candidates), "boundary, shift")
+    row = int(offs[e]) if d == 1 else int(offs[e]) - 1  # the row that changes expert
+    change = (x[row].double() @ (w[e].double() - w[e + 1].double()).T).abs()
+    # both experts give that row (about) the same result: nothing to see (a discarded example; Hypothesis
+    # fails the test if it discards most of them, so the check cannot pass by never running)
+    assume((change > 4 * _floor(x, w, counts, dtype)[row]).any())
+    bad = offs.clone()
+    bad[e] += d
+    assert _fails(gmm.grouped_mm(x, w, bad), x, w, counts)
+
+
+@settings(max_examples=40)
+@given(problems(), st.data())
+def test_dropped_k_term_fails(problem, data):
+    """One term of the K sum left out (column k of x zeroed for the op) fails wherever it was not ~0."""
+    seed, counts, N, K, dtype = problem
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(counts), K, generator=gen).to(dtype)
+    w = torch.randn(len(counts), N, K, generator=gen).to(dtype)
+    offs = _offs(counts)
+    _check(gmm.grouped_mm(x, w, offs), x, w, counts)
+    k = data.draw(st.integers(0, K - 1), "dropped k")
+    dropped = x.clone()
+    dropped[:, k] = 0
+    # the term is the bug's whole effect; when it is below every element's bound (|x_k| tiny on every row),
+    # there is nothing to catch, and the largest term is what the bound must see
+    term = (x[:, k, None].double() * gmm.grouped_mm_reference(torch.ones_like(x[:, :1]).double(),
+                                                               w[:, :, k : k + 1].double(), offs)).abs()
+    assume((term > 4 * _floor(x, w, counts, dtype)).any())
+    assert _fails(gmm.grouped_mm(dropped, w, offs), x, w, counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unperturbed_passes_on_many_seeds(dtype):
+    """The other half of the claim, on 20 fixed seeds (not only the examples Hypothesis draws)."""
+    for seed in range(20):
+        gen = torch.Generator().manual_seed(seed)
+        counts = [3, 0, 5, 2, 7]
+        x = torch.randn(sum(counts), 96, generator=gen).to(dtype)
+        qdata, scale = _random_mxfp8(gen, len(counts), 16, 96)
+        _check(gmm.grouped_mm_mxfp8(x, qdata, scale, _offs(counts)), x, gmm.dequantize_mxfp8(qdata, scale, F64),
+               counts)
+
+
+def test_assert_within_names_the_worst_element():
+    want = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    got = want.clone()
+    got[1, 0] += 0.5
+    got[0, 1] += 0.2
+    with pytest.raises(AssertionError, match=r"2 / 4 elements outside .* worst at \(1, 0\): got 3.5, want 3"):
+        tol.assert_within(got, want, 0.1, "demo")
+    tol.assert_within(got, want, 0.5)
+
+
+def test_gamma():
+    u = 2.0**-24
+    assert tol.gamma(96) == pytest.approx(96 * u / (1 - 96 * u), rel=1e-12)
+    assert tol.accumulation_rel(96) == pytest.approx(2 * tol.gamma(96), rel=1e-12)
+    assert tol.unit_roundoff(torch.bfloat16) == 2.0**-8 and tol.unit_roundoff(torch.bfloat16, truncate=True) == 2.0**-7
