@@ -6,34 +6,40 @@ experts, ``K`` top-k, ``N = T*K`` routed entries (flat index ``i = t*K + k``), `
 ``NB`` blocks of ``BLOCK_N`` flat entries. No atomics anywhere: every output element has one writer,
 so results are bitwise reproducible, and nothing is read back on the host (CUDA-graph safe).
 
-NOTE [destination rows in three launches]
+NOTE [destination rows in two launches]
 The padded destination row of entry ``i`` (expert ``e``) is
 ``seg_start[e] + #{j < i : ids[j] == e}`` (stable: ascending token, then slot). With blocks of
 ``BLOCK_N`` flat entries it splits into ``seg_start[e] + before_blocks[b, e] + #{j in block b, j < i :
-ids[j] == e}``. Pass 1 histograms every block, pass 2 scans the ``[NB, E]`` table, and the permute kernel
-counts the last term itself: each token program compares its ``K`` ids with the entries of its block
-that precede them (at most ``BLOCK_N + K - 1`` ids, read from L2), so no sort and no ``dest`` buffer.
-Worked example, ``E = 3``, ``a = 4``, ``BLOCK_N = 4``, ids ``[[2, 0], [1, 2], [0, 2], [2, 1]]`` (flat
-``[2, 0, 1, 2 | 0, 2, 2, 1]``):
+ids[j] == e}``. Launch 1 (one program) streams the ids ``SUB`` blocks at a time, histograms them
+(one ``tl.histogram`` over ``SUB * E_PAD`` bins keyed ``block * E_PAD + e``) and scans the histograms
+as it goes, writing the ``[NB, E]`` table of ``before_blocks``, then ``counts``, ``offs`` and
+``seg_start``. The permute kernel counts the last term itself: each token program compares its ``K``
+ids with the entries of its block that precede them (at most ``BLOCK_N + K - 1`` ids, read from L2),
+so no sort and no ``dest`` buffer. One program for the index work costs a few microseconds of
+streaming at large ``N`` but saves a launch (and its latency) at every size; decode steps are
+launch bound (issue 14). Worked example, ``E = 3``, ``a = 4``, ``BLOCK_N = 4``, ``SUB = 2``, ids
+``[[2, 0], [1, 2], [0, 2], [2, 1]]`` (flat ``[2, 0, 1, 2 | 0, 2, 2, 1]``):
 
-    pass 1 (_expert_histogram_kernel)  hist = [[1, 1, 2], [1, 1, 2]]
-    pass 2 (_expert_offsets_kernel)    counts = [2, 2, 4], padded = [4, 4, 4], offs = [4, 8, 12]
-                                       table[b] = before_blocks = [[0, 0, 0], [1, 1, 2]] (in place)
+    launch 1 (_expert_offsets_kernel)  iteration 0 covers blocks 0 and 1: keys = ids + 4 * block,
+                                       hist = [[1, 1, 2], [1, 1, 2]]
+                                       table[b] = before_blocks = [[0, 0, 0], [1, 1, 2]]
+                                       counts = [2, 2, 4], padded = [4, 4, 4], offs = [4, 8, 12]
                                        table[NB] = seg_start = [0, 4, 8]
-    pass 3 (_permute_rows_kernel)      token 3 (flat 6, 7; block 1): ids 2 and 1; earlier entries of
+    launch 2 (_permute_rows_kernel)    token 3 (flat 6, 7; block 1): ids 2 and 1; earlier entries of
                                        block 1 with the same id: 1 (flat 5) and 0, so
                                        dest = seg_start + before_blocks + rank = [8+2+1, 4+1+0] = [11, 5];
                                        row_map[3] = [5, 11 | 1, 0]. All dests: [8, 0, 4, 9 | 1, 10, 11, 5].
                                        Zero programs fill the M - N = 8 non-real rows 2, 3, 6, 7, 12..15
 
 NOTE [overlapping the launches]
-With ``USE_PDL`` (Hopper and newer, launched with ``launch_pdl=True``), the scan and the permute kernel
-are started before their predecessor has finished (programmatic dependent launch): the histogram and
-the scan signal ``gdc_launch_dependents`` at once, and each dependent kernel does the work that needs
-only the op's inputs (the permute kernel: its row of ``x`` and the rank of its entries) before
-``gdc_wait``, which returns once the predecessor grid has completed and its writes are visible. Only
-``table`` and ``counts`` (written by our own kernels) are read after the wait. The histogram itself is
-launched normally, so everything before the op has completed when any of its kernels runs.
+With ``USE_PDL`` (Hopper and newer, eager launches with ``launch_pdl=True``), the permute kernel is
+started before the index kernel has finished (programmatic dependent launch): the index kernel
+signals ``gdc_launch_dependents`` at once, and the permute kernel does the work that needs only the
+op's inputs (its row of ``x`` and the rank of its entries) before ``gdc_wait``, which returns once the
+index grid has completed and its writes are visible. Only ``table`` and ``counts`` (written by the
+index kernel) are read after the wait. The index kernel itself is launched normally, so everything
+before the op has completed when any of its kernels runs. Launches from Inductor's generated code
+(the traced path) do not use PDL.
 
 NOTE [zero rows without a memset]
 The rows that hold no token are exactly ``M - N`` (a static count): pad rows, expert by expert, then
@@ -54,62 +60,48 @@ except ImportError:  # pragma: no cover - the launchers then never set USE_PDL
 
 
 @triton.jit
-def _expert_histogram_kernel(
+def _expert_offsets_kernel(
     ids_ptr,  # [N] expert ids, any integer dtype
-    hist_ptr,  # int32 [NB, E_PAD] out
+    table_ptr,  # int32 [NB + 1, E_PAD] out: before_blocks (rows < NB), then seg_start (row NB)
+    counts_ptr,  # int32 [E] out
+    offs_ptr,  # int32 [E] out
     N,
     num_experts,
-    BLOCK_N: tl.constexpr,
+    num_blocks,
+    ALIGN: tl.constexpr,
     E_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SUB: tl.constexpr,
     DEBUG: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    # one program (NOTE [destination rows in two launches]): histogram + exclusive scan, SUB blocks of
+    # BLOCK_N ids per iteration
     if USE_PDL:
         gdc_launch_dependents()  # NOTE [overlapping the launches]
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_bounds = offs < N
-    ids = tl.load(ids_ptr + offs, mask=in_bounds, other=0)
-    valid = in_bounds & (ids >= 0) & (ids < num_experts)
-    if DEBUG:
-        tl.device_assert(valid | ~in_bounds, "expert_idx out of range [0, num_experts)")
-    experts = tl.where(valid, ids, 0).to(tl.int32)
-    hist = tl.histogram(experts, E_PAD, mask=valid)
-    tl.store(hist_ptr + pid * E_PAD + tl.arange(0, E_PAD), hist)
-
-
-@triton.jit
-def _expert_offsets_kernel(
-    table_ptr,  # int32 [NB + 1, E_PAD]: in hist (rows < NB); out: before_blocks, then seg_start in row NB
-    counts_ptr,  # int32 [E] out
-    offs_ptr,  # int32 [E] out
-    num_blocks,
-    num_experts,
-    ALIGN: tl.constexpr,
-    E_PAD: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    # one program: the scan over blocks is tiny (NB * E_PAD <= ~8K entries for the usual shapes). Each
-    # tile is loaded before it is overwritten, so the exclusive scan runs in place.
-    if USE_PDL:
-        gdc_launch_dependents()  # NOTE [overlapping the launches]
-        gdc_wait()
     experts = tl.arange(0, E_PAD)
+    sub = tl.arange(0, SUB)
     running = tl.zeros([E_PAD], dtype=tl.int32)
-    for b0 in range(0, num_blocks, BLOCK_B):
-        blocks = b0 + tl.arange(0, BLOCK_B)
+    for b0 in range(0, num_blocks, SUB):
+        blocks = b0 + sub
+        offs = blocks.to(tl.int64)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        in_bounds = offs < N
+        ids = tl.load(ids_ptr + offs, mask=in_bounds, other=0)
+        valid = in_bounds & (ids >= 0) & (ids < num_experts)
+        if DEBUG:
+            tl.device_assert(valid | ~in_bounds, "expert_idx out of range [0, num_experts)")
+        keys = sub[:, None] * E_PAD + tl.where(valid, ids, 0).to(tl.int32)
+        hist = tl.histogram(tl.reshape(keys, [SUB * BLOCK_N]), SUB * E_PAD, mask=tl.reshape(valid, [SUB * BLOCK_N]))
+        hist = tl.reshape(hist, [SUB, E_PAD])
         tile = blocks[:, None] * E_PAD + experts[None, :]
-        block_mask = (blocks < num_blocks)[:, None]
-        hist = tl.load(table_ptr + tile, mask=block_mask, other=0)
-        tl.store(table_ptr + tile, tl.cumsum(hist, 0) - hist + running[None, :], mask=block_mask)
+        tl.store(table_ptr + tile, tl.cumsum(hist, 0) - hist + running[None, :], mask=(blocks < num_blocks)[:, None])
         running += tl.sum(hist, 0)
     padded = (running + (ALIGN - 1)) // ALIGN * ALIGN
-    offs = tl.cumsum(padded, 0)
+    offs_e = tl.cumsum(padded, 0)
     expert_mask = experts < num_experts
     tl.store(counts_ptr + experts, running, mask=expert_mask)
-    tl.store(offs_ptr + experts, offs, mask=expert_mask)
-    tl.store(table_ptr + num_blocks * E_PAD + experts, offs - padded)
+    tl.store(offs_ptr + experts, offs_e, mask=expert_mask)
+    tl.store(table_ptr + num_blocks * E_PAD + experts, offs_e - padded)
 
 
 @triton.jit
@@ -148,7 +140,7 @@ def _permute_rows_kernel(
     if pid < num_tokens:
         t = pid.to(tl.int64)
         vals = tl.load(x_ptr + t * stride_x + cols, mask=col_mask)  # each source row is read once
-        # NOTE [destination rows in three launches]: dest = seg_start + before_blocks + rank in block
+        # NOTE [destination rows in two launches]: dest = seg_start + before_blocks + rank in block
         slots = tl.arange(0, K_PAD)
         slot_mask = slots < K
         flat_K = t * K + slots
@@ -163,7 +155,7 @@ def _permute_rows_kernel(
             same = (ids_j[None, :] == ids_K[:, None]) & (j[None, :] >= block_start_K[:, None])
             rank_K += tl.sum((same & (j[None, :] < flat_K[:, None])).to(tl.int32), 1)
         if USE_PDL:
-            gdc_wait()  # NOTE [overlapping the launches]: `table` is written by the previous kernels
+            gdc_wait()  # NOTE [overlapping the launches]: `table` is written by the index kernel
         experts_K = tl.where(valid_K, ids_K, 0).to(tl.int32)
         before_K = tl.load(table_ptr + (flat_K // BLOCK_N) * E_PAD + experts_K, mask=valid_K, other=0)
         seg_start_K = tl.load(table_ptr + num_blocks * E_PAD + experts_K, mask=valid_K, other=0)
@@ -188,7 +180,7 @@ def _permute_rows_kernel(
     else:
         # NOTE [zero rows without a memset]
         if USE_PDL:
-            gdc_wait()  # `counts` is written by the scan
+            gdc_wait()  # `counts` is written by the index kernel
         j = (pid - num_tokens) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
         j_mask = j < num_zero_rows
         experts = tl.arange(0, E_PAD)

@@ -21,7 +21,6 @@ from ._dispatch_interp_worker import CASES, DEBUG_CASES
 WORKER = Path(__file__).with_name("_dispatch_interp_worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[3]
 KERNELS = (
-    "_expert_histogram_kernel",
     "_expert_offsets_kernel",
     "_mark_used_rows_kernel",
     "_permute_rows_kernel",
