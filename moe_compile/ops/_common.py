@@ -218,6 +218,21 @@ def _export_keeps_triton_ops() -> bool:
     return custom_triton_ops_decomposition_disabled()
 
 
+@functools.lru_cache(maxsize=None)
+def ttir_writes_follow_loads() -> bool:
+    """Whether Inductor's ``wrap_triton`` mutation analysis counts a tensor as written when its loaded
+    values feed a store address (torch 2.11; 2.13 stops at loads). NOTE [no load-derived store addresses
+    on graph inputs] in ``ops/triton/dispatch.py``. Unknown versions: assume it does (the safe side)."""
+    import inspect
+
+    try:
+        from torch._higher_order_ops import triton_kernel_wrap
+
+        return "skip_loads" not in inspect.getsource(triton_kernel_wrap)
+    except (ImportError, OSError, TypeError):  # pragma: no cover - no source available
+        return True
+
+
 def launch_kernel(kernel, grid, *args, traced: bool, options: dict, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs, **options)``; under a trace, through ``wrap_triton``.
 

@@ -294,14 +294,18 @@ def _launch_triton(
     i32 = torch.int32
     e_pad = plan.e_pad
 
-    table = torch.empty((plan.num_blocks + 1) * e_pad, dtype=i32, device=dev)
+    # before_blocks, seg_start and counts; the permute kernel reads counts from here, not from `counts`
+    table = torch.empty((plan.num_blocks + 2) * e_pad, dtype=i32, device=dev)
     counts = torch.empty(num_experts, dtype=i32, device=dev)
     offs = torch.empty(num_experts, dtype=i32, device=dev)
+    # NOTE [no load-derived store addresses on graph inputs] (ops/triton/dispatch.py)
+    copy_ids = traced and _common.ttir_writes_follow_loads()
+    ids_copy = torch.empty(plan.N, dtype=i32, device=dev) if copy_ids else table
     _common.launch_kernel(
         kernels._expert_offsets_kernel, (1,),
-        expert_idx, table, counts, offs, plan.N, num_experts, plan.num_blocks,
-        ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, SUB=plan.sub, DEBUG=debug, USE_PDL=use_pdl,
-        traced=traced, options=dict(num_warps=INDEX_NUM_WARPS, debug=debug),
+        expert_idx, ids_copy, table, counts, offs, plan.N, num_experts, plan.num_blocks,
+        ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, SUB=plan.sub, COPY_IDS=copy_ids, DEBUG=debug,
+        USE_PDL=use_pdl, traced=traced, options=dict(num_warps=INDEX_NUM_WARPS, debug=debug),
     )  # fmt: skip
     rows = torch.empty((plan.M, H), dtype=x.dtype, device=dev)
     # without probs, probs_M is the empty placeholder output: it doubles as the unused pointer
@@ -309,7 +313,7 @@ def _launch_triton(
     row_map = torch.empty((T, 2 * K), dtype=i32, device=dev)
     _common.launch_kernel(
         kernels._permute_rows_kernel, plan.rows_grid,
-        x, expert_idx, table, x if probs is None else probs, counts, rows, probs_M,
+        x, ids_copy if copy_ids else expert_idx, table, x if probs is None else probs, rows, probs_M,
         row_map, T, H, x.stride(0), num_experts, plan.num_blocks, plan.M, plan.M - plan.N,
         K=K, K_PAD=plan.k_pad, ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, CHUNK=plan.chunk,
         HAS_PROBS=probs is not None, BLOCK_H=plan.block_h, ZERO_ROWS=plan.zero_rows, USE_PDL=use_pdl,

@@ -242,6 +242,10 @@ def launch_unpad_unpermute_backward_triton(
     # without the prob gradient: the op's empty placeholder output doubles as the unused pointer
     grad_probs = torch.empty((T, K), dtype=probs.dtype, device=dev) if need_prob_grad else grad_y.new_empty(0)
     used = torch.zeros(num_rows, dtype=torch.int8, device=dev)
+    if traced and _common.ttir_writes_follow_loads():
+        # both kernels store at rows read from row_map: give them a private copy (NOTE [no
+        # load-derived store addresses on graph inputs] in ops/triton/dispatch.py)
+        row_map = row_map.clone()
     if T * K > 0:
         _common.launch_kernel(
             kernels._mark_used_rows_kernel, (_common.cdiv(T * K, 1024),),

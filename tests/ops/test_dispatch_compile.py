@@ -228,3 +228,108 @@ def test_cpu_compiled_graph_keeps_the_ops_and_has_no_atomics():
     assert bw["moe.permute_pad_backward.default"] == 1 and bw["moe.unpad_unpermute_backward.default"] == 1, bw
     for code in codes:
         FileCheck().check_not("atomic_add(").check_not("tl.atomic_add").run(code)
+
+
+# written tensors per kernel under torch 2.11's mutation analysis (stores' addresses followed through
+# loads); NOTE [no load-derived store addresses on graph inputs]
+ALLOWED_WRITES = {
+    "_expert_offsets_kernel": {"ids_copy_ptr", "table_ptr", "counts_ptr", "offs_ptr"},
+    "_permute_rows_kernel": {"ids_ptr", "table_ptr", "rows_ptr", "probs_out_ptr", "row_map_ptr"},
+    "_unpermute_rows_kernel": {"out_ptr", "grad_probs_ptr"},
+    "_mark_used_rows_kernel": {"used_ptr", "row_map_ptr"},
+    "_unpermute_backward_kernel": {"grad_rows_ptr", "grad_probs_ptr", "row_map_ptr"},
+}
+# ... and the arguments among them that must be private copies made inside the op
+PRIVATE_COPIES = {
+    "_permute_rows_kernel": {"ids_ptr"},
+    "_mark_used_rows_kernel": {"row_map_ptr"},
+    "_unpermute_backward_kernel": {"row_map_ptr"},
+}
+
+
+def _origin(node: torch.fx.Node) -> list[str]:
+    """Targets and kernel-argument names from ``node`` back through kernel outputs to where it was made."""
+    chain = []
+    while node.op == "call_function" and "getitem" in str(node.target):
+        hop, key = node.args
+        chain.append(key)
+        node = hop.kwargs["kwargs"][key]
+    chain.append(str(node.target) if node.op == "call_function" else node.op)
+    return chain
+
+
+def _writes_following_loads(kernel, kwargs) -> set[str]:
+    """Kernel parameters written per torch 2.11's TTIR analysis: walk back from every store's address
+    through all operands, loads included (2.13 stops at loads)."""
+    from torch._higher_order_ops import triton_kernel_wrap as tkw
+
+    module, names = tkw.generate_ttir(kernel, kwargs, {})
+    functions = tkw.ttir_to_functions(module)
+    ops = functions[next(iter(functions))]
+    stack = [op.args[0] for op_list in ops.values() for op in op_list if op.name == "tt.store"]
+    seen, written = set(), set()
+    while stack:
+        arg = stack.pop()
+        if isinstance(arg, tkw.Param):
+            if arg.idx < len(names):
+                written.add(names[arg.idx])
+        elif isinstance(arg, tkw.Intermediate) and not arg.fake() and arg not in seen:
+            seen.add(arg)
+            for op in ops[arg]:
+                stack.extend(op.args)
+    return written
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_no_graph_input_or_op_output_counts_as_written_under_torch_2_11_analysis(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only trace")
+    import triton
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    import moe_compile.ops._common as common
+
+    monkeypatch.setattr(common, "ttir_writes_follow_loads", lambda: True)  # the torch 2.11 path
+    x, ids, probs = _inputs(seed=5)
+    M = permute_pad_reference(x, ids, probs, E, A).rows_MH.shape[0]
+
+    def layer(x, ids, probs):
+        out = permute_pad(x, ids, probs, num_experts=E, align=A)
+        y = unpad_unpermute(out.rows_MH, out.row_map, probs)
+        g_rows, g_probs = torch.ops.moe.unpad_unpermute_backward(y, out.row_map, probs, out.rows_MH, M)
+        gx, gp = torch.ops.moe.permute_pad_backward(g_rows, out.probs_M, out.row_map)
+        return y, gx, gp, g_probs, out.counts_E, out.offs_E
+
+    with torch.no_grad():
+        gm = _fake_cuda_graph(layer, x, ids, probs)
+
+    class FakeDriver:  # TTIR generation needs a target, not a GPU
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    monkeypatch.setattr(driver, "_active", FakeDriver())
+    checked = []
+    for n in gm.graph.nodes:
+        if "triton_kernel_wrapper" not in str(n.target):
+            continue
+        kernel = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+        kernel = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel
+        args = {**kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"])}
+        for name, v in n.kwargs["kwargs"].items():
+            val = v.meta["val"] if isinstance(v, torch.fx.Node) else v
+            args[name] = torch.empty(val.shape, dtype=val.dtype) if isinstance(val, torch.Tensor) else val
+        written = {k for k in _writes_following_loads(kernel, args) if isinstance(args[k], torch.Tensor)}
+        assert written <= ALLOWED_WRITES[kernel.__name__], (kernel.__name__, written)
+        for name in written:  # (the CPU trace threads every argument through every kernel: follow it)
+            chain = _origin(n.kwargs["kwargs"][name])
+            assert chain[-1] != "placeholder", (kernel.__name__, name, chain)
+        for name in PRIVATE_COPIES.get(kernel.__name__, ()):
+            chain = _origin(n.kwargs["kwargs"][name])
+            assert "aten.clone.default" in chain or "ids_copy_ptr" in chain, (kernel.__name__, name, chain)
+        checked.append(kernel.__name__)
+    assert sorted(set(checked)) == sorted(ALLOWED_WRITES), checked

@@ -41,6 +41,16 @@ index kernel) are read after the wait. The index kernel itself is launched norma
 before the op has completed when any of its kernels runs. Launches from Inductor's generated code
 (the traced path) do not use PDL.
 
+NOTE [no load-derived store addresses on graph inputs]
+When Inductor traces a ``wrap_triton`` launch it finds the written tensors by walking back from each
+store's address; torch 2.11 walks through loads too, so a tensor whose *values* feed a store address
+counts as written. A graph input counted as written is an input mutation (a copy back into it, and
+CUDA-graph trees skip the graph); an op output counted as written is cloned first. So on the traced
+path: the permute kernel reads the ids from an int32 copy that the index kernel writes (``COPY_IDS``)
+and the counts from the table (a dead intermediate), never from ``expert_idx`` or ``counts``; the
+prob gradients are stored at ``t*K + k`` after an in-register reorder (``_to_slot_order``); only the
+unpad backward's row scatter reads addresses from ``row_map``, and its launcher passes a copy there.
+
 NOTE [zero rows without a memset]
 The rows that hold no token are exactly ``M - N`` (a static count): pad rows, expert by expert, then
 the tail. The ``j``-th of them is row ``j + sum(counts[e] for e with pad_before[e] <= j)`` where
@@ -62,7 +72,8 @@ except ImportError:  # pragma: no cover - the launchers then never set USE_PDL
 @triton.jit
 def _expert_offsets_kernel(
     ids_ptr,  # [N] expert ids, any integer dtype
-    table_ptr,  # int32 [NB + 1, E_PAD] out: before_blocks (rows < NB), then seg_start (row NB)
+    ids_copy_ptr,  # int32 [N] out (if COPY_IDS): the ids again, for the permute kernel
+    table_ptr,  # int32 [NB + 2, E_PAD] out: before_blocks (rows < NB), seg_start (row NB), counts (row NB + 1)
     counts_ptr,  # int32 [E] out
     offs_ptr,  # int32 [E] out
     N,
@@ -72,6 +83,7 @@ def _expert_offsets_kernel(
     E_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SUB: tl.constexpr,
+    COPY_IDS: tl.constexpr,
     DEBUG: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -90,6 +102,8 @@ def _expert_offsets_kernel(
         valid = in_bounds & (ids >= 0) & (ids < num_experts)
         if DEBUG:
             tl.device_assert(valid | ~in_bounds, "expert_idx out of range [0, num_experts)")
+        if COPY_IDS:  # NOTE [no load-derived store addresses on graph inputs]
+            tl.store(ids_copy_ptr + offs, ids.to(tl.int32), mask=in_bounds)
         keys = sub[:, None] * E_PAD + tl.where(valid, ids, 0).to(tl.int32)
         hist = tl.histogram(tl.reshape(keys, [SUB * BLOCK_N]), SUB * E_PAD, mask=tl.reshape(valid, [SUB * BLOCK_N]))
         hist = tl.reshape(hist, [SUB, E_PAD])
@@ -102,15 +116,15 @@ def _expert_offsets_kernel(
     tl.store(counts_ptr + experts, running, mask=expert_mask)
     tl.store(offs_ptr + experts, offs_e, mask=expert_mask)
     tl.store(table_ptr + num_blocks * E_PAD + experts, offs_e - padded)
+    tl.store(table_ptr + (num_blocks + 1) * E_PAD + experts, running)
 
 
 @triton.jit
 def _permute_rows_kernel(
     x_ptr,  # [T, H] (row stride stride_x)
-    ids_ptr,  # [N] expert ids, any integer dtype
-    table_ptr,  # int32 [NB + 1, E_PAD] from _expert_offsets_kernel
+    ids_ptr,  # [N] expert ids, any integer dtype (or the index kernel's int32 copy)
+    table_ptr,  # int32 [NB + 2, E_PAD] from _expert_offsets_kernel (counts in row NB + 1)
     probs_ptr,  # [T, K] (if HAS_PROBS)
-    counts_ptr,  # int32 [E]
     rows_ptr,  # [M, H] out
     probs_out_ptr,  # [M] out (if HAS_PROBS)
     row_map_ptr,  # int32 [T, 2K] out
@@ -180,11 +194,11 @@ def _permute_rows_kernel(
     else:
         # NOTE [zero rows without a memset]
         if USE_PDL:
-            gdc_wait()  # `counts` is written by the index kernel
+            gdc_wait()  # `table` is written by the index kernel
         j = (pid - num_tokens) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
         j_mask = j < num_zero_rows
         experts = tl.arange(0, E_PAD)
-        counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+        counts = tl.load(table_ptr + (num_blocks + 1) * E_PAD + experts, mask=experts < num_experts, other=0)
         pad = (counts + (ALIGN - 1)) // ALIGN * ALIGN - counts
         pad_before = tl.cumsum(pad, 0) - pad
         row = j + tl.sum(tl.where(pad_before[None, :] <= j[:, None], counts[None, :], 0), 1)
@@ -195,6 +209,20 @@ def _permute_rows_kernel(
         if HAS_PROBS:
             if pid_h == 0:
                 tl.store(probs_out_ptr + row, tl.zeros([ZERO_ROWS], dtype=probs_out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _to_slot_order(vals_j, src_slots_j, slots_k):
+    """``out[k] = vals[j]`` for the ``j`` with ``src_slots[j] == k``: a [K_PAD, K_PAD] select, so the
+    store that follows has a load-free address (NOTE [no load-derived store addresses on graph inputs]).
+    Summing one value with ``-0.0`` is exact, signed zeros included; done in fp32 (fp64 for fp64), since
+    the interpreter's 16-bit float reductions are not exact."""
+    pick = src_slots_j[None, :] == slots_k[:, None]
+    if vals_j.dtype == tl.float64:
+        wide = vals_j
+    else:
+        wide = vals_j.to(tl.float32)
+    return tl.sum(tl.where(pick, wide[None, :], -0.0), 1).to(vals_j.dtype)
 
 
 @triton.jit
@@ -239,10 +267,10 @@ def _unpermute_rows_kernel(
             slots = tl.arange(0, K_PAD)
             slot_mask = slots < K
             rows = tl.load(row_map_ptr + t * (2 * K) + slots, mask=slot_mask, other=-1)
-            src_slots = tl.load(row_map_ptr + t * (2 * K) + K + slots, mask=slot_mask, other=0)
+            src_slots = tl.load(row_map_ptr + t * (2 * K) + K + slots, mask=slot_mask, other=-1)
             rows_ok = slot_mask & (rows >= 0) & (rows < num_rows)
             g = tl.load(grad_probs_M_ptr + rows, mask=rows_ok, other=0.0)
-            tl.store(grad_probs_ptr + t * K + src_slots, g, mask=slot_mask)
+            tl.store(grad_probs_ptr + t * K + slots, _to_slot_order(g, src_slots, slots), mask=slot_mask)
 
 
 @triton.jit
@@ -304,7 +332,7 @@ def _unpermute_backward_kernel(
         if DEBUG:
             tl.device_assert(rows_ok | ~slot_mask, "row_map row out of range [0, rows.shape[0])")
         rows64 = rows.to(tl.int64)
-        src_slots = tl.load(row_map_ptr + t * (2 * K) + K + slots, mask=slot_mask, other=0)
+        src_slots = tl.load(row_map_ptr + t * (2 * K) + K + slots, mask=slot_mask, other=-1)
         if HAS_PROBS:
             p = tl.load(probs_ptr + t * K + src_slots, mask=slot_mask, other=0.0).to(ACC_DTYPE)
         dots = tl.zeros([K_PAD, BLOCK_H], dtype=ACC_DTYPE)
@@ -322,8 +350,8 @@ def _unpermute_backward_kernel(
                 z = tl.load(rows_ptr + rows64[:, None] * H + cols[None, :], mask=tile_mask, other=0.0)
                 dots += z.to(ACC_DTYPE) * g.to(ACC_DTYPE)[None, :]
         if NEED_PROB_GRAD:
-            dot = tl.sum(dots, 1)
-            tl.store(grad_probs_ptr + t * K + src_slots, dot.to(grad_probs_ptr.dtype.element_ty), mask=slot_mask)
+            dot = _to_slot_order(tl.sum(dots, 1), src_slots, slots)
+            tl.store(grad_probs_ptr + t * K + slots, dot.to(grad_probs_ptr.dtype.element_ty), mask=slot_mask)
     else:
         r = (pid - num_tokens).to(tl.int64) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
         r_mask = r < num_rows
