@@ -233,6 +233,12 @@ def ttir_writes_follow_loads() -> bool:
         return True
 
 
+def static_ints(*values) -> tuple[int, ...]:
+    """Plain ints for launch parameters: symbolic sizes (``dynamic=True``, opcheck) are specialised here,
+    since block sizes and grids are chosen from them (the launch plans are cached on plain ints)."""
+    return tuple(int(v) for v in values)
+
+
 def launch_kernel(kernel, grid, *args, traced: bool, options: dict, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs, **options)``; under a trace, through ``wrap_triton``.
 

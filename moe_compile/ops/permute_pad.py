@@ -24,9 +24,12 @@ entry whose prob is exactly ``0.0``. We do NOT adopt that rule: these ops are pu
 ``0.0`` prob routes its token's row like any other prob, and padding only ever comes from explicit pad
 rows. (Adopting it would make the op data dependent and change the prob gradient of genuine zeros.)
 
-CPU (and any non-CUDA device): :func:`permute_pad_reference`, pure PyTorch, sync-free, plus a host check
-that ``expert_idx`` is in ``[0, E)``. CUDA: Triton kernels (``moe_compile/ops/triton/dispatch.py``);
-``debug=True`` adds device-side range asserts on ``expert_idx``.
+CPU (and any non-CUDA device): :func:`permute_pad_reference`, pure PyTorch, sync-free, gathers only
+(NOTE [gather-only reference]), plus a host check that ``expert_idx`` is in ``[0, E)``. CUDA: two
+Triton launches (``moe_compile/ops/triton/dispatch.py``: the index kernel, then the permute);
+``debug=True`` adds device-side range asserts on ``expert_idx``. The op is built like a
+``torch.library.triton_op`` (NOTE [device-decomposed triton ops] in ``ops/_common.py``): under
+``torch.compile`` on CUDA it dissolves into its kernel launches, which Inductor emits in its own code.
 Backward: ``moe::permute_pad_backward``, a gather (``dx[t] = sum_k g[row(t,k)]`` in fp32, ascending rows;
 ``dprobs[t,k] = g_probs[row(t,k)]``); never a scatter-add.
 """
@@ -276,8 +279,7 @@ def _launch_triton(
     """
     from moe_compile.ops.triton import dispatch as kernels
 
-    T, H = x.shape
-    K = expert_idx.shape[1]
+    T, H, K = _common.static_ints(x.shape[0], x.shape[1], expert_idx.shape[1])
     plan = _permute_plan(T, H, K, num_experts, align, x.element_size(), block_n, block_h, num_warps, sub)
     traced = x.is_cuda and _common.is_traced(x)
     if use_pdl is None:
@@ -314,7 +316,7 @@ def _launch_triton(
     _common.launch_kernel(
         kernels._permute_rows_kernel, plan.rows_grid,
         x, ids_copy if copy_ids else expert_idx, table, x if probs is None else probs, rows, probs_M,
-        row_map, T, H, x.stride(0), num_experts, plan.num_blocks, plan.M, plan.M - plan.N,
+        row_map, T, H, _common.static_ints(x.stride(0))[0], num_experts, plan.num_blocks, plan.M, plan.M - plan.N,
         K=K, K_PAD=plan.k_pad, ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, CHUNK=plan.chunk,
         HAS_PROBS=probs is not None, BLOCK_H=plan.block_h, ZERO_ROWS=plan.zero_rows, USE_PDL=use_pdl,
         traced=traced, options=dict(num_warps=plan.num_warps, **pdl),

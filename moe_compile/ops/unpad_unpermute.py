@@ -15,6 +15,12 @@ Backward (``moe::unpad_unpermute_backward``):
 (pad rows, tail) are zero; ``grad_probs[t, k] = <rows[row(t, k)], g[t]>`` in fp32, one program per token
 on CUDA (no atomics across ``H`` tiles).
 
+Both ops are built like ``torch.library.triton_op`` (NOTE [device-decomposed triton ops] in
+``ops/_common.py``): on CUDA, ``torch.compile`` sees their Triton launches; on CPU the body is the
+gather-only reference (NOTE [gather-only reference] in ``permute_pad.py``). Eager CUDA launches
+disable fp contraction, so the combine equals the reference bitwise; Inductor compiles the kernels
+with its own options (contraction on), which may move a result by one rounding of the fp32 sum.
+
 The zero-prob rule (see ``permute_pad``'s NOTE [zero-prob rule]) is not applied: a ``0.0`` prob simply
 weights its row by zero.
 """
@@ -189,8 +195,7 @@ def launch_gather_sum_triton(
     """
     from moe_compile.ops.triton import dispatch as kernels
 
-    T, K = row_map.shape[0], row_map.shape[1] // 2
-    R, H = rows.shape
+    T, K, R, H = _common.static_ints(row_map.shape[0], row_map.shape[1] // 2, *rows.shape)
     traced = rows.is_cuda and _common.is_traced(rows)
     rows, row_map = rows.contiguous(), row_map.contiguous()
     probs = probs.contiguous() if probs is not None else None
@@ -230,8 +235,7 @@ def launch_unpad_unpermute_backward_triton(
     """
     from moe_compile.ops.triton import dispatch as kernels
 
-    T, K = row_map.shape[0], row_map.shape[1] // 2
-    H = grad_y.shape[1]
+    T, K, H, num_rows = _common.static_ints(row_map.shape[0], row_map.shape[1] // 2, grad_y.shape[1], num_rows)
     dev = grad_y.device
     traced = grad_y.is_cuda and _common.is_traced(grad_y)
     grad_y, row_map = grad_y.contiguous(), row_map.contiguous()

@@ -100,7 +100,7 @@ class _Captured(Exception):
     pass
 
 
-def _fake_cuda_graph(fn, *args):
+def _fake_cuda_graph(fn, *args, dynamic_tokens: bool = False):
     """The AOTAutograd (inference) graph of ``fn`` on fake CUDA tensors, never executed.
 
     Forward only: autograd metadata of a fake CUDA tensor aborts a CPU build, so the backward ops are
@@ -114,9 +114,18 @@ def _fake_cuda_graph(fn, *args):
         graphs.append(gm)
         raise _Captured
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()) as mode:
+        shapes = [a.shape if isinstance(a, torch.Tensor) else None for a in args]
+        if dynamic_tokens:  # a symbolic first dim (T), as under dynamic=True or opcheck's dynamic test
+            context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+            with torch._subclasses.fake_tensor.unset_fake_temporarily():
+                meta = torch.empty(args[0].shape, device="meta")
+            T = mode.from_tensor(meta, symbolic_context=context).shape[0]
+            shapes = [(T, *s[1:]) if s is not None else None for s in shapes]
         # shapes and dtypes only: a fake graph never reads values
-        fake = [torch.empty(a.shape, dtype=a.dtype, device="cuda") if isinstance(a, torch.Tensor) else a for a in args]
+        fake = [torch.empty(s, dtype=a.dtype, device="cuda") if s is not None else a for a, s in zip(args, shapes)]
         try:
             aot_function(fn, fw_compiler=compiler)(*fake)
         except _Captured:
@@ -168,6 +177,25 @@ def test_cuda_trace_decomposes_into_triton_launches():
         if "triton_kernel_wrapper" in str(n.target):
             assert not {"launch_pdl", "enable_fp_fusion", "debug"} & set(n.kwargs["kwargs"]), n.kwargs["kwargs"]
             assert n.kwargs["kwargs"].get("USE_PDL", False) is False
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_cuda_trace_with_symbolic_token_count():
+    """Symbolic T (``dynamic=True``, opcheck's dynamic test): the launch plans specialise, no crash."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only trace")
+    x, ids, probs = _inputs(seed=6)
+
+    def layer(x, ids, probs):
+        out = permute_pad(x, ids, probs, num_experts=E, align=A)
+        y = unpad_unpermute(out.rows_MH, out.row_map, probs)
+        g_rows, g_probs = torch.ops.moe.unpad_unpermute_backward(y, out.row_map, probs, out.rows_MH,
+                                                                  out.rows_MH.shape[0])
+        return y, torch.ops.moe.permute_pad_backward(g_rows, out.probs_M, out.row_map)[0], g_probs
+
+    with torch.no_grad():
+        gm = _fake_cuda_graph(layer, x, ids, probs, dynamic_tokens=True)
+    assert len(_kernel_names(gm)) == 6
 
 
 @pytest.mark.filterwarnings("ignore:Encountered an exception in identify_mutated_tensors")
