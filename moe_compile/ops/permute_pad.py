@@ -204,10 +204,12 @@ MAX_TRITON_EXPERTS = 8192
 TABLE_ENTRIES = 8192
 MIN_BLOCK_N = 128  # smaller blocks only grow the table (measured: 32..128 within 1 us at T8192 K2 E8)
 MAX_BLOCK_N = 2048  # each token program compares its ids with up to BLOCK_N + K - 1 earlier ids
-# The index kernel's iteration: up to 8K ids (64 KiB of int64, 16 per thread at 16 warps) and 8K
-# histogram bins (32 KiB of shared memory), so N = 128K ids take 16 iterations of one program.
+# The index kernel's iteration: up to 8K ids (64 KiB of int64, 16 per thread at 16 warps), so N = 128K
+# ids take 16 iterations of one program (loads pipelined over 3 stages). Each lane of a warp owns
+# bins / 32 histogram bins and visits all of them per id (Triton's warp-level histogram), so an
+# iteration keeps to 512 bins (SUB * E_PAD): one more bin per lane costs more than a loop trip saves.
 INDEX_ITER_ENTRIES = 8192
-INDEX_MAX_BINS = 8192
+INDEX_MAX_BINS = 512
 INDEX_NUM_WARPS = 16
 
 

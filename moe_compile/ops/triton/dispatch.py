@@ -94,7 +94,7 @@ def _expert_offsets_kernel(
     experts = tl.arange(0, E_PAD)
     sub = tl.arange(0, SUB)
     running = tl.zeros([E_PAD], dtype=tl.int32)
-    for b0 in range(0, num_blocks, SUB):
+    for b0 in tl.range(0, num_blocks, SUB, num_stages=3):  # the id loads of later trips in flight
         blocks = b0 + sub
         offs = blocks.to(tl.int64)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         in_bounds = offs < N
