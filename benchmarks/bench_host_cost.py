@@ -137,13 +137,13 @@ def _output(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _compile(variant: str, fn):
+def _compile(variant: str, fn, fullgraph: bool = True):
     import moe_compile  # noqa: F401 - registers the backend
 
     if variant == "eager":
         return fn
     backend = "moe_compile" if variant == "moe" else "inductor"
-    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    return torch.compile(fn, backend=backend, fullgraph=fullgraph, dynamic=False)
 
 
 # ===== timing =====
@@ -190,6 +190,27 @@ def profile_calls(step: Callable[[], object], device: str) -> tuple[float, float
 # ===== experiments =====
 
 
+def _make_step(cfg: Config, fn, layer: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor):
+    if cfg.direction == "fwd":
+
+        def step():
+            with torch.no_grad():
+                return _output(fn(x))
+
+        return step
+    xg = x.detach().requires_grad_(True)
+
+    def step():
+        xg.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        out = _output(fn(xg))
+        out.backward(grad_out)
+        return out
+
+    return step
+
+
 def run_layer(cfg: Config, device: str, deadline: float) -> list[Result]:
     layer = build_layer(cfg, device)
     x = layer_input(cfg, device)
@@ -200,35 +221,26 @@ def run_layer(cfg: Config, device: str, deadline: float) -> list[Result]:
             results.append(Result(cfg.name, cfg.layer, cfg.T, cfg.direction, variant, *[math.nan] * 6, "skipped: time budget"))
             continue
         torch._dynamo.reset()
-        fn = _compile(variant, layer)
-        if cfg.direction == "fwd":
-
-            def step(fn=fn):
-                with torch.no_grad():
-                    return _output(fn(x))
-
-        else:
-            xg = x.detach().requires_grad_(True)
-
-            def step(fn=fn, xg=xg):
-                xg.grad = None
-                for p in layer.parameters():
-                    p.grad = None
-                out = _output(fn(xg))
-                out.backward(grad_out)
-                return out
-
         note = ""
         try:
             start = time.perf_counter()
-            step()
+            try:
+                step = _make_step(cfg, _compile(variant, layer), layer, x, grad_out)
+                step()
+            except Exception as exc:  # noqa: BLE001 - a graph break: measure what a user gets without fullgraph
+                if variant == "eager":
+                    raise
+                note = f"fullgraph=False ({type(exc).__name__})"
+                torch._dynamo.reset()
+                step = _make_step(cfg, _compile(variant, layer, fullgraph=False), layer, x, grad_out)
+                step()
             _sync(device)
             compile_s = time.perf_counter() - start if variant != "eager" else 0.0
             wall, issue = time_calls(step, device)
             kernel, cpu = profile_calls(step, device)
         except Exception as exc:  # noqa: BLE001 - report the failure in the table, keep going
             wall = issue = kernel = cpu = compile_s = math.nan
-            note = f"failed: {type(exc).__name__}: {exc}"[:200]
+            note = f"{note} failed: {type(exc).__name__}: {exc}"[:200].strip()
         results.append(Result(cfg.name, cfg.layer, cfg.T, cfg.direction, variant, wall, issue, kernel, cpu,
                               math.nan, compile_s, note))
         print(f"  {cfg.name} {variant}: wall {wall:.1f} us, issue {issue:.1f} us, kernels {kernel:.1f} us "
