@@ -396,3 +396,27 @@ def test_compiled_decode_layer_has_no_input_copies():
     torch._dynamo.reset()
     torch.testing.assert_close(y, layer(x, ids, probs))
     assert ".copy_(" not in code, code
+
+
+def test_debug_device_assert_under_compile():
+    # the traced path: Inductor launches the kernels; DEBUG is a constexpr, Inductor compiles user kernels
+    # with device asserts enabled (a subprocess: the assert poisons the CUDA context)
+    script = """
+        import torch
+        from moe_compile.ops import permute_pad
+        f = torch.compile(lambda x, ids: permute_pad(x, ids, None, num_experts=4, align=16, debug={debug}).rows_MH,
+                          fullgraph=True)
+        x = torch.randn(8, 64, device="cuda")
+        ids = torch.randint(0, 4, (8, 2), device="cuda")
+        f(x, ids)
+        torch.cuda.synchronize()
+        ids[3, 1] = 9
+        f(x, ids)
+        torch.cuda.synchronize()
+        print("finished")
+    """
+    ok = _run_script(script.format(debug=False))
+    assert ok.returncode == 0 and "finished" in ok.stdout, ok.stderr[-3000:]
+    bad = _run_script(script.format(debug=True))
+    assert bad.returncode != 0 and "finished" not in bad.stdout
+    assert "assert" in bad.stderr.lower(), bad.stderr[-3000:]
