@@ -1,4 +1,4 @@
-"""Custom ops (``torch.ops.moe.*``) with CPU reference and Triton CUDA implementations."""
+"""Ops (``torch.ops.moe.*``) with CPU references and Triton CUDA implementations that Inductor launches itself."""
 
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS, static_row_bound
 # `moe_compile.ops.grouped_mm` stays the module (its op wrapper is `grouped_mm.grouped_mm`): code across

@@ -146,3 +146,111 @@ def use_eager_fast_path(*tensors: torch.Tensor | None) -> bool:
         or torch._C._functorch.peek_interpreter_stack() is not None
         or torch.autograd._profiler_enabled()
     )
+
+
+# ===== op construction =====
+
+# Devices on which a dispatch op decomposes into its body when AOTAutograd traces it (NOTE [device-
+# decomposed triton ops]).
+DECOMPOSE_ON_DEVICES = frozenset({"cuda"})
+
+
+def is_traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` belongs to a trace (fake / functional tensors, or Dynamo compiling), so that Triton
+    kernels must go through ``wrap_triton`` instead of launching directly."""
+    return type(t) is not torch.Tensor or torch.compiler.is_compiling()
+
+
+def dispatch_triton_op(name: str, fn, *, schema: str, fake):
+    """Define ``name`` like ``torch.library.triton_op(name, mutates_args=())(fn)``, with an explicit schema
+    and fake, and the body visible to the compiler only on ``DECOMPOSE_ON_DEVICES``.
+
+    NOTE [device-decomposed triton ops]
+    ``torch.library.triton_op`` (i) runs ``fn`` as the op's kernel for every device with
+    ``wrap_triton`` switched off, so kernels launch directly in eager; (ii) registers ``fn`` as the
+    fake; (iii) under ``FunctionalTensorMode`` (AOTAutograd) replaces the op by ``fn``'s body, so that
+    on CUDA Inductor sees ``triton_kernel_wrapper_functional`` nodes and launches the kernels from its
+    own generated code, with no Python custom-op dispatch (issue 14). We do the same three things, with
+    three differences:
+
+    * the schema is the one given (``triton_op`` infers it from annotations, turning ``int`` into
+      ``SymInt``; ``E`` and ``align`` stay plain ``int``: they size outputs and pick kernels);
+    * the fake is ``fake`` (static shapes, no host reads; ``fn``'s CPU branch checks ids on the host);
+    * the body is traced only for tensors on ``DECOMPOSE_ON_DEVICES``. Elsewhere (CPU) the op stays one
+      node through AOTAutograd and Inductor calls its kernel (the gather-only reference), so our passes
+      and tests keep seeing ``moe.*`` nodes in post-grad graphs. The reference is written with gathers
+      only, so adding ``"cpu"`` to the set traces it with no scatter and no atomic.
+
+    ``fn`` branches on the device (static under fake tensors); its CUDA branch launches Triton through
+    the launchers, which call ``wrap_triton`` when :func:`is_traced`.
+    """
+    from torch._library.triton import set_wrap_triton_enabled
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    def backend_fn(*args, **kwargs):
+        with set_wrap_triton_enabled(False):
+            return fn(*args, **kwargs)
+
+    backend_fn.__name__ = fn.__name__
+    op = torch.library.custom_op(name, backend_fn, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+
+    def functional_decomp(mode, func, types, args, kwargs):
+        if any(not issubclass(t, FakeTensor) and t not in (torch.Tensor, FunctionalTensor) for t in types):
+            return NotImplemented
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        if device.type not in DECOMPOSE_ON_DEVICES or _export_keeps_triton_ops():
+            return mode.__torch_dispatch__(func, types, args, kwargs)
+        with mode:
+            return fn(*args, **kwargs)
+
+    op.register_torch_dispatch(FunctionalTensorMode, functional_decomp)
+    return op
+
+
+def _export_keeps_triton_ops() -> bool:
+    """``torch.export`` keeps custom triton ops as ops (``triton_op``'s NOTE [Export custom triton op])."""
+    try:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    return custom_triton_ops_decomposition_disabled()
+
+
+@functools.lru_cache(maxsize=None)
+def ttir_writes_follow_loads() -> bool:
+    """Whether Inductor's ``wrap_triton`` mutation analysis counts a tensor as written when its loaded
+    values feed a store address (torch 2.11; 2.13 stops at loads). NOTE [no load-derived store addresses
+    on graph inputs] in ``ops/triton/dispatch.py``. Unknown versions: assume it does (the safe side)."""
+    import inspect
+
+    try:
+        from torch._higher_order_ops import triton_kernel_wrap
+
+        return "skip_loads" not in inspect.getsource(triton_kernel_wrap)
+    except (ImportError, OSError, TypeError):  # pragma: no cover - no source available
+        return True
+
+
+def static_ints(*values) -> tuple[int, ...]:
+    """Plain ints for launch parameters: symbolic sizes (``dynamic=True``, opcheck) are specialised here,
+    since block sizes and grids are chosen from them (the launch plans are cached on plain ints)."""
+    return tuple(int(v) for v in values)
+
+
+def launch_kernel(kernel, grid, *args, traced: bool, options: dict, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs, **options)``; under a trace, through ``wrap_triton``.
+
+    ``options`` are Triton compile/launch options (``num_warps``, ``debug``, ``enable_fp_fusion``,
+    ``launch_pdl``). Inductor compiles a wrapped kernel with its own options and takes only
+    ``num_warps`` from the call, so a traced launch passes just that: device asserts stay on because
+    Inductor compiles user kernels with ``debug`` set (the kernels gate them on a ``DEBUG`` constexpr),
+    and fp contraction follows Inductor's default (see NOTE [expert-order gather-sum]).
+    """
+    if traced:
+        from torch.library import wrap_triton
+
+        wrap_triton(kernel)[grid](*args, **kwargs, num_warps=options["num_warps"])
+    else:
+        kernel[grid](*args, **kwargs, **options)

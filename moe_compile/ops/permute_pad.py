@@ -24,9 +24,12 @@ entry whose prob is exactly ``0.0``. We do NOT adopt that rule: these ops are pu
 ``0.0`` prob routes its token's row like any other prob, and padding only ever comes from explicit pad
 rows. (Adopting it would make the op data dependent and change the prob gradient of genuine zeros.)
 
-CPU (and any non-CUDA device): :func:`permute_pad_reference`, pure PyTorch, sync-free, plus a host check
-that ``expert_idx`` is in ``[0, E)``. CUDA: Triton kernels (``moe_compile/ops/triton/dispatch.py``);
-``debug=True`` adds device-side range asserts on ``expert_idx``.
+CPU (and any non-CUDA device): :func:`permute_pad_reference`, pure PyTorch, sync-free, gathers only
+(NOTE [gather-only reference]), plus a host check that ``expert_idx`` is in ``[0, E)``. CUDA: two
+Triton launches (``moe_compile/ops/triton/dispatch.py``: the index kernel, then the permute);
+``debug=True`` adds device-side range asserts on ``expert_idx``. The op is built like a
+``torch.library.triton_op`` (NOTE [device-decomposed triton ops] in ``ops/_common.py``): under
+``torch.compile`` on CUDA it dissolves into its kernel launches, which Inductor emits in its own code.
 Backward: ``moe::permute_pad_backward``, a gather (``dx[t] = sum_k g[row(t,k)]`` in fp32, ascending rows;
 ``dprobs[t,k] = g_probs[row(t,k)]``); never a scatter-add.
 """
@@ -41,7 +44,7 @@ from torch import Tensor
 
 from moe_compile.ops import _common
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS, static_row_bound
-from moe_compile.ops.unpad_unpermute import launch_gather_sum_triton, unpad_unpermute_reference
+from moe_compile.ops.unpad_unpermute import launch_gather_sum_triton, rows_by_slot, unpad_unpermute_reference
 
 __all__ = ["PermutePadOut", "permute_pad", "permute_pad_backward_reference", "permute_pad_reference"]
 
@@ -79,23 +82,38 @@ def permute_pad_reference(
     N = T * K
     M = static_row_bound(N, num_experts, align)
     device = x_TH.device
-    ids_N = expert_idx_TK.reshape(N).to(torch.int64)
+    i64 = torch.int64
+    ids_N = expert_idx_TK.reshape(N).to(i64)
     sorted_ids_N, order_N = torch.sort(ids_N, stable=True)  # order_N[p] = flat index t*K + k
-    experts_E = torch.arange(num_experts, device=device, dtype=torch.int64)
-    starts_E = torch.searchsorted(sorted_ids_N, experts_E)
+    experts_E = torch.arange(num_experts, device=device, dtype=i64)
+    starts_E = torch.searchsorted(sorted_ids_N, experts_E)  # first sorted position of each expert
     counts_E = torch.searchsorted(sorted_ids_N, experts_E, right=True) - starts_E
     padded_E = (counts_E + (align - 1)) // align * align
     offs_E = torch.cumsum(padded_E, 0)
-    # sorted position p of expert e lands on row seg_start[e] + (p - starts[e])
-    shift_E = offs_E - padded_E - starts_E
-    dest_N = torch.arange(N, device=device, dtype=torch.int64) + shift_E.index_select(0, sorted_ids_N)
+    seg_start_E = offs_E - padded_E
 
-    rows_MH = x_TH.new_zeros((M, H)).index_copy(0, dest_N, x_TH.index_select(0, order_N // K))
+    # NOTE [gather-only reference]: every output element is read from its source (no scatter, no
+    # index_put), so a traced reference compiles without atomics. Row m belongs to the expert whose
+    # segment holds it; it is real when it lies among the expert's first counts[e] rows.
+    rows_M = torch.arange(M, device=device, dtype=i64)
+    owner_M = torch.searchsorted(offs_E, rows_M, right=True).clamp_max(num_experts - 1)
+    within_M = rows_M - seg_start_E.index_select(0, owner_M)
+    is_real_M = within_M < counts_E.index_select(0, owner_M)  # (tail rows: within >= padded)
+    sorted_pos_M = (starts_E.index_select(0, owner_M) + within_M).clamp(0, max(N - 1, 0))
+    src_M = order_N.index_select(0, sorted_pos_M) if N > 0 else rows_M.new_zeros(M)  # flat index t*K + k
+    zero = x_TH.new_zeros(())
+    rows_MH = torch.where(is_real_M[:, None], x_TH.index_select(0, src_M // K), zero) if T > 0 else x_TH.new_zeros(M, H)
     probs_M = None
     if probs_TK is not None:
-        probs_M = probs_TK.new_zeros((M,)).index_copy(0, dest_N, probs_TK.reshape(N).index_select(0, order_N))
-    dest_flat_N = torch.empty_like(dest_N).index_copy(0, order_N, dest_N)
-    sorted_rows_TK, slots_TK = dest_flat_N.reshape(T, K).sort(dim=1)
+        probs_M = (
+            torch.where(is_real_M, probs_TK.reshape(N).index_select(0, src_M), probs_TK.new_zeros(()))
+            if N > 0 else probs_TK.new_zeros(M)
+        )
+    # destination of flat entry i: its sorted position (the inverse permutation of order_N, another
+    # sort) shifted to its expert's segment
+    inverse_N = torch.argsort(order_N)
+    dest_N = inverse_N + (seg_start_E - starts_E).index_select(0, ids_N)
+    sorted_rows_TK, slots_TK = dest_N.reshape(T, K).sort(dim=1)
     row_map = torch.cat([sorted_rows_TK, slots_TK], dim=1).to(torch.int32)
     return PermutePadOut(rows_MH, probs_M, offs_E.to(torch.int32), row_map, counts_E.to(torch.int32))
 
@@ -112,10 +130,8 @@ def permute_pad_backward_reference(
     grad_x_TH = unpad_unpermute_reference(grad_rows_MH, row_map, None)
     if grad_probs_M is None:
         return grad_x_TH, None
-    K = row_map.shape[1] // 2
-    rows_TK, slots_TK = row_map[:, :K].long(), row_map[:, K:].long()
-    gathered_TK = grad_probs_M.index_select(0, rows_TK.reshape(-1)).reshape(rows_TK.shape)
-    grad_probs_TK = torch.empty_like(gathered_TK).scatter(1, slots_TK, gathered_TK)
+    row_of_slot_TK = rows_by_slot(row_map)
+    grad_probs_TK = grad_probs_M.index_select(0, row_of_slot_TK.reshape(-1)).reshape(row_of_slot_TK.shape)
     return grad_x_TH, grad_probs_TK
 
 
@@ -183,12 +199,18 @@ def _check_args_detailed(x: Tensor, expert_idx: Tensor, probs: Tensor | None, nu
 # Largest E handled by the Triton index kernels (the scan holds an [E_PAD] vector, the zero programs
 # an [ZERO_ROWS, E_PAD] tile); beyond it the CUDA kernel falls back to the (sync-free, slower) reference.
 MAX_TRITON_EXPERTS = 8192
-# Entries of the [NB, E_PAD] block table the single-program scan should handle (8K int32 = 32 KiB):
-# BLOCK_N grows until the table fits, up to MAX_BLOCK_N (then the table grows instead).
+# Entries of the [NB, E_PAD] block table (8K int32 = 32 KiB): BLOCK_N grows until the table fits,
+# up to MAX_BLOCK_N (then the table grows instead).
 TABLE_ENTRIES = 8192
 MIN_BLOCK_N = 128  # smaller blocks only grow the table (measured: 32..128 within 1 us at T8192 K2 E8)
 MAX_BLOCK_N = 2048  # each token program compares its ids with up to BLOCK_N + K - 1 earlier ids
-SCAN_NUM_WARPS = 4  # the scan is one program over <= TABLE_ENTRIES entries
+# The index kernel's iteration: up to 8K ids (64 KiB of int64, 16 per thread at 16 warps), so N = 128K
+# ids take 16 iterations of one program (loads pipelined over 3 stages). Each lane of a warp owns
+# bins / 32 histogram bins and visits all of them per id (Triton's warp-level histogram), so an
+# iteration keeps to 512 bins (SUB * E_PAD): one more bin per lane costs more than a loop trip saves.
+INDEX_ITER_ENTRIES = 8192
+INDEX_MAX_BINS = 512
+INDEX_NUM_WARPS = 16
 
 
 class _PermutePlan(NamedTuple):
@@ -200,7 +222,7 @@ class _PermutePlan(NamedTuple):
     k_pad: int
     block_n: int
     num_blocks: int
-    block_b: int
+    sub: int
     chunk: int
     block_h: int
     num_warps: int
@@ -211,7 +233,7 @@ class _PermutePlan(NamedTuple):
 @functools.lru_cache(maxsize=512)
 def _permute_plan(
     T: int, H: int, K: int, num_experts: int, align: int, elem_size: int,
-    block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None,
+    block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None, sub: int | None = None,
 ) -> _PermutePlan:  # fmt: skip
     N = T * K
     M = static_row_bound(N, num_experts, align)
@@ -222,7 +244,9 @@ def _permute_plan(
         while block_n < MAX_BLOCK_N and _common.cdiv(N, block_n) * e_pad > TABLE_ENTRIES:
             block_n *= 2
     num_blocks = _common.cdiv(N, block_n)
-    block_b = max(2, min(_common.next_power_of_2(num_blocks), TABLE_ENTRIES // e_pad))
+    # table blocks per index-kernel iteration (a power of two; no more than the blocks there are)
+    if sub is None:
+        sub = max(1, min(_common.next_power_of_2(num_blocks), INDEX_ITER_ENTRIES // block_n, INDEX_MAX_BINS // e_pad))
     # the rank loop's [K_PAD, CHUNK] compare tile: <= 4K entries, at most the span it has to cover
     chunk = max(16, min(_common.next_power_of_2(block_n + K), 4096 // k_pad))
     bh, warps = _common.row_block(H, elem_size, max_bytes=16384)
@@ -230,7 +254,7 @@ def _permute_plan(
     warps = num_warps or warps
     zero_rows = max(2, min(16, 4096 // bh, 16384 // e_pad))
     rows_grid = (T + _common.cdiv(M - N, zero_rows), _common.cdiv(H, bh))
-    return _PermutePlan(N, M, e_pad, k_pad, block_n, num_blocks, block_b, chunk, bh, warps, zero_rows, rows_grid)
+    return _PermutePlan(N, M, e_pad, k_pad, block_n, num_blocks, sub, chunk, bh, warps, zero_rows, rows_grid)
 
 
 def _launch_triton(
@@ -244,21 +268,25 @@ def _launch_triton(
     block_n: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
+    sub: int | None = None,
     use_pdl: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Three launches, no host sync: block histogram, in-place scan, permute (+ zero rows).
+    """Two launches, no host sync: the index kernel (histogram + scan), then the permute (+ zero rows).
 
-    See ``moe_compile/ops/triton/dispatch.py`` NOTE [destination rows in three launches] and NOTE
-    [overlapping the launches] (``use_pdl``: default on for CUDA devices that support it).
-    ``block_n`` / ``block_h`` / ``num_warps`` override the plan (tests use small blocks to cover several).
+    See ``moe_compile/ops/triton/dispatch.py`` NOTE [destination rows in two launches] and NOTE
+    [overlapping the launches] (``use_pdl``: default on for eager CUDA launches where supported).
+    Under a trace (fake/functional tensors) the kernels go through ``wrap_triton``, so Inductor launches
+    them from its generated code. ``block_n`` / ``block_h`` / ``num_warps`` / ``sub`` (table blocks per
+    index-kernel iteration, a power of two) override the plan (tests use small blocks to cover several).
     """
     from moe_compile.ops.triton import dispatch as kernels
 
-    T, H = x.shape
-    K = expert_idx.shape[1]
-    plan = _permute_plan(T, H, K, num_experts, align, x.element_size(), block_n, block_h, num_warps)
+    T, H, K = _common.static_ints(x.shape[0], x.shape[1], expert_idx.shape[1])
+    plan = _permute_plan(T, H, K, num_experts, align, x.element_size(), block_n, block_h, num_warps, sub)
+    traced = x.is_cuda and _common.is_traced(x)
     if use_pdl is None:
-        use_pdl = _common.pdl_supported(x.device)
+        use_pdl = not traced and _common.pdl_supported(x.device)
+    use_pdl = use_pdl and not traced
     pdl = {"launch_pdl": True} if use_pdl else {}
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -270,26 +298,30 @@ def _launch_triton(
     i32 = torch.int32
     e_pad = plan.e_pad
 
-    table = torch.empty((plan.num_blocks + 1) * e_pad, dtype=i32, device=dev)
+    # before_blocks, seg_start and counts; the permute kernel reads counts from here, not from `counts`
+    table = torch.empty((plan.num_blocks + 2) * e_pad, dtype=i32, device=dev)
     counts = torch.empty(num_experts, dtype=i32, device=dev)
     offs = torch.empty(num_experts, dtype=i32, device=dev)
-    kernels._expert_histogram_kernel[(plan.num_blocks,)](
-        expert_idx, table, plan.N, num_experts,
-        BLOCK_N=plan.block_n, E_PAD=e_pad, DEBUG=debug, USE_PDL=use_pdl, num_warps=4, debug=debug,
-    )  # fmt: skip
-    kernels._expert_offsets_kernel[(1,)](
-        table, counts, offs, plan.num_blocks, num_experts,
-        ALIGN=align, E_PAD=e_pad, BLOCK_B=plan.block_b, USE_PDL=use_pdl, num_warps=SCAN_NUM_WARPS, **pdl,
+    # NOTE [no load-derived store addresses on graph inputs] (ops/triton/dispatch.py)
+    copy_ids = traced and _common.ttir_writes_follow_loads()
+    ids_copy = torch.empty(plan.N, dtype=i32, device=dev) if copy_ids else table
+    _common.launch_kernel(
+        kernels._expert_offsets_kernel, (1,),
+        expert_idx, ids_copy, table, counts, offs, plan.N, num_experts, plan.num_blocks,
+        ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, SUB=plan.sub, COPY_IDS=copy_ids, DEBUG=debug,
+        USE_PDL=use_pdl, traced=traced, options=dict(num_warps=INDEX_NUM_WARPS, debug=debug),
     )  # fmt: skip
     rows = torch.empty((plan.M, H), dtype=x.dtype, device=dev)
+    # without probs, probs_M is the empty placeholder output: it doubles as the unused pointer
     probs_M = torch.empty(plan.M, dtype=probs.dtype, device=dev) if probs is not None else x.new_empty(0)
     row_map = torch.empty((T, 2 * K), dtype=i32, device=dev)
-    kernels._permute_rows_kernel[plan.rows_grid](
-        x, expert_idx, table, x if probs is None else probs, counts, rows, rows if probs is None else probs_M,
-        row_map, T, H, x.stride(0), num_experts, plan.num_blocks, plan.M, plan.M - plan.N,
+    _common.launch_kernel(
+        kernels._permute_rows_kernel, plan.rows_grid,
+        x, ids_copy if copy_ids else expert_idx, table, x if probs is None else probs, rows, probs_M,
+        row_map, T, H, _common.static_ints(x.stride(0))[0], num_experts, plan.num_blocks, plan.M, plan.M - plan.N,
         K=K, K_PAD=plan.k_pad, ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, CHUNK=plan.chunk,
         HAS_PROBS=probs is not None, BLOCK_H=plan.block_h, ZERO_ROWS=plan.zero_rows, USE_PDL=use_pdl,
-        num_warps=plan.num_warps, **pdl,
+        traced=traced, options=dict(num_warps=plan.num_warps, **pdl),
     )  # fmt: skip
     return rows, probs_M, offs, row_map, counts
 
@@ -298,30 +330,48 @@ def _use_triton(x: Tensor, expert_idx: Tensor, num_experts: int) -> bool:
     return x.numel() > 0 and expert_idx.numel() > 0 and num_experts <= MAX_TRITON_EXPERTS
 
 
-# ===== custom ops =====
-
-
-@torch.library.custom_op(
-    "moe::permute_pad",
-    mutates_args=(),
-    # plain `int`s (not SymInt): E and align are static, they size the output and pick kernels
-    schema="(Tensor x, Tensor expert_idx, Tensor? probs, int num_experts, int align, bool debug=False) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-)
-def _permute_pad_op(
-    x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts: int, align: int, debug: bool = False
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    # Default (CPU and any non-CUDA device) kernel: the reference. `probs_M` is an empty tensor when
-    # no probs are given (custom ops cannot return None).
-    _check_args(x, expert_idx, probs, num_experts, align)
-    if x.device.type != "cuda":
-        _common.check_ids_in_range(expert_idx, 0, num_experts, "expert_idx")
+def _reference_tuple(x, expert_idx, probs, num_experts, align):
     out = permute_pad_reference(x, expert_idx, probs, num_experts, align)
     probs_M = out.probs_M if out.probs_M is not None else x.new_empty(0)
     return out.rows_MH, probs_M, out.offs_E, out.row_map, out.counts_E
 
 
-@_permute_pad_op.register_fake
+def _permute_pad_cuda(x, expert_idx, probs, num_experts, align, debug=False):
+    """The CUDA path: the Triton kernels, or the reference where they do not apply (empty inputs, huge E).
+    Runs on CPU tensors too under ``TRITON_INTERPRET=1`` (the kernel tests)."""
+    _check_args(x, expert_idx, probs, num_experts, align)
+    if not _use_triton(x, expert_idx, num_experts):
+        return _reference_tuple(x, expert_idx, probs, num_experts, align)
+    return _launch_triton(x, expert_idx, probs, num_experts, align, debug)
+
+
+def _permute_pad_backward_cuda(grad_rows, grad_probs, row_map):
+    if grad_rows.shape[1] == 0 or row_map.shape[0] == 0:
+        return _permute_pad_backward_default(grad_rows, grad_probs, row_map)
+    grad_x, grad_probs_TK = launch_gather_sum_triton(grad_rows, row_map, None, grad_probs_M=grad_probs)
+    return grad_x, (grad_probs_TK if grad_probs_TK is not None else grad_rows.new_empty(0))
+
+
+def _permute_pad_backward_default(grad_rows, grad_probs, row_map):
+    grad_x, grad_probs_TK = permute_pad_backward_reference(grad_rows, grad_probs, row_map)
+    return grad_x, (grad_probs_TK if grad_probs_TK is not None else grad_rows.new_empty(0))
+
+
+# ===== ops (NOTE [device-decomposed triton ops] in ops/_common.py) =====
+
+
+def _permute_pad_body(
+    x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts: int, align: int, debug: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # `probs_M` is an empty tensor when no probs are given (ops cannot return None)
+    if x.device.type == "cuda":
+        return _permute_pad_cuda(x, expert_idx, probs, num_experts, align, debug)
+    _check_args(x, expert_idx, probs, num_experts, align)
+    if not _common.is_traced(x):  # eager CPU: the ids are on the host anyway
+        _common.check_ids_in_range(expert_idx, 0, num_experts, "expert_idx")
+    return _reference_tuple(x, expert_idx, probs, num_experts, align)
+
+
 def _permute_pad_fake(x, expert_idx, probs, num_experts, align, debug=False):
     _check_args(x, expert_idx, probs, num_experts, align)
     T, H = x.shape
@@ -337,28 +387,25 @@ def _permute_pad_fake(x, expert_idx, probs, num_experts, align, debug=False):
     )
 
 
-@_permute_pad_op.register_kernel("cuda")
-def _permute_pad_cuda(x, expert_idx, probs, num_experts, align, debug=False):
-    _check_args(x, expert_idx, probs, num_experts, align)
-    if not _use_triton(x, expert_idx, num_experts):
-        out = permute_pad_reference(x, expert_idx, probs, num_experts, align)
-        probs_M = out.probs_M if out.probs_M is not None else x.new_empty(0)
-        return out.rows_MH, probs_M, out.offs_E, out.row_map, out.counts_E
-    return _launch_triton(x, expert_idx, probs, num_experts, align, debug)
+_permute_pad_op = _common.dispatch_triton_op(
+    "moe::permute_pad",
+    _permute_pad_body,
+    # plain `int`s (not SymInt): E and align are static, they size the output and pick kernels
+    schema="(Tensor x, Tensor expert_idx, Tensor? probs, int num_experts, int align, bool debug=False) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    fake=_permute_pad_fake,
+)
 
 
-@torch.library.custom_op("moe::permute_pad_backward", mutates_args=())
-def _permute_pad_backward_op(grad_rows: Tensor, grad_probs: Tensor | None, row_map: Tensor) -> tuple[Tensor, Tensor]:
+def _permute_pad_backward_body(
+    grad_rows: Tensor, grad_probs: Tensor | None, row_map: Tensor
+) -> tuple[Tensor, Tensor]:
     # Returns (grad_x [T, H], grad_probs [T, K]); grad_probs is empty when `grad_probs` is None.
+    if grad_rows.device.type == "cuda":
+        return _permute_pad_backward_cuda(grad_rows, grad_probs, row_map)
     return _permute_pad_backward_default(grad_rows, grad_probs, row_map)
 
 
-def _permute_pad_backward_default(grad_rows, grad_probs, row_map):
-    grad_x, grad_probs_TK = permute_pad_backward_reference(grad_rows, grad_probs, row_map)
-    return grad_x, (grad_probs_TK if grad_probs_TK is not None else grad_rows.new_empty(0))
-
-
-@_permute_pad_backward_op.register_fake
 def _permute_pad_backward_fake(grad_rows, grad_probs, row_map):
     T, K = row_map.shape[0], row_map.shape[1] // 2
     grad_x = grad_rows.new_empty(T, grad_rows.shape[1])
@@ -366,12 +413,12 @@ def _permute_pad_backward_fake(grad_rows, grad_probs, row_map):
     return grad_x, grad_probs_TK
 
 
-@_permute_pad_backward_op.register_kernel("cuda")
-def _permute_pad_backward_cuda(grad_rows, grad_probs, row_map):
-    if grad_rows.shape[1] == 0 or row_map.shape[0] == 0:
-        return _permute_pad_backward_default(grad_rows, grad_probs, row_map)
-    grad_x, grad_probs_TK = launch_gather_sum_triton(grad_rows, row_map, None, grad_probs_M=grad_probs)
-    return grad_x, (grad_probs_TK if grad_probs_TK is not None else grad_rows.new_empty(0))
+_permute_pad_backward_op = _common.dispatch_triton_op(
+    "moe::permute_pad_backward",
+    _permute_pad_backward_body,
+    schema="(Tensor grad_rows, Tensor? grad_probs, Tensor row_map) -> (Tensor, Tensor)",
+    fake=_permute_pad_backward_fake,
+)
 
 
 # ===== autograd =====

@@ -15,6 +15,12 @@ Backward (``moe::unpad_unpermute_backward``):
 (pad rows, tail) are zero; ``grad_probs[t, k] = <rows[row(t, k)], g[t]>`` in fp32, one program per token
 on CUDA (no atomics across ``H`` tiles).
 
+Both ops are built like ``torch.library.triton_op`` (NOTE [device-decomposed triton ops] in
+``ops/_common.py``): on CUDA, ``torch.compile`` sees their Triton launches; on CPU the body is the
+gather-only reference (NOTE [gather-only reference] in ``permute_pad.py``). Eager CUDA launches
+disable fp contraction, so the combine equals the reference bitwise; Inductor compiles the kernels
+with its own options (contraction on), which may move a result by one rounding of the fp32 sum.
+
 The zero-prob rule (see ``permute_pad``'s NOTE [zero-prob rule]) is not applied: a ``0.0`` prob simply
 weights its row by zero.
 """
@@ -63,16 +69,28 @@ def unpad_unpermute_reference(rows_RH: Tensor, row_map: Tensor, probs_TK: Tensor
     return acc_TH.to(rows_RH.dtype)
 
 
+def rows_by_slot(row_map: Tensor) -> Tensor:
+    """int64 ``[T, K]``: the row of each top-k slot (``row_map`` lists rows ascending, with their slots).
+
+    A gather through the inverse of each token's slot permutation (a sort), not a scatter.
+    """
+    K = row_map.shape[1] // 2
+    slot_order_TK = row_map[:, K:].long().argsort(dim=1)
+    return row_map[:, :K].long().gather(1, slot_order_TK)
+
+
 def unpad_unpermute_backward_reference(
     grad_y_TH: Tensor, row_map: Tensor, probs_TK: Tensor | None, rows_RH: Tensor | None, num_rows: int
 ) -> tuple[Tensor, Tensor | None]:
-    """Gradients of :func:`unpad_unpermute_reference` (gathers and unique writes only).
+    """Gradients of :func:`unpad_unpermute_reference` (gathers only: NOTE [gather-only reference]).
 
     Returns ``(grad_rows_RH, grad_probs_TK)``; ``grad_probs_TK`` is None unless both ``probs_TK`` and
     ``rows_RH`` are given. Rows of ``grad_rows_RH`` that ``row_map`` does not reference are zero.
     """
     T, K = row_map.shape[0], row_map.shape[1] // 2
+    N = T * K
     H = grad_y_TH.shape[1]
+    device = grad_y_TH.device
     acc_dtype = _acc_dtype(grad_y_TH.dtype)
     rows_TK, slots_TK = row_map[:, :K].long(), row_map[:, K:].long()
     if probs_TK is None:
@@ -80,12 +98,24 @@ def unpad_unpermute_backward_reference(
     else:
         probs_sorted_TK = probs_TK.gather(1, slots_TK).to(acc_dtype)
         vals_TKH = (grad_y_TH.to(acc_dtype).unsqueeze(1) * probs_sorted_TK.unsqueeze(2)).to(grad_y_TH.dtype)
-    grad_rows_RH = grad_y_TH.new_zeros((num_rows, H)).index_copy(0, rows_TK.reshape(-1), vals_TKH.reshape(T * K, H))
+    # row r takes the value of the entry (t, j) that references it, found by a sort of the referenced
+    # rows and a search; unreferenced rows (pad, tail) are zero
+    if N > 0:
+        sorted_rows_N, entry_N = torch.sort(rows_TK.reshape(N))
+        r_R = torch.arange(num_rows, device=device, dtype=torch.int64)
+        pos_R = torch.searchsorted(sorted_rows_N, r_R).clamp_max(N - 1)
+        is_used_R = sorted_rows_N.index_select(0, pos_R) == r_R
+        src_R = entry_N.index_select(0, pos_R)
+        gathered_RH = vals_TKH.reshape(N, H).index_select(0, src_R)
+        grad_rows_RH = torch.where(is_used_R[:, None], gathered_RH, grad_y_TH.new_zeros(()))
+    else:
+        grad_rows_RH = grad_y_TH.new_zeros((num_rows, H))
     if probs_TK is None or rows_RH is None:
         return grad_rows_RH, None
     z_TKH = rows_RH.index_select(0, rows_TK.reshape(-1)).reshape(T, K, H).to(acc_dtype)
     dots_TK = (z_TKH * grad_y_TH.to(acc_dtype).unsqueeze(1)).sum(dim=2)
-    grad_probs_TK = torch.empty_like(probs_TK).scatter(1, slots_TK, dots_TK.to(probs_TK.dtype))
+    # dots are in ascending-row order; slot k's dot sits at the position of k among the token's slots
+    grad_probs_TK = dots_TK.gather(1, slots_TK.argsort(dim=1)).to(probs_TK.dtype)
     return grad_rows_RH, grad_probs_TK
 
 
@@ -161,12 +191,12 @@ def launch_gather_sum_triton(
 ) -> tuple[Tensor, Tensor | None]:
     """``y[t] = sum_j p_j * rows[row_j]`` (one launch). With ``grad_probs_M`` (permute_pad backward) it
     also gathers ``grad_probs[t, k] = grad_probs_M[row(t, k)]``. Returns ``(y_TH, grad_probs_TK or None)``.
-    Needs ``T > 0`` and ``H > 0``.
+    Needs ``T > 0`` and ``H > 0``. Under a trace the kernel goes through ``wrap_triton``.
     """
     from moe_compile.ops.triton import dispatch as kernels
 
-    T, K = row_map.shape[0], row_map.shape[1] // 2
-    R, H = rows.shape
+    T, K, R, H = _common.static_ints(row_map.shape[0], row_map.shape[1] // 2, *rows.shape)
+    traced = rows.is_cuda and _common.is_traced(rows)
     rows, row_map = rows.contiguous(), row_map.contiguous()
     probs = probs.contiguous() if probs is not None else None
     out = torch.empty((T, H), dtype=rows.dtype, device=rows.device)
@@ -176,12 +206,15 @@ def launch_gather_sum_triton(
         grad_probs = torch.empty((T, K), dtype=grad_probs_M.dtype, device=rows.device)
     bh, num_warps = _common.row_block(H, rows.element_size())
     bh = block_h or bh
-    kernels._unpermute_rows_kernel[(T, _common.cdiv(H, bh))](
+    _common.launch_kernel(
+        kernels._unpermute_rows_kernel, (T, _common.cdiv(H, bh)),
         rows, row_map, probs if probs is not None else rows, out,
-        grad_probs_M if grad_probs_M is not None else rows, grad_probs if grad_probs is not None else out,
+        grad_probs_M if grad_probs_M is not None else rows,
+        # unused without GATHER_PROB_GRAD: a fresh placeholder, so that no output aliases another
+        grad_probs if grad_probs is not None else out.new_empty(0),
         R, H, K=K, K_PAD=max(2, _common.next_power_of_2(K)), HAS_PROBS=probs is not None,
-        GATHER_PROB_GRAD=grad_probs_M is not None, ACC_DTYPE=_acc_tl_dtype(rows.dtype), BLOCK_H=bh,
-        DEBUG=debug, num_warps=num_warps, debug=debug, enable_fp_fusion=False,
+        GATHER_PROB_GRAD=grad_probs_M is not None, ACC_DTYPE=_acc_tl_dtype(rows.dtype), BLOCK_H=bh, DEBUG=debug,
+        traced=traced, options=dict(num_warps=num_warps, debug=debug, enable_fp_fusion=False),
     )  # fmt: skip
     return out, grad_probs
 
@@ -198,22 +231,30 @@ def launch_unpad_unpermute_backward_triton(
 ) -> tuple[Tensor, Tensor | None]:
     """Two launches after a ``num_rows``-byte memset: mark referenced rows, then one kernel that writes
     ``grad_rows`` (token programs, plus zero programs for unreferenced rows) and the prob gradient.
-    Needs ``H > 0``.
+    Needs ``H > 0``. Returns ``(grad_rows, grad_probs or None)``.
     """
     from moe_compile.ops.triton import dispatch as kernels
 
-    T, K = row_map.shape[0], row_map.shape[1] // 2
-    H = grad_y.shape[1]
+    T, K, H, num_rows = _common.static_ints(row_map.shape[0], row_map.shape[1] // 2, grad_y.shape[1], num_rows)
     dev = grad_y.device
+    traced = grad_y.is_cuda and _common.is_traced(grad_y)
     grad_y, row_map = grad_y.contiguous(), row_map.contiguous()
     need_prob_grad = probs is not None and rows is not None
     probs = probs.contiguous() if probs is not None else None
     rows = rows.contiguous() if need_prob_grad else None
     grad_rows = torch.empty((num_rows, H), dtype=grad_y.dtype, device=dev)
-    grad_probs = torch.empty((T, K), dtype=probs.dtype, device=dev) if need_prob_grad else None
+    # without the prob gradient: the op's empty placeholder output doubles as the unused pointer
+    grad_probs = torch.empty((T, K), dtype=probs.dtype, device=dev) if need_prob_grad else grad_y.new_empty(0)
     used = torch.zeros(num_rows, dtype=torch.int8, device=dev)
+    if traced and _common.ttir_writes_follow_loads():
+        # both kernels store at rows read from row_map: give them a private copy (NOTE [no
+        # load-derived store addresses on graph inputs] in ops/triton/dispatch.py)
+        row_map = row_map.clone()
     if T * K > 0:
-        kernels._mark_used_rows_kernel[(_common.cdiv(T * K, 1024),)](row_map, used, T * K, num_rows, K=K, BLOCK=1024)
+        _common.launch_kernel(
+            kernels._mark_used_rows_kernel, (_common.cdiv(T * K, 1024),),
+            row_map, used, T * K, num_rows, K=K, BLOCK=1024, traced=traced, options=dict(num_warps=4),
+        )  # fmt: skip
     k_pad = max(2, _common.next_power_of_2(K))
     # tiles are [K_PAD, BLOCK_H]: keep them at <= 8 KiB of activations
     bh, num_warps = _common.row_block(H, grad_y.element_size(), max_bytes=max(256, 8192 // k_pad))
@@ -221,52 +262,25 @@ def launch_unpad_unpermute_backward_triton(
     num_warps = max(num_warps, 4)
     zero_rows = max(2, min(16, 4096 // bh))
     grid = (T + _common.cdiv(num_rows, zero_rows), 1 if need_prob_grad else _common.cdiv(H, bh))
-    kernels._unpermute_backward_kernel[grid](
+    _common.launch_kernel(
+        kernels._unpermute_backward_kernel, grid,
         grad_y, rows if need_prob_grad else grad_y, row_map, probs if probs is not None else grad_y, used,
-        grad_rows, grad_probs if need_prob_grad else grad_rows,
+        grad_rows, grad_probs,
         T, num_rows, H, K=K, K_PAD=k_pad, HAS_PROBS=probs is not None, NEED_PROB_GRAD=need_prob_grad,
         LOOP_H=need_prob_grad, ACC_DTYPE=_acc_tl_dtype(grad_y.dtype), BLOCK_H=bh, ZERO_ROWS=zero_rows,
-        DEBUG=debug, num_warps=num_warps, debug=debug, enable_fp_fusion=False,
+        DEBUG=debug, traced=traced, options=dict(num_warps=num_warps, debug=debug, enable_fp_fusion=False),
     )  # fmt: skip
-    return grad_rows, grad_probs
+    return grad_rows, (grad_probs if need_prob_grad else None)
 
 
-# ===== custom ops =====
-
-
-@torch.library.custom_op("moe::unpad_unpermute", mutates_args=())
-def _unpad_unpermute_op(rows: Tensor, row_map: Tensor, probs: Tensor | None, debug: bool = False) -> Tensor:
-    # Default (CPU and any non-CUDA device) kernel: the reference.
-    _check_args(rows, row_map, probs)
-    if rows.device.type != "cuda":
-        _check_rows_in_range(row_map, rows.shape[0])
-    return unpad_unpermute_reference(rows, row_map, probs)
-
-
-@_unpad_unpermute_op.register_kernel("cuda")
 def _unpad_unpermute_cuda(rows, row_map, probs, debug=False):
+    """The CUDA path (Triton; the reference for empty shapes). Runs on CPU tensors under the interpreter."""
     _check_args(rows, row_map, probs)
     if rows.shape[1] == 0 or row_map.shape[0] == 0:
         return unpad_unpermute_reference(rows, row_map, probs)
     return launch_gather_sum_triton(rows, row_map, probs, debug)[0]
 
 
-@_unpad_unpermute_op.register_fake
-def _unpad_unpermute_fake(rows, row_map, probs, debug=False):
-    _check_args(rows, row_map, probs)
-    return rows.new_empty(row_map.shape[0], rows.shape[1])
-
-
-@torch.library.custom_op("moe::unpad_unpermute_backward", mutates_args=())
-def _unpad_unpermute_backward_op(
-    grad_y: Tensor, row_map: Tensor, probs: Tensor | None, rows: Tensor | None, num_rows: int
-) -> tuple[Tensor, Tensor]:
-    # Returns (grad_rows [R, H], grad_probs [T, K]); grad_probs is empty unless probs and rows are given.
-    grad_rows, grad_probs = unpad_unpermute_backward_reference(grad_y, row_map, probs, rows, num_rows)
-    return grad_rows, (grad_probs if grad_probs is not None else grad_y.new_empty(0))
-
-
-@_unpad_unpermute_backward_op.register_kernel("cuda")
 def _unpad_unpermute_backward_cuda(grad_y, row_map, probs, rows, num_rows):
     if grad_y.shape[1] == 0:
         grad_rows, grad_probs = unpad_unpermute_backward_reference(grad_y, row_map, probs, rows, num_rows)
@@ -275,12 +289,54 @@ def _unpad_unpermute_backward_cuda(grad_y, row_map, probs, rows, num_rows):
     return grad_rows, (grad_probs if grad_probs is not None else grad_y.new_empty(0))
 
 
-@_unpad_unpermute_backward_op.register_fake
+# ===== ops (NOTE [device-decomposed triton ops] in ops/_common.py) =====
+
+
+def _unpad_unpermute_body(rows: Tensor, row_map: Tensor, probs: Tensor | None, debug: bool = False) -> Tensor:
+    if rows.device.type == "cuda":
+        return _unpad_unpermute_cuda(rows, row_map, probs, debug)
+    _check_args(rows, row_map, probs)
+    if not _common.is_traced(rows):  # eager CPU: the map is on the host anyway
+        _check_rows_in_range(row_map, rows.shape[0])
+    return unpad_unpermute_reference(rows, row_map, probs)
+
+
+def _unpad_unpermute_fake(rows, row_map, probs, debug=False):
+    _check_args(rows, row_map, probs)
+    return rows.new_empty(row_map.shape[0], rows.shape[1])
+
+
+_unpad_unpermute_op = _common.dispatch_triton_op(
+    "moe::unpad_unpermute",
+    _unpad_unpermute_body,
+    schema="(Tensor rows, Tensor row_map, Tensor? probs, bool debug=False) -> Tensor",
+    fake=_unpad_unpermute_fake,
+)
+
+
+def _unpad_unpermute_backward_body(
+    grad_y: Tensor, row_map: Tensor, probs: Tensor | None, rows: Tensor | None, num_rows: int
+) -> tuple[Tensor, Tensor]:
+    # Returns (grad_rows [R, H], grad_probs [T, K]); grad_probs is empty unless probs and rows are given.
+    if grad_y.device.type == "cuda":
+        return _unpad_unpermute_backward_cuda(grad_y, row_map, probs, rows, num_rows)
+    grad_rows, grad_probs = unpad_unpermute_backward_reference(grad_y, row_map, probs, rows, num_rows)
+    return grad_rows, (grad_probs if grad_probs is not None else grad_y.new_empty(0))
+
+
 def _unpad_unpermute_backward_fake(grad_y, row_map, probs, rows, num_rows):
     grad_rows = grad_y.new_empty(num_rows, grad_y.shape[1])
     if probs is not None and rows is not None:
         return grad_rows, probs.new_empty(probs.shape)
     return grad_rows, grad_y.new_empty(0)
+
+
+_unpad_unpermute_backward_op = _common.dispatch_triton_op(
+    "moe::unpad_unpermute_backward",
+    _unpad_unpermute_backward_body,
+    schema="(Tensor grad_y, Tensor row_map, Tensor? probs, Tensor? rows, SymInt num_rows) -> (Tensor, Tensor)",
+    fake=_unpad_unpermute_backward_fake,
+)
 
 
 # ===== autograd =====

@@ -325,3 +325,98 @@ def test_debug_device_assert(op):
     bad = _run_script(script.format(**fmt, **{key: True}))
     assert bad.returncode != 0 and "finished" not in bad.stdout
     assert "assert" in bad.stderr.lower(), bad.stderr[-3000:]
+
+
+def test_eager_permute_pad_is_two_launches():
+    # issue 14: the index kernel (histogram + scan) and the permute kernel, nothing else
+    from torch.autograd import DeviceType
+
+    x, ids, probs = _inputs(512, 256, 16, 2, torch.bfloat16, seed=12)
+    permute_pad(x, ids, probs, num_experts=16, align=32)  # compile the kernels first
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        permute_pad(x, ids, probs, num_experts=16, align=32)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    assert kernels == ["_expert_offsets_kernel", "_permute_rows_kernel"], kernels
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+def test_compiled_layer_launches_the_kernels_from_generated_code(dtype):
+    """Inductor's own code launches our kernels: no Python custom-op call, no atomics (fwd and bwd)."""
+    from torch._inductor.utils import run_and_get_code
+
+    T, H, E, K, a = 96, 128, 8, 2, 16
+    x, ids, probs = _inputs(T, H, E, K, dtype, seed=13)
+    w = (torch.randn(H, H, device=DEV) / 8).to(dtype)
+
+    def layer(x, ids, probs):
+        out = permute_pad(x, ids, probs, num_experts=E, align=a)
+        h = torch.nn.functional.silu(out.rows_MH @ w)
+        return unpad_unpermute(h, out.row_map, probs)
+
+    def step(fn):
+        xx, pp = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        y = fn(xx, ids, pp)
+        y.float().square().sum().backward()
+        return y.detach(), xx.grad, pp.grad
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    got, codes = run_and_get_code(step, compiled)
+    again = step(compiled)
+    torch._dynamo.reset()
+    want = step(layer)
+    for g, a2, w_ in zip(got, again, want):
+        assert torch.equal(g, a2)  # deterministic
+        torch.testing.assert_close(g.float(), w_.float(), **DTYPE_TOLS[dtype])
+    joined = "\n".join(codes)
+    assert len(codes) == 2  # forward and backward
+    for kernel in ("_expert_offsets_kernel", "_permute_rows_kernel", "_unpermute_rows_kernel",
+                   "_mark_used_rows_kernel", "_unpermute_backward_kernel"):  # fmt: skip
+        assert kernel in joined, kernel
+    assert "torch.ops.moe." not in joined
+    assert "tl.atomic_add" not in joined
+
+
+def test_compiled_decode_layer_has_no_input_copies():
+    """torch 2.11's mutation analysis must not turn ``expert_idx`` into a mutated graph input (NOTE [no
+    load-derived store addresses on graph inputs]): no ``copy_`` back into an input in the code."""
+    from torch._inductor.utils import run_and_get_code
+
+    x, ids, probs = _inputs(1, 256, 8, 2, torch.bfloat16, seed=14)
+
+    def layer(x, ids, probs):
+        out = permute_pad(x, ids, probs, num_experts=8, align=16)
+        return unpad_unpermute(out.rows_MH * 2, out.row_map, probs)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        y, (code,) = run_and_get_code(torch.compile(layer, fullgraph=True), x, ids, probs)
+    torch._dynamo.reset()
+    torch.testing.assert_close(y, layer(x, ids, probs))
+    assert ".copy_(" not in code, code
+
+
+def test_debug_device_assert_under_compile():
+    # the traced path: Inductor launches the kernels; DEBUG is a constexpr, Inductor compiles user kernels
+    # with device asserts enabled (a subprocess: the assert poisons the CUDA context)
+    script = """
+        import torch
+        from moe_compile.ops import permute_pad
+        f = torch.compile(lambda x, ids: permute_pad(x, ids, None, num_experts=4, align=16, debug={debug}).rows_MH,
+                          fullgraph=True)
+        x = torch.randn(8, 64, device="cuda")
+        ids = torch.randint(0, 4, (8, 2), device="cuda")
+        f(x, ids)
+        torch.cuda.synchronize()
+        ids[3, 1] = 9
+        f(x, ids)
+        torch.cuda.synchronize()
+        print("finished")
+    """
+    ok = _run_script(script.format(debug=False))
+    assert ok.returncode == 0 and "finished" in ok.stdout, ok.stderr[-3000:]
+    bad = _run_script(script.format(debug=True))
+    assert bad.returncode != 0 and "finished" not in bad.stdout
+    assert "assert" in bad.stderr.lower(), bad.stderr[-3000:]

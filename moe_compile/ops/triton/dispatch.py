@@ -6,34 +6,50 @@ experts, ``K`` top-k, ``N = T*K`` routed entries (flat index ``i = t*K + k``), `
 ``NB`` blocks of ``BLOCK_N`` flat entries. No atomics anywhere: every output element has one writer,
 so results are bitwise reproducible, and nothing is read back on the host (CUDA-graph safe).
 
-NOTE [destination rows in three launches]
+NOTE [destination rows in two launches]
 The padded destination row of entry ``i`` (expert ``e``) is
 ``seg_start[e] + #{j < i : ids[j] == e}`` (stable: ascending token, then slot). With blocks of
 ``BLOCK_N`` flat entries it splits into ``seg_start[e] + before_blocks[b, e] + #{j in block b, j < i :
-ids[j] == e}``. Pass 1 histograms every block, pass 2 scans the ``[NB, E]`` table, and the permute kernel
-counts the last term itself: each token program compares its ``K`` ids with the entries of its block
-that precede them (at most ``BLOCK_N + K - 1`` ids, read from L2), so no sort and no ``dest`` buffer.
-Worked example, ``E = 3``, ``a = 4``, ``BLOCK_N = 4``, ids ``[[2, 0], [1, 2], [0, 2], [2, 1]]`` (flat
-``[2, 0, 1, 2 | 0, 2, 2, 1]``):
+ids[j] == e}``. Launch 1 (one program) streams the ids ``SUB`` blocks at a time, histograms them
+(one ``tl.histogram`` over ``SUB * E_PAD`` bins keyed ``block * E_PAD + e``) and scans the histograms
+as it goes, writing the ``[NB, E]`` table of ``before_blocks``, then ``counts``, ``offs`` and
+``seg_start``. The permute kernel counts the last term itself: each token program compares its ``K``
+ids with the entries of its block that precede them (at most ``BLOCK_N + K - 1`` ids, read from L2),
+so no sort and no ``dest`` buffer. One program for the index work costs a few microseconds of
+streaming at large ``N`` but saves a launch (and its latency) at every size; decode steps are
+launch bound (issue 14). Worked example, ``E = 3``, ``a = 4``, ``BLOCK_N = 4``, ``SUB = 2``, ids
+``[[2, 0], [1, 2], [0, 2], [2, 1]]`` (flat ``[2, 0, 1, 2 | 0, 2, 2, 1]``):
 
-    pass 1 (_expert_histogram_kernel)  hist = [[1, 1, 2], [1, 1, 2]]
-    pass 2 (_expert_offsets_kernel)    counts = [2, 2, 4], padded = [4, 4, 4], offs = [4, 8, 12]
-                                       table[b] = before_blocks = [[0, 0, 0], [1, 1, 2]] (in place)
+    launch 1 (_expert_offsets_kernel)  iteration 0 covers blocks 0 and 1: keys = ids + 4 * block,
+                                       hist = [[1, 1, 2], [1, 1, 2]]
+                                       table[b] = before_blocks = [[0, 0, 0], [1, 1, 2]]
+                                       counts = [2, 2, 4], padded = [4, 4, 4], offs = [4, 8, 12]
                                        table[NB] = seg_start = [0, 4, 8]
-    pass 3 (_permute_rows_kernel)      token 3 (flat 6, 7; block 1): ids 2 and 1; earlier entries of
+    launch 2 (_permute_rows_kernel)    token 3 (flat 6, 7; block 1): ids 2 and 1; earlier entries of
                                        block 1 with the same id: 1 (flat 5) and 0, so
                                        dest = seg_start + before_blocks + rank = [8+2+1, 4+1+0] = [11, 5];
                                        row_map[3] = [5, 11 | 1, 0]. All dests: [8, 0, 4, 9 | 1, 10, 11, 5].
                                        Zero programs fill the M - N = 8 non-real rows 2, 3, 6, 7, 12..15
 
 NOTE [overlapping the launches]
-With ``USE_PDL`` (Hopper and newer, launched with ``launch_pdl=True``), the scan and the permute kernel
-are started before their predecessor has finished (programmatic dependent launch): the histogram and
-the scan signal ``gdc_launch_dependents`` at once, and each dependent kernel does the work that needs
-only the op's inputs (the permute kernel: its row of ``x`` and the rank of its entries) before
-``gdc_wait``, which returns once the predecessor grid has completed and its writes are visible. Only
-``table`` and ``counts`` (written by our own kernels) are read after the wait. The histogram itself is
-launched normally, so everything before the op has completed when any of its kernels runs.
+With ``USE_PDL`` (Hopper and newer, eager launches with ``launch_pdl=True``), the permute kernel is
+started before the index kernel has finished (programmatic dependent launch): the index kernel
+signals ``gdc_launch_dependents`` at once, and the permute kernel does the work that needs only the
+op's inputs (its row of ``x`` and the rank of its entries) before ``gdc_wait``, which returns once the
+index grid has completed and its writes are visible. Only ``table`` and ``counts`` (written by the
+index kernel) are read after the wait. The index kernel itself is launched normally, so everything
+before the op has completed when any of its kernels runs. Launches from Inductor's generated code
+(the traced path) do not use PDL.
+
+NOTE [no load-derived store addresses on graph inputs]
+When Inductor traces a ``wrap_triton`` launch it finds the written tensors by walking back from each
+store's address; torch 2.11 walks through loads too, so a tensor whose *values* feed a store address
+counts as written. A graph input counted as written is an input mutation (a copy back into it, and
+CUDA-graph trees skip the graph); an op output counted as written is cloned first. So on the traced
+path: the permute kernel reads the ids from an int32 copy that the index kernel writes (``COPY_IDS``)
+and the counts from the table (a dead intermediate), never from ``expert_idx`` or ``counts``; the
+prob gradients are stored at ``t*K + k`` after an in-register reorder (``_to_slot_order``); only the
+unpad backward's row scatter reads addresses from ``row_map``, and its launcher passes a copy there.
 
 NOTE [zero rows without a memset]
 The rows that hold no token are exactly ``M - N`` (a static count): pad rows, expert by expert, then
@@ -54,71 +70,61 @@ except ImportError:  # pragma: no cover - the launchers then never set USE_PDL
 
 
 @triton.jit
-def _expert_histogram_kernel(
+def _expert_offsets_kernel(
     ids_ptr,  # [N] expert ids, any integer dtype
-    hist_ptr,  # int32 [NB, E_PAD] out
+    ids_copy_ptr,  # int32 [N] out (if COPY_IDS): the ids again, for the permute kernel
+    table_ptr,  # int32 [NB + 2, E_PAD] out: before_blocks (rows < NB), seg_start (row NB), counts (row NB + 1)
+    counts_ptr,  # int32 [E] out
+    offs_ptr,  # int32 [E] out
     N,
     num_experts,
-    BLOCK_N: tl.constexpr,
+    num_blocks,
+    ALIGN: tl.constexpr,
     E_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SUB: tl.constexpr,
+    COPY_IDS: tl.constexpr,
     DEBUG: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    # one program (NOTE [destination rows in two launches]): histogram + exclusive scan, SUB blocks of
+    # BLOCK_N ids per iteration
     if USE_PDL:
         gdc_launch_dependents()  # NOTE [overlapping the launches]
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_bounds = offs < N
-    ids = tl.load(ids_ptr + offs, mask=in_bounds, other=0)
-    valid = in_bounds & (ids >= 0) & (ids < num_experts)
-    if DEBUG:
-        tl.device_assert(valid | ~in_bounds, "expert_idx out of range [0, num_experts)")
-    experts = tl.where(valid, ids, 0).to(tl.int32)
-    hist = tl.histogram(experts, E_PAD, mask=valid)
-    tl.store(hist_ptr + pid * E_PAD + tl.arange(0, E_PAD), hist)
-
-
-@triton.jit
-def _expert_offsets_kernel(
-    table_ptr,  # int32 [NB + 1, E_PAD]: in hist (rows < NB); out: before_blocks, then seg_start in row NB
-    counts_ptr,  # int32 [E] out
-    offs_ptr,  # int32 [E] out
-    num_blocks,
-    num_experts,
-    ALIGN: tl.constexpr,
-    E_PAD: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    # one program: the scan over blocks is tiny (NB * E_PAD <= ~8K entries for the usual shapes). Each
-    # tile is loaded before it is overwritten, so the exclusive scan runs in place.
-    if USE_PDL:
-        gdc_launch_dependents()  # NOTE [overlapping the launches]
-        gdc_wait()
     experts = tl.arange(0, E_PAD)
+    sub = tl.arange(0, SUB)
     running = tl.zeros([E_PAD], dtype=tl.int32)
-    for b0 in range(0, num_blocks, BLOCK_B):
-        blocks = b0 + tl.arange(0, BLOCK_B)
+    for b0 in tl.range(0, num_blocks, SUB, num_stages=3):  # the id loads of later trips in flight
+        blocks = b0 + sub
+        offs = blocks.to(tl.int64)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        in_bounds = offs < N
+        ids = tl.load(ids_ptr + offs, mask=in_bounds, other=0)
+        valid = in_bounds & (ids >= 0) & (ids < num_experts)
+        if DEBUG:
+            tl.device_assert(valid | ~in_bounds, "expert_idx out of range [0, num_experts)")
+        if COPY_IDS:  # NOTE [no load-derived store addresses on graph inputs]
+            tl.store(ids_copy_ptr + offs, ids.to(tl.int32), mask=in_bounds)
+        keys = sub[:, None] * E_PAD + tl.where(valid, ids, 0).to(tl.int32)
+        hist = tl.histogram(tl.reshape(keys, [SUB * BLOCK_N]), SUB * E_PAD, mask=tl.reshape(valid, [SUB * BLOCK_N]))
+        hist = tl.reshape(hist, [SUB, E_PAD])
         tile = blocks[:, None] * E_PAD + experts[None, :]
-        block_mask = (blocks < num_blocks)[:, None]
-        hist = tl.load(table_ptr + tile, mask=block_mask, other=0)
-        tl.store(table_ptr + tile, tl.cumsum(hist, 0) - hist + running[None, :], mask=block_mask)
+        tl.store(table_ptr + tile, tl.cumsum(hist, 0) - hist + running[None, :], mask=(blocks < num_blocks)[:, None])
         running += tl.sum(hist, 0)
     padded = (running + (ALIGN - 1)) // ALIGN * ALIGN
-    offs = tl.cumsum(padded, 0)
+    offs_e = tl.cumsum(padded, 0)
     expert_mask = experts < num_experts
     tl.store(counts_ptr + experts, running, mask=expert_mask)
-    tl.store(offs_ptr + experts, offs, mask=expert_mask)
-    tl.store(table_ptr + num_blocks * E_PAD + experts, offs - padded)
+    tl.store(offs_ptr + experts, offs_e, mask=expert_mask)
+    tl.store(table_ptr + num_blocks * E_PAD + experts, offs_e - padded)
+    tl.store(table_ptr + (num_blocks + 1) * E_PAD + experts, running)
 
 
 @triton.jit
 def _permute_rows_kernel(
     x_ptr,  # [T, H] (row stride stride_x)
-    ids_ptr,  # [N] expert ids, any integer dtype
-    table_ptr,  # int32 [NB + 1, E_PAD] from _expert_offsets_kernel
+    ids_ptr,  # [N] expert ids, any integer dtype (or the index kernel's int32 copy)
+    table_ptr,  # int32 [NB + 2, E_PAD] from _expert_offsets_kernel (counts in row NB + 1)
     probs_ptr,  # [T, K] (if HAS_PROBS)
-    counts_ptr,  # int32 [E]
     rows_ptr,  # [M, H] out
     probs_out_ptr,  # [M] out (if HAS_PROBS)
     row_map_ptr,  # int32 [T, 2K] out
@@ -148,7 +154,7 @@ def _permute_rows_kernel(
     if pid < num_tokens:
         t = pid.to(tl.int64)
         vals = tl.load(x_ptr + t * stride_x + cols, mask=col_mask)  # each source row is read once
-        # NOTE [destination rows in three launches]: dest = seg_start + before_blocks + rank in block
+        # NOTE [destination rows in two launches]: dest = seg_start + before_blocks + rank in block
         slots = tl.arange(0, K_PAD)
         slot_mask = slots < K
         flat_K = t * K + slots
@@ -163,7 +169,7 @@ def _permute_rows_kernel(
             same = (ids_j[None, :] == ids_K[:, None]) & (j[None, :] >= block_start_K[:, None])
             rank_K += tl.sum((same & (j[None, :] < flat_K[:, None])).to(tl.int32), 1)
         if USE_PDL:
-            gdc_wait()  # NOTE [overlapping the launches]: `table` is written by the previous kernels
+            gdc_wait()  # NOTE [overlapping the launches]: `table` is written by the index kernel
         experts_K = tl.where(valid_K, ids_K, 0).to(tl.int32)
         before_K = tl.load(table_ptr + (flat_K // BLOCK_N) * E_PAD + experts_K, mask=valid_K, other=0)
         seg_start_K = tl.load(table_ptr + num_blocks * E_PAD + experts_K, mask=valid_K, other=0)
@@ -188,11 +194,11 @@ def _permute_rows_kernel(
     else:
         # NOTE [zero rows without a memset]
         if USE_PDL:
-            gdc_wait()  # `counts` is written by the scan
+            gdc_wait()  # `table` is written by the index kernel
         j = (pid - num_tokens) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
         j_mask = j < num_zero_rows
         experts = tl.arange(0, E_PAD)
-        counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+        counts = tl.load(table_ptr + (num_blocks + 1) * E_PAD + experts, mask=experts < num_experts, other=0)
         pad = (counts + (ALIGN - 1)) // ALIGN * ALIGN - counts
         pad_before = tl.cumsum(pad, 0) - pad
         row = j + tl.sum(tl.where(pad_before[None, :] <= j[:, None], counts[None, :], 0), 1)
@@ -203,6 +209,20 @@ def _permute_rows_kernel(
         if HAS_PROBS:
             if pid_h == 0:
                 tl.store(probs_out_ptr + row, tl.zeros([ZERO_ROWS], dtype=probs_out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _to_slot_order(vals_j, src_slots_j, slots_k):
+    """``out[k] = vals[j]`` for the ``j`` with ``src_slots[j] == k``: a [K_PAD, K_PAD] select, so the
+    store that follows has a load-free address (NOTE [no load-derived store addresses on graph inputs]).
+    Summing one value with ``-0.0`` is exact, signed zeros included; done in fp32 (fp64 for fp64), since
+    the interpreter's 16-bit float reductions are not exact."""
+    pick = src_slots_j[None, :] == slots_k[:, None]
+    if vals_j.dtype == tl.float64:
+        wide = vals_j
+    else:
+        wide = vals_j.to(tl.float32)
+    return tl.sum(tl.where(pick, wide[None, :], -0.0), 1).to(vals_j.dtype)
 
 
 @triton.jit
@@ -247,10 +267,10 @@ def _unpermute_rows_kernel(
             slots = tl.arange(0, K_PAD)
             slot_mask = slots < K
             rows = tl.load(row_map_ptr + t * (2 * K) + slots, mask=slot_mask, other=-1)
-            src_slots = tl.load(row_map_ptr + t * (2 * K) + K + slots, mask=slot_mask, other=0)
+            src_slots = tl.load(row_map_ptr + t * (2 * K) + K + slots, mask=slot_mask, other=-1)
             rows_ok = slot_mask & (rows >= 0) & (rows < num_rows)
             g = tl.load(grad_probs_M_ptr + rows, mask=rows_ok, other=0.0)
-            tl.store(grad_probs_ptr + t * K + src_slots, g, mask=slot_mask)
+            tl.store(grad_probs_ptr + t * K + slots, _to_slot_order(g, src_slots, slots), mask=slot_mask)
 
 
 @triton.jit
@@ -312,7 +332,7 @@ def _unpermute_backward_kernel(
         if DEBUG:
             tl.device_assert(rows_ok | ~slot_mask, "row_map row out of range [0, rows.shape[0])")
         rows64 = rows.to(tl.int64)
-        src_slots = tl.load(row_map_ptr + t * (2 * K) + K + slots, mask=slot_mask, other=0)
+        src_slots = tl.load(row_map_ptr + t * (2 * K) + K + slots, mask=slot_mask, other=-1)
         if HAS_PROBS:
             p = tl.load(probs_ptr + t * K + src_slots, mask=slot_mask, other=0.0).to(ACC_DTYPE)
         dots = tl.zeros([K_PAD, BLOCK_H], dtype=ACC_DTYPE)
@@ -330,8 +350,8 @@ def _unpermute_backward_kernel(
                 z = tl.load(rows_ptr + rows64[:, None] * H + cols[None, :], mask=tile_mask, other=0.0)
                 dots += z.to(ACC_DTYPE) * g.to(ACC_DTYPE)[None, :]
         if NEED_PROB_GRAD:
-            dot = tl.sum(dots, 1)
-            tl.store(grad_probs_ptr + t * K + src_slots, dot.to(grad_probs_ptr.dtype.element_ty), mask=slot_mask)
+            dot = _to_slot_order(tl.sum(dots, 1), src_slots, slots)
+            tl.store(grad_probs_ptr + t * K + slots, dot.to(grad_probs_ptr.dtype.element_ty), mask=slot_mask)
     else:
         r = (pid - num_tokens).to(tl.int64) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
         r_mask = r < num_rows

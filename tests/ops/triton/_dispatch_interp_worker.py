@@ -23,6 +23,14 @@ CASES = {
     "k40_rank_loop_chunks": (5, 8, 40, 40, 8, "float32", True, "uniform", 64, None),
 }
 DEBUG_CASES = ("debug_assert_expert_idx", "debug_assert_row_map")
+# the index kernel's loop over table blocks, SUB at a time: (T, E, K, align, block_n, sub)
+INDEX_LOOP_CASES = {
+    "index_loop_sub2_partial_last": (37, 6, 3, 16, 16, 2),  # 7 blocks: 4 iterations, the last one half empty
+    "index_loop_sub1": (20, 9, 2, 8, 16, 1),
+    "index_loop_sub4_e64": (40, 64, 4, 32, 32, 4),
+}
+# kernel launches per op call (issue 14: the permute is at most two)
+LAUNCH_COUNTS = {"permute_pad": 2, "unpad_unpermute": 1, "permute_pad_backward": 1, "unpad_unpermute_backward": 2}
 
 
 def _inputs(T, H, E, K, dtype, routing, seed):
@@ -115,6 +123,62 @@ def _run_case(name, T, H, E, K, a, dtype_name, with_probs, routing, block_n, blo
             torch.testing.assert_close(dp.double(), dp_ref.double(), rtol=tol, atol=tol)
 
 
+def _run_index_loop_case(T, E, K, a, block_n, sub):
+    import importlib
+
+    import torch
+
+    pp = importlib.import_module("moe_compile.ops.permute_pad")
+    x, ids, probs = _inputs(T, 8, E, K, torch.float32, "uniform", seed=T + E)
+    got = pp._launch_triton(x, ids, probs, E, a, block_n=block_n, sub=sub)
+    ref = pp._reference_tuple(x, ids, probs, E, a)
+    for g, want, what in zip(got, ref, ("rows", "probs", "offs", "row_map", "counts")):
+        assert torch.equal(g, want), what
+
+
+def _count_launches() -> dict:
+    """Launches per op call, counted by wrapping every kernel of the dispatch module."""
+    import importlib
+
+    import torch
+
+    from moe_compile.ops.triton import dispatch
+
+    pp = importlib.import_module("moe_compile.ops.permute_pad")
+    uu = importlib.import_module("moe_compile.ops.unpad_unpermute")
+    launches = []
+
+    class Counting:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    saved = {k: getattr(dispatch, k) for k in vars(dispatch) if k.endswith("_kernel")}
+    counts = {}
+    try:
+        for k, v in saved.items():
+            setattr(dispatch, k, Counting(k, v))
+        x, ids, probs = _inputs(12, 16, 6, 2, torch.float32, "uniform", seed=3)
+        rows, probs_M, _, row_map, _ = pp._permute_pad_cuda(x, ids, probs, 6, 16)
+        counts["permute_pad"] = len(launches)
+        launches.clear()
+        uu._unpad_unpermute_cuda(rows, row_map, probs)
+        counts["unpad_unpermute"] = len(launches)
+        launches.clear()
+        pp._permute_pad_backward_cuda(rows, probs_M, row_map)
+        counts["permute_pad_backward"] = len(launches)
+        launches.clear()
+        uu._unpad_unpermute_backward_cuda(x, row_map, probs, rows, rows.shape[0])
+        counts["unpad_unpermute_backward"] = len(launches)
+    finally:
+        for k, v in saved.items():
+            setattr(dispatch, k, v)
+    return counts
+
+
 def _run_debug_case(name):
     import dataclasses
     import importlib
@@ -179,6 +243,16 @@ def main() -> None:
             timings[name] = round(time.perf_counter() - t0, 2)
         except Exception:
             results[name] = traceback.format_exc()
+    for name, case in INDEX_LOOP_CASES.items():
+        try:
+            _run_index_loop_case(*case)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+    try:
+        results["_launches"] = _count_launches()
+    except Exception:
+        results["_launches"] = traceback.format_exc()
     for name in DEBUG_CASES:
         try:
             _run_debug_case(name)

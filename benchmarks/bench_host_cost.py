@@ -1,0 +1,368 @@
+"""Host cost of MoE layers, default mode: eager vs plain Inductor vs moe_compile (issue 14).
+
+Per layer, token count and direction (``fwd`` under ``no_grad``, ``fwd+bwd`` with ``backward(grad_out)``
+w.r.t. the input and every parameter), bf16:
+
+* ``wall_us``: 200 calls back to back, one synchronisation at the end, per call: what a decode loop
+  sees; when the step is launch bound this is the host time;
+* ``issue_us``: the same loop timed before that synchronisation (the host's time to issue a call;
+  equal to ``wall_us`` when the host is the bottleneck, below it when the GPU is);
+* ``kernel_us``: GPU kernel time per call (``torch.profiler``, CUDA kernels summed);
+* ``prof_cpu_us``: CPU time per call of the profiled ops (``torch.profiler`` self CPU time summed;
+  Python between ops not included).
+
+Layers (``torch.compile(layer, backend=..., fullgraph=True)``, as the issue measured them):
+
+* ``padded``: ``tests/models/handwritten.py::PaddedSentinelRow`` (torchtitan-style device padding: sort,
+  padded indices on the device, zero sentinel row, ``torch._grouped_mm``, ``index_add_`` combine),
+  H 1024, I 1536, E 16, K 4, align 32, T in {1, 64, 4096};
+* ``sort_scatter``: ``SortIndexSelectScatterAdd`` (sort + ``scatter_add_`` combine), same sizes, T in {1, 64};
+* ``qwen3``: transformers' ``Qwen3MoeSparseMoeBlock`` (H 2048, I 768, E 128, K 8), T in {1, 64};
+* ``mixtral``: transformers' ``MixtralSparseMoeBlock`` (H 4096, I 3584, E 8, K 2), T in {1, 64};
+* ``permute_pad``: ``moe_compile.ops.permute_pad`` alone (eager public wrapper, and compiled with plain
+  Inductor, whose generated code launches the kernels) against its bandwidth floor (bytes read and
+  written / measured copy bandwidth), T8192 H4096 E8 K2 and T16384 H2048 E64 K8 (align 32).
+
+Variants: ``eager``; ``inductor`` (default backend); ``moe`` (``backend="moe_compile"``). Targets
+(issue 14): ``moe`` wall time <= ``inductor``'s on every row (within 10% at T <= 64), and
+``permute_pad`` eager within 1.3x of its floor at T8192 E8 K2.
+
+Usage: ``python benchmarks/bench_host_cost.py --json benchmarks/results/host_cost.json [--quick]
+[--budget-s 200]``; ``--cpu-smoke`` runs every variant at tiny shapes on CPU (checks the flow; the
+times mean nothing there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+VARIANTS = ("eager", "inductor", "moe")
+CALLS = 200  # timed calls per measurement (one synchronisation at the end)
+PROFILED_CALLS = 20
+SMOKE_CALLS = 3  # --cpu-smoke: the flow only
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    layer: str  # padded | sort_scatter | qwen3 | mixtral | permute_pad
+    T: int
+    direction: str  # fwd | fwd+bwd
+    H: int
+    I: int  # noqa: E741 - expert intermediate size
+    E: int
+    K: int
+    align: int = 32
+
+    @property
+    def name(self) -> str:
+        return f"{self.layer} T{self.T} {self.direction}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    config: str
+    layer: str
+    T: int
+    direction: str
+    variant: str
+    wall_us: float
+    issue_us: float
+    kernel_us: float
+    prof_cpu_us: float
+    floor_us: float  # permute_pad rows only
+    compile_s: float
+    note: str = ""
+
+
+def get_configs(quick: bool, cpu_smoke: bool) -> list[Config]:
+    if cpu_smoke:  # tiny shapes, every layer and direction once
+        return [
+            Config("padded", 1, "fwd", 32, 16, 4, 2, 8),
+            Config("padded", 16, "fwd+bwd", 32, 16, 4, 2, 8),
+            Config("sort_scatter", 16, "fwd", 32, 16, 4, 2, 8),
+            Config("qwen3", 1, "fwd", 32, 16, 8, 2),
+            Config("mixtral", 16, "fwd", 32, 16, 4, 2),
+            Config("permute_pad", 64, "fwd", 32, 0, 4, 2, 8),
+        ]
+    decode = [1, 64]
+    configs = [Config("padded", T, "fwd", 1024, 1536, 16, 4) for T in decode]
+    configs += [Config("qwen3", T, "fwd", 2048, 768, 128, 8) for T in decode]
+    configs += [Config("mixtral", T, "fwd", 4096, 3584, 8, 2) for T in decode]
+    configs += [Config("permute_pad", 8192, "fwd", 4096, 0, 8, 2), Config("permute_pad", 16384, "fwd", 2048, 0, 64, 8)]
+    configs += [Config("padded", 4096, d, 1024, 1536, 16, 4) for d in ("fwd", "fwd+bwd")]
+    configs += [Config("padded", T, "fwd+bwd", 1024, 1536, 16, 4) for T in decode]
+    configs += [Config("sort_scatter", T, "fwd", 1024, 1536, 16, 4) for T in decode]
+    if quick:
+        configs = [c for c in configs if c.T <= 64 or c.layer == "permute_pad"][:6]
+    return configs
+
+
+# ===== layers =====
+
+
+def build_layer(cfg: Config, device: str) -> torch.nn.Module:
+    from tests.models import handwritten as hw
+
+    if cfg.layer in ("padded", "sort_scatter"):
+        cls = hw.PaddedSentinelRow if cfg.layer == "padded" else hw.SortIndexSelectScatterAdd
+        kwargs = dict(align=cfg.align) if cfg.layer == "padded" else {}
+        return cls(hidden=cfg.H, inter=cfg.I, experts=cfg.E, top_k=cfg.K, **kwargs).to(device)
+    if cfg.layer in ("qwen3", "mixtral"):  # transformers' own block, as bench_moe_block.py builds it
+        import bench_moe_block
+
+        family = "qwen3_moe" if cfg.layer == "qwen3" else "mixtral"
+        return bench_moe_block.build_block(bench_moe_block.Config(family, cfg.T, cfg.H, cfg.I, cfg.E, cfg.K), device)
+    raise ValueError(cfg.layer)
+
+
+def layer_input(cfg: Config, device: str) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(cfg.T)
+    shape = (cfg.T, cfg.H) if cfg.layer in ("padded", "sort_scatter") else (1, cfg.T, cfg.H)
+    return torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)
+
+
+def _output(out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _compile(variant: str, fn, fullgraph: bool = True):
+    import moe_compile  # noqa: F401 - registers the backend
+
+    if variant == "eager":
+        return fn
+    backend = "moe_compile" if variant == "moe" else "inductor"
+    return torch.compile(fn, backend=backend, fullgraph=fullgraph, dynamic=False)
+
+
+# ===== timing =====
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_calls(step: Callable[[], object], device: str) -> tuple[float, float]:
+    """(wall, issue) microseconds per call over ``CALLS`` back-to-back calls, after a warm-up."""
+    calls = CALLS if device == "cuda" else SMOKE_CALLS
+    for _ in range(5 if device == "cuda" else 1):
+        step()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    issued = time.perf_counter()
+    _sync(device)
+    end = time.perf_counter()
+    return (end - start) / calls * 1e6, (issued - start) / calls * 1e6
+
+
+def profile_calls(step: Callable[[], object], device: str) -> tuple[float, float]:
+    """(GPU kernel, profiled-op CPU) microseconds per call."""
+    calls = PROFILED_CALLS if device == "cuda" else SMOKE_CALLS
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            step()
+        _sync(device)
+    events = prof.events()
+    kernel = sum(e.device_time_total for e in events if e.device_type == DeviceType.CUDA) if device == "cuda" else 0.0
+    cpu = sum(e.self_cpu_time_total for e in events if e.device_type == DeviceType.CPU)
+    return kernel / calls, cpu / calls
+
+
+# ===== experiments =====
+
+
+def _make_step(cfg: Config, fn, layer: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor):
+    if cfg.direction == "fwd":
+
+        def step():
+            with torch.no_grad():
+                return _output(fn(x))
+
+        return step
+    xg = x.detach().requires_grad_(True)
+
+    def step():
+        xg.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        out = _output(fn(xg))
+        out.backward(grad_out)
+        return out
+
+    return step
+
+
+def run_layer(cfg: Config, device: str, deadline: float) -> list[Result]:
+    layer = build_layer(cfg, device)
+    x = layer_input(cfg, device)
+    grad_out = torch.randn_like(x)
+    results = []
+    for variant in VARIANTS:
+        if time.perf_counter() > deadline:
+            results.append(Result(cfg.name, cfg.layer, cfg.T, cfg.direction, variant, *[math.nan] * 6, "skipped: time budget"))
+            continue
+        torch._dynamo.reset()
+        note = ""
+        try:
+            start = time.perf_counter()
+            try:
+                step = _make_step(cfg, _compile(variant, layer), layer, x, grad_out)
+                step()
+            except Exception as exc:  # noqa: BLE001 - a graph break: measure what a user gets without fullgraph
+                if variant == "eager":
+                    raise
+                note = f"fullgraph=False ({type(exc).__name__})"
+                torch._dynamo.reset()
+                step = _make_step(cfg, _compile(variant, layer, fullgraph=False), layer, x, grad_out)
+                step()
+            _sync(device)
+            compile_s = time.perf_counter() - start if variant != "eager" else 0.0
+            wall, issue = time_calls(step, device)
+            kernel, cpu = profile_calls(step, device)
+        except Exception as exc:  # noqa: BLE001 - report the failure in the table, keep going
+            wall = issue = kernel = cpu = compile_s = math.nan
+            note = f"{note} failed: {type(exc).__name__}: {exc}"[:200].strip()
+        results.append(Result(cfg.name, cfg.layer, cfg.T, cfg.direction, variant, wall, issue, kernel, cpu,
+                              math.nan, compile_s, note))
+        print(f"  {cfg.name} {variant}: wall {wall:.1f} us, issue {issue:.1f} us, kernels {kernel:.1f} us "
+              f"(compile {compile_s:.1f} s) {note}", flush=True)
+    torch._dynamo.reset()
+    return results
+
+
+def _permute_pad_floor_us(cfg: Config, bw: float) -> float:
+    from moe_compile.ops import static_row_bound
+
+    N = cfg.T * cfg.K
+    M = static_row_bound(N, cfg.E, cfg.align)
+    bytes_moved = (cfg.T * cfg.H * 2 + N * 8 + N * 2  # read x, ids (int64), probs
+                   + M * cfg.H * 2 + M * 2 + cfg.T * 2 * cfg.K * 4 + 2 * cfg.E * 4)  # write rows, probs, map, offs
+    return bytes_moved / bw * 1e6
+
+
+def run_permute_pad(cfg: Config, device: str, bw: float) -> list[Result]:
+    from moe_compile.ops import permute_pad
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(cfg.T, cfg.H, generator=gen, device=device).to(torch.bfloat16)
+    ids = torch.rand(cfg.T, cfg.E, generator=gen, device=device).argsort(1)[:, : cfg.K].contiguous()
+    probs = torch.rand(cfg.T, cfg.K, generator=gen, device=device).to(torch.bfloat16)
+    floor = _permute_pad_floor_us(cfg, bw) if device == "cuda" else math.nan
+
+    def op(x, ids, probs):
+        return permute_pad(x, ids, probs, num_experts=cfg.E, align=cfg.align)
+
+    results = []
+    for variant in ("eager", "inductor"):  # "inductor": the op's kernels launched from generated code
+        torch._dynamo.reset()
+        fn = _compile(variant, op)
+        start = time.perf_counter()
+        fn(x, ids, probs)
+        _sync(device)
+        compile_s = time.perf_counter() - start if variant != "eager" else 0.0
+        wall, issue = time_calls(lambda fn=fn: fn(x, ids, probs), device)
+        kernel, cpu = profile_calls(lambda fn=fn: fn(x, ids, probs), device)
+        name = "eager (public wrapper)" if variant == "eager" else "compiled (Inductor launches)"
+        results.append(Result(cfg.name, cfg.layer, cfg.T, cfg.direction, name, wall, issue, kernel, cpu, floor, compile_s))
+        print(f"  {cfg.name} {name}: wall {wall:.1f} us, kernels {kernel:.1f} us, floor {floor:.1f} us", flush=True)
+    torch._dynamo.reset()
+    return results
+
+
+SUMMARY_VARIANTS = {"eager": "eager", "inductor": "inductor", "moe": "moe",
+                    "eager (public wrapper)": "eager", "compiled (Inductor launches)": "inductor"}
+
+
+def summarize(results: list[Result]) -> list[dict]:
+    """One row per config, the same keys on every row (wall, issue and kernel microseconds per call)."""
+    rows = []
+
+    def us(r: Result | None, field: str) -> float | None:
+        v = getattr(r, field) if r is not None else math.nan
+        return None if math.isnan(v) else round(v, 1)
+
+    for key in dict.fromkeys(r.config for r in results):
+        cell = {SUMMARY_VARIANTS[r.variant]: r for r in results if r.config == key}
+        row: dict = {"config": key}
+        for v in VARIANTS:
+            row[f"{v}_wall_us"] = us(cell.get(v), "wall_us")
+        for v in ("inductor", "moe"):
+            row[f"{v}_issue_us"] = us(cell.get(v), "issue_us")
+            row[f"{v}_kernel_us"] = us(cell.get(v), "kernel_us")
+        moe, ind = row["moe_wall_us"], row["inductor_wall_us"]
+        row["moe/inductor"] = round(moe / ind, 2) if moe and ind else None
+        floor = us(cell.get("eager"), "floor_us")
+        row["floor_us"] = floor
+        row["eager/floor"] = round(row["eager_wall_us"] / floor, 2) if floor and row["eager_wall_us"] else None
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--quick", action="store_true", help="decode rows and permute_pad only")
+    parser.add_argument("--budget-s", type=float, default=200.0, help="skip what is left after this many seconds")
+    parser.add_argument("--layers", nargs="+", default=None, help="subset of: padded sort_scatter qwen3 mixtral permute_pad")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: checks the flow runs")
+    args = parser.parse_args()
+    device = "cpu" if args.cpu_smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("bench_host_cost: no CUDA device, nothing to measure (this benchmark needs a GPU; --cpu-smoke runs the flow)")
+        return
+    for name, value in (("cache_size_limit", 64), ("recompile_limit", 64), ("accumulated_cache_size_limit", 256)):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, value)
+    start = time.perf_counter()
+    deadline = start + args.budget_s
+    if device == "cuda":
+        from _bench_env import copy_bandwidth, device_env
+
+        bw = copy_bandwidth()
+        env = device_env(copy_bandwidth_GBps=round(bw / 1e9, 1))
+    else:
+        import triton
+
+        bw = math.nan
+        env = {"device": "cpu (smoke)", "torch": torch.__version__, "triton": triton.__version__}
+    configs = [c for c in get_configs(args.quick, args.cpu_smoke) if args.layers is None or c.layer in args.layers]
+    results: list[Result] = []
+    for cfg in configs:
+        if cfg.layer == "permute_pad":
+            results += run_permute_pad(cfg, device, bw)
+        else:
+            results += run_layer(cfg, device, deadline)
+    env["wall_s"] = round(time.perf_counter() - start, 1)
+    summary = summarize(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "summary": summary, "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
+    print(f"device={env['device']} torch={env['torch']} triton={env['triton']} wall={env['wall_s']} s")
+    keys = list(summary[0])
+    widths = [max(len(k), *(len(str(r.get(k))) for r in summary)) for k in keys]
+    print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
+    for r in summary:
+        print("  ".join(str(r.get(k)).ljust(w) for k, w in zip(keys, widths)))
+
+
+if __name__ == "__main__":
+    main()
