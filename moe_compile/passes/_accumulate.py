@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from moe_compile.passes._graph import arg, op_name, tensor_val
+from moe_compile.passes._graph import arg, known_int, op_name, tensor_val
 
 aten = torch.ops.aten
 
@@ -120,7 +120,7 @@ def _norm_dim(dim: Any, ndim: int) -> int | None:
 def distinct_along(index: Any, dim: int) -> bool:
     """True when ``index`` holds distinct values in every slice along ``dim`` (so a scatter-add with it
     never adds two values into one element): the indices output of ``topk`` / ``sort`` / ``argsort``
-    taken along ``dim``."""
+    taken along ``dim``, or any index of size 1 along ``dim``."""
     node = _strip_copies(index)
     if not isinstance(node, fx.Node):
         return False
@@ -128,6 +128,8 @@ def distinct_along(index: Any, dim: int) -> bool:
     if out is None or out.dim() == 0:
         return False
     want = _norm_dim(dim, out.dim())
+    if want is not None and want < out.dim() and known_int(out.shape[want]) == 1:
+        return True  # one index per slice (a top-1 / max selection): nothing to collide with
     name = op_name(node)
     if name == "getitem" and node.args[1] == 1 and isinstance(node.args[0], fx.Node):
         producer = node.args[0]

@@ -74,6 +74,35 @@ class Negatives(nn.Module):
         return (looked_up * live).sum()
 
 
+class _MaxGateGrad(torch.autograd.Function):
+    """PhiMoE's sparsemixer shape: the backward scatter-adds into a live tensor at the argmax."""
+
+    @staticmethod
+    def forward(ctx, scores_TE: torch.Tensor, idx_T1: torch.Tensor) -> torch.Tensor:
+        gate_TE = scores_TE.softmax(-1)
+        ctx.save_for_backward(gate_TE, idx_T1)
+        return gate_TE.gather(1, idx_T1)
+
+    @staticmethod
+    def backward(ctx, grad_T1: torch.Tensor):
+        gate_TE, idx_T1 = ctx.saved_tensors
+        picked_T1 = gate_TE.gather(1, idx_T1)
+        grad_TE = gate_TE * (grad_T1 * picked_T1).mul(-1)
+        grad_TE.scatter_add_(dim=-1, index=idx_T1, src=grad_T1 * picked_T1)
+        return grad_TE, None
+
+
+class MaxRouter(nn.Module):
+    def __init__(self, hidden: int = 16, num_experts: int = 8):
+        super().__init__()
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        scores_TE = self.gate(x_TH)
+        idx_T1 = scores_TE.max(dim=-1, keepdim=True)[1]
+        return (_MaxGateGrad.apply(scores_TE, idx_T1) * x_TH).pow(2).sum()
+
+
 class InLayer(nn.Module):
     """Puts a module one level down, so its nodes belong to a named layer (``inner``)."""
 
@@ -139,3 +168,12 @@ def test_pass_off_keeps_atomics():
 
     run = compile_and_run(GroupLimitedRouter(), (x,), backend=ConfiguredBackend(config), train=True, get_code=True)
     assert any(_accumulates(c) for c in run.code)
+
+
+def test_custom_router_backward_scatter_add_into_live_tensor():
+    torch.manual_seed(4)
+    x = torch.randn(9, 16, requires_grad=True)
+    run = check_rewrite(InLayer(MaxRouter()), (x,), {}, backend="moe_compile", code_checks=[_no_atomics])
+    details = [r.detail for r in run.report.rewrites if r.pass_name == "deterministic_accumulate"]
+    assert "gather + add + scatter (distinct indices into a live tensor, no accumulation)" in details, \
+        run.report.table()
