@@ -138,7 +138,7 @@ def _loss_and_grads(model: torch.nn.Module, inputs: dict[str, Any], fn: Any = No
     return loss.detach().float(), grads
 
 
-def check_family(family: str) -> dict[str, Any]:
+def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
     """One training step of ``family`` through ``torch.compile(backend="moe_compile", fullgraph=True)``.
 
     Returns ``{"family", "status", "rewritten", "left", "numerics", "worst"}``: ``rewritten`` the experts
@@ -160,7 +160,7 @@ def check_family(family: str) -> dict[str, Any]:
     ref32 = _loss_and_grads(copy.deepcopy(model).float(), inputs)
     eager = _loss_and_grads(model, inputs)
     torch._dynamo.reset()
-    compiled_model = torch.compile(model, backend="moe_compile", fullgraph=True)
+    compiled_model = torch.compile(model, backend=backend, fullgraph=True)
     try:
         with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True):
             compiled = _loss_and_grads(model, inputs, compiled_model)
