@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import re
 import warnings
 
 import torch
@@ -42,6 +41,9 @@ import torch.fx as fx
 
 from moe_compile import metrics
 from moe_compile.passes import PassContext
+from moe_compile.passes._count_forms import ids_base
+from moe_compile.passes._graph import layer_name, op_name, val as _val
+from moe_compile.passes._op_tables import CASTS, FLAT_VIEWS
 
 # A topk over more "experts" than this is not taken for a router unless a dispatch op anchors it
 # (it is most likely a vocabulary).
@@ -52,11 +54,8 @@ _TOPK = {torch.topk}
 _SOFTMAX = {torch.softmax, torch.nn.functional.softmax, torch.special.softmax}
 _LINEAR = {torch.nn.functional.linear, torch._C._nn.linear}
 _MATMUL = {torch.matmul, operator.matmul, torch.mm}
-# methods and functions that keep the routing rows and the expert axis (casts, reshapes, copies)
-_PASS_METHODS = {"float", "to", "type", "type_as", "half", "bfloat16", "double", "contiguous", "view",
-                 "reshape", "flatten", "clone", "detach"}
-_PASS_FUNCTIONS = {torch.reshape, torch.flatten, torch.clone, torch.Tensor.float, torch.Tensor.to}
-_INT_CASTS = {"int", "long", "to", "type", "view", "reshape", "flatten", "contiguous", "clone", "detach"}
+# ops that keep the routing rows and the expert axis (casts, reshapes, copies): the shared tables
+_PASSTHROUGH = CASTS | FLAT_VIEWS
 
 
 @dataclasses.dataclass
@@ -188,16 +187,10 @@ def _routers_in_subgraphs(gm: torch.nn.Module) -> list[Router]:
 
 
 def _topk_of_indices(node: object) -> fx.Node | None:
-    while isinstance(node, fx.Node):
-        if node.target is operator.getitem and node.args[1] == 1 and _is_topk(node.args[0]):
-            return node.args[0]
-        if node.op == "call_method" and node.target in _INT_CASTS:
-            node = node.args[0]
-            continue
-        if node.op == "call_function" and node.target in (torch.reshape, torch.flatten):
-            node = node.args[0]
-            continue
-        return None
+    """The ``topk`` whose indices ``node`` is, through what the dispatch recogniser peels off ids."""
+    node = ids_base(node)
+    if isinstance(node, fx.Node) and node.target is operator.getitem and node.args[1] == 1 and _is_topk(node.args[0]):
+        return node.args[0]
     return None
 
 
@@ -238,13 +231,7 @@ def _is_linear(node: fx.Node) -> bool:
 
 
 def _is_passthrough(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        ok = node.target in _PASS_METHODS
-    elif node.op == "call_function":
-        ok = node.target in _PASS_FUNCTIONS
-    else:
-        return False
-    if not ok or not node.args or not isinstance(node.args[0], fx.Node):
+    if op_name(node) not in _PASSTHROUGH or not node.args or not isinstance(node.args[0], fx.Node):
         return False
     out, inp = _val(node), _val(node.args[0])
     return (
@@ -272,26 +259,10 @@ def _arg(node: fx.Node, pos: int, *names: str, default: object = None) -> object
     return default
 
 
-def _val(node: object) -> object:
-    if not isinstance(node, fx.Node):
-        return None
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
-_SUBSCRIPT = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
-
-
 def module_path(node: fx.Node) -> str:
-    """The innermost module path of ``node`` from Dynamo's ``nn_module_stack``, as
-    ``model.layers.0.mlp.gate`` (``""`` at the compiled module's top level)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\[['\"][^'\"]+['\"]\]\.?", "", str(path))
-    path = path.replace("._modules", "").replace("_modules", "")
-    path = _SUBSCRIPT.sub(r".\1", path).strip(".")
-    return re.sub(r"\.+", ".", path)
+    """The innermost module path of ``node`` (``model.layers.0.mlp.gate``; ``""`` at the top level)."""
+    name = layer_name(node, default="<graph>")
+    return "" if name == "<graph>" else name
 
 
 # ----------------------------------------------------------------------------------------- rewrite
