@@ -62,7 +62,8 @@ from moe_compile.passes._host_sync import (
     transitive_users,
 )
 from moe_compile.passes._selection_loop import canonicalize, find_selection_loops
-from moe_compile.passes.strip_host_padding import BINARY_ROWWISE, LAST_DIM_SPLITS, UNARY_ROWWISE
+from moe_compile.passes._op_tables import LAST_DIM_SPLITS
+from moe_compile.passes._rowwise_region import BINARY_ROWWISE, UNARY_ROWWISE
 
 
 GEMMS = {"linear", "matmul", "__matmul__"}

@@ -73,9 +73,11 @@ import torch.fx as fx
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._combine_forms import UnpermuteSum, match_unpermute_sum, read_accumulate
-from moe_compile.passes._op_tables import BINARY, CASTS, GROUPED_MM, LAST_DIM_SPLITS, UNARY
+from moe_compile.passes._op_tables import CASTS, GROUPED_MM
 from moe_compile.passes._count_forms import expert_counts, ids_base, peel, routing_map_ids, strip_casts
 from moe_compile.passes._graph import erase_dead, layer_name, op_name, outside_users, topo_index
+from moe_compile.passes._padding_forms import Pad, Unpad, is_zeros, match_pad, match_unpad
+from moe_compile.passes._rowwise_region import rowwise_region
 from moe_compile.passes._host_sync import (
     HostRead,
     call,
@@ -97,8 +99,6 @@ from moe_compile.passes._host_sync import (
 )
 
 
-UNARY_ROWWISE = UNARY | CASTS
-BINARY_ROWWISE = BINARY | {"clamp"}
 COMBINES = {"index_add_", "index_add", "scatter_add_", "scatter_add", "index_put_", "index_put"}
 
 
@@ -164,22 +164,6 @@ def _transposed_base(node: Any) -> Any:
     if name == "permute" and tuple(node.args[1:]) in ((1, 0), ((1, 0),)):
         return node.args[0]
     return None
-
-
-def _is_zeros(node: Any) -> bool:
-    if not isinstance(node, fx.Node):
-        return False
-    name = op_name(node)
-    if name in ("zeros", "zeros_like", "new_zeros"):
-        return True
-    if name in ("full", "new_full", "full_like"):
-        fill = node.args[2] if name == "new_full" and len(node.args) > 2 else kwarg(node, "fill_value")
-        if name == "full" and len(node.args) > 1:
-            fill = node.args[1]
-        if name == "full_like" and len(node.args) > 1:
-            fill = node.args[1]
-        return fill == 0
-    return False
 
 
 def _topk_indices(node: Any) -> bool:
@@ -335,7 +319,7 @@ def _probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx
     if perm.kind == "masked_select" and is_call(node, "masked_select") and node.args[1] is perm.map_ET:
         probs_TE = _transposed_base(node.args[0])
         if probs_TE is not None:
-            if is_call(probs_TE, "scatter", "scatter_") and _is_zeros(probs_TE.args[0]) \
+            if is_call(probs_TE, "scatter", "scatter_") and is_zeros(probs_TE.args[0]) \
                     and probs_TE.args[2] is perm.idx_TK and _int_arg(probs_TE, 1, "dim") in (1, -1):
                 src = probs_TE.args[3] if len(probs_TE.args) > 3 else probs_TE.kwargs.get("src")
                 if isinstance(src, fx.Node) and tensor_value(src) is not None \
@@ -345,237 +329,6 @@ def _probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx
             if value is not None and value.dim() == 2 and value.dtype.is_floating_point:
                 return None, probs_TE
     raise NoMatch("probs_not_matched", f"{probs_col.name} is not the routing probs permuted alongside the rows")
-
-
-@dataclasses.dataclass
-class _Unpad:
-    split: fx.Node
-    cat: fx.Node
-    padded_sizes: list[Any]
-    lengths: list[Any]
-
-
-def _match_unpad(y_NH: fx.Node) -> _Unpad | None:
-    """``cat([narrow(y_e, 0, 0, s_e) | y_e[:s_e] for y_e in split(Y, sizes)])``, else None."""
-    if not is_call(y_NH, "cat") or kwarg(y_NH, "dim", 0) != 0:
-        return None
-    pieces = y_NH.args[0]
-    split, lengths = None, []
-    for i, piece in enumerate(pieces):
-        if is_call(piece, "narrow") and kwarg(piece, "dim") == 0 and kwarg(piece, "start") == 0:
-            chunk, length = piece.args[0], kwarg(piece, "length")
-        elif is_call(piece, "getitem") and isinstance(piece.args[1], slice) \
-                and piece.args[1].start in (None, 0) and piece.args[1].step in (None, 1):
-            chunk, length = piece.args[0], piece.args[1].stop
-        elif is_call(piece, "getitem") and isinstance(piece.args[1], tuple) and len(piece.args[1]) >= 1 \
-                and isinstance(piece.args[1][0], slice) and piece.args[1][0].start in (None, 0) \
-                and all(s == slice(None) or s is Ellipsis for s in piece.args[1][1:]):
-            chunk, length = piece.args[0], piece.args[1][0].stop
-        else:
-            return None
-        if not (is_call(chunk, "getitem") and chunk.args[1] == i and is_call(chunk.args[0], "split", "split_with_sizes")):
-            return None
-        if split is None:
-            split = chunk.args[0]
-        elif chunk.args[0] is not split:
-            return None
-        lengths.append(length)
-    sizes = split.args[1] if len(split.args) > 1 else kwarg(split, "split_size_or_sections")
-    if split is None or not isinstance(sizes, (list, tuple)) or len(sizes) != len(pieces):
-        return None
-    if _int_arg(split, 2, "dim", 0) != 0:
-        return None
-    return _Unpad(split, y_NH, list(sizes), lengths)
-
-
-@dataclasses.dataclass
-class _Pad:
-    split: fx.Node
-    cat: fx.Node
-    sizes: list[Any]
-    pads: list[Any]
-    nodes: list[fx.Node]
-
-
-def _match_pad(x_NH: fx.Node) -> _Pad | None:
-    """``cat([F.pad(c_e, (0, 0, 0, q_e)) | cat([c_e, zeros(q_e, H)]) | c_e for c_e in split(x_NH, s)])``."""
-    splits = [u for u in x_NH.users if is_call(u, "split", "split_with_sizes")]
-    if len(splits) != 1:
-        return None
-    split = splits[0]
-    sizes = split.args[1] if len(split.args) > 1 else kwarg(split, "split_size_or_sections")
-    if not isinstance(sizes, (list, tuple)) or _int_arg(split, 2, "dim", 0) != 0:
-        return None
-    chunks: dict[int, fx.Node] = {}
-    for u in split.users:
-        if not (is_call(u, "getitem") and isinstance(u.args[1], int)):
-            return None
-        chunks[u.args[1]] = u
-    if sorted(chunks) != list(range(len(sizes))):
-        return None
-    cat, pads, nodes = None, [], []
-    for i in range(len(sizes)):
-        chunk = chunks[i]
-        # `chunk.new_zeros(q, H)` only borrows dtype and device from the chunk
-        users = [u for u in outside_users([chunk], ()) if not (is_call(u, "new_zeros") and u.args[0] is chunk)]
-        if len(users) != 1:
-            return None
-        user = users[0]
-        padded, pad = user, None
-        if is_call(user, "pad"):
-            spec = kwarg(user, "pad")
-            mode, value = kwarg(user, "mode", "constant"), kwarg(user, "value")
-            if not (isinstance(spec, (list, tuple)) and len(spec) == 4 and list(spec[:3]) == [0, 0, 0]):
-                return None
-            if mode != "constant" or value not in (None, 0, 0.0):
-                return None
-            pad = spec[3]
-            nodes.append(user)
-        elif is_call(user, "cat") and len(user.args[0]) == 2 and user.args[0][0] is chunk \
-                and kwarg(user, "dim", 0) == 0 and _is_zeros(user.args[0][1]):
-            zeros = user.args[0][1]
-            shape = tensor_value(zeros).shape
-            if len(shape) != 2 or len(zeros.users) != 1:
-                return None
-            pad = _zeros_rows_arg(zeros)
-            if pad is None:
-                return None
-            nodes += [user, zeros]
-        else:
-            pad, padded = 0, chunk
-        pads.append(pad)
-        if cat is None:
-            if not (is_call(next(iter(padded.users), None), "cat") and len(padded.users) == 1):
-                return None
-            cat = next(iter(padded.users))
-        if padded not in cat.args[0] or list(cat.args[0]).index(padded) != i or len(padded.users) != 1:
-            return None
-    if cat is None or len(cat.args[0]) != len(sizes) or kwarg(cat, "dim", 0) != 0:
-        return None
-    return _Pad(split, cat, list(sizes), pads, nodes)
-
-
-def _zeros_rows_arg(zeros: fx.Node) -> Any:
-    """The row count argument of ``new_zeros(q, H)`` / ``zeros(q, H)`` / ``new_zeros((q, H))``."""
-    args = zeros.args[1:] if op_name(zeros) == "new_zeros" else zeros.args
-    if len(args) == 1 and isinstance(args[0], (list, tuple)):
-        args = tuple(args[0])
-    return args[0] if len(args) == 2 else None
-
-
-def _region_nodes(X: fx.Node, Y: fx.Node) -> list[fx.Node]:
-    """Nodes on a path from ``X`` to ``Y`` (``Y`` included, ``X`` excluded), in graph order."""
-    forward = transitive_users(X)
-    backward: set[fx.Node] = set()
-    stack = [Y]
-    while stack:
-        n = stack.pop()
-        if n in backward:
-            continue
-        backward.add(n)
-        stack.extend(a for a in n.all_input_nodes if a in forward)
-    order = topo_index(X.graph)
-    return sorted(forward & backward, key=order.__getitem__)
-
-
-def _check_rowwise(
-    node: fx.Node, inside: set[fx.Node], num_experts: int | None, training: bool = False
-) -> list[fx.Node]:
-    """Raise unless ``node`` maps row r of its region inputs to row r of its output. Returns offs nodes.
-
-    NOTE [tail rows]: after the rewrite the region runs over ``M`` static rows; rows past ``offs_E[-1]``
-    are never read by the combine, but ``torch._grouped_mm`` leaves them uninitialized. Row-wise ops
-    keep that garbage in the tail, except in a gradient that sums over rows: a weight shared by all
-    rows (``linear``, a per-channel scale) would get ``0 * garbage`` (NaN for NaN/inf garbage). Such
-    weights are refused in training (``shared_param_in_expert_region``).
-    """
-    name = op_name(node)
-    value = tensor_value(node)
-    if training and name not in GROUPED_MM:
-        for a in node.all_input_nodes:
-            av = tensor_value(a)
-            if a not in inside and av is not None and av.requires_grad:
-                raise NoMatch("shared_param_in_expert_region",
-                            f"{node.name}: {a.name} is shared by all rows and trained (see NOTE [tail rows])")
-    for a in node.all_input_nodes:
-        if a not in inside and tensor_value(a) is None and sym_expr(a) is not None:
-            raise NoMatch("host_size_in_expert_region", f"{node.name} uses host size {a.name}")
-    outside = [a for a in node.all_input_nodes if a not in inside]
-    for a in outside:
-        if has_unbacked_shape(a):
-            raise NoMatch(
-                "region_not_rowwise", f"{node.name} mixes in {a.name}, a host-sized tensor outside the region"
-            )
-    if name in GROUPED_MM:
-        x, w = node.args[0], node.args[1]
-        offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
-        if x not in inside or w in inside or not isinstance(offs, fx.Node) or offs in inside:
-            raise NoMatch("region_not_rowwise", f"{node.name}: grouped GEMM not over the region's rows")
-        wv = tensor_value(w)
-        if wv is None or wv.dim() != 3 or (num_experts is not None and wv.shape[0] != num_experts):
-            raise NoMatch("region_not_rowwise", f"{node.name}: grouped GEMM weight is not [E, ., .]")
-        if len(node.args) > 3 or set(node.kwargs) - {"offs", "out_dtype"}:
-            raise NoMatch("region_not_rowwise", f"{node.name}: grouped GEMM with bias")
-        return [offs]
-    if name in ("linear", "matmul", "__matmul__"):
-        if node.args[0] not in inside or any(a in inside for a in node.args[1:] if isinstance(a, fx.Node)):
-            raise NoMatch("region_not_rowwise", f"{node.name}: {name} is not rows @ shared weight")
-        w = tensor_value(node.args[1])
-        if w is None or (name != "linear" and w.dim() != 2):
-            raise NoMatch("region_not_rowwise", f"{node.name}: {name} weight is not 2-D")
-        return []
-    if name == "getitem":
-        src, index = node.args
-        if isinstance(tensor_value(src), torch.Tensor):
-            ok = isinstance(index, tuple) and len(index) >= 2 and (index[0] is Ellipsis or index[0] == slice(None)) \
-                and all(not isinstance(i, fx.Node) for i in index)
-            if not ok:
-                raise NoMatch("region_not_rowwise", f"{node.name}: indexing over rows")
-        elif not isinstance(index, int):
-            raise NoMatch("region_not_rowwise", f"{node.name}: unsupported getitem")
-        return []
-    if name in LAST_DIM_SPLITS:
-        src = tensor_value(node.args[0])
-        dim = kwarg(node, "dim", 0) if name != "chunk" else _int_arg(node, 2, "dim", 0)
-        if name == "narrow":
-            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        if src is None or src.dim() < 2 or not isinstance(dim, int) or dim % src.dim() == 0:
-            raise NoMatch("region_not_rowwise", f"{node.name}: {name} over the row dim")
-        return []
-    if name in UNARY_ROWWISE or name in BINARY_ROWWISE:
-        if value is None and name not in CASTS:
-            raise NoMatch("region_not_rowwise", f"{node.name}: {name} without a tensor value")
-        for a in outside:
-            av = tensor_value(a)
-            if av is not None and value is not None and av.dim() >= value.dim() and av.shape[0] != 1:
-                raise NoMatch("region_not_rowwise", f"{node.name}: {name} with a per-row operand {a.name}")
-        return []
-    raise NoMatch("region_not_rowwise", f"{node.name}: {name} is not a supported row-wise op")
-
-
-def _rowwise_region(
-    X: fx.Node, Y: fx.Node, num_experts: int | None, y_consumers: set[fx.Node]
-) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node]]:
-    """The expert region from ``X`` to ``Y``, proven row-wise and closed: returns (its nodes in graph
-    order, the grouped GEMMs reading offsets, those offsets nodes). Only ``Y`` may also feed
-    ``y_consumers``; any other use outside the region raises ``expert_region_escapes``."""
-    middle = _region_nodes(X, Y)
-    if Y not in middle:
-        raise NoMatch("region_not_rowwise", f"{Y.name} is not computed from {X.name}")
-    inside = set(middle) | {X}
-    training = bool(getattr(tensor_value(Y), "requires_grad", False))
-    offs_uses: list[fx.Node] = []
-    offs_nodes: list[fx.Node] = []
-    for node in middle:
-        found = _check_rowwise(node, inside, num_experts, training)
-        if found:
-            offs_uses.append(node)
-            offs_nodes += [o for o in found if o not in offs_nodes]
-        allowed = inside | y_consumers if node is Y else inside
-        escaping = outside_users([node], allowed)
-        if escaping:
-            raise NoMatch("expert_region_escapes", f"{node.name} is also used by {escaping[0].name}")
-    return middle, offs_uses, offs_nodes
 
 
 class _Matcher:
@@ -595,7 +348,7 @@ class _Matcher:
         else:
             dest, token_N, src = _combine_parts(sink)
             order = topo_index(self.graph)
-            if not _is_zeros(dest):
+            if not is_zeros(dest):
                 raise NoMatch(
                     "combine_buffer_reused", f"{sink.name} accumulates into {dest.name}, not a fresh zeros buffer"
                 )
@@ -633,7 +386,7 @@ class _Matcher:
             tail |= _chain_to(y0, y)
 
         # unpad block (optional), the expert region, the pad block (optional) or x_NH
-        unpad = _match_unpad(y)
+        unpad = match_unpad(y)
         if unpad is not None:
             # the unpad splits by the old host sizes: nothing else may read it once the rows are static
             pieces = list(unpad.cat.args[0])
@@ -645,14 +398,14 @@ class _Matcher:
                 raise NoMatch("expert_region_escapes", f"the unpadded rows are also used by {bad[0].name}")
         pre_weight = _weighted_rows(perm)
         rows_NH = pre_weight[0] if pre_weight is not None else perm.x_NH
-        pad = _match_pad(rows_NH)
+        pad = match_pad(rows_NH)
         Y = unpad.split.args[0] if unpad is not None else y
         X = pad.cat if pad is not None else rows_NH
         if unpad is None and pad is not None:
             raise NoMatch("unpad_not_matched", f"{y.name}: padded rows reach the combine without an unpad")
         E_hint = perm.num_experts if perm.num_experts > 0 else None
         y_consumers = {unpad.split} if unpad is not None else tail | {sink}
-        middle, offs_uses, offs_nodes = _rowwise_region(X, Y, E_hint, y_consumers)
+        middle, offs_uses, offs_nodes = rowwise_region(X, Y, E_hint, y_consumers)
         inside = set(middle) | {X}
         escaping = outside_users([X], inside)
         if escaping:
@@ -738,7 +491,7 @@ class _Matcher:
         return expr
 
     def _check_sizes(
-        self, pad: _Pad | None, unpad: _Unpad | None, offs_nodes: list[fx.Node], E: int
+        self, pad: Pad | None, unpad: Unpad | None, offs_nodes: list[fx.Node], E: int
     ) -> tuple[int, bool]:
         """Prove pad lengths, padded sizes, unpad lengths and offsets; returns (alignment, pad was a no-op)."""
         counts = self.counts
@@ -960,7 +713,7 @@ def _match_pad_after_permute_pad(pp: fx.Node, reads: dict[sympy.Symbol, HostRead
         return None
     R = narrowed[0]
     used = R.args[1].stop if is_call(R, "getitem") else kwarg(R, "length")
-    pad = _match_pad(R)
+    pad = match_pad(R)
     X = pad.cat if pad is not None else R
     pad_back = [
         n for n in transitive_users(X)
@@ -974,7 +727,7 @@ def _match_pad_after_permute_pad(pp: fx.Node, reads: dict[sympy.Symbol, HostRead
     if not (isinstance(spec, (list, tuple)) and len(spec) == 4 and list(spec[:3]) == [0, 0, 0]):
         raise NoMatch("pad_not_matched", f"{back.name} is not a row pad")
     E = pp.args[3]
-    middle, offs_uses, offs_nodes = _rowwise_region(X, Y, E, {back})
+    middle, offs_uses, offs_nodes = rowwise_region(X, Y, E, {back})
     leaves, counts, align = _permute_pad_leaves(pp)
     ev = IntVectorEval(reads, leaves)
 
