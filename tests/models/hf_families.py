@@ -1,8 +1,8 @@
 """Every transformers MoE family, found in the installed package and built from a tiny config.
 
 :func:`moe_families` lists the model types whose modeling file uses transformers' experts interface
-(``use_experts_implementation``); :func:`build` makes a ``*ForCausalLM`` (or the family's first causal
-LM class) from the family's config class with generic tiny overrides: every MoE attribute under each of
+(``use_experts_implementation``); :func:`build` makes a ``*ForCausalLM`` (for a multimodal family, the causal LM
+or base model of its text config) from the family's config class with generic tiny overrides: every MoE attribute under each of
 its names (experts 8, top-k 2, groups that divide them, every layer sparse), hidden 64, one layer.
 Families that cannot be built or run from a config alone raise :class:`Unbuildable` with the reason.
 """
@@ -53,31 +53,56 @@ def moe_families() -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-def _config_and_class(family: str):
+def _model_type(family: str) -> str:
     from transformers import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    names = [family, family.replace("_", "-")]
-    model_type = next((n for n in names if n in CONFIG_MAPPING), None)
+    model_type = next((n for n in (family, family.replace("_", "-")) if n in CONFIG_MAPPING), None)
     if model_type is None:
         raise Unbuildable(f"no config registered for model type {family!r}")
-    cls_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    if cls_name is None:
-        raise Unbuildable("no causal LM class (multimodal or encoder-only family)")
+    return model_type
+
+
+def _class(name: Any) -> Any:
     import transformers
 
-    cls = getattr(transformers, cls_name if isinstance(cls_name, str) else cls_name[0], None)
-    if cls is None:
-        raise Unbuildable(f"{cls_name} is not importable")
-    return CONFIG_MAPPING[model_type], cls
+    name = name if isinstance(name, str) or name is None else name[0]
+    return getattr(transformers, name, None) if name else None
+
+
+def _plan(family: str) -> tuple[Any, Any, str]:
+    """``(model class, config, kind)``: the family's causal LM on its config; for a composite (multimodal)
+    config, the text model on its ``text_config``: a causal LM if one is registered (``kind="lm"``), else
+    the text base model (``kind="base"``, trained on a loss of its hidden states)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    model_type = _model_type(family)
+    try:
+        config = CONFIG_MAPPING[model_type]()
+    except Exception as exc:  # noqa: BLE001 - a config that needs arguments
+        raise Unbuildable(f"config() fails: {type(exc).__name__}: {str(exc)[:120]}") from None
+    text = getattr(config, "text_config", None)
+    text_type = getattr(text, "model_type", None)
+    if text_type:
+        lm = _class(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text_type) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type))
+        if lm is not None:
+            return lm, _shrink(text), "lm"
+        base = _class(MODEL_MAPPING_NAMES.get(text_type))
+        if base is not None:
+            return base, _shrink(text), "base"
+        raise Unbuildable(f"no causal LM or text model class for {text_type!r}")
+    lm = _class(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type))
+    if lm is None:
+        raise Unbuildable("no causal LM class and no text config (encoder-only or multimodal family)")
+    return lm, _shrink(config), "lm"
 
 
 def tiny_config(family: str):
-    config_cls, _ = _config_and_class(family)
-    try:
-        config = config_cls()
-    except Exception as exc:  # noqa: BLE001 - a config that needs arguments
-        raise Unbuildable(f"config() fails: {type(exc).__name__}: {str(exc)[:120]}") from None
+    """The config :func:`build` builds ``family`` from (its text config for composite families)."""
+    return _plan(family)[1]
+
+
+def _shrink(config: Any) -> Any:
     for attr, value in TINY.items():
         if hasattr(config, attr):
             try:
@@ -98,12 +123,25 @@ def tiny_config(family: str):
     return config
 
 
+class _HiddenStateLoss(torch.nn.Module):
+    """A text base model trained on ``mean(hidden ** 2)`` (composite families without a text LM head)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        import types
+
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        return types.SimpleNamespace(loss=hidden.float().pow(2).mean())
+
+
 def build(family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tuple[torch.nn.Module, dict[str, Any]]:
     """``(model, inputs)`` for one training step of ``family``'s tiny causal LM (labels included)."""
     from tests.models.hf_models import init_params_
 
-    _, cls = _config_and_class(family)
-    config = tiny_config(family)
+    cls, config, kind = _plan(family)
     try:
         model = cls(config)
     except Exception as exc:  # noqa: BLE001 - families needing more than a config
@@ -112,6 +150,8 @@ def build(family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tu
         raise Unbuildable("no experts module after the tiny config (MoE layers not enabled by any known attribute)")
     init_params_(model, seed)
     model = model.to(dtype)
+    if kind == "base":
+        model = _HiddenStateLoss(model)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (2, 8), generator=gen)
     inputs = {"input_ids": ids, "labels": ids.clone()}
