@@ -131,10 +131,10 @@ class _HiddenStateLoss(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
-        import types
+        from transformers.modeling_outputs import CausalLMOutput
 
         hidden = self.model(input_ids=input_ids).last_hidden_state
-        return types.SimpleNamespace(loss=hidden.float().pow(2).mean())
+        return CausalLMOutput(loss=hidden.float().pow(2).mean())
 
 
 def build(family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tuple[torch.nn.Module, dict[str, Any]]:
