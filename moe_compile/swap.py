@@ -162,6 +162,7 @@ class _GradViews:
     def __init__(self, grouped: Tensor, params: list[nn.Parameter]):
         self.params = params
         self.buffer: weakref.ref[Tensor] | None = None
+        self.reused = False  # set by _before: G.grad is the views' buffer, accumulated in place
         grouped.register_hook(functools.partial(self._before, weakref.ref(grouped)))
         grouped.register_post_accumulate_grad_hook(self._after)
 
@@ -174,7 +175,8 @@ class _GradViews:
     def _before(self, grouped_ref: weakref.ref[Tensor], grad: Tensor) -> None:
         grouped = grouped_ref()
         buffer = self._views_intact()
-        if buffer is not None:
+        self.reused = buffer is not None
+        if self.reused:
             grouped.grad = buffer
         elif all(p.grad is None for p in self.params):
             grouped.grad = None
@@ -183,7 +185,7 @@ class _GradViews:
 
     def _after(self, grouped: Tensor) -> None:
         grad, grouped.grad = grouped.grad, None
-        if self._views_intact() is grad:
+        if self.reused:  # the views already are views of ``grad``
             return
         for p, view in zip(self.params, grad.unbind(0)):
             p.grad = view

@@ -97,16 +97,22 @@ def test_mxfp8_scale_exponent_off_by_one_fails(problem, data):
     assert _fails(gmm.grouped_mm_mxfp8(x, qdata, bad, offs), x, w, counts)
 
 
-@settings(max_examples=40)
-@given(problems(), st.data())
-def test_expert_offset_shifted_by_one_row_fails(problem, data):
-    """One expert's end offset one row early or late (a boundary row multiplied by the neighbour's weights)."""
+def _plain_problem(problem: tuple) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor, torch.dtype]:
+    """Random bf16/fp32 operands of a drawn problem, checked to pass unperturbed: (x, w, counts, offs, dtype)."""
     seed, counts, N, K, dtype = problem
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(sum(counts), K, generator=gen).to(dtype)
     w = torch.randn(len(counts), N, K, generator=gen).to(dtype)
     offs = _offs(counts)
     _check(gmm.grouped_mm(x, w, offs), x, w, counts)
+    return x, w, counts, offs, dtype
+
+
+@settings(max_examples=40)
+@given(problems(), st.data())
+def test_expert_offset_shifted_by_one_row_fails(problem, data):
+    """One expert's end offset one row early or late (a boundary row multiplied by the neighbour's weights)."""
+    x, w, counts, offs, dtype = _plain_problem(problem)
     # the bug: offs[e] += 1 or -= 1 for an inner boundary, kept monotone (so the op still accepts it)
     candidates = [(e, d) for e in range(len(counts) - 1) for d in (1, -1)
                   if 0 <= int(offs[e]) + d <= sum(counts)
@@ -127,13 +133,8 @@ def test_expert_offset_shifted_by_one_row_fails(problem, data):
 @given(problems(), st.data())
 def test_dropped_k_term_fails(problem, data):
     """One term of the K sum left out (column k of x zeroed for the op) fails wherever it was not ~0."""
-    seed, counts, N, K, dtype = problem
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(sum(counts), K, generator=gen).to(dtype)
-    w = torch.randn(len(counts), N, K, generator=gen).to(dtype)
-    offs = _offs(counts)
-    _check(gmm.grouped_mm(x, w, offs), x, w, counts)
-    k = data.draw(st.integers(0, K - 1), "dropped k")
+    x, w, counts, offs, dtype = _plain_problem(problem)
+    k = data.draw(st.integers(0, x.shape[1] - 1), "dropped k")
     dropped = x.clone()
     dropped[:, k] = 0
     # the term is the bug's whole effect; when it is below every element's bound (|x_k| tiny on every row),
