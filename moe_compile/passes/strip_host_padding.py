@@ -75,7 +75,7 @@ from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._combine_forms import UnpermuteSum, match_unpermute_sum, read_accumulate
 from moe_compile.passes._op_tables import CASTS, GROUPED_MM
 from moe_compile.passes._count_forms import expert_counts, ids_base, peel, routing_map_ids, strip_casts
-from moe_compile.passes._graph import erase_dead, layer_name, op_name, outside_users, topo_index
+from moe_compile.passes._graph import arg, erase_dead, layer_name, op_name, outside_users, topo_index
 from moe_compile.passes._padding_forms import Pad, Unpad, is_zeros, match_pad, match_unpad
 from moe_compile.passes._rowwise_region import rowwise_region
 from moe_compile.passes._host_sync import (
@@ -170,10 +170,6 @@ def _topk_indices(node: Any) -> bool:
     return is_call(node, "getitem") and node.args[1] == 1 and is_call(node.args[0], "topk")
 
 
-def _int_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
-
-
 # ---------------------------------------------------------------------------------------------------
 # permute recognition
 # ---------------------------------------------------------------------------------------------------
@@ -182,13 +178,13 @@ def _int_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
 def _argsort_of(order: Any) -> fx.Node | None:
     """The 1-D ids sorted by ``order`` (ascending ``argsort`` / ``sort(...)[1]``), or None."""
     if is_call(order, "argsort"):
-        descending = _int_arg(order, 2, "descending", False)
-        dim = _int_arg(order, 1, "dim", -1)
+        descending = arg(order, 2, "descending", False)
+        dim = arg(order, 1, "dim", -1)
         return order.args[0] if descending is False and dim in (0, -1) else None
     if is_call(order, "getitem") and order.args[1] == 1 and is_call(order.args[0], "sort"):
         sort = order.args[0]
-        descending = _int_arg(sort, 2, "descending", False)
-        return sort.args[0] if descending is False and _int_arg(sort, 1, "dim", -1) in (0, -1) else None
+        descending = arg(sort, 2, "descending", False)
+        return sort.args[0] if descending is False and arg(sort, 1, "dim", -1) in (0, -1) else None
     return None
 
 
@@ -205,7 +201,7 @@ def _match_permute(token_N: fx.Node) -> Permute:
     gathers = [
         u for u in token_N.users
         if (is_call(u, "getitem") and u.args[1] is token_N)
-        or (is_call(u, "index_select") and u.args[2] is token_N and _int_arg(u, 1, "dim") == 0)
+        or (is_call(u, "index_select") and u.args[2] is token_N and arg(u, 1, "dim") == 0)
     ]
     if len(gathers) != 1:
         raise NoMatch("permute_not_matched", f"{len(gathers)} row gathers by {token_N.name}")
@@ -320,7 +316,7 @@ def _probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx
         probs_TE = _transposed_base(node.args[0])
         if probs_TE is not None:
             if is_call(probs_TE, "scatter", "scatter_") and is_zeros(probs_TE.args[0]) \
-                    and probs_TE.args[2] is perm.idx_TK and _int_arg(probs_TE, 1, "dim") in (1, -1):
+                    and probs_TE.args[2] is perm.idx_TK and arg(probs_TE, 1, "dim") in (1, -1):
                 src = probs_TE.args[3] if len(probs_TE.args) > 3 else probs_TE.kwargs.get("src")
                 if isinstance(src, fx.Node) and tensor_value(src) is not None \
                         and tuple(tensor_value(src).shape) == tuple(tensor_value(perm.idx_TK).shape):
