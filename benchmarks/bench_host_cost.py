@@ -3,8 +3,8 @@
 Per layer, token count and direction (``fwd`` under ``no_grad``, ``fwd+bwd`` with ``backward(grad_out)``
 w.r.t. the input and every parameter), bf16:
 
-* ``wall_us``: 200 calls back to back, one synchronisation at the end, per call: what a decode loop
-  sees; when the step is launch bound this is the host time;
+* ``wall_us``: 200 calls back to back, one synchronisation at the end, per call (median of 5 such runs):
+  what a decode loop sees; when the step is launch bound this is the host time;
 * ``issue_us``: the same loop timed before that synchronisation (the host's time to issue a call;
   equal to ``wall_us`` when the host is the bottleneck, below it when the GPU is);
 * ``kernel_us``: GPU kernel time per call (``torch.profiler``, CUDA kernels summed);
@@ -39,6 +39,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -50,6 +51,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 VARIANTS = ("eager", "inductor", "moe")
 CALLS = 200  # timed calls per measurement (one synchronisation at the end)
+REPEATS = 5  # measurements per variant; the median is reported
 PROFILED_CALLS = 20
 SMOKE_CALLS = 3  # --cpu-smoke: the flow only
 
@@ -155,18 +157,26 @@ def _sync(device: str) -> None:
 
 
 def time_calls(step: Callable[[], object], device: str) -> tuple[float, float]:
-    """(wall, issue) microseconds per call over ``CALLS`` back-to-back calls, after a warm-up."""
+    """(wall, issue) microseconds per call: the median over ``REPEATS`` runs of ``CALLS`` back-to-back calls.
+
+    Host-bound times drift by several percent between runs of one process (clocks, allocator, other
+    tenants); the median of repeats is what the variants are compared on.
+    """
     calls = CALLS if device == "cuda" else SMOKE_CALLS
     for _ in range(5 if device == "cuda" else 1):
         step()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        step()
-    issued = time.perf_counter()
-    _sync(device)
-    end = time.perf_counter()
-    return (end - start) / calls * 1e6, (issued - start) / calls * 1e6
+    walls, issues = [], []
+    for _ in range(REPEATS if device == "cuda" else 1):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        issued = time.perf_counter()
+        _sync(device)
+        end = time.perf_counter()
+        walls.append((end - start) / calls * 1e6)
+        issues.append((issued - start) / calls * 1e6)
+    return statistics.median(walls), statistics.median(issues)
 
 
 def profile_calls(step: Callable[[], object], device: str) -> tuple[float, float]:

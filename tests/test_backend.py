@@ -199,3 +199,16 @@ def test_pass_that_raises_is_undone_and_compilation_goes_on(monkeypatch):
     eager, eager_grads = _run(model, x, "eager", True)
     assert_matches_eager(Run(ours, ours_grads, rep, []), model, (x,), train=True, eager=(eager, eager_grads),
                          loss_fn=lambda out: out.float().pow(2).mean())
+
+
+def test_user_defined_kernels_are_launched_statically_unless_the_user_says_otherwise():
+    """Our dispatch kernels take Inductor's static launcher (host cost); a user's options= still win."""
+    from moe_compile.backend import INDUCTOR_DEFAULTS, inductor_patches
+    from moe_compile.config import make_config
+
+    key = "static_launch_user_defined_triton_kernels"
+    if not hasattr(torch._inductor.config, key):
+        pytest.skip(f"this torch has no Inductor option {key}")
+    assert INDUCTOR_DEFAULTS[key] is True
+    assert inductor_patches(make_config(), None, {})[key] is True
+    assert inductor_patches(make_config(), None, {key: False})[key] is False
