@@ -64,6 +64,8 @@ def _act_grad_fp32(g: torch.Tensor, activation: str) -> torch.Tensor:
 
 def gather_rows(x_SK: torch.Tensor, src_M: torch.Tensor) -> torch.Tensor:
     """``x[src]`` with zero rows where ``src < 0`` (the permuted copy the gather prologue avoids)."""
+    if x_SK.shape[0] == 0:  # no tokens: every row is a pad row
+        return x_SK.new_zeros(src_M.shape[0], x_SK.shape[1])
     rows = x_SK.index_select(0, src_M.clamp(min=0).long())
     return torch.where((src_M >= 0)[:, None], rows, 0)
 
