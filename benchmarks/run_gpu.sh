@@ -28,6 +28,8 @@ if [ "$what" != tests ]; then
     if [ -n "${BENCHES:-}" ] && [[ " $BENCHES " != *" $stem "* ]]; then continue; fi
     extra=(); limit=240
     [ "$stem" = decode ] && extra=(--budget-s 150)
+    # grouped GEMM: 9 shapes x fwd / fwd+bwd / per GEMM + quantised; Triton compiles are most of the time
+    [ "$stem" = grouped_gemm ] && { extra=(--budget-s 170); limit=260; }
     # host cost: eager vs Inductor vs moe_compile per layer; compiles of the E=128 block are the long part
     [ "$stem" = host_cost ] && { extra=(--budget-s 240); limit=330; }
     if [ -n "${BUDGET_S:-}" ] && grep -q -- "--budget-s" "$bench"; then extra=(--budget-s "$BUDGET_S"); limit=$((BUDGET_S + 90)); fi

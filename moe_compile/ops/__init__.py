@@ -4,6 +4,9 @@ from moe_compile.ops._common import SUPPORTED_ALIGNMENTS, static_row_bound
 # `moe_compile.ops.grouped_mm` stays the module (its op wrapper is `grouped_mm.grouped_mm`): code across
 # the package imports it as `from moe_compile.ops import grouped_mm as gmm`.
 from moe_compile.ops import grouped_mm
+# likewise `expert_gemm` is the module (its wrapper is `expert_gemm.expert_gemm`)
+from moe_compile.ops import expert_gemm
+from moe_compile.ops.expert_gemm import use_triton_grouped_gemm
 from moe_compile.ops.grouped_mm import grouped_mm_mxfp8, grouped_mm_nvfp4, grouped_mm_reference
 from moe_compile.ops.permute_pad import (
     PermutePadOut,
@@ -20,6 +23,7 @@ from moe_compile.ops.unpad_unpermute import (
 __all__ = [
     "SUPPORTED_ALIGNMENTS",
     "PermutePadOut",
+    "expert_gemm",
     "grouped_mm",
     "grouped_mm_mxfp8",
     "grouped_mm_nvfp4",
@@ -31,4 +35,5 @@ __all__ = [
     "unpad_unpermute",
     "unpad_unpermute_backward_reference",
     "unpad_unpermute_reference",
+    "use_triton_grouped_gemm",
 ]

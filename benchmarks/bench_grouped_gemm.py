@@ -1,0 +1,273 @@
+"""Expert-MLP grouped GEMMs on one GPU: CUTLASS ``torch._grouped_mm`` vs the Triton ``moe::expert_gemm`` family.
+
+Shapes (bf16, uniform random top-K routing): Qwen3-MoE-like (H 2048, I 768, E 128, K 8), Mixtral-like
+(H 4096, I 3584, E 8, K 2), DeepSeek-V3-like (H 2048, I 1408, E 64, K 6), T in {256, 4096, 16384}.
+Both start from ``x [T, H]`` and end at the weighted expert rows ``y [M, H]`` (the combine is the same
+for both and left out):
+
+* ``cutlass``: ``permute_pad`` (writes the permuted rows), ``torch._grouped_mm`` gate_up, SiLU(gate) * up
+  in PyTorch, ``torch._grouped_mm`` down, times ``probs_M``;
+* ``triton``: ``permute_pad`` (only its row map / offsets / probs are read; it still writes rows, so the
+  block time is pessimistic for us), ``expert_gemm`` gate_up with the gather prologue and the SwiGLU
+  epilogue, ``expert_gemm`` down with the row weight in its epilogue. ``MOE_COMPILE_GROUPED_GEMM=triton``
+  forces the Triton kernels everywhere (the op's heuristic is what this benchmark calibrates).
+
+Per shape: ``block`` fwd and fwd+bwd (autograd w.r.t. x, both weights and the probs), and each GEMM alone
+(``gate_up``: gather + SwiGLU vs permuted copy + ``_grouped_mm``; ``down``: row weight vs
+``_grouped_mm``), forward. Quantised (Qwen3-like, T in {1, 64, 4096}): forward block with MXFP8 / NVFP4
+weight-only ``expert_gemm`` vs the bf16 ``cutlass`` and ``triton`` blocks. ``--tma`` adds TMA weight
+loads (``MOE_COMPILE_TMA=1``) to the Triton forward.
+
+Timing: ``triton.testing.do_bench_cudagraph`` (GPU time of a CUDA-graph replay: kernel time without
+launch gaps), median. TFLOP/s counts the real routed rows ``T*K``: ``2*T*K*H*2I`` (gate_up) +
+``2*T*K*I*H`` (down) forward, 3x that forward+backward. ``err``: max |triton - cutlass| / max |cutlass| of
+the block output. ``bitwise``: the Triton block's output and gradients equal over two runs. ``choice``:
+which implementation is faster per GEMM: feed it to ``TRITON_MAX_ROWS_PER_EXPERT`` (NOTE [grouped GEMM
+choice] in ``moe_compile/ops/expert_gemm.py``). Targets (H100): Qwen3 block fwd+bwd <= 2.2 ms at T 4096;
+Mixtral no slower than CUTLASS; MXFP8 / NVFP4 at T 4096 no slower than bf16.
+
+Usage: ``python benchmarks/bench_grouped_gemm.py --json benchmarks/results/grouped_gemm.json [--quick]
+[--budget-s 170] [--tma]``. Whatever is left once the budget is spent is skipped (and listed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _bench_env import device_env  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    H: int
+    I: int  # noqa: E741 - expert intermediate size
+    E: int
+    K: int
+
+
+SHAPES = (Shape("qwen3_moe", 2048, 768, 128, 8), Shape("mixtral", 4096, 3584, 8, 2), Shape("deepseek_v3", 2048, 1408, 64, 6))
+TOKENS = (256, 4096, 16384)
+QUANT_TOKENS = (1, 64, 4096)
+
+
+@contextlib.contextmanager
+def env(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def bench_us(fn) -> tuple[float, str]:
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    try:
+        return do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3, "cudagraph"
+    except Exception:  # capture failed: eager timing (includes launch gaps)
+        return do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3, "eager"
+
+
+def make_inputs(s: Shape, T: int, gen: torch.Generator):
+    from moe_compile.ops import permute_pad
+
+    x = torch.randn(T, s.H, generator=gen).to(torch.bfloat16).cuda()
+    ids = torch.rand(T, s.E, generator=gen).argsort(1)[:, : s.K].cuda()
+    probs = torch.rand(T, s.K, generator=gen).to(torch.bfloat16).cuda()
+    wgu = (torch.randn(s.E, 2 * s.I, s.H, generator=gen) * s.H**-0.5).to(torch.bfloat16).cuda()
+    wd = (torch.randn(s.E, s.H, s.I, generator=gen) * s.I**-0.5).to(torch.bfloat16).cuda()
+    d = permute_pad(x, ids, probs, s.E, 1)
+    return x, ids, probs, wgu, wd, d
+
+
+def cutlass_block(x, ids, probs, wgu, wd, E):
+    from moe_compile.ops import permute_pad
+
+    d = permute_pad(x, ids, probs, E, 1)
+    gu = torch._grouped_mm(d.rows_MH, wgu.transpose(1, 2), offs=d.offs_E)
+    n = gu.shape[1] // 2
+    h = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
+    return torch._grouped_mm(h, wd.transpose(1, 2), offs=d.offs_E) * d.probs_M[:, None]
+
+
+def triton_block(x, ids, probs, wgu, wd, E, **quant):
+    from moe_compile.ops import permute_pad
+    from moe_compile.ops.expert_gemm import expert_gemm
+
+    d = permute_pad(x, ids, probs, E, 1)
+    M = d.rows_MH.shape[0]
+    if quant:
+        gu_w, d_w = quant["gate_up"], quant["down"]
+        fmt = quant["fmt"]
+        h, _ = expert_gemm(x, gu_w[0], d.offs_E, row_map=d.row_map, activation="swiglu", num_rows=M, w_scale=gu_w[1],
+                           expert_scale_E=gu_w[2] if fmt == "nvfp4" else None, fmt=fmt)  # fmt: skip
+        return expert_gemm(h, d_w[0], d.offs_E, row_weight_M=d.probs_M, w_scale=d_w[1],
+                           expert_scale_E=d_w[2] if fmt == "nvfp4" else None, fmt=fmt)[0]  # fmt: skip
+    h, _ = expert_gemm(x, wgu, d.offs_E, row_map=d.row_map, activation="swiglu", num_rows=M)
+    return expert_gemm(h, wd, d.offs_E, row_weight_M=d.probs_M)[0]
+
+
+def fwd_bwd(block, x, probs, wgu, wd, dy):
+    def step():
+        xr, pr = x.detach().requires_grad_(), probs.detach().requires_grad_()
+        out = block(xr, pr, wgu, wd)
+        return (out, *torch.autograd.grad(out, (xr, pr, wgu, wd), dy))
+
+    return step
+
+
+def run_shape(s: Shape, T: int, gen, args) -> list[dict]:
+    from moe_compile.ops import expert_gemm as eg
+
+    x, ids, probs, wgu, wd, d = make_inputs(s, T, gen)
+    M, rows = d.rows_MH.shape[0], T * s.K
+    flops = {"gate_up": 2 * rows * s.H * 2 * s.I, "down": 2 * rows * s.I * s.H}
+    fl_block = flops["gate_up"] + flops["down"]
+    res = []
+
+    def add(what, impl, us, fl, how):
+        res.append(dict(shape=s.name, T=T, what=what, impl=impl, us=round(us, 1), tflops=round(fl / us * 1e-6, 1), timing=how))
+
+    blocks = {"cutlass": lambda a, p, w1, w2: cutlass_block(a, ids, p, w1, w2, s.E),
+              "triton": lambda a, p, w1, w2: triton_block(a, ids, p, w1, w2, s.E)}  # fmt: skip
+    with env(MOE_COMPILE_GROUPED_GEMM="triton"):
+        outs = {}
+        for impl, block in blocks.items():
+            fn = lambda b=block: b(x, probs, wgu, wd)  # noqa: E731
+            with torch.no_grad():
+                outs[impl] = fn()
+                us, how = bench_us(fn)
+                add("block_fwd", impl, us, fl_block, how)
+        ref = outs["cutlass"].float()
+        err = float((outs["triton"].float() - ref).abs().max() / ref.abs().max())
+        if args.tma:
+            with env(MOE_COMPILE_TMA="1"), torch.no_grad():
+                us, how = bench_us(lambda: blocks["triton"](x, probs, wgu, wd))
+                add("block_fwd", "triton_tma", us, fl_block, how)
+        wgu.requires_grad_(), wd.requires_grad_()
+        dy = torch.randn_like(ref).to(torch.bfloat16)
+        for impl, block in blocks.items():
+            step = fwd_bwd(block, x, probs, wgu, wd, dy)
+            us, how = bench_us(step)
+            add("block_fwd_bwd", impl, us, 3 * fl_block, how)
+            if impl == "triton":
+                a, b = step(), step()
+                bitwise = all(torch.equal(u, v) for u, v in zip(a, b))
+        wgu.requires_grad_(False), wd.requires_grad_(False)
+        # each GEMM alone, forward
+        h = torch.randn(M, s.I, generator=gen).to(torch.bfloat16).cuda()
+        src = eg.source_rows(d.row_map, M)
+        gemms = {
+            ("gate_up", "cutlass"): lambda: torch._grouped_mm(eg.gather_rows(x, src), wgu.transpose(1, 2), offs=d.offs_E),
+            ("gate_up", "triton"): lambda: eg.expert_gemm(x, wgu, d.offs_E, row_map=d.row_map, activation="swiglu", num_rows=M, store_preact=False),
+            ("down", "cutlass"): lambda: torch._grouped_mm(h, wd.transpose(1, 2), offs=d.offs_E),
+            ("down", "triton"): lambda: eg.expert_gemm(h, wd, d.offs_E, row_weight_M=d.probs_M),
+        }  # fmt: skip
+        times = {}
+        for (g, impl), fn in gemms.items():
+            us, how = bench_us(fn)
+            times[(g, impl)] = us
+            add(g, impl, us, flops[g], how)
+    for r in res:
+        r.update(err=f"{err:.2g}", bitwise=bitwise)
+    choice = {g: min(("cutlass", "triton"), key=lambda i: times[(g, i)]) for g in ("gate_up", "down")}
+    res.append(dict(shape=s.name, T=T, what="choice", impl=json.dumps(choice), rows_per_expert=round(rows / s.E, 1)))
+    return res
+
+
+def run_quant(T: int, gen, args) -> list[dict]:
+    from moe_compile.grouped_weight import quantize_stored
+
+    s = SHAPES[0]
+    x, ids, probs, wgu, wd, d = make_inputs(s, T, gen)
+    fl = 2 * T * s.K * 3 * s.H * s.I
+    res = []
+    ref = None
+    with env(MOE_COMPILE_GROUPED_GEMM="triton"), torch.no_grad():
+        impls = {"cutlass_bf16": lambda: cutlass_block(x, ids, probs, wgu, wd, s.E),
+                 "triton_bf16": lambda: triton_block(x, ids, probs, wgu, wd, s.E)}  # fmt: skip
+        for fmt in ("mxfp8", "nvfp4"):
+            q = {"gate_up": quantize_stored(wgu, fmt), "down": quantize_stored(wd, fmt), "fmt": fmt}
+            impls[fmt] = lambda q=q: triton_block(x, ids, probs, wgu, wd, s.E, **q)
+        for impl, fn in impls.items():
+            out = fn().float()
+            ref = out if ref is None else ref
+            err = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+            us, how = bench_us(fn)
+            res.append(dict(shape=f"{s.name}_quant", T=T, what="block_fwd", impl=impl, us=round(us, 1),
+                            tflops=round(fl / us * 1e-6, 2), timing=how, err=f"{err:.2g}"))  # fmt: skip
+    return res
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--quick", action="store_true", help="T 4096 only (and quantised T 1, 4096)")
+    parser.add_argument("--budget-s", type=float, default=170.0, help="skip what is left after this many seconds")
+    parser.add_argument("--tma", action="store_true", help="also time the Triton forward with TMA weight loads")
+    args, _ = parser.parse_known_args()
+    if not torch.cuda.is_available():
+        print("bench_grouped_gemm: no CUDA device, nothing to run")
+        return 0
+    import moe_compile.ops  # noqa: F401  (registers the ops)
+
+    gen = torch.Generator().manual_seed(0)
+    start, results, skipped = time.monotonic(), [], []
+    jobs = [("shape", s, T) for T in ((4096,) if args.quick else TOKENS) for s in SHAPES]
+    jobs.sort(key=lambda j: (j[2] != 4096, j[2]))  # the targets' T first
+    jobs += [("quant", None, T) for T in ((1, 4096) if args.quick else QUANT_TOKENS)]
+    for kind, s, T in jobs:
+        label = f"{kind}:{s.name if s else 'qwen3_moe'}:T{T}"
+        if time.monotonic() - start > args.budget_s:
+            skipped.append(label)
+            continue
+        try:
+            results.extend(run_shape(s, T, gen, args) if kind == "shape" else run_quant(T, gen, args))
+        except Exception as exc:  # e.g. out of memory: report and go on
+            results.append(dict(shape=label, what="error", impl=f"{type(exc).__name__}: {str(exc)[:300]}"))
+        torch.cuda.empty_cache()
+        print(f"{label} done at {time.monotonic() - start:.0f} s", flush=True)
+
+    def get(shape, T, what, impl):
+        return next((r["us"] for r in results if r.get("shape") == shape and r.get("T") == T and r.get("what") == what and r.get("impl") == impl), None)
+
+    targets = {}
+    q = get("qwen3_moe", 4096, "block_fwd_bwd", "triton")
+    targets["qwen3_fwd_bwd_T4096_le_2200us"] = q is not None and q <= 2200
+    m_t, m_c = get("mixtral", 4096, "block_fwd_bwd", "triton"), get("mixtral", 4096, "block_fwd_bwd", "cutlass")
+    targets["mixtral_triton_not_slower"] = m_t is not None and m_c is not None and m_t <= m_c
+    for fmt in ("mxfp8", "nvfp4"):
+        t, b = get("qwen3_moe_quant", 4096, "block_fwd", fmt), get("qwen3_moe_quant", 4096, "block_fwd", "cutlass_bf16")
+        targets[f"{fmt}_T4096_not_slower_than_bf16"] = t is not None and b is not None and t <= b
+    env_info = device_env(shapes=[dataclasses.asdict(s) for s in SHAPES], targets_met=targets, skipped=skipped,
+                          wall_s=round(time.monotonic() - start, 1))  # fmt: skip
+    summary = [{k: r.get(k, "") for k in ("shape", "T", "what", "impl", "us", "tflops", "err", "bitwise")} for r in results]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env_info, "summary": summary, "results": results}, f, indent=1)
+    print(f"device={env_info['device']} torch={env_info['torch']} triton={env_info['triton']} targets={targets} skipped={skipped}")
+    keys = list(summary[0].keys()) if summary else []
+    widths = [max(len(k), *(len(str(r[k])) for r in summary)) for k in keys]
+    print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
+    for row in summary:
+        print("  ".join(str(row[k]).ljust(w) for k, w in zip(keys, widths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,550 @@
+"""``torch.ops.moe.expert_gemm`` (+ ``_mxfp8`` / ``_nvfp4``): one expert-MLP GEMM with fused gather and epilogue.
+
+Shape suffixes: ``S`` source rows (tokens ``T`` when gathering, else ``M``), ``M`` rows of the
+expert-major padded buffer (``num_rows``), ``K`` reduction dim, ``N`` weight rows, ``E`` experts.
+For each expert ``e`` and row ``r`` in ``[offs[e-1], offs[e])``:
+
+    a[r]   = x[src(r)] if row_map is given (src(r): the token of permuted row r; pad rows read 0) else x[r]
+    pre[r] = a[r] @ w[e]^T                        (fp32 accumulate)
+    y[r]   = rw[r] * act(pre[r, :N/2]) * pre[r, N/2:]   (activation "swiglu" / "geglu": gate; up stacked)
+    y[r]   = rw[r] * pre[r]                        (activation "none")
+
+``rw`` (``row_weight``, ``[M]``) is optional (1); rows ``>= offs[-1]`` of ``y`` are zero. ``pre`` (in
+``x``'s dtype) is returned when ``store_preact`` (the gated backward reads it), else an empty tensor.
+``row_map`` is ``permute_pad``'s ``[T, 2K]`` map (dispatch contract), so the permuted copy of ``x`` is
+never written (NOTE [gather prologue] in ``ops/triton/expert_gemm.py``).
+
+CUDA: the persistent Triton kernel family of ``ops/triton/expert_gemm.py``, unless
+:func:`use_triton_grouped_gemm` says CUTLASS wins for the shape (bf16 plain weights on sm90/sm100:
+then ``torch._grouped_mm`` plus PyTorch gather / epilogue, same semantics). CPU: the reference.
+
+Autograd (plain weights; quantised ops differentiate w.r.t. ``x`` and ``row_weight``): the epilogue's
+backward is elementwise PyTorch (Inductor fuses it), ``dX`` is an ``expert_gemm`` against
+``w.transpose(1, 2)`` followed, when gathering, by the deterministic gather-sum of ``unpad_unpermute``;
+``dW`` is ``moe::expert_wgrad`` (persistent, fixed order, the ``x`` operand gathered through the row
+map). Every step is deterministic.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from moe_compile.ops import grouped_mm as gmm
+from moe_compile.ops.triton import expert_gemm as _kernels
+
+ACTIVATIONS = {"none": 0, "swiglu": 1, "geglu": 2}
+
+
+# ===== references (pure PyTorch, sync-free) =====
+
+
+def source_rows_reference(row_map: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """int32 ``[num_rows]``: the token of each permuted row, ``-1`` for pad and tail rows."""
+    T, K = row_map.shape[0], row_map.shape[1] // 2
+    src = torch.full((num_rows,), -1, dtype=torch.int32, device=row_map.device)
+    tokens = torch.arange(T, device=row_map.device, dtype=torch.int32).repeat_interleave(K)
+    return src.index_put((row_map[:, :K].reshape(-1).long(),), tokens)  # rows are unique: no accumulation
+
+
+def _act_fp32(g: torch.Tensor, activation: str) -> torch.Tensor:
+    return torch.nn.functional.silu(g) if activation == "swiglu" else torch.nn.functional.gelu(g)
+
+
+def _act_grad_fp32(g: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "swiglu":
+        s = torch.sigmoid(g)
+        return s * (1 + g * (1 - s))
+    return 0.5 * (1 + torch.erf(g * 0.5**0.5)) + g * torch.exp(-0.5 * g * g) * (2 * torch.pi) ** -0.5
+
+
+def gather_rows(x_SK: torch.Tensor, src_M: torch.Tensor) -> torch.Tensor:
+    """``x[src]`` with zero rows where ``src < 0`` (the permuted copy the gather prologue avoids)."""
+    if x_SK.shape[0] == 0:  # no tokens: every row is a pad row
+        return x_SK.new_zeros(src_M.shape[0], x_SK.shape[1])
+    rows = x_SK.index_select(0, src_M.clamp(min=0).long())
+    return torch.where((src_M >= 0)[:, None], rows, 0)
+
+
+def expert_gemm_reference(
+    x_SK: torch.Tensor,
+    w_ENK: torch.Tensor,
+    offs_E: torch.Tensor,
+    src_M: torch.Tensor | None,
+    row_weight_M: torch.Tensor | None,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, pre)`` in ``x``'s dtype; fp32 (fp64 for fp64) math, one cast per output."""
+    a = gather_rows(x_SK, src_M) if src_M is not None else x_SK
+    acc = torch.float64 if x_SK.dtype == torch.float64 else torch.float32
+    pre = gmm.grouped_mm_reference(a.to(acc), w_ENK.to(acc), offs_E)  # rows past offs[-1] are 0
+    if activation != "none":
+        n = pre.shape[1] // 2
+        out = _act_fp32(pre[:, :n], activation) * pre[:, n:]
+    else:
+        out = pre
+    if row_weight_M is not None:
+        out = out * row_weight_M.to(acc)[:, None]
+    return out.to(x_SK.dtype), pre.to(x_SK.dtype)
+
+
+# ===== heuristic: Triton family or CUTLASS =====
+
+# NOTE [grouped GEMM choice]: rows per expert (M / E) up to which the Triton family beats CUTLASS
+# ``torch._grouped_mm`` for bf16 on sm90, keyed by the GEMM's (N, K) ranges; starting values from the
+# issue's H100 profile (CUTLASS at ~52% of peak on Qwen3-MoE's 256 rows per expert, ~86% on Mixtral's
+# 1024): update from ``benchmarks/bench_grouped_gemm.py`` (its ``choice`` table). Fused gather /
+# activation savings are part of the measured Triton time, so the rule is per whole GEMM.
+TRITON_MAX_ROWS_PER_EXPERT = {
+    # (max N*K of the weight per expert, max rows per expert where Triton wins)
+    "small_weight": (2048 * 3072, 512),  # Qwen3-MoE / DeepSeek-V3-like experts
+    "large_weight": (float("inf"), 0),  # Mixtral-like: keep CUTLASS
+}
+_ENV_CHOICE = "MOE_COMPILE_GROUPED_GEMM"  # "triton" / "cutlass" / unset (the table)
+
+
+def use_triton_grouped_gemm(
+    M: int, N: int, K: int, E: int, dtype: torch.dtype, device: torch.device, fmt: str = "plain"
+) -> bool:
+    """Whether ``moe::expert_gemm`` runs its Triton kernels (``True``) or CUTLASS ``torch._grouped_mm``.
+
+    Triton where CUTLASS cannot run (not CUDA, not bf16, not sm90/sm100, quantised weights) and where
+    the measured table (NOTE [grouped GEMM choice]) says it wins; ``MOE_COMPILE_GROUPED_GEMM`` overrides.
+    """
+    if device.type != "cuda" or fmt != "plain" or dtype != torch.bfloat16:
+        return True
+    if torch.cuda.get_device_capability(device)[0] not in (9, 10):
+        return True
+    choice = os.environ.get(_ENV_CHOICE, "")
+    if choice in ("triton", "cutlass"):
+        return choice == "triton"
+    rows = M / max(E, 1)
+    for max_weight, max_rows in sorted(TRITON_MAX_ROWS_PER_EXPERT.values()):
+        if N * K <= max_weight:
+            return rows <= max_rows
+    return False
+
+
+# ===== launchers =====
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def pick_config(M: int, E: int, N: int, K: int, fmt: str, fp32: bool, gated: bool, cuda: bool) -> dict:
+    """Tile config from shapes (no autotune: it would bench inside CUDA graphs / compile).
+
+    Row tiles of 64 when experts average <= 96 rows, else 128; gated tiles take half the N width
+    (two accumulators). ``benchmarks/bench_grouped_gemm.py`` times alternatives on the GPU.
+    """
+    if not cuda:  # interpreter: smallest legal tiles
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=max(32, gmm._MIN_BLOCK_K[fmt]), GROUP_M=4, num_warps=4, num_stages=1)
+    block_m = 64 if M / max(E, 1) <= 96 else 128
+    block_n = 64 if gated else 128
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, GROUP_M=8, num_warps=8 if block_m == 128 else 4, num_stages=4 if gated or block_m == 64 else 3)
+    if fp32:
+        cfg["BLOCK_K"] = 32
+    cfg["BLOCK_K"] = max(min(cfg["BLOCK_K"], gmm._next_pow2(K)), gmm._MIN_BLOCK_K[fmt])
+    cfg["BLOCK_N"] = max(min(cfg["BLOCK_N"], gmm._next_pow2(N)), 16)
+    return cfg
+
+
+def _tma_ok(x: torch.Tensor, w: torch.Tensor, fmt: str) -> bool:
+    """TMA weight loads (NOTE in the kernels): opt-in via ``MOE_COMPILE_TMA=1``, plain contiguous
+    weights with 16-byte rows, sm90+, eager only (the descriptor's scratch needs Triton's allocator)."""
+    if os.environ.get("MOE_COMPILE_TMA") != "1" or fmt != "plain" or not x.is_cuda:
+        return False
+    if torch.compiler.is_compiling() or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return w.is_contiguous() and (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+
+
+def _set_tma_allocator() -> None:
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
+def launch_expert_gemm(
+    x_SK: torch.Tensor,
+    src_M: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    w_gscale: torch.Tensor | None,
+    offs_E: torch.Tensor,
+    row_weight_M: torch.Tensor | None,
+    y_MN: torch.Tensor,
+    pre_MW: torch.Tensor | None,
+    activation: str,
+    fmt: str,
+    kernels=None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Launch ``_expert_gemm_kernel`` into ``y_MN`` (and ``pre_MW``); ``kernels`` swaps in an interpreted module.
+
+    ``w`` is ``[E, N_w, K]`` (``N_w = 2 N`` when gated; NVFP4: packed uint8 ``[E, N_w, K/2]``).
+    ``config`` adds ``USE_TMA`` / ``NUM_PROGS`` / tile keys over :func:`pick_config`'s choice.
+    """
+    kernels = kernels or _kernels
+    M, N = y_MN.shape
+    K = x_SK.shape[1]
+    E = offs_E.shape[0]
+    gated = activation != "none"
+    fp32 = x_SK.dtype == torch.float32
+    if x_SK.is_cuda and (torch.compiler.is_compiling() or type(offs_E) is not torch.Tensor):
+        offs_E = offs_E.clone()  # NOTE [offs copy] in ops/grouped_mm.py
+    cfg = pick_config(M, E, N, K, fmt, fp32, gated, x_SK.is_cuda)
+    cfg.update(config or {})
+    if fmt == "nvfp4":  # int16 words of four codes (NOTE [NVFP4 decode])
+        if w.stride(-1) != 1 or w.storage_offset() % 2:
+            w = w.contiguous()
+        w = w.view(torch.int16)
+    use_tma = cfg.pop("USE_TMA", _tma_ok(x_SK, w, fmt))
+    if use_tma and x_SK.is_cuda:
+        _set_tma_allocator()
+    num_progs = cfg.pop("NUM_PROGS", None)
+    if num_progs is None:
+        if x_SK.is_cuda:
+            # at most one program per tile of a balanced routing; about one (big tiles) or two per SM
+            per_sm = 1 if cfg["BLOCK_M"] * cfg["BLOCK_N"] >= 128 * 128 or gated else 2
+            num_progs = per_sm * _num_sms(x_SK.device.index or 0)
+        else:
+            num_progs = 3  # interpreter: a few programs, each walking several tiles
+    bound = gmm.grid_m_slots(M, E, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    num_progs = max(1, min(num_progs, bound))
+    scale = w_scale if w_scale is not None else w
+    gscale = w_gscale if w_gscale is not None else offs_E
+    src = src_M if src_M is not None else offs_E
+    rw = row_weight_M if row_weight_M is not None else offs_E
+    pre = pre_MW if pre_MW is not None else y_MN
+    ptx = cfg.pop("PTX_DECODE", fmt == "nvfp4" and gmm._ptx_decode_supported(x_SK))
+    wrap = wrap_triton if x_SK.is_cuda else (lambda k: k)
+    wrap(kernels._expert_gemm_kernel)[(num_progs,)](
+        x_SK, src, w, scale, gscale, offs_E, rw, y_MN, pre,
+        M, N, K, E, num_progs,
+        x_SK.stride(0), x_SK.stride(1),
+        w.stride(0), w.stride(1), w.stride(2),
+        scale.stride(0), scale.stride(1), scale.stride(-1),
+        y_MN.stride(0), y_MN.stride(1),
+        pre.stride(0), pre.stride(1),
+        GATHER=src_M is not None, ACT=ACTIVATIONS[activation], ROW_SCALE=row_weight_M is not None,
+        STORE_PRE=pre_MW is not None, W_FORMAT=gmm._FORMATS[fmt], IEEE_DOT=fp32 or not x_SK.is_cuda,
+        PTX_DECODE=ptx, K_ALIGN=gmm.k_align(K), USE_TMA=use_tma, BLOCK_E=max(gmm._next_pow2(E), 16), **cfg,
+    )  # fmt: skip
+    return y_MN
+
+
+def launch_expert_wgrad(
+    dy_MN: torch.Tensor,
+    x_SK: torch.Tensor,
+    src_M: torch.Tensor | None,
+    row_weight_M: torch.Tensor | None,
+    offs_E: torch.Tensor,
+    out_ENK: torch.Tensor,
+    kernels=None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Launch ``_expert_wgrad_kernel``: ``dW[e] = (rw * dy)[rows of e]^T @ x[src(rows of e)]``."""
+    kernels = kernels or _kernels
+    M, N = dy_MN.shape
+    K, E = x_SK.shape[1], offs_E.shape[0]
+    fp32 = x_SK.dtype == torch.float32 or not x_SK.is_cuda
+    if x_SK.is_cuda:
+        bn, bk, bm, warps, stages = (64, 64, 32, 4, 3) if fp32 else (128, 128, 64, 8, 3)
+    else:
+        bn, bk, bm, warps, stages = 16, 16, 16, 4, 1
+    cfg = dict(BLOCK_M=bm, BLOCK_N=max(min(bn, gmm._next_pow2(N)), 16), BLOCK_K=max(min(bk, gmm._next_pow2(K)), 16),
+               num_warps=warps, num_stages=stages)  # fmt: skip
+    cfg.update(config or {})
+    tiles = E * triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(K, cfg["BLOCK_K"])
+    num_progs = cfg.pop("NUM_PROGS", None) or (_num_sms(x_SK.device.index or 0) if x_SK.is_cuda else 3)
+    num_progs = max(1, min(num_progs, tiles))
+    wrap = wrap_triton if x_SK.is_cuda else (lambda k: k)
+    src = src_M if src_M is not None else offs_E
+    rw = row_weight_M if row_weight_M is not None else offs_E
+    wrap(kernels._expert_wgrad_kernel)[(num_progs,)](
+        dy_MN, x_SK, src, rw, offs_E, out_ENK,
+        M, N, K, E, num_progs,
+        dy_MN.stride(0), dy_MN.stride(1),
+        x_SK.stride(0), x_SK.stride(1),
+        out_ENK.stride(0), out_ENK.stride(1), out_ENK.stride(2),
+        GATHER_DY=False, GATHER_X=src_M is not None, ROW_SCALE=row_weight_M is not None, IEEE_DOT=fp32, **cfg,
+    )  # fmt: skip
+    return out_ENK
+
+
+def source_rows(row_map: torch.Tensor, num_rows: int, kernels=None) -> torch.Tensor:
+    """int32 ``[num_rows]``: token of each permuted row (``-1``: pad / tail); one scatter of unique rows."""
+    if not row_map.is_cuda:
+        return source_rows_reference(row_map, num_rows)
+    kernels = kernels or _kernels
+    T, K = row_map.shape[0], row_map.shape[1] // 2
+    src = torch.full((num_rows,), -1, dtype=torch.int32, device=row_map.device)
+    block = 1024
+    wrap_triton(kernels._source_rows_kernel)[(max(triton.cdiv(T * K, block), 1),)](
+        row_map, src, T, K, row_map.stride(0), BLOCK=block
+    )
+    return src
+
+
+# ===== ops =====
+
+
+def _out_cols(w: torch.Tensor, activation: str, fmt: str) -> tuple[int, int]:
+    """``(N, N_w)``: output columns and weight rows."""
+    n_w = w.shape[1]
+    return (n_w // 2 if activation != "none" else n_w), n_w
+
+
+def _dense_weight(w, w_scale, w_gscale, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    if fmt == "mxfp8":
+        return gmm.dequantize_mxfp8(w, w_scale, dtype)
+    if fmt == "nvfp4":
+        return gmm.dequantize_nvfp4(w, w_scale, w_gscale, dtype)
+    return w
+
+
+def _expert_gemm_body(x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M, activation, num_rows, store_preact, fmt):
+    N, N_w = _out_cols(w, activation, fmt)
+    store = store_preact and activation != "none"
+    if x_SK.device.type != "cuda":
+        src = source_rows_reference(row_map, num_rows) if row_map is not None else None
+        dense = _dense_weight(w, w_scale, w_gscale, fmt, x_SK.dtype)
+        y, pre = expert_gemm_reference(x_SK, dense, offs_E, src, row_weight_M, activation)
+        return y, (pre if store else x_SK.new_empty(0, N_w))
+    src = source_rows(row_map, num_rows) if row_map is not None else None
+    K, E = x_SK.shape[1], offs_E.shape[0]
+    if not use_triton_grouped_gemm(num_rows, N_w, K, E, x_SK.dtype, x_SK.device, fmt):
+        # CUTLASS grouped GEMM on the materialised rows, the epilogue in PyTorch (same semantics)
+        a = gather_rows(x_SK, src) if src is not None else x_SK
+        pre = gmm.grouped_mm(a, w, offs_E)
+        out = pre.float()
+        if activation != "none":
+            out = _act_fp32(out[:, :N], activation) * out[:, N:]
+        if row_weight_M is not None:
+            out = out * row_weight_M.float()[:, None]
+        return out.to(x_SK.dtype), (pre if store else x_SK.new_empty(0, N_w))
+    y = x_SK.new_empty(num_rows, N)
+    pre = x_SK.new_empty(num_rows, N_w) if store else None
+    launch_expert_gemm(x_SK, src, w, w_scale, w_gscale, offs_E, row_weight_M, y, pre, activation, fmt)
+    return y, (pre if store else x_SK.new_empty(0, N_w))
+
+
+@triton_op("moe::expert_gemm", mutates_args=())
+def _expert_gemm_op(
+    x_SK: torch.Tensor,
+    w_ENK: torch.Tensor,
+    offs_E: torch.Tensor,
+    row_map: torch.Tensor | None,
+    row_weight_M: torch.Tensor | None,
+    activation: str,
+    num_rows: int,
+    store_preact: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _expert_gemm_body(x_SK, w_ENK, None, None, offs_E, row_map, row_weight_M, activation, num_rows, store_preact, "plain")
+
+
+@triton_op("moe::expert_gemm_mxfp8", mutates_args=())
+def _expert_gemm_mxfp8_op(
+    x_SK: torch.Tensor,
+    qdata_ENK: torch.Tensor,
+    scale_ENB: torch.Tensor,
+    offs_E: torch.Tensor,
+    row_map: torch.Tensor | None,
+    row_weight_M: torch.Tensor | None,
+    activation: str,
+    num_rows: int,
+    store_preact: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _expert_gemm_body(x_SK, qdata_ENK, scale_ENB, None, offs_E, row_map, row_weight_M, activation, num_rows, store_preact, "mxfp8")
+
+
+@triton_op("moe::expert_gemm_nvfp4", mutates_args=())
+def _expert_gemm_nvfp4_op(
+    x_SK: torch.Tensor,
+    qdata_ENP: torch.Tensor,
+    scale_ENB: torch.Tensor,
+    expert_scale_E: torch.Tensor,
+    offs_E: torch.Tensor,
+    row_map: torch.Tensor | None,
+    row_weight_M: torch.Tensor | None,
+    activation: str,
+    num_rows: int,
+    store_preact: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _expert_gemm_body(
+        x_SK, qdata_ENP, scale_ENB, expert_scale_E, offs_E, row_map, row_weight_M, activation, num_rows, store_preact, "nvfp4"
+    )  # fmt: skip
+
+
+@triton_op("moe::expert_wgrad", mutates_args=())
+def _expert_wgrad_op(
+    dy_MN: torch.Tensor, x_SK: torch.Tensor, offs_E: torch.Tensor, row_map: torch.Tensor | None, row_weight_M: torch.Tensor | None
+) -> torch.Tensor:
+    M = dy_MN.shape[0]
+    if x_SK.device.type != "cuda":
+        src = source_rows_reference(row_map, M) if row_map is not None else None
+        a = gather_rows(x_SK, src) if src is not None else x_SK
+        dy = dy_MN if row_weight_M is None else (dy_MN.to(torch.float64 if dy_MN.dtype == torch.float64 else torch.float32) * row_weight_M[:, None]).to(dy_MN.dtype)
+        return gmm.grouped_mm_wgrad_reference(dy, a, offs_E)
+    src = source_rows(row_map, M) if row_map is not None else None
+    E, N, K = offs_E.shape[0], dy_MN.shape[1], x_SK.shape[1]
+    if not use_triton_grouped_gemm(M, N, K, E, x_SK.dtype, x_SK.device):
+        a = gather_rows(x_SK, src) if src is not None else x_SK
+        dy = dy_MN if row_weight_M is None else (dy_MN.float() * row_weight_M.float()[:, None]).to(dy_MN.dtype)
+        return torch.ops.moe.grouped_mm_wgrad(dy, a, offs_E)
+    out = x_SK.new_empty(E, N, K)
+    return launch_expert_wgrad(dy_MN, x_SK, src, row_weight_M, offs_E, out)
+
+
+# ===== autograd =====
+
+
+def _setup_context(ctx, inputs, output, fmt: str) -> None:
+    n_w = {"plain": 8, "mxfp8": 9, "nvfp4": 10}[fmt]
+    activation, num_rows, store_preact = inputs[n_w - 3 : n_w]
+    ctx.fmt, ctx.activation, ctx.num_rows = fmt, activation, num_rows
+    ctx.has_row_map, ctx.has_rw = inputs[n_w - 5] is not None, inputs[n_w - 4] is not None
+    tensors = [t for t in inputs[: n_w - 3] if t is not None]
+    pre = output[1] if store_preact and activation != "none" else None
+    ctx.has_pre = pre is not None
+    ctx.save_for_backward(*tensors, *([pre] if pre is not None else []))
+
+
+def _expert_backward(ctx, dy, dpre):
+    saved = list(ctx.saved_tensors)
+    pre = saved.pop() if ctx.has_pre else None
+    rw = saved.pop() if ctx.has_rw else None
+    row_map = saved.pop() if ctx.has_row_map else None
+    offs_E = saved.pop()
+    x_SK, w, *scales = saved
+    w_scale = scales[0] if scales else None
+    w_gscale = scales[1] if len(scales) > 1 else None
+    dense = _dense_weight(w, w_scale, w_gscale, ctx.fmt, x_SK.dtype)
+    M, act, dtype = ctx.num_rows, ctx.activation, x_SK.dtype
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.fmt == "plain"
+    need_rw = rw is not None and ctx.needs_input_grad[len(ctx.needs_input_grad) - 4]
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    d_rw = None
+    if act != "none":
+        if pre is None:  # not stored: recompute the pre-activations (one more GEMM)
+            pre = _expert_gemm_op(x_SK, dense, offs_E, row_map, None, "none", M, False)[0]
+        n = pre.shape[1] // 2
+        g, u = pre[:, :n].to(acc), pre[:, n:].to(acc)
+        a_g, dh = _act_fp32(g, act), dy.to(acc)
+        if need_rw:
+            d_rw = (a_g * u * dh).sum(1)
+        if rw is not None:
+            dh = dh * rw.to(acc)[:, None]
+        dz = torch.cat([dh * u * _act_grad_fp32(g, act), dh * a_g], 1)
+        if dpre is not None and dpre.numel():
+            dz = dz + dpre.to(acc)
+        dz, dz_rw = dz.to(dtype), None
+    else:
+        dz, dz_rw = dy.contiguous(), rw
+    dx = None
+    if need_x or need_rw and act == "none":
+        if need_rw and act == "none":  # d rw[r] = <a[r], dy[r] @ W[e]>: the dX GEMM before its row scale
+            dx_u = _expert_gemm_op(dz, dense.transpose(1, 2), offs_E, None, None, "none", M, False)[0]
+            src = source_rows(row_map, M) if row_map is not None else None
+            a = gather_rows(x_SK, src) if src is not None else x_SK
+            d_rw = (a.to(acc) * dx_u.to(acc)).sum(1)
+            dx_perm = (dx_u.to(acc) * rw.to(acc)[:, None]).to(dtype)
+        else:
+            dx_perm = _expert_gemm_op(dz, dense.transpose(1, 2), offs_E, None, dz_rw, "none", M, False)[0]
+        if need_x:
+            from moe_compile.ops.unpad_unpermute import unpad_unpermute
+
+            dx = unpad_unpermute(dx_perm, row_map) if row_map is not None else dx_perm
+    dw = _expert_wgrad_op(dz, x_SK, offs_E, row_map, dz_rw) if need_w else None
+    d_rw = d_rw.to(rw.dtype) if d_rw is not None else None
+    grads = [dx, dw] + [None] * {"plain": 0, "mxfp8": 1, "nvfp4": 2}[ctx.fmt] + [None, None, d_rw, None, None, None]
+    return tuple(grads)
+
+
+_expert_gemm_op.register_autograd(_expert_backward, setup_context=functools.partial(_setup_context, fmt="plain"))
+_expert_gemm_mxfp8_op.register_autograd(_expert_backward, setup_context=functools.partial(_setup_context, fmt="mxfp8"))
+_expert_gemm_nvfp4_op.register_autograd(_expert_backward, setup_context=functools.partial(_setup_context, fmt="nvfp4"))
+
+
+# ===== public wrapper =====
+
+
+def expert_gemm(
+    x_SK: torch.Tensor,
+    w: torch.Tensor,
+    offs_E: torch.Tensor,
+    *,
+    row_map: torch.Tensor | None = None,
+    row_weight_M: torch.Tensor | None = None,
+    activation: str = "none",
+    num_rows: int | None = None,
+    store_preact: bool | None = None,
+    w_scale: torch.Tensor | None = None,
+    expert_scale_E: torch.Tensor | None = None,
+    fmt: str = "plain",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert-MLP GEMM with fused gather / activation / row weight (module docstring).
+
+    Args:
+        x_SK: ``[S, K]`` bf16/fp16/fp32 (fp64 on CPU for gradcheck): tokens when ``row_map`` is given,
+            else expert-major rows.
+        w: ``[E, N_w, K]`` in ``x``'s dtype (``fmt="plain"``), float8_e4m3fn (``"mxfp8"``) or packed
+            uint8 ``[E, N_w, K/2]`` (``"nvfp4"``); gated activations stack ``[gate; up]`` along ``N_w``.
+        offs_E: int32 ``[E]`` cumulative end offsets.
+        row_map: ``permute_pad``'s int32 ``[T, 2K]`` map: gather ``x`` through it.
+        row_weight_M: optional ``[M]`` per-row weight (e.g. ``permute_pad``'s ``probs_M``).
+        activation: ``"none"``, ``"swiglu"`` or ``"geglu"``.
+        num_rows: ``M``; required with ``row_map``, else ``x_SK.shape[0]``.
+        store_preact: return the pre-activations (default: when autograd will need them).
+        w_scale / expert_scale_E: the quantised formats' scales (as ``grouped_mm_mxfp8/_nvfp4``).
+
+    Returns:
+        ``(y [M, N], pre [M, N_w] or empty)`` in ``x``'s dtype.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported; use one of {tuple(ACTIVATIONS)}")
+    if fmt not in ("plain", "mxfp8", "nvfp4"):
+        raise ValueError(f"fmt={fmt!r} is not supported; use 'plain', 'mxfp8' or 'nvfp4'")
+    if x_SK.dim() != 2 or not x_SK.is_floating_point():
+        raise ValueError(f"x_SK must be a 2-D float tensor, got {x_SK.dtype} {tuple(x_SK.shape)}")
+    if w.dim() != 3:
+        raise ValueError(f"w must be 3-D [E, N_w, K], got shape {tuple(w.shape)}")
+    if offs_E.dim() != 1 or offs_E.dtype != torch.int32 or offs_E.shape[0] != w.shape[0]:
+        raise ValueError(f"offs_E must be int32 [{w.shape[0]}], got {offs_E.dtype} {tuple(offs_E.shape)}")
+    k_w = w.shape[2] * (2 if fmt == "nvfp4" else 1)
+    if x_SK.shape[1] != k_w:
+        raise ValueError(f"x_SK.shape[1]={x_SK.shape[1]} does not match the weight's K={k_w}")
+    if fmt == "plain" and w.dtype != x_SK.dtype:
+        raise ValueError(f"w.dtype={w.dtype} must equal x_SK.dtype={x_SK.dtype}")
+    if activation != "none" and w.shape[1] % 2:
+        raise ValueError(f"a gated activation needs an even number of weight rows, got w.shape[1]={w.shape[1]}")
+    if row_map is not None:
+        if row_map.dim() != 2 or row_map.dtype != torch.int32 or row_map.shape[1] % 2:
+            raise ValueError(f"row_map must be int32 [T, 2K], got {row_map.dtype} {tuple(row_map.shape)}")
+        if num_rows is None:
+            raise ValueError("num_rows is required with row_map (the static row bound of permute_pad)")
+    num_rows = x_SK.shape[0] if num_rows is None else num_rows
+    if row_map is None and num_rows != x_SK.shape[0]:
+        raise ValueError(f"num_rows={num_rows} must equal x_SK.shape[0]={x_SK.shape[0]} without row_map")
+    if row_weight_M is not None and tuple(row_weight_M.shape) != (num_rows,):
+        raise ValueError(f"row_weight_M must have shape ({num_rows},), got {tuple(row_weight_M.shape)}")
+    if store_preact is None:
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_SK, w, row_weight_M))
+        store_preact = grad and activation != "none"
+    store_preact = bool(store_preact) and activation != "none"
+    if fmt == "plain":
+        return _expert_gemm_op(x_SK, w, offs_E, row_map, row_weight_M, activation, num_rows, store_preact)
+    if w_scale is None:
+        raise ValueError(f"w_scale is required for fmt={fmt!r}")
+    if fmt == "mxfp8":
+        return _expert_gemm_mxfp8_op(x_SK, w, w_scale.view(torch.uint8), offs_E, row_map, row_weight_M, activation, num_rows, store_preact)
+    if expert_scale_E is None:
+        raise ValueError("expert_scale_E is required for fmt='nvfp4'")
+    return _expert_gemm_nvfp4_op(
+        x_SK, w, w_scale, expert_scale_E.reshape(-1), offs_E, row_map, row_weight_M, activation, num_rows, store_preact
+    )  # fmt: skip

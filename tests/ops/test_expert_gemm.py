@@ -1,0 +1,158 @@
+"""``torch.ops.moe.expert_gemm`` (+ quantised variants, ``expert_wgrad``) on CPU: reference semantics,
+autograd, opcheck, argument errors, compile. The Triton kernels: ``tests/ops/triton/test_expert_gemm_kernels.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_compile.ops import expert_gemm as eg
+from moe_compile.ops import grouped_mm as gmm
+from moe_compile.ops import permute_pad
+from tests import _tolerance as tol
+
+F64 = torch.float64
+
+
+def _dispatch(T=7, H=16, E=4, K=2, align=8, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    ids = torch.rand(T, E, generator=gen).argsort(1)[:, :K]
+    probs = torch.rand(T, K, generator=gen).to(dtype)
+    return x, permute_pad(x, ids, probs, E, align)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_gated_matches_permute_then_grouped_mm(activation, dtype):
+    """Gathering through the row map equals ``grouped_mm`` on permute_pad's rows, then act(gate) * up * prob."""
+    x, d = _dispatch(dtype=dtype, seed=1)
+    M, I = d.rows_MH.shape[0], 8
+    w = torch.randn(4, 2 * I, x.shape[1], dtype=dtype)
+    y, pre = eg.expert_gemm(x, w, d.offs_E, row_map=d.row_map, row_weight_M=d.probs_M, activation=activation,
+                            num_rows=M, store_preact=True)  # fmt: skip
+    gu = gmm.grouped_mm(d.rows_MH, w, d.offs_E)
+    assert torch.equal(pre, gu)  # the same fp32 reference sums on the same rows
+    act = torch.nn.functional.silu if activation == "swiglu" else torch.nn.functional.gelu
+    want = (act(gu[:, :I].double()) * gu[:, I:].double() * d.probs_M.double()[:, None])
+    mag = tol.grouped_abs_matmul(d.rows_MH, w, d.offs_E)
+    # y is computed from the fp32 sums, want from the rounded ones: the rounding of gu moves act(g) * u
+    # by at most (1.13 |u| + |act(g)|) u_dtype |gu| (times the prob), plus the fp32 epilogue and the casts
+    u = tol.unit_roundoff(dtype) if dtype != torch.float32 else 0.0
+    g_abs, u_abs = gu[:, :I].double().abs(), gu[:, I:].double().abs()
+    inner = (1.13 * u_abs * (g_abs * u + tol.accumulation_rel(16) * mag[:, :I])
+             + (act(gu[:, :I].double()).abs() + 1.13 * g_abs) * (u_abs * u + tol.accumulation_rel(16) * mag[:, I:]))
+    inner = inner * d.probs_M.double().abs()[:, None] + 8 * tol.unit_roundoff(torch.float32) * want.abs()
+    tol.assert_within(y, want, inner + tol.rounding_bound(want, dtype, inner=inner))
+    assert torch.all(y[int(d.offs_E[-1]):] == 0)
+
+
+@pytest.mark.parametrize("case", ["gather_swiglu_rw", "none_rw", "geglu_recompute", "none_gather"])
+def test_gradcheck_fp64(case):
+    x, d = _dispatch(T=5, H=6, E=3, align=8, dtype=F64, seed=2)
+    M = d.rows_MH.shape[0]
+    x = x.requires_grad_()
+    rw = d.probs_M.clone().requires_grad_()
+    if case == "gather_swiglu_rw":
+        w = torch.randn(3, 8, 6, dtype=F64, requires_grad=True)
+        fn = lambda a, b, c: eg.expert_gemm(a, b, d.offs_E, row_map=d.row_map, row_weight_M=c, activation="swiglu", num_rows=M)[0]  # noqa: E731
+        args = (x, w, rw)
+    elif case == "none_rw":
+        h, w = torch.randn(M, 4, dtype=F64, requires_grad=True), torch.randn(3, 6, 4, dtype=F64, requires_grad=True)
+        fn = lambda a, b, c: eg.expert_gemm(a, b, d.offs_E, row_weight_M=c)[0]  # noqa: E731
+        args = (h, w, rw)
+    elif case == "geglu_recompute":
+        w = torch.randn(3, 8, 6, dtype=F64, requires_grad=True)
+        fn = lambda a, b: eg.expert_gemm(a, b, d.offs_E, row_map=d.row_map, num_rows=M, activation="geglu", store_preact=False)[0]  # noqa: E731
+        args = (x, w)
+    else:
+        w = torch.randn(3, 5, 6, dtype=F64, requires_grad=True)
+        fn = lambda a, b: eg.expert_gemm(a, b, d.offs_E, row_map=d.row_map, num_rows=M)[0]  # noqa: E731
+        args = (x, w)
+    assert torch.autograd.gradcheck(fn, args)
+
+
+def test_backward_bitwise_reproducible_bf16():
+    x, d = _dispatch(T=9, H=32, E=4, dtype=torch.bfloat16, seed=3)
+    M = d.rows_MH.shape[0]
+    wgu = torch.randn(4, 16, 32, dtype=torch.bfloat16, requires_grad=True)
+    wd = torch.randn(4, 32, 8, dtype=torch.bfloat16, requires_grad=True)
+    x = x.requires_grad_()
+    grads = []
+    for _ in range(2):
+        h, _ = eg.expert_gemm(x, wgu, d.offs_E, row_map=d.row_map, activation="swiglu", num_rows=M)
+        y, _ = eg.expert_gemm(h, wd, d.offs_E, row_weight_M=d.probs_M)
+        out = torch.ops.moe.unpad_unpermute(y, d.row_map, None, False)
+        grads.append((out, *torch.autograd.grad(out.float().square().sum(), (x, wgu, wd))))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_quantised_equals_dequantised_plain(fmt):
+    x, d = _dispatch(T=6, H=64, E=4, seed=4)
+    M = d.rows_MH.shape[0]
+    from moe_compile.grouped_weight import quantize_stored
+
+    w = torch.randn(4, 16, 64) * 0.1
+    q = quantize_stored(w.to(torch.bfloat16), fmt)
+    dense = eg._dense_weight(q[0], q[1], q[2] if fmt == "nvfp4" else None, fmt, torch.float32)
+    kw = dict(row_map=d.row_map, num_rows=M, activation="swiglu", row_weight_M=d.probs_M)
+    got = eg.expert_gemm(x, q[0], d.offs_E, w_scale=q[1], expert_scale_E=q[2] if fmt == "nvfp4" else None, fmt=fmt, **kw)[0]
+    assert torch.equal(got, eg.expert_gemm(x, dense, d.offs_E, **kw)[0])
+    xg = x.clone().requires_grad_()
+    y = eg.expert_gemm(xg, q[0], d.offs_E, w_scale=q[1], expert_scale_E=q[2] if fmt == "nvfp4" else None, fmt=fmt, **kw)[0]
+    (gx,) = torch.autograd.grad(y.sum(), xg)
+    xr = x.clone().requires_grad_()
+    (gr,) = torch.autograd.grad(eg.expert_gemm(xr, dense, d.offs_E, **kw)[0].sum(), xr)
+    assert torch.equal(gx, gr)
+
+
+def test_opcheck():
+    x, d = _dispatch(T=5, H=8, E=3, align=8, seed=5)
+    M = d.rows_MH.shape[0]
+    w = torch.randn(3, 6, 8, requires_grad=True)
+    xr = x.clone().requires_grad_()
+    torch.library.opcheck(torch.ops.moe.expert_gemm.default, (xr, w, d.offs_E, d.row_map, d.probs_M, "swiglu", M, True))
+    h = torch.randn(M, 3, requires_grad=True)
+    torch.library.opcheck(torch.ops.moe.expert_gemm.default, (h, w.detach()[:, :, :3].contiguous(), d.offs_E, None, d.probs_M, "none", M, False))
+    torch.library.opcheck(torch.ops.moe.expert_wgrad.default, (torch.randn(M, 6), x, d.offs_E, d.row_map, d.probs_M))
+
+
+def test_compile_matches_eager():
+    x, d = _dispatch(T=6, H=16, E=4, seed=6)
+    M = d.rows_MH.shape[0]
+    wgu, wd = torch.randn(4, 16, 16, requires_grad=True), torch.randn(4, 16, 8, requires_grad=True)
+
+    def block(x, wgu, wd):
+        h, _ = eg.expert_gemm(x, wgu, d.offs_E, row_map=d.row_map, activation="swiglu", num_rows=M)
+        return eg.expert_gemm(h, wd, d.offs_E, row_weight_M=d.probs_M)[0]
+
+    xr = x.clone().requires_grad_()
+    eager = block(xr, wgu, wd)
+    g_eager = torch.autograd.grad(eager.sum(), (xr, wgu, wd))
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(xr, wgu, wd)
+    g_comp = torch.autograd.grad(compiled.sum(), (xr, wgu, wd))
+    assert torch.equal(compiled, eager) and all(torch.equal(a, b) for a, b in zip(g_comp, g_eager))
+
+
+def test_bad_arguments_name_the_argument():
+    x, d = _dispatch(seed=7)
+    w = torch.randn(4, 16, 16)
+    M = d.rows_MH.shape[0]
+    with pytest.raises(ValueError, match="activation"):
+        eg.expert_gemm(x, w, d.offs_E, activation="relu")
+    with pytest.raises(ValueError, match="num_rows"):
+        eg.expert_gemm(x, w, d.offs_E, row_map=d.row_map)
+    with pytest.raises(ValueError, match="offs_E"):
+        eg.expert_gemm(x, w, d.offs_E.long(), row_map=d.row_map, num_rows=M)
+    with pytest.raises(ValueError, match="x_SK.shape"):
+        eg.expert_gemm(x[:, :8], w, d.offs_E, row_map=d.row_map, num_rows=M)
+    with pytest.raises(ValueError, match="row_weight_M"):
+        eg.expert_gemm(x, w, d.offs_E, row_map=d.row_map, num_rows=M, row_weight_M=torch.ones(3))
+    with pytest.raises(ValueError, match="w_scale"):
+        eg.expert_gemm(x, w.to(torch.float8_e4m3fn), d.offs_E, row_map=d.row_map, num_rows=M, fmt="mxfp8")
+
+
+def test_heuristic_cpu_and_table():
+    assert eg.use_triton_grouped_gemm(4096, 1536, 2048, 128, torch.bfloat16, torch.device("cpu"))
+    assert eg.use_triton_grouped_gemm(4096, 1536, 2048, 128, torch.float32, torch.device("cuda"))  # no CUTLASS fp32

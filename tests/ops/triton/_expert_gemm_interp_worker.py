@@ -1,0 +1,284 @@
+"""Runs the expert-GEMM Triton kernels (``moe_compile/ops/triton/expert_gemm.py``) through their launchers on
+CPU tensors under TRITON_INTERPRET=1 and compares them with ``expert_gemm_reference``.
+
+Started in a fresh interpreter by ``test_expert_gemm_kernels.py`` (the variable must be set before ``triton``
+is imported). Prints one JSON line ``{case: "ok" | traceback}``. Bounds come from ``tests/_tolerance.py``
+(NOTE [derived tolerances]): two fp32 sums of K products; for gated outputs that error goes through the
+epilogue (``|act'| <= 1.13`` for SiLU and erf-GELU), plus the fp32 evaluation of exp / erf and the output
+casts (the interpreter truncates). ``--sm90`` compiles the CUDA launch configs for sm_90 instead.
+"""
+
+from __future__ import annotations
+
+# name: (kind, counts per expert, extra tail rows, N (output), K, dtype, options)
+# options: g = gather through a row map, r = row weight, p = store pre-activations, t = TMA weight loads,
+# 1 = one persistent program, s = swiglu, e = geglu
+CASES = {
+    "plain_fp32_empty_experts_tail": ("plain", [3, 0, 5, 2], 3, 24, 40, "float32", ""),
+    "plain_bf16_gather_swiglu_rw_pre": ("plain", [2, 0, 0, 1, 4, 0, 3], 2, 24, 40, "bfloat16", "grps"),
+    "plain_fp16_gather_geglu": ("plain", [0, 0, 9], 0, 16, 24, "float16", "ge"),
+    "plain_fp32_gather_rw_one_program": ("plain", [4, 1, 0, 6], 5, 40, 32, "float32", "gr1"),
+    "plain_fp32_no_rows": ("plain", [0, 0, 0], 4, 16, 16, "float32", "gs"),
+    "plain_fp32_strided_weight": ("strided", [4, 0, 5], 1, 24, 40, "float32", "r"),
+    "tma_fp32_gather_swiglu": ("plain", [3, 0, 5, 2], 2, 24, 40, "float32", "gst"),
+    "tma_bf16_rw": ("plain", [2, 5, 0], 3, 40, 48, "bfloat16", "rt"),
+    "mxfp8_bf16_gather_swiglu": ("mxfp8", [2, 0, 0, 1, 4, 0, 3], 2, 24, 64, "bfloat16", "gsp"),
+    "mxfp8_fp32_rw": ("mxfp8", [3, 0, 5, 2], 1, 24, 96, "float32", "r"),
+    "nvfp4_fp32_gather_geglu": ("nvfp4", [3, 0, 5, 2], 2, 24, 96, "float32", "ge"),
+    "nvfp4_bf16_rw": ("nvfp4", [2, 0, 0, 1, 4, 0, 3], 0, 24, 64, "bfloat16", "r"),
+    "wgrad_fp32_gather_rw": ("wgrad", [3, 0, 5, 2], 2, 24, 40, "float32", "gr"),
+    "wgrad_bf16_plain": ("wgrad", [2, 0, 0, 1, 4, 0, 3], 1, 16, 24, "bfloat16", ""),
+    "wgrad_fp32_one_program_empty": ("wgrad", [0, 6, 0], 0, 16, 32, "float32", "g1"),
+    "source_rows": ("source_rows", [3, 0, 5, 2], 3, 8, 8, "float32", ""),
+    # bitwise: same inputs twice, and 1 vs many persistent programs (each tile has one fixed owner)
+    "deterministic_bf16_gather_swiglu": ("repeat", [3, 0, 5, 2], 2, 24, 64, "bfloat16", "gsr"),
+    # deliberate bug: the row map shifted by one row must FAIL the derived comparison
+    "bug_gather_row_map_shifted": ("bug", [3, 0, 5, 2], 2, 24, 40, "float32", "g"),
+}
+ACT_RATE = 1.13  # max |d act / dg| for SiLU (1.0998) and erf-GELU (1.1289)
+
+
+def _setup(torch, gen, counts, extra, K, dtype, opts):
+    """x (tokens when gathering, else expert-major rows), offs, row map (or None), src, row weight, M."""
+    E, K_top = len(counts), 2
+    offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    used = int(offs[-1]) if E else 0
+    M = used + extra
+    if "g" in opts:  # a row map: every used row belongs to one (token, slot); pad rows: every 3rd row
+        real = [r for r in range(used) if r % 3 != 2]
+        T = (len(real) + K_top - 1) // K_top
+        real = real[: T * K_top] if T * K_top <= len(real) else real
+        T = len(real) // K_top
+        perm = torch.randperm(len(real), generator=gen)[: T * K_top]
+        rows = torch.tensor(real)[perm].view(T, K_top).sort(1).values
+        row_map = torch.cat([rows, torch.arange(K_top).expand(T, K_top)], 1).to(torch.int32)
+        x = torch.randn(max(T, 1), K, generator=gen).to(dtype)[:T]
+    else:
+        row_map = None
+        x = torch.randn(M, K, generator=gen).to(dtype)
+    rw = torch.rand(M, generator=gen) if "r" in opts else None
+    return x, offs, row_map, rw, M
+
+
+def _inner_bound(torch, tol, mag, K, act, pre_ref, operand_rel=0.0):
+    """Bound on the fp32 epilogue result before the output cast (no row weight)."""
+    inner = (tol.accumulation_rel(K) + operand_rel) * mag
+    if act == "none":
+        return inner
+    n = mag.shape[1] // 2
+    g, u = pre_ref[:, :n].double(), pre_ref[:, n:].double()
+    a_g = torch.nn.functional.silu(g) if act == "swiglu" else torch.nn.functional.gelu(g)
+    ig, iu = inner[:, :n], inner[:, n:]
+    # act(g + dg) (u + du) - act(g) u, plus exp / erf / product in fp32 (a few ulps of the result)
+    return ACT_RATE * ig * (u.abs() + iu) + (a_g.abs() + ACT_RATE * ig) * iu + 8 * tol.unit_roundoff(torch.float32) * (a_g * u).abs()
+
+
+def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
+    import torch
+
+    tol = _import_tolerance()
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(len(kind) * 7 + N + K)
+    x, offs, row_map, rw, M = _setup(torch, gen, counts, extra, K, dtype, opts)
+    E = len(counts)
+    src = eg.source_rows_reference(row_map, M) if row_map is not None else None
+    act = "swiglu" if "s" in opts else "geglu" if "e" in opts else "none"
+    config = {"NUM_PROGS": 1} if "1" in opts else {}
+    if "t" in opts:
+        config["USE_TMA"] = True
+    if kind == "source_rows":
+        x, offs, row_map, rw, M = _setup(torch, gen, counts, extra, K, dtype, "g")
+        got = eg.source_rows(row_map, M)  # CPU: the reference; the kernel directly:
+        src_k = torch.full((M,), -1, dtype=torch.int32)
+        eg._kernels._source_rows_kernel[(1,)](row_map, src_k, row_map.shape[0], 2, row_map.stride(0), BLOCK=64)
+        assert torch.equal(src_k, got), (src_k, got)
+        a = eg.gather_rows(x, got)
+        for t in range(row_map.shape[0]):
+            for k in range(2):
+                assert torch.equal(a[row_map[t, k]], x[t])
+        return
+    if kind == "wgrad":
+        dy = torch.randn(M, N, generator=gen).to(dtype)
+        out = torch.full((E, N, K), float("nan"), dtype=dtype)
+        eg.launch_expert_wgrad(dy, x, src, rw, offs, out, config=config)
+        a = eg.gather_rows(x, src) if src is not None else x
+        dys = dy if rw is None else (dy.float() * rw[:, None]).to(dtype)
+        want = gmm.grouped_mm_wgrad_reference(dys, a, offs)
+        mag = tol.grouped_wgrad_abs(dys, a, offs)
+        tol.assert_within(out, want, tol.matmul_bound(mag, max(max(counts), 1), want, got_dtype=dtype, want_dtype=dtype, got_truncates=True))
+        assert torch.all(out[torch.tensor(counts) == 0] == 0)
+        if "1" in opts:
+            again = torch.full_like(out, float("nan"))
+            eg.launch_expert_wgrad(dy, x, src, rw, offs, again)
+            assert torch.equal(out, again), "wgrad depends on the number of persistent programs"
+        return
+    n_w = 2 * N if act != "none" else N
+    fmt, scale, gscale = "plain", None, None
+    if kind == "strided":  # a w.transpose(1, 2) view (the dX operand of the backward)
+        w = torch.randn(E, K, n_w, generator=gen).to(dtype).transpose(1, 2)
+        dense = w
+    elif kind == "mxfp8":
+        fmt = "mxfp8"
+        w = (torch.randn(E, n_w, K, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = torch.randint(120, 135, (E, n_w, K // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+        dense = gmm.dequantize_mxfp8(w, scale, dtype)
+    elif kind == "nvfp4":
+        fmt = "nvfp4"
+        w = torch.randint(0, 256, (E, n_w, K // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+        scale = (torch.rand(E, n_w, K // 16, generator=gen) * 8 + 0.01).to(torch.float8_e4m3fn)
+        gscale = torch.rand(E, generator=gen) + 0.5
+        dense = gmm.dequantize_nvfp4(w, scale, gscale, dtype)
+    else:
+        w = torch.randn(E, n_w, K, generator=gen).to(dtype)
+        dense = w
+
+    def launch(src_in, cfg=config):
+        y = torch.full((M, N), float("nan"), dtype=dtype)
+        pre = torch.full((M, n_w), float("nan"), dtype=dtype) if "p" in opts else None
+        eg.launch_expert_gemm(x, src_in, w, scale, gscale, offs, rw, y, pre, act, fmt, config=dict(cfg))
+        return y, pre
+
+    y, pre = launch(src)
+    want, pre_want = eg.expert_gemm_reference(x, dense, offs, src, rw, act)
+    a = eg.gather_rows(x, src) if src is not None else x
+    mag = tol.grouped_abs_matmul(a, dense, offs)
+    operand_rel = 0.0
+    if fmt == "nvfp4":  # as _grouped_mm_interp_worker._operand_rel
+        operand_rel = 4 * tol.unit_roundoff(torch.float32) + (tol.unit_roundoff(dtype) if dtype in tol.LOW_PRECISION else 0.0)
+    pre_ref = gmm.grouped_mm_reference(a.double(), dense.double(), offs)
+    inner = _inner_bound(torch, tol, mag, K, act, pre_ref, operand_rel)
+    if rw is not None:  # times the row weight in fp32: one more rounding
+        inner = inner * rw.double()[:, None] + tol.unit_roundoff(torch.float32) * want.double().abs()
+    bound = inner + tol.rounding_bound(want, dtype, inner=inner, truncate=True) + tol.rounding_bound(want, dtype, inner=inner)
+    if kind == "bug":
+        tol.assert_within(y, want, bound)
+        bad = src.clone()
+        used = bad >= 0
+        bad[used] = (bad[used] + 1) % x.shape[0]
+        y_bad, _ = launch(bad)
+        try:
+            tol.assert_within(y_bad, want, bound)
+        except AssertionError:
+            return
+        raise AssertionError("a shifted row map passed the derived comparison")
+    tol.assert_within(y, want, bound)
+    if pre is not None:
+        pb = tol.matmul_bound(mag, K, pre_want, operand_rel=operand_rel, got_dtype=dtype, want_dtype=dtype, got_truncates=True)
+        tol.assert_within(pre, pre_want, pb)
+    assert torch.all(y[int(offs[-1]) :] == 0), "rows past offs[-1] must be zero"
+    if kind == "repeat":
+        assert torch.equal(y, launch(src)[0]), "not reproducible"
+        assert torch.equal(y, launch(src, {"NUM_PROGS": 1})[0]), "depends on the number of persistent programs"
+
+
+def _import_tolerance():
+    import importlib
+    import pathlib
+    import sys
+
+    root = str(pathlib.Path(__file__).resolve().parents[3])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module("tests._tolerance")
+
+
+def _import_ops_only():
+    """``moe_compile.ops.expert_gemm`` and ``grouped_mm`` without the package ``__init__`` (Inductor)."""
+    import importlib
+    import pathlib
+    import sys
+    import types
+
+    root = pathlib.Path(__file__).resolve().parents[3] / "moe_compile"
+    packages = {"moe_compile": root, "moe_compile.ops": root / "ops", "moe_compile.ops.triton": root / "ops" / "triton"}
+    for name, path in packages.items():
+        if name not in sys.modules:
+            module = types.ModuleType(name)
+            module.__path__ = [str(path)]
+            sys.modules[name] = module
+    return importlib.import_module("moe_compile.ops.expert_gemm"), importlib.import_module("moe_compile.ops.grouped_mm")
+
+
+# (M, E, N_out, K, activation, gather, row weight): Qwen3-MoE-like gate_up / down and Mixtral-like at T 4096
+SM90_SHAPES = (
+    (32768, 128, 768, 2048, "swiglu", True, False),
+    (32768, 128, 2048, 768, "none", False, True),
+    (8192, 8, 3584, 4096, "swiglu", True, False),
+    (512, 128, 768, 2048, "swiglu", True, False),
+)
+_SM90_TYPES = {  # format -> (x/y, weight, scale, per-expert scale) pointer types, bf16 activations
+    "plain": ("*bf16", "*bf16", "*bf16", "*i32"),
+    "mxfp8": ("*bf16", "*fp8e4nv", "*u8", "*i32"),
+    "nvfp4": ("*bf16", "*i16", "*fp8e4nv", "*fp32"),
+}
+
+
+def compile_sm90() -> dict:
+    """Compile the CUDA launch configs (bf16 ``tl.dot``, TMA, PTX decode) for sm_90; no GPU needed."""
+    import traceback
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    eg, gmm = _import_ops_only()
+    target = GPUTarget("cuda", 90, 32)
+    kernel, jobs = eg._kernels._expert_gemm_kernel, {}
+    for M, E, N, K, act, gather, rw in SM90_SHAPES:
+        for fmt, (x_t, w_t, s_t, g_t) in _SM90_TYPES.items():
+            for tma in (False, True) if fmt == "plain" else (False,):
+                cfg = eg.pick_config(M, E, N, K, fmt, False, act != "none", True)
+                consts = dict(GATHER=gather, ACT=eg.ACTIVATIONS[act], ROW_SCALE=rw, STORE_PRE=act != "none",
+                              W_FORMAT=gmm._FORMATS[fmt], IEEE_DOT=False, PTX_DECODE=fmt == "nvfp4", K_ALIGN=gmm.k_align(K),
+                              USE_TMA=tma, BLOCK_E=max(gmm._next_pow2(E), 16))  # fmt: skip
+                consts.update({k: v for k, v in cfg.items() if k.isupper()})
+                ptrs = dict(x_ptr=x_t, src_ptr="*i32", w_ptr=w_t, w_scale_ptr=s_t, w_gscale_ptr=g_t, offs_ptr="*i32",
+                            rw_ptr="*fp32", y_ptr=x_t, pre_ptr=x_t)  # fmt: skip
+                sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in kernel.arg_names}
+                opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                jobs[f"gemm_{fmt}_{M}_{E}_{N}_{K}_{act}_tma{tma}"] = (kernel, sig, consts, opts)
+    wgrad = eg._kernels._expert_wgrad_kernel
+    for gather, rw in ((True, False), (False, True)):
+        consts = dict(GATHER_DY=False, GATHER_X=gather, ROW_SCALE=rw, IEEE_DOT=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)
+        sig = {n: "constexpr" if n in consts else "*bf16" if n.endswith("_ptr") else "i32" for n in wgrad.arg_names}
+        sig.update(src_ptr="*i32", offs_ptr="*i32", rw_ptr="*fp32")
+        jobs[f"wgrad_gather{gather}_rw{rw}"] = (wgrad, sig, consts, dict(num_warps=8, num_stages=3))
+    src_k = eg._kernels._source_rows_kernel
+    sig = dict(row_map_ptr="*i32", src_ptr="*i32", T="i32", K="i32", stride_t="i32", BLOCK="constexpr")
+    jobs["source_rows"] = (src_k, sig, dict(BLOCK=1024), dict(num_warps=4))
+    results = {}
+    for name, (fn, sig, consts, options) in jobs.items():
+        try:
+            triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()[-3000:]
+    return results
+
+
+def main() -> None:
+    import json
+    import os
+    import sys
+    import traceback
+
+    if "--sm90" in sys.argv:
+        print(json.dumps(compile_sm90()))
+        return
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    eg, gmm = _import_ops_only()
+    only = [a for a in sys.argv[1:] if not a.startswith("-")]
+    results = {"_kernels": sorted(k for k in vars(eg._kernels) if k.endswith("_kernel"))}
+    for name, case in CASES.items():
+        if only and name not in only:
+            continue
+        try:
+            _run_case(eg, gmm, *case)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
