@@ -4,8 +4,9 @@ Shapes: ``N`` entries, ``D`` columns, ``R = num_rows`` output rows.
 
 Contract:
 
-* ``out_RD[r] = sum of src_ND[i] over the entries i with idx_N[i] == r (and mask_N[i], if given)``, in
-  ascending ``i``; rows nobody adds to are zero. ``out`` has ``src``'s dtype; floating sums accumulate in
+* ``out_RD[r] = sum of src_ND[i] over the entries i with idx_N[i] == r (and mask_N[i], if given)``, in a
+  fixed order that depends only on ``idx`` and ``mask`` (CPU: ascending ``i``; CUDA: tiles of ``BLOCK_J``
+  entries in ascending ``i``, each summed as a fixed tree); rows nobody adds to are zero. ``out`` has ``src``'s dtype; floating sums accumulate in
   fp32 (fp64 for fp64), integer sums in int64 (exact).
 * It is the deterministic form of ``index_put(zeros, [idx], src, accumulate=True)`` /
   ``index_add`` / ``scatter_add`` / the embedding backward (``moe_compile.passes.deterministic_scatter``
@@ -225,7 +226,7 @@ def segment_sum(src_ND: Tensor, idx_N: Tensor, num_rows: int, mask_N: Tensor | N
 
     Returns:
         ``[R, D]`` tensor of ``src_ND.dtype``: row ``r`` holds the sum of the entries with index ``r``,
-        added in ascending entry order (fp32 accumulation for floats, int64 for integers).
+        added in a fixed order (module docstring; fp32 accumulation for floats, int64 for integers).
 
     Raises:
         ValueError: wrong dtype/rank/shape/device, ``num_rows`` not an int ``>= 0``, or (CPU) indices out of
