@@ -122,7 +122,7 @@ def _index_put_form(node: fx.Node) -> tuple[Any, Any, Any, Any]:
 def _rewrite_index_put(graph: fx.Graph, node: fx.Node) -> str:
     base, idx, values, mask = _index_put_form(node)
     rows, zeros = _rows(base), acc.is_zeros(base)
-    base_v, idx_v = tensor_val(base), tensor_val(idx)
+    base_v = tensor_val(base)
     rest = tuple(base_v.shape[1:])
     lead = 0
     if mask is not None:
