@@ -24,6 +24,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     passes: dict[str, bool] | None = None,
     debug: bool = False,
     strict: bool = False,
+    deterministic: bool = False,
     capture_host_syncs: bool = True,
     swap_expert_loops: bool = True,
     **torch_compile_kwargs: Any,
@@ -51,6 +52,11 @@ def compile(  # noqa: A001 - mirrors torch.compile
         passes: ``{pass_name: bool}`` to turn single passes on or off.
         debug: device-side asserts in the dispatch kernels.
         strict: a failing pass raises instead of falling back to plain Inductor.
+        deterministic: no atomic accumulation in the generated code anywhere in the graph: every
+            accumulating scatter that ``deterministic_accumulate`` leaves (the token embedding's backward
+            included) becomes a sort + fixed-order segment sum (``moe.segment_sum``). Library kernels that
+            are non-deterministic themselves (attention backward on CUDA) are not changed; ``explain``
+            lists them (``nondeterministic``).
         capture_host_syncs: trace with ``capture_scalar_outputs`` and
             ``capture_dynamic_output_shape_ops`` on (the default).
         swap_expert_loops: for a module, first route expert loops that Dynamo cannot capture through the
@@ -71,7 +77,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     """
     if "backend" in torch_compile_kwargs:
         raise ValueError("moe_compile.compile sets backend= itself; call torch.compile for another backend")
-    config = make_config(metrics=metrics, passes=passes or {}, debug=debug, strict=strict)
+    config = make_config(metrics=metrics, passes=passes or {}, debug=debug, strict=strict, deterministic=deterministic)
     if swap_expert_loops and isinstance(model, torch.nn.Module):
         prepare_expert_loops(model)
     if metrics and isinstance(model, torch.nn.Module):

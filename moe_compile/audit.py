@@ -6,6 +6,8 @@ Matches (each finding becomes a ``left`` record of the :class:`~moe_compile.repo
   ``index_add``, ``scatter_reduce``, ``embedding_dense_backward``; the table is
   :func:`moe_compile.passes._accumulate.is_accumulating`): Inductor lowers it to atomic adds on the GPU,
   so results can differ run to run;
+* ``nondeterministic``: a library kernel that is not reproducible run to run on its device (attention
+  backward on CUDA, ...; the table is :data:`moe_compile.passes._accumulate.NONDETERMINISTIC_OPS`);
 * ``host_sync``: a value read to the host or a data-dependent shape (``_local_scalar_dense``,
   ``nonzero``, a node with unbacked symbols): a device sync, and CUDA graphs cannot capture it.
 
@@ -30,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes import PassContext
-from moe_compile.passes._accumulate import is_accumulating
+from moe_compile.passes._accumulate import is_accumulating, nondeterministic_reason
 from moe_compile.passes._graph import layer_name
 
 aten = torch.ops.aten
@@ -47,7 +49,7 @@ HOST_SYNC_OPS = {
 @dataclasses.dataclass(frozen=True)
 class Finding:
     layer: str
-    kind: str  # "accumulate" | "host_sync"
+    kind: str  # "accumulate" | "nondeterministic" | "host_sync"
     what: str
     source: str
 
@@ -68,7 +70,8 @@ def _forward_op(node: fx.Node) -> str | None:
 
 
 def find(graph: fx.Graph) -> list[Finding]:
-    """Every accumulating scatter and host sync of ``graph`` (see the module docstring)."""
+    """Every accumulating scatter, non-deterministic library op and host sync of ``graph`` (see the module
+    docstring)."""
     found = []
     for node in graph.nodes:
         if node.op != "call_function":
@@ -81,6 +84,8 @@ def find(graph: fx.Graph) -> list[Finding]:
             tag = "embedding" if fwd is not None and "embedding" in fwd else None
             what = op + (f" [backward of {fwd}]" if backward and fwd else "") + (f" ({tag})" if tag else "")
             found.append(Finding(layer, "accumulate", what, _source_line(node)))
+        elif (why := nondeterministic_reason(node)) is not None:
+            found.append(Finding(layer, "nondeterministic", f"{op} ({why})", _source_line(node)))
         elif node.target in HOST_SYNC_OPS:
             found.append(Finding(layer, "host_sync", f"{op} ({HOST_SYNC_OPS[node.target]})", _source_line(node)))
         elif node.meta.get("unbacked_bindings"):

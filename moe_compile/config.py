@@ -13,6 +13,9 @@ Recognised ``"moe."`` keys (unknown ones raise):
 ``moe.metrics``              insert on-device router metrics (see :mod:`moe_compile.metrics`)
 ``moe.debug``                device-side asserts in the dispatch kernels (expert ids in range)
 ``moe.strict``               a pass that raises fails the compile instead of falling back
+``moe.deterministic``        no atomic accumulation anywhere in the graph: every accumulating
+                             scatter left (the token embedding's backward included) becomes
+                             ``moe.segment_sum`` (see :mod:`moe_compile.passes.deterministic_scatter`)
 ============================ ===========================================================
 """
 
@@ -35,6 +38,9 @@ class MoECompileConfig:
     debug: bool = False
     # Off by default: a failing pass warns and leaves the graph as plain Inductor would see it.
     strict: bool = False
+    # Off by default: the sort + segment sum costs a sort of the indices per accumulation where Inductor's
+    # atomic adds cost none; the MoE layers are deterministic without it.
+    deterministic: bool = False
 
     def pass_enabled(self, name: str, default: bool) -> bool:
         return dict(self.passes).get(name, default)
@@ -73,7 +79,7 @@ def make_config(**kwargs: Any) -> MoECompileConfig:
     bad = sorted(set(passes) - known_passes)
     if bad:
         raise ValueError(f"unknown pass name(s) {bad} in passes=; known: {sorted(known_passes)}")
-    for key in ("metrics", "debug", "strict"):
+    for key in ("metrics", "debug", "strict", "deterministic"):
         if key in kwargs and not isinstance(kwargs[key], bool):
             raise TypeError(f"{key} must be a bool, got {kwargs[key]!r}")
     return MoECompileConfig(passes=tuple(sorted((k, bool(v)) for k, v in passes.items())), **kwargs)

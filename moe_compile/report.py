@@ -10,8 +10,9 @@ Semantics of a :class:`Report`, per layer (module path from ``nn_module_stack``,
 * ``skip``: ``what`` is a reason tag (``weights_before_gather``, ``region_not_rowwise``, ...), ``detail``
   a sentence ("combine not matched: weights applied before gather ...").
 * ``error``: a pass raised and the graph was restored (plain Inductor for that pass).
-* ``left``: the audit (:mod:`moe_compile.audit`) found an accumulating scatter or a host sync in a
-  compiled graph; ``what`` is the op, ``detail`` the model source line; :attr:`Report.clean`.
+* ``left``: the audit (:mod:`moe_compile.audit`) found an accumulating scatter, a non-deterministic library
+  kernel or a host sync in a compiled graph; ``what`` is ``"<kind>: <op>"``, ``detail`` the model source
+  line; :attr:`Report.clean`, :attr:`Report.deterministic`.
 * ``module`` stage records (passes ``experts_impl``, ``swap_expert_loops``): expert loops that Dynamo cannot
   capture, routed through the fused ops before compiling (``rewrite``: swapped / interfaced, with what), or
   left alone (``skip`` with a reason tag: ``probe_mismatch``, ``no_router``, ``expert_parallel``, ...).
@@ -79,9 +80,22 @@ class Report:
 
     @property
     def clean(self) -> bool:
-        """Nothing non-deterministic or CUDA-graph unsafe is left in the compiled graphs (the token
-        embedding's backward, outside any MoE layer, is reported but not counted)."""
-        return not [r for r in self.left if "(embedding)" not in r.what]
+        """No accumulating scatter or host sync is left in the compiled graphs outside the token embedding's
+        backward (which lies outside any MoE layer; ``deterministic=True`` removes it too). Library kernels
+        that are non-deterministic themselves are counted by :attr:`deterministic`, not here."""
+        return not [r for r in self.left if "(embedding)" not in r.what and not r.what.startswith("nondeterministic:")]
+
+    @property
+    def nondeterministic(self) -> list[PassRecord]:
+        """The audit's run-to-run non-deterministic sources left, per layer: accumulating scatters (atomic
+        adds on the GPU; the embedding's backward included) and non-deterministic library kernels."""
+        return [r for r in self.left if r.what.startswith(("accumulate:", "nondeterministic:"))]
+
+    @property
+    def deterministic(self) -> bool:
+        """No known source of run-to-run differences is left in the compiled graphs (see
+        :attr:`nondeterministic`): what ``moe_compile.compile(model, deterministic=True)`` aims at."""
+        return not self.nondeterministic
 
     def layers(self) -> list[str]:
         return sorted({r.layer for r in self.records})
@@ -114,6 +128,7 @@ class Report:
             "errors": len(self.errors),
             "left": len(self.left),
             "clean": self.clean,
+            "deterministic": self.deterministic,
             "rewritten_layers": sorted({r.layer for r in self.rewrites}, key=_natural_key),
         }
         return {"graphs": self.graphs, "summary": summary, "layers": layers}
@@ -155,7 +170,9 @@ class Report:
         summary = (f"{self.graphs} graph(s) compiled; {n_layers} layer(s) rewritten, "
                    f"{len(self.skips)} skip(s), {len(self.errors)} error(s); "
                    + ("clean: no accumulating scatter or host sync left" if self.clean
-                      else f"{len(self.left)} accumulating scatter(s) / host sync(s) left (audit)"))
+                      else f"{len(self.left)} accumulating scatter(s) / host sync(s) left (audit)")
+                   + ("; deterministic" if self.deterministic
+                      else f"; {len(self.nondeterministic)} non-deterministic source(s) left"))
         out += textwrap.wrap(summary, width, subsequent_indent="  ")
         return "\n".join(out)
 
@@ -239,13 +256,16 @@ def last_report() -> Report:
     return _LAST
 
 
-def explain(model: Any, *args: Any, backward: bool | None = None, **kwargs: Any) -> Report:
+def explain(model: Any, *args: Any, backward: bool | None = None, compile_options: dict[str, Any] | None = None,
+            **kwargs: Any) -> Report:
     """Compile ``model`` with moe_compile, run it on ``args``/``kwargs``, and report what each pass did.
 
     Runs one forward (and one backward if the output requires grad, unless ``backward=False``) so that
     both the forward and the joint graph are compiled. ``model`` is not modified (its ``.grad`` fields
     are restored). Caches are bypassed, so every pass runs. Experts modules of ``model`` that no
     compiled graph contained get a ``not_in_graph`` skip.
+    ``compile_options`` are keywords of ``moe_compile.compile`` (``{"deterministic": True}``: what is left
+    with the option on; :attr:`Report.nondeterministic` lists the sources per layer).
     Returns a :class:`Report`: ``print(report)`` shows a table, ``report.to_dict()`` a dict.
     """
     from moe_compile.api import compile as moe_compile_fn
@@ -253,7 +273,7 @@ def explain(model: Any, *args: Any, backward: bool | None = None, **kwargs: Any)
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
     saved_grads = [p.grad for p in params]
     torch._dynamo.reset()
-    compiled = moe_compile_fn(model)
+    compiled = moe_compile_fn(model, **(compile_options or {}))
     try:
         with collecting() as report, torch._inductor.config.patch(force_disable_caches=True), \
                 warnings.catch_warnings():

@@ -14,6 +14,7 @@ from moe_compile.ops.permute_pad import (
     permute_pad_backward_reference,
     permute_pad_reference,
 )
+from moe_compile.ops.segment_sum import segment_sum, segment_sum_reference
 from moe_compile.ops.unpad_unpermute import (
     unpad_unpermute,
     unpad_unpermute_backward_reference,
@@ -31,6 +32,8 @@ __all__ = [
     "permute_pad",
     "permute_pad_backward_reference",
     "permute_pad_reference",
+    "segment_sum",
+    "segment_sum_reference",
     "static_row_bound",
     "unpad_unpermute",
     "unpad_unpermute_backward_reference",

@@ -65,8 +65,12 @@ PASSES: tuple[PassEntry, ...] = (
     PassEntry("deterministic_accumulate", "joint", "moe_compile.passes.deterministic_accumulate:run", default=True,
               doc="scatter-adds into zeros: plain scatters for distinct (top-k/sort) indices, one-hot GEMMs "
                   "for per-expert gathers' backward (no atomics)"),
+    PassEntry("deterministic_scatter", "joint", "moe_compile.passes.deterministic_scatter:run", default=True,
+              doc="with deterministic=True: every accumulating scatter left (embedding backward included) -> "
+                  "moe.segment_sum (stable sort + fixed-order segment sums, no atomics)"),
     PassEntry("audit", "post_grad", "moe_compile.audit:run", default=True,
-              doc="read-only: records accumulating scatters and host syncs left in the final graphs (explain)"),
+              doc="read-only: records accumulating scatters, non-deterministic library ops and host syncs left in "
+                  "the final graphs (explain)"),
 )
 
 

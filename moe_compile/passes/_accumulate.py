@@ -1,4 +1,5 @@
-"""What an accumulating scatter looks like in ATen graphs, and when its indices provably never collide.
+"""What an accumulating scatter looks like in ATen graphs, when its indices provably never collide, and
+which library ops are non-deterministic (:data:`NONDETERMINISTIC_OPS`).
 
 One table for every pass and check that needs it (:mod:`~moe_compile.passes.deterministic_accumulate`
 rewrites these nodes; :mod:`moe_compile.audit` reports the ones left). Each row of
@@ -92,6 +93,63 @@ _ALWAYS_ACCUMULATING = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Nondeterministic:
+    """A library kernel that is not bitwise reproducible run to run (Inductor calls it, it does not
+    generate it): ``why`` in a few words, ``devices`` where it is (None: every device)."""
+
+    why: str
+    devices: frozenset[str] | None = frozenset({"cuda"})
+
+
+_FLASH_BWD = Nondeterministic("FlashAttention backward: dQ accumulated with atomic adds")
+_EFFICIENT_BWD = Nondeterministic("memory-efficient attention backward: atomic adds")
+_CUDNN_BWD = Nondeterministic("cuDNN attention backward: non-deterministic algorithm")
+
+# Known non-deterministic library ops, by ``op_name`` (``"aten.<name>"``; names, so that an op a torch
+# version lacks costs nothing). Accumulating scatters are not listed: :func:`is_accumulating` knows them,
+# and :mod:`moe_compile.passes.deterministic_scatter` rewrites them. Extend the table to teach the audit
+# (``nondeterministic`` leftovers) a new op.
+NONDETERMINISTIC_OPS: dict[str, Nondeterministic] = {
+    "aten._scaled_dot_product_flash_attention_backward": _FLASH_BWD,
+    "aten._flash_attention_backward": _FLASH_BWD,
+    "aten._scaled_dot_product_efficient_attention_backward": _EFFICIENT_BWD,
+    "aten._efficient_attention_backward": _EFFICIENT_BWD,
+    "aten._scaled_dot_product_cudnn_attention_backward": _CUDNN_BWD,
+    "aten._cudnn_attention_backward": _CUDNN_BWD,
+    "aten._scaled_dot_product_fused_attention_overrideable_backward":
+        Nondeterministic("backend-defined fused attention backward: no determinism guarantee", None),
+    "aten._embedding_bag_dense_backward": Nondeterministic("embedding_bag backward: atomic adds"),
+    "aten._embedding_bag_per_sample_weights_backward": Nondeterministic("embedding_bag backward: atomic adds"),
+    "aten.grid_sampler_2d_backward": Nondeterministic("grid_sampler backward: atomic adds"),
+    "aten.grid_sampler_3d_backward": Nondeterministic("grid_sampler backward: atomic adds"),
+    "aten._ctc_loss_backward": Nondeterministic("CTC loss backward: atomic adds"),
+    "aten.histc": Nondeterministic("histc: atomic adds of float counts"),
+}
+
+
+def nondeterministic_reason(node: fx.Node) -> str | None:
+    """Why ``node`` (a library op in :data:`NONDETERMINISTIC_OPS`) is not reproducible on its device, else
+    None. A node whose device is unknown (no tensor value) counts as on every device."""
+    if node.op != "call_function":
+        return None
+    entry = NONDETERMINISTIC_OPS.get(op_name(node) or "")
+    if entry is None:
+        return None
+    if entry.devices is not None:
+        device = _device_of(node)
+        if device is not None and device not in entry.devices:
+            return None
+    return entry.why
+
+
+def _device_of(node: fx.Node) -> str | None:
+    for value in torch.utils._pytree.tree_leaves((tensor_val(node), [tensor_val(a) for a in node.all_input_nodes])):
+        if isinstance(value, torch.Tensor) and value.device.type != "meta":
+            return value.device.type
+    return None
+
+
 def read(node: fx.Node) -> Accumulate | None:
     reader = ACCUMULATING_FORMS.get(node.target) if node.op == "call_function" else None
     return reader(node) if reader is not None else None
@@ -163,4 +221,7 @@ def is_zeros(node: Any) -> bool:
     return False
 
 
-__all__ = ["ACCUMULATING_FORMS", "Accumulate", "distinct_along", "is_accumulating", "is_zeros", "read"]
+__all__ = [
+    "ACCUMULATING_FORMS", "NONDETERMINISTIC_OPS", "Accumulate", "Nondeterministic", "distinct_along", "is_accumulating",
+    "is_zeros", "nondeterministic_reason", "read",
+]

@@ -1,0 +1,260 @@
+"""With ``deterministic=True``: every accumulating scatter left in the joint graph becomes ``moe.segment_sum``.
+
+Inductor lowers ``index_put(accumulate=True)`` / ``scatter_add`` / ``index_add`` and the token embedding's
+backward to atomic adds on the GPU, whose order (so the rounding of float sums) changes run to run.
+:mod:`~moe_compile.passes.deterministic_accumulate` removes the ones next to MoE layers that need no
+accumulation or fit a one-hot GEMM; this pass takes every one that is left, anywhere in the graph, through
+one deterministic op: ``moe.segment_sum(src_ND, idx_N, R, mask_N)`` (stable sort of the row indices,
+segment offsets, each output row sums its segment in order; ``moe_compile/ops/segment_sum.py``).
+Shapes: ``N`` entries, ``D`` columns per entry, ``R`` rows of the target.
+
+Matches (one node each; which ops accumulate is :func:`moe_compile.passes._accumulate.is_accumulating`)::
+
+    (a) index_put(base_RD, [idx_S], values, True) / _unsafe_index_put(..., True)   (idx of any shape S)
+    (b) _unsafe_masked_index_put_accumulate(base_RD, mask, [idx_S], values)       (Inductor's embedding
+        backward: mask = 0 <= idx < R & idx != padding_idx, constant along D)
+    (c) embedding_dense_backward(grad_SD, idx_S, R, padding_idx, scale_grad_by_freq)
+    (d) index_add(base, dim, idx_N, src, alpha=a)
+    (e) scatter_add(base, dim, index, src)                                       (elementwise indices)
+
+Rewrites to::
+
+    (a, b) s = segment_sum(values.expand(S + D).reshape(N, D), idx.reshape(N) (negatives wrapped), R,
+                           mask.reshape(N)).reshape(base)
+    (c)    s = segment_sum(grad / count[idx] if scale_grad_by_freq else grad, idx, R, idx != padding_idx)
+           (count = segment_sum(ones, idx, R): exact int64)
+    (d)    base.movedim(dim, 0) rows: segment_sum(a * src.movedim(dim, 0).reshape(N, D), idx, R)
+    (e)    a [numel, 1] view: row of element p = its linear offset in base (index[p] along dim)
+    out = s if base is fresh zeros else base + s
+
+Fires when:
+    ``config.deterministic`` is on; for every accumulation, also outside any module (the embedding) and
+    integer ones (exact in any order, but atomics still).
+
+Skips when (reason tags): ``inplace`` (an in-place form: the joint graph is functional, so not expected),
+``multi_index`` (``index_put`` with several index tensors or ``None`` holes), ``bool_index``,
+``mask_not_rowwise`` (a masked put whose mask varies along ``D``), ``symbolic_rows`` (the target's row
+count is not a compile-time int: it sizes the op's output), ``dtype`` (bool / 8- and 16-bit integer
+targets), ``unsupported_form`` (``scatter_reduce``, ``index_reduce``, ``put``: the audit lists them).
+
+Stage:
+    joint (ATen, functional), after ``deterministic_accumulate``: the only stage that sees backward
+    formulas before the partitioner; the op is inserted as one node (on CUDA Inductor calls its kernel).
+
+Seen in:
+    every transformers causal LM (``nn.Embedding`` backward); models with scatter-add combines or
+    per-expert gathers the other passes do not prove.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+import moe_compile.ops.segment_sum  # noqa: F401 - registers moe.segment_sum
+from moe_compile.passes import NoMatch, PassContext
+from moe_compile.passes import _accumulate as acc
+from moe_compile.passes._graph import arg, erase_dead, insert_traced, known_int, layer_name, op_name, tensor_val
+
+aten = torch.ops.aten
+
+REPLACED_BY = "moe.segment_sum (stable sort + fixed-order segment sums, no atomics)"
+# the target dtypes moe.segment_sum handles (floats accumulate in fp32/fp64, integers in int64)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
+_INPLACE = {aten.index_put_.default, aten.index_add_.default, aten.scatter_add_.default}
+
+
+def run(graph: fx.Graph, ctx: PassContext) -> None:
+    if not ctx.config.deterministic:
+        return
+    for name, matches, rewrite in REWRITES:
+        for node in list(graph.nodes):
+            if not matches(node):
+                continue
+            layer = layer_name(node)
+            try:
+                detail = rewrite(graph, node)
+            except NoMatch as skip:
+                ctx.skip(layer, skip.reason, skip.detail)
+                continue
+            ctx.rewrite(layer, f"{op_name(node)} ({name})", detail)
+
+
+# ===== accumulating scatters -> moe.segment_sum =====
+
+
+def _segment_sum(src_ND: torch.Tensor, idx_N: torch.Tensor, rows: int, mask_N: torch.Tensor | None = None):
+    return torch.ops.moe.segment_sum.default(src_ND, idx_N, rows, mask_N)
+
+
+def _rows(node: Any) -> int:
+    value = tensor_val(node)
+    rows = known_int(value.shape[0]) if value is not None and value.dim() >= 1 else None
+    if rows is None:
+        raise NoMatch("symbolic_rows", f"target rows {None if value is None else tuple(value.shape)} not static")
+    return rows
+
+
+def _check_dtype(node: fx.Node) -> None:
+    out = tensor_val(node)
+    if out is None or out.dtype not in _DTYPES:
+        raise NoMatch("dtype", f"{op_name(node)} into {None if out is None else out.dtype}")
+
+
+def _index_put_form(node: fx.Node) -> tuple[Any, Any, Any, Any]:
+    """``(base, idx, values, mask or None)`` of forms (a) and (b)."""
+    masked = node.target == aten._unsafe_masked_index_put_accumulate.default
+    base = node.args[0]
+    indices = arg(node, 2, "indices") if masked else arg(node, 1, "indices")
+    values = arg(node, 3, "values") if masked else arg(node, 2, "values")
+    if not isinstance(indices, (list, tuple)) or len(indices) != 1 or not isinstance(indices[0], fx.Node):
+        raise NoMatch("multi_index", f"{op_name(node)} with indices {indices}")
+    idx = tensor_val(indices[0])
+    if idx is None or idx.dtype == torch.bool or idx.is_floating_point():
+        raise NoMatch("bool_index", f"{op_name(node)} with a {None if idx is None else idx.dtype} index")
+    return base, indices[0], values, (arg(node, 1, "mask") if masked else None)
+
+
+def _rewrite_index_put(graph: fx.Graph, node: fx.Node) -> str:
+    base, idx, values, mask = _index_put_form(node)
+    rows, zeros = _rows(base), acc.is_zeros(base)
+    base_v = tensor_val(base)
+    rest = tuple(base_v.shape[1:])
+    lead = 0
+    if mask is not None:
+        mask_v, values_v = tensor_val(mask), tensor_val(values)
+        lead = mask_v.dim() - len(rest)
+        if mask_v.dim() != values_v.dim() or any(known_int(s) != 1 for s in mask_v.shape[max(lead, 0):]):
+            raise NoMatch("mask_not_rowwise", f"mask {tuple(mask_v.shape)} varies along the rows' trailing dims")
+
+    def fn(base, idx, values, *maybe_mask):
+        n = idx.numel()
+        idx_N = idx.reshape(n)
+        idx_N = torch.where(idx_N < 0, idx_N + rows, idx_N)  # index_put wraps negative indices
+        src_ND = values.expand(*idx.shape, *rest).reshape(n, math.prod(rest))
+        mask_N = maybe_mask[0].reshape(maybe_mask[0].shape[:lead]).expand(idx.shape).reshape(n) if maybe_mask else None
+        summed = _segment_sum(src_ND, idx_N, rows, mask_N).reshape(base.shape)
+        return summed if zeros else base + summed
+
+    args = (base, idx, values) + ((mask,) if mask is not None else ())
+    _replace(graph, node, fn, args)
+    return REPLACED_BY + ("" if mask is None else ", masked entries skipped")
+
+
+def _rewrite_embedding_backward(graph: fx.Graph, node: fx.Node) -> str:
+    grad, indices = node.args[0], node.args[1]
+    rows = known_int(arg(node, 2, "num_weights"))
+    if rows is None:
+        raise NoMatch("symbolic_rows", "embedding_dense_backward with a symbolic num_weights")
+    padding_idx = arg(node, 3, "padding_idx", -1)
+    scale = bool(arg(node, 4, "scale_grad_by_freq", False))
+    if not isinstance(padding_idx, int):
+        raise NoMatch("symbolic_rows", f"embedding_dense_backward with padding_idx {padding_idx}")
+
+    def fn(grad, indices):
+        n, d = indices.numel(), grad.shape[-1]
+        idx_N, grad_ND = indices.reshape(n), grad.reshape(n, d)
+        if scale:  # eager divides each entry by its row's count before summing; counts are exact
+            count_R = _segment_sum(torch.ones_like(idx_N).unsqueeze(1), idx_N, rows)[:, 0]
+            grad_ND = grad_ND / count_R.index_select(0, idx_N.clamp(0, max(rows - 1, 0))).unsqueeze(1).to(grad.dtype)
+        mask_N = idx_N != padding_idx if padding_idx >= 0 else None
+        return _segment_sum(grad_ND, idx_N, rows, mask_N)
+
+    _replace(graph, node, fn, (grad, indices))
+    return REPLACED_BY + (f", padding_idx {padding_idx} skipped" if padding_idx >= 0 else "") + \
+        (", scaled by 1/count" if scale else "")
+
+
+def _rewrite_index_add(graph: fx.Graph, node: fx.Node) -> str:
+    base, index, src = node.args[0], arg(node, 2, "index"), arg(node, 3, "source")
+    alpha = arg(node, 4, "alpha", 1)
+    base_v = tensor_val(base)
+    if base_v is None or base_v.dim() == 0:
+        raise NoMatch("unsupported_form", "index_add into a 0-d tensor")
+    dim = int(arg(node, 1, "dim")) % base_v.dim()
+    rows = known_int(base_v.shape[dim])
+    if rows is None:
+        raise NoMatch("symbolic_rows", f"index_add along a symbolic dim {base_v.shape[dim]}")
+    zeros = acc.is_zeros(base)
+
+    def fn(base, index, src):
+        moved = base.movedim(dim, 0)
+        n = index.numel()
+        src_ND = src.movedim(dim, 0).reshape(n, math.prod(moved.shape[1:]))
+        if alpha != 1:
+            src_ND = src_ND * alpha
+        summed = _segment_sum(src_ND, index.reshape(n), rows).reshape(moved.shape).movedim(0, dim)
+        return summed if zeros else base + summed
+
+    _replace(graph, node, fn, (base, index, src))
+    return REPLACED_BY
+
+
+def _rewrite_scatter_add(graph: fx.Graph, node: fx.Node) -> str:
+    base, index, src = node.args[0], arg(node, 2, "index"), arg(node, 3, "src")
+    base_v, index_v = tensor_val(base), tensor_val(index)
+    if base_v is None or index_v is None or base_v.dim() == 0:
+        raise NoMatch("unsupported_form", "scatter_add into a 0-d tensor")
+    shape = [known_int(s) for s in base_v.shape]
+    index_shape = [known_int(s) for s in index_v.shape]
+    if None in shape or None in index_shape:
+        raise NoMatch("symbolic_rows", f"scatter_add into {tuple(base_v.shape)} with index {tuple(index_v.shape)}")
+    dim = int(arg(node, 1, "dim")) % base_v.dim()
+    strides = [math.prod(shape[k + 1:]) for k in range(len(shape))]  # of the contiguous [numel] view
+    zeros = acc.is_zeros(base)
+
+    def fn(base, index, src):
+        # element p of index goes to base's linear offset sum_k coord_k * stride_k, coord_dim = index[p]
+        lin = index.to(torch.int64) * strides[dim]
+        for k, size in enumerate(index_shape):
+            if k != dim:
+                view = [size if j == k else 1 for j in range(len(index_shape))]
+                lin = lin + (torch.arange(size, device=index.device) * strides[k]).view(view)
+        src = src[tuple(slice(0, s) for s in index_shape)]
+        n = math.prod(index_shape)
+        summed = _segment_sum(src.reshape(n, 1), lin.reshape(n), math.prod(shape)).reshape(shape)
+        return summed if zeros else base + summed
+
+    _replace(graph, node, fn, (base, index, src))
+    return REPLACED_BY + " (elementwise: a [numel, 1] view)"
+
+
+_FORMS: dict[Any, Callable[[fx.Graph, fx.Node], str]] = {
+    aten.index_put.default: _rewrite_index_put,
+    aten._unsafe_index_put.default: _rewrite_index_put,
+    aten._unsafe_masked_index_put_accumulate.default: _rewrite_index_put,
+    aten.embedding_dense_backward.default: _rewrite_embedding_backward,
+    aten.index_add.default: _rewrite_index_add,
+    aten.scatter_add.default: _rewrite_scatter_add,
+}
+
+
+def _rewrite_accumulate(graph: fx.Graph, node: fx.Node) -> str:
+    if node.target in _INPLACE:
+        raise NoMatch("inplace", f"{op_name(node)}: in-place accumulation in a functional graph")
+    form = _FORMS.get(node.target)
+    if form is None:
+        raise NoMatch("unsupported_form", f"{op_name(node)} has no deterministic lowering here")
+    _check_dtype(node)
+    return form(graph, node)
+
+
+def _replace(graph: fx.Graph, old: fx.Node, fn: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> None:
+    with graph.inserting_before(old):
+        new = insert_traced(graph, fn, args, meta_from=old)
+    old.replace_all_uses_with(new)
+    erase_dead(graph, [old])
+
+
+# The rewrites of this pass, in order: (name, matches(node), rewrite(graph, node) -> detail, raising NoMatch
+# to skip). A deterministic replacement of a library op of ``_accumulate.NONDETERMINISTIC_OPS`` (attention
+# backward) is one more row.
+REWRITES: tuple[tuple[str, Callable[[fx.Node], bool], Callable[[fx.Graph, fx.Node], str]], ...] = (
+    ("accumulate", acc.is_accumulating, _rewrite_accumulate),
+)
+
+__all__ = ["REWRITES", "run"]

@@ -1,0 +1,73 @@
+"""``moe_compile.compile(model, deterministic=True)`` on tiny transformers MoE causal LMs: one training step.
+
+With the option, the generated code (forward and backward) holds no atomic add anywhere, the token
+embedding's backward included (``moe.segment_sum`` instead), the audit finds no non-deterministic source
+(``Report.deterministic``; on CPU no library kernel of the table runs), a second step is bitwise equal,
+and loss and every gradient equal the step without the option within the derived layer bound
+(``tests/_tolerance.py::layer_rel``). Without it the embedding's backward is an atomic add (the check
+can fail) and the audit names it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from moe_compile import report
+from moe_compile.backend import ConfiguredBackend
+from moe_compile.config import make_config
+from tests import _tolerance as tol
+from tests.models.hf_families import Unbuildable, _loss_and_grads, build, moe_families
+
+pytest.importorskip("transformers")
+
+# DeepSeek-V3: group-limited biased router (scatter_add backward, made plain by deterministic_accumulate);
+# Qwen3-MoE: softmax top-k router; both with a token embedding. ~1 min each on 2 cores.
+FAMILIES = ("deepseek_v3", "qwen3_moe")
+
+
+def _atomics(code: str) -> list[str]:
+    """Atomic adds in generated code: Triton ``tl.atomic_add(``, C++ ``atomic_add(`` / ``atomic_add_vec<``."""
+    return re.findall(r"atomic_add(?:_vec)?\s*[<(]", code)
+
+
+def _step(model, inputs, deterministic: bool):
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=ConfiguredBackend(make_config(deterministic=deterministic)),
+                             fullgraph=True)
+    try:
+        with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True):
+            first, code = run_and_get_code(lambda: _loss_and_grads(model, inputs, compiled))
+            second = _loss_and_grads(model, inputs, compiled)
+    finally:
+        torch._dynamo.reset()
+    return first, second, rep, code
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f in moe_families()])
+def test_deterministic_training_step(family):
+    try:
+        model, inputs = build(family)
+    except Unbuildable as exc:
+        pytest.skip(str(exc))
+    model.train()
+    (loss, grads), again, rep, code = _step(model, inputs, deterministic=True)
+    assert code and not [a for c in code for a in _atomics(c)], "atomic add left in the generated code"
+    assert any("moe.segment_sum" in c for c in code)
+    assert rep.deterministic and rep.clean, rep.table()
+    assert any(r.pass_name == "deterministic_scatter" and "embed" in r.layer for r in rep.rewrites), rep.table()
+    assert torch.equal(again[0], loss) and all(torch.equal(again[1][n], g) for n, g in grads.items())
+
+    (loss_off, grads_off), _, rep_off, code_off = _step(model, inputs, deterministic=False)
+    assert any(_atomics(c) for c in code_off), "control: the embedding's backward accumulates without the option"
+    assert not rep_off.deterministic and any("(embedding)" in r.what for r in rep_off.nondeterministic)
+    k_dims = tol.gemm_k_dims(list(model.parameters()))
+    rows = inputs["input_ids"].numel()
+    tol.assert_layer_close(loss, loss_off, k_dims, torch.bfloat16, what="loss")
+    assert grads.keys() == grads_off.keys()
+    for name, g in grads.items():
+        tol.assert_layer_close(g, grads_off[name], k_dims, torch.bfloat16, backward=True, rows=rows, what=name)
