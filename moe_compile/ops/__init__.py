@@ -14,6 +14,7 @@ from moe_compile.ops.permute_pad import (
     permute_pad_backward_reference,
     permute_pad_reference,
 )
+from moe_compile.ops import deterministic_flag  # noqa: F401 - defines moe.deterministic_<op> (cached code calls them)
 from moe_compile.ops.segment_sum import segment_sum, segment_sum_reference
 from moe_compile.ops.unpad_unpermute import (
     unpad_unpermute,

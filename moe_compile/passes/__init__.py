@@ -68,6 +68,9 @@ PASSES: tuple[PassEntry, ...] = (
     PassEntry("deterministic_scatter", "joint", "moe_compile.passes.deterministic_scatter:run", default=True,
               doc="with deterministic=True: every accumulating scatter left (embedding backward included) -> "
                   "moe.segment_sum (stable sort + fixed-order segment sums, no atomics)"),
+    PassEntry("deterministic_attention", "joint", "moe_compile.passes.deterministic_attention:run", default=True,
+              doc="with deterministic=True: flash / memory-efficient attention backward called with torch's "
+                  "deterministic flag on (fixed-order dQ)"),
     PassEntry("audit", "post_grad", "moe_compile.audit:run", default=True,
               doc="read-only: records accumulating scatters, non-deterministic library ops and host syncs left in "
                   "the final graphs (explain)"),

@@ -102,6 +102,7 @@ class Nondeterministic:
     devices: frozenset[str] | None = frozenset({"cuda"})
 
 
+# (deterministic=True calls these two with torch's deterministic flag on: passes/deterministic_attention.py)
 _FLASH_BWD = Nondeterministic("FlashAttention backward: dQ accumulated with atomic adds")
 _EFFICIENT_BWD = Nondeterministic("memory-efficient attention backward: atomic adds")
 _CUDNN_BWD = Nondeterministic("cuDNN attention backward: non-deterministic algorithm")
