@@ -62,6 +62,11 @@ def compile_with_config(
 ) -> Any:
     patches = inductor_patches(config, mode, dict(inductor_options or {}))
     log.debug("compiling a graph of %d nodes, passes %s", len(gm.graph.nodes), enabled_passes(config))
+    if config.deterministic:  # SDPA is decomposed (its kernel chosen) while compile_fx traces
+        from moe_compile.ops.deterministic_flag import deterministic_sdpa
+
+        with deterministic_sdpa():
+            return compile_fx(gm, example_inputs, config_patches=patches)
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 

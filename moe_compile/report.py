@@ -28,10 +28,10 @@ row; :meth:`Report.to_dict` has every field in full.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import re
 import textwrap
+import threading
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -204,32 +204,40 @@ def short_chain(what: str) -> str:
     return " + ".join(heads)
 
 
-_ACTIVE: contextvars.ContextVar[list[Report]] = contextvars.ContextVar("moe_compile_reports", default=[])
+# Open ``collecting`` blocks, process-wide rather than per thread or context: on CUDA the autograd engine
+# runs the backward, and so AOTAutograd's lazy compile of the backward graph, in its own device thread,
+# whose records (the backward's audit among them) belong to the block that ran the step.
+_ACTIVE: list[Report] = []
+_LOCK = threading.Lock()
 # The report of the most recent compile, kept for debugging (``moe_compile.report.last_report()``).
 _LAST = Report()
 
 
 @contextlib.contextmanager
 def collecting() -> Iterator[Report]:
-    """Collect the records of every compile inside the block."""
+    """Collect the records of every compile while the block is open (in any thread: see ``_ACTIVE``)."""
     report = Report()
-    token = _ACTIVE.set([*_ACTIVE.get(), report])
+    with _LOCK:
+        _ACTIVE.append(report)
     try:
         yield report
     finally:
-        _ACTIVE.reset(token)
+        with _LOCK:  # by identity: reports compare by value
+            del _ACTIVE[next(i for i, r in enumerate(_ACTIVE) if r is report)]
 
 
 def add(record: PassRecord) -> None:
-    _LAST.records.append(record)
-    for report in _ACTIVE.get():
-        report.records.append(record)
+    with _LOCK:
+        _LAST.records.append(record)
+        for report in _ACTIVE:
+            report.records.append(record)
 
 
 def graph_compiled() -> None:
-    _LAST.graphs += 1
-    for report in _ACTIVE.get():
-        report.graphs += 1
+    with _LOCK:
+        _LAST.graphs += 1
+        for report in _ACTIVE:
+            report.graphs += 1
 
 
 # Records of module-level rewrites (moe_compile.compile's expert-loop swaps), per model, for explain.

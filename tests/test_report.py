@@ -63,3 +63,20 @@ def test_short_chain():
     assert short_chain(CHAIN) == "sort + gather + counts + 2x grouped_mm + row-wise + combine + weight"
     assert short_chain("weights_before_gather") == "weights_before_gather"
     assert short_chain("split -> 4 expert copies -> cat") == "split -> 4 expert copies -> cat"
+
+
+def test_records_from_another_thread_reach_the_open_report():
+    """On CUDA the autograd engine compiles the backward graph in its own thread: its records count."""
+    import threading
+
+    from moe_compile import report
+
+    record = PassRecord("audit", "post_grad", "left", "model.layers.0.self_attn", "nondeterministic: x", "")
+    with report.collecting() as outer:
+        with report.collecting() as inner:
+            worker = threading.Thread(target=report.add, args=(record,))
+            worker.start()
+            worker.join()
+        report.add(record)
+    report.add(record)
+    assert inner.records == [record] and outer.records == [record, record]

@@ -14,6 +14,8 @@ name), for the wrapped ops this torch has.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 # aten ops (overload ``default``) whose kernel reads torch's deterministic flag at call time
@@ -55,6 +57,19 @@ def _define(name: str) -> None:
     # one implementation for every backend, Meta included (fake tensors then run the aten op's meta)
     _lib.impl(ours, _with_flag(aten_op), "CompositeExplicitAutograd")
     WRAPPED[aten_op] = getattr(torch.ops.moe, ours).default
+
+
+# SDPA backends whose backward is deterministic (flash and memory-efficient with the flag, math: matmuls).
+# cuDNN's has no deterministic mode, and torch 2.11 prefers it on an H100; with it disabled SDPA traces to
+# flash. Only the trace matters: the backend is chosen when AOTAutograd decomposes SDPA.
+DETERMINISTIC_SDPA_BACKENDS: tuple[str, ...] = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+def deterministic_sdpa() -> contextlib.AbstractContextManager:
+    """A context in which ``scaled_dot_product_attention`` only picks :data:`DETERMINISTIC_SDPA_BACKENDS`."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, name) for name in DETERMINISTIC_SDPA_BACKENDS])
 
 
 for _name in FLAG_SELECTED:

@@ -19,8 +19,9 @@ Rewrites to::
 the wrapped ops do not exist as kernels, so the nodes never appear there.
 
 Fires when:
-    ``config.deterministic`` is on. The cuDNN attention backward has no such mode: it stays, and the
-    audit names it.
+    ``config.deterministic`` is on. The cuDNN attention backward has no such mode: with the option the
+    backend traces SDPA with cuDNN disabled (``deterministic_flag.deterministic_sdpa``), so SDPA becomes
+    flash attention; a cuDNN attention called directly stays, and the audit names it.
 
 Stage:
     joint (ATen), after ``deterministic_scatter``: the backward formulas are in the joint graph.

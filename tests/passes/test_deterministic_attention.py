@@ -85,3 +85,22 @@ def test_flagged_op_keeps_the_shapes_of_the_aten_op():
         got = op(*args, is_causal=True)
     assert [tuple(t.shape) if t is not None else None for t in got] == \
         [tuple(t.shape) if t is not None else None for t in expected]
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_backend_traces_sdpa_without_cudnn_when_deterministic(monkeypatch, on):
+    """cuDNN attention's backward has no deterministic mode: with the option, SDPA cannot pick it."""
+    from moe_compile import backend
+
+    seen = {}
+
+    def fake_compile_fx(gm, example_inputs, config_patches):
+        seen["cudnn"] = torch.backends.cuda.cudnn_sdp_enabled()
+        seen["flash"] = torch.backends.cuda.flash_sdp_enabled()
+        return gm
+
+    monkeypatch.setattr(backend, "compile_fx", fake_compile_fx)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    backend.compile_with_config(fx.GraphModule(torch.nn.Module(), fx.Graph()), [], make_config(deterministic=on))
+    assert seen == {"cudnn": before and not on, "flash": torch.backends.cuda.flash_sdp_enabled()}
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
