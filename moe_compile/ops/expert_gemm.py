@@ -99,6 +99,11 @@ def expert_gemm_reference(
 # issue's H100 profile (CUTLASS at ~52% of peak on Qwen3-MoE's 256 rows per expert, ~86% on Mixtral's
 # 1024): update from ``benchmarks/bench_grouped_gemm.py`` (its ``choice`` table). Fused gather /
 # activation savings are part of the measured Triton time, so the rule is per whole GEMM.
+# Measured (H100, triton 3.6, benchmarks/results/grouped_gemm.json, forward per GEMM, CUDA graphs): the
+# gated gate_up GEMM wins at Qwen3-like T4096 (638 vs 738 us) and T16384 (1970 vs 2399), DeepSeek-like
+# T4096 (749 vs 777); the down GEMM loses past T256 (Qwen3 T4096 358 vs 289); Mixtral-like loses from
+# T4096; the backward (wgrad) loses everywhere (Qwen3 block fwd+bwd 6.15 vs 3.61 ms). The op is not used
+# by the rewrite yet; this table only serves direct callers.
 TRITON_MAX_ROWS_PER_EXPERT = {
     # (max N*K of the weight per expert, max rows per expert where Triton wins)
     "small_weight": (2048 * 3072, 512),  # Qwen3-MoE / DeepSeek-V3-like experts
