@@ -62,6 +62,8 @@ PASSES: tuple[PassEntry, ...] = (
               default=True, doc="transformers.grouped_mm_fallback (tolist host sync) -> moe.grouped_mm"),
     PassEntry("router_metrics", "pre_grad", "moe_compile.passes.router_metrics:run", default=True,
               doc="with metrics=True: on-device router statistics per MoE layer (moe_compile.metrics)"),
+    PassEntry("causal_mask", "pre_grad", "moe_compile.passes.causal_mask:run", default=True,
+              doc="with deterministic=True: a constant causal attn_mask -> is_causal=True (flash attention)"),
     PassEntry("deterministic_accumulate", "joint", "moe_compile.passes.deterministic_accumulate:run", default=True,
               doc="scatter-adds into zeros: plain scatters for distinct (top-k/sort) indices, one-hot GEMMs "
                   "for per-expert gathers' backward (no atomics)"),
