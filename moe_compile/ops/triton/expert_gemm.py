@@ -37,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moe_compile.ops.triton.grouped_mm import W_NVFP4, W_PLAIN, _dequant_tile, _dot, _load_scales, _nvfp4_tile
+from moe_compile.ops.triton.grouped_mm import W_NVFP4, _dot, _load_scales, _w_dot
 
 ACT_NONE: tl.constexpr = tl.constexpr(0)
 ACT_SWIGLU: tl.constexpr = tl.constexpr(1)
@@ -51,28 +51,6 @@ def _act(g, ACT: tl.constexpr):
         return g / (1.0 + tl.exp(-g))
     else:
         return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
-
-
-@triton.jit
-def _w_dot(
-    acc, x, w_base, s, k0, K, col_mask, stride_wk,
-    W_FORMAT: tl.constexpr, IEEE_DOT: tl.constexpr, PTX_DECODE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """``acc += x @ W^T`` for the weight tile at ``k0`` (pointer loads; any format), ``x`` already loaded."""
-    if W_FORMAT == W_NVFP4:
-        w0, w1, w2, w3 = _nvfp4_tile(w_base, s, k0, K, col_mask, stride_wk, BLOCK_N, BLOCK_K, x.dtype, PTX_DECODE)
-        x_l0, x_l1 = tl.split(x.reshape(BLOCK_M, BLOCK_K // 4, 2, 2))  # k = 4j + 2h + l
-        x0, x2 = tl.split(x_l0)
-        x1, x3 = tl.split(x_l1)
-        acc = _dot(acc, x0, w0, IEEE_DOT, False)
-        acc = _dot(acc, x1, w1, IEEE_DOT, False)
-        acc = _dot(acc, x2, w2, IEEE_DOT, False)
-        acc = _dot(acc, x3, w3, IEEE_DOT, False)
-    else:
-        w = _dequant_tile(w_base, s, k0, K, col_mask, stride_wk, W_FORMAT, BLOCK_N, BLOCK_K, x.dtype)
-        acc = _dot(acc, x, w, IEEE_DOT, False)
-    return acc
 
 
 @triton.jit
@@ -169,7 +147,7 @@ def _expert_gemm_kernel(
                 s_next = _load_scales(s_base, k0 + BLOCK_K, K, col_mask, stride_sk, W_FORMAT, BLOCK_N, BLOCK_K)
                 acc = _w_dot(
                     acc, x, w_base, s, k0, K, col_mask, stride_wk,
-                    W_FORMAT, IEEE_DOT, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
+                    W_FORMAT, IEEE_DOT, False, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
                 )  # fmt: skip
                 s = s_next  # NOTE [scale prefetch]
                 if ACT != ACT_NONE:
@@ -178,7 +156,7 @@ def _expert_gemm_kernel(
                     )  # fmt: skip
                     acc_u = _w_dot(
                         acc_u, x, w_base + up_off_w, s_u, k0, K, col_mask, stride_wk,
-                        W_FORMAT, IEEE_DOT, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
+                        W_FORMAT, IEEE_DOT, False, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
                     )  # fmt: skip
                     s_u = s_u_next
         # ---- epilogue (NOTE [gated epilogue])

@@ -216,15 +216,13 @@ def _dot(acc, x, w, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _mma_step(
-    acc, x_base, w_base, s, k0, K, row_mask, col_mask, stride_xk, stride_wk,
+def _w_dot(
+    acc, x, w_base, s, k0, K, col_mask, stride_wk,
     W_FORMAT: tl.constexpr, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, PTX_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One K step: ``acc += x[:, k0:k0+BLOCK_K] @ W[:, k0:k0+BLOCK_K]^T`` given the step's block
-    scales ``s`` (NVFP4: without the per-expert scale, which the caller applies once; NOTE [NVFP4 decode])."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    x = tl.load(x_base + ks[None, :] * stride_xk, mask=row_mask[:, None] & (ks[None, :] < K), other=0.0)
+    """``acc += x @ W[:, k0:k0+BLOCK_K]^T`` for a loaded ``x`` tile, the weight tile decoded in registers
+    (any format; NVFP4 without the per-expert scale, which the caller applies once: NOTE [NVFP4 decode])."""
     if W_FORMAT == W_NVFP4:
         w0, w1, w2, w3 = _nvfp4_tile(w_base, s, k0, K, col_mask, stride_wk, BLOCK_N, BLOCK_K, x.dtype, PTX_DECODE)
         # k = 4j + 2h + l: split l, then h
@@ -239,6 +237,19 @@ def _mma_step(
         w = _dequant_tile(w_base, s, k0, K, col_mask, stride_wk, W_FORMAT, BLOCK_N, BLOCK_K, x.dtype)
         acc = _dot(acc, x, w, IEEE_DOT, SWAP_AB)
     return acc
+
+
+@triton.jit
+def _mma_step(
+    acc, x_base, w_base, s, k0, K, row_mask, col_mask, stride_xk, stride_wk,
+    W_FORMAT: tl.constexpr, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, PTX_DECODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One K step: ``acc += x[:, k0:k0+BLOCK_K] @ W[:, k0:k0+BLOCK_K]^T`` given the step's block scales ``s``."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_base + ks[None, :] * stride_xk, mask=row_mask[:, None] & (ks[None, :] < K), other=0.0)
+    return _w_dot(acc, x, w_base, s, k0, K, col_mask, stride_wk, W_FORMAT, IEEE_DOT, SWAP_AB, PTX_DECODE,
+                  BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
