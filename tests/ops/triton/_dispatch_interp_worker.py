@@ -221,6 +221,8 @@ def main() -> None:
     import time
     import traceback
 
+    from tests.ops.triton._interp import run_cases
+
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     import torch
     import triton
@@ -243,22 +245,13 @@ def main() -> None:
             timings[name] = round(time.perf_counter() - t0, 2)
         except Exception:
             results[name] = traceback.format_exc()
-    for name, case in INDEX_LOOP_CASES.items():
-        try:
-            _run_index_loop_case(*case)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
+    run_cases([(name, lambda case=case: _run_index_loop_case(*case)) for name, case in INDEX_LOOP_CASES.items()],
+              results)
     try:
         results["_launches"] = _count_launches()
     except Exception:
         results["_launches"] = traceback.format_exc()
-    for name in DEBUG_CASES:
-        try:
-            _run_debug_case(name)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
+    run_cases([(name, lambda name=name: _run_debug_case(name)) for name in DEBUG_CASES], results)
     print(json.dumps(results))
 
 

@@ -76,7 +76,7 @@ def _inner_bound(torch, tol, mag, K, act, pre_ref, operand_rel=0.0):
 def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
     import torch
 
-    tol = _import_tolerance()
+    from tests import _tolerance as tol
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(len(kind) * 7 + N + K)
     x, offs, row_map, rw, M = _setup(torch, gen, counts, extra, K, dtype, opts)
@@ -171,34 +171,6 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
         assert torch.equal(y, launch(src, {"NUM_PROGS": 1})[0]), "depends on the number of persistent programs"
 
 
-def _import_tolerance():
-    import importlib
-    import pathlib
-    import sys
-
-    root = str(pathlib.Path(__file__).resolve().parents[3])
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    return importlib.import_module("tests._tolerance")
-
-
-def _import_ops_only():
-    """``moe_compile.ops.expert_gemm`` and ``grouped_mm`` without the package ``__init__`` (Inductor)."""
-    import importlib
-    import pathlib
-    import sys
-    import types
-
-    root = pathlib.Path(__file__).resolve().parents[3] / "moe_compile"
-    packages = {"moe_compile": root, "moe_compile.ops": root / "ops", "moe_compile.ops.triton": root / "ops" / "triton"}
-    for name, path in packages.items():
-        if name not in sys.modules:
-            module = types.ModuleType(name)
-            module.__path__ = [str(path)]
-            sys.modules[name] = module
-    return importlib.import_module("moe_compile.ops.expert_gemm"), importlib.import_module("moe_compile.ops.grouped_mm")
-
-
 # (M, E, N_out, K, activation, gather, row weight): Qwen3-MoE-like gate_up / down and Mixtral-like at T 4096
 SM90_SHAPES = (
     (32768, 128, 768, 2048, "swiglu", True, False),
@@ -221,7 +193,9 @@ def compile_sm90() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    eg, gmm = _import_ops_only()
+    from tests.ops.triton._interp import import_ops_only
+
+    eg, gmm = import_ops_only("expert_gemm", "grouped_mm")
     target = GPUTarget("cuda", 90, 32)
     kernel, jobs = eg._kernels._expert_gemm_kernel, {}
     for M, E, N, K, act, gather, rw in SM90_SHAPES:
@@ -260,24 +234,19 @@ def main() -> None:
     import json
     import os
     import sys
-    import traceback
+
+    from tests.ops.triton._interp import import_ops_only, run_cases
 
     if "--sm90" in sys.argv:
         print(json.dumps(compile_sm90()))
         return
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    eg, gmm = _import_ops_only()
+    eg, gmm = import_ops_only("expert_gemm", "grouped_mm")
     only = [a for a in sys.argv[1:] if not a.startswith("-")]
     results = {"_kernels": sorted(k for k in vars(eg._kernels) if k.endswith("_kernel"))}
-    for name, case in CASES.items():
-        if only and name not in only:
-            continue
-        try:
-            _run_case(eg, gmm, *case)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
+    jobs = [(name, lambda case=case: _run_case(eg, gmm, *case)) for name, case in CASES.items()
+            if not only or name in only]
+    print(json.dumps(run_cases(jobs, results)))
 
 
 if __name__ == "__main__":

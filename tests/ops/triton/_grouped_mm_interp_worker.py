@@ -62,7 +62,7 @@ def _operand_rel(torch, fmt, dtype):
     a bf16/fp16 reference then rounds the weight to its dtype (u of dtype). The kernel's e2m1 x e4m3
     products have 6 significant bits: exact in every dtype.
     """
-    tol = _import_tolerance()
+    from tests import _tolerance as tol
     if fmt != "nvfp4":
         return 0.0
     rel = 4 * tol.unit_roundoff(torch.float32)
@@ -72,7 +72,7 @@ def _operand_rel(torch, fmt, dtype):
 def _assert_close(torch, got, want, mag, k, operand_rel=0.0):
     """Within the derived bound: two fp32 sums of ``k`` products of magnitude ``mag = |a| @ |b|``,
     the weights' rounding, and the output casts (the interpreter's truncates, the reference's rounds)."""
-    tol = _import_tolerance()
+    from tests import _tolerance as tol
     bound = tol.matmul_bound(mag, k, want, operand_rel=operand_rel, got_dtype=got.dtype, want_dtype=want.dtype,
                              got_truncates=True)
     tol.assert_within(got, want, bound)
@@ -126,7 +126,9 @@ def _run_case(gmm, kind, counts, M, N, K, dtype_name):
         dy = torch.randn(M, N, generator=gen).to(dtype)
         dw = torch.full((E, N, K), float("nan"), dtype=dtype)
         gmm.launch_grouped_mm_wgrad(dy, x, offs, dw)
-        mag = _import_tolerance().grouped_wgrad_abs(dy, x, offs)
+        from tests import _tolerance as tol
+
+        mag = tol.grouped_wgrad_abs(dy, x, offs)
         _assert_close(torch, dw, gmm.grouped_mm_wgrad_reference(dy, x, offs), mag, max(max(counts), 1))
         assert torch.all(dw[torch.tensor(counts) == 0] == 0)
         return
@@ -148,7 +150,9 @@ def _run_case(gmm, kind, counts, M, N, K, dtype_name):
         if kind == "repeat":
             assert torch.equal(y, launch(qdata, scale, expert_scale, "nvfp4"))
     fmt = "plain" if kind.startswith("plain") else "mxfp8" if kind.startswith("mxfp8") else "nvfp4"
-    mag = _import_tolerance().grouped_abs_matmul(x, w_ref, offs)
+    from tests import _tolerance as tol
+
+    mag = tol.grouped_abs_matmul(x, w_ref, offs)
     _assert_close(torch, y, gmm.grouped_mm_reference(x, w_ref, offs), mag, K, _operand_rel(torch, fmt, dtype))
     assert torch.all(y[int(offs[-1]) :] == 0), "rows past offs[-1] must be zero"
 
@@ -178,44 +182,15 @@ def _run_bug(torch, gmm, bug, gen, x, offs, E, M, N, K, dtype):
             dropped[:, 5] = 0
             wrong = launch(dropped, w_ref, None, offs, "plain")
     want = gmm.grouped_mm_reference(x, w_ref, offs)
-    mag = _import_tolerance().grouped_abs_matmul(x, w_ref, offs)
+    from tests import _tolerance as tol
+
+    mag = tol.grouped_abs_matmul(x, w_ref, offs)
     _assert_close(torch, right, want, mag, K)
     try:
         _assert_close(torch, wrong, want, mag, K)
     except AssertionError:
         return
     raise AssertionError(f"deliberate bug {bug!r} passed the derived comparison")
-
-
-def _import_tolerance():
-    """``tests/_tolerance.py`` (the worker runs as a script: put the repository root on ``sys.path``)."""
-    import pathlib
-    import sys
-
-    root = str(pathlib.Path(__file__).resolve().parents[3])
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    import importlib
-
-    return importlib.import_module("tests._tolerance")
-
-
-def _import_ops_only():
-    """Import ``moe_compile.ops.grouped_mm`` without the package ``__init__`` (it pulls in Inductor)."""
-    import pathlib
-    import sys
-    import types
-
-    root = pathlib.Path(__file__).resolve().parents[3] / "moe_compile"
-    packages = {"moe_compile": root, "moe_compile.ops": root / "ops", "moe_compile.ops.triton": root / "ops" / "triton"}
-    for name, path in packages.items():
-        if name not in sys.modules:
-            module = types.ModuleType(name)
-            module.__path__ = [str(path)]
-            sys.modules[name] = module
-    import importlib
-
-    return importlib.import_module("moe_compile.ops.grouped_mm")
 
 
 # (M, E, N, K): Qwen3-MoE-like decode and prefill shapes of the benchmark (the two tile families)
@@ -238,7 +213,9 @@ def compile_sm90() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    gmm = _import_ops_only()
+    from tests.ops.triton._interp import import_ops_only
+
+    (gmm,) = import_ops_only("grouped_mm")
     kernel, target = gmm._kernels._grouped_mm_kernel, GPUTarget("cuda", 90, 32)
     jobs = {}
     for M, E, N, K in SM90_SHAPES:
@@ -290,7 +267,8 @@ def main() -> None:
     import json
     import os
     import sys
-    import traceback
+
+    from tests.ops.triton._interp import import_ops_only, run_cases
 
     if "--sm90" in sys.argv:
         print(json.dumps(compile_sm90()))
@@ -299,17 +277,11 @@ def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     from triton.runtime.interpreter import InterpretedFunction
 
-    gmm = _import_ops_only()
+    (gmm,) = import_ops_only("grouped_mm")
     kernels = [k for k in vars(gmm._kernels) if k.endswith("_kernel")]
     assert all(isinstance(getattr(gmm._kernels, k), InterpretedFunction) for k in kernels)
-    results = {"_kernels": sorted(kernels)}
-    for name, case in CASES.items():
-        try:
-            _run_case(gmm, *case)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
+    jobs = [(name, lambda case=case: _run_case(gmm, *case)) for name, case in CASES.items()]
+    print(json.dumps(run_cases(jobs, {"_kernels": sorted(kernels)})))
 
 
 if __name__ == "__main__":

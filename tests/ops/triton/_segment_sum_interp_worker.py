@@ -114,7 +114,8 @@ def _run_debug_case():
 def main() -> None:
     import json
     import os
-    import traceback
+
+    from tests.ops.triton._interp import run_cases
 
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     import torch
@@ -127,13 +128,7 @@ def main() -> None:
     jobs = [(n, lambda c=c, n=n: _run_case(*c, seed=len(n))) for n, c in CASES.items()]
     jobs += [(n, lambda c=c: _run_sequential_case(*c)) for n, c in SEQUENTIAL_CASES.items()]
     jobs += [("debug_out_of_range", _run_debug_case)]
-    for name, job in jobs:
-        try:
-            job()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
+    print(json.dumps(run_cases(jobs, results)))
 
 
 if __name__ == "__main__":

@@ -7,25 +7,15 @@ set before ``triton`` is imported); each case is reported as its own test here.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.ops.triton._interp import run_worker
 from tests.ops.triton._expert_gemm_interp_worker import CASES
-
-WORKER = Path(__file__).with_name("_expert_gemm_interp_worker.py")
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker("_expert_gemm_interp_worker", timeout=600)
 
 
 def test_all_kernels_interpreted(results):
@@ -41,9 +31,6 @@ def test_gpu_configs_compile_for_sm90():
     """Every CUDA launch config of the benchmark shapes (bf16 dots, TMA descriptors, NVFP4 PTX decode,
     which the interpreter never runs) lowers to an sm_90 cubin; needs Triton's NVIDIA backend, not a GPU."""
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(WORKER), "--sm90"], capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = run_worker("_expert_gemm_interp_worker", "--sm90", interpret=False, timeout=900)
     failed = {k: v for k, v in results.items() if v != "ok"}
     assert not failed and len(results) >= 19, failed
