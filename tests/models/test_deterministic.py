@@ -10,8 +10,6 @@ can fail) and the audit names it.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -20,17 +18,13 @@ from moe_compile.backend import ConfiguredBackend
 from moe_compile.config import make_config
 from tests import _tolerance as tol
 from tests.models.hf_families import Unbuildable, _loss_and_grads, build, moe_families
+from tests.passes._harness import ATOMIC_ADD
 
 pytest.importorskip("transformers")
 
 # DeepSeek-V3: group-limited biased router (scatter_add backward, made plain by deterministic_accumulate);
 # Qwen3-MoE: softmax top-k router; both with a token embedding. ~1 min each on 2 cores.
 FAMILIES = ("deepseek_v3", "qwen3_moe")
-
-
-def _atomics(code: str) -> list[str]:
-    """Atomic adds in generated code: Triton ``tl.atomic_add(``, C++ ``atomic_add(`` / ``atomic_add_vec<``."""
-    return re.findall(r"atomic_add(?:_vec)?\s*[<(]", code)
 
 
 def _step(model, inputs, deterministic: bool):
@@ -56,14 +50,14 @@ def test_deterministic_training_step(family):
         pytest.skip(str(exc))
     model.train()
     (loss, grads), again, rep, code = _step(model, inputs, deterministic=True)
-    assert code and not [a for c in code for a in _atomics(c)], "atomic add left in the generated code"
+    assert code and not any(ATOMIC_ADD.search(c) for c in code), "atomic add left in the generated code"
     assert any("moe.segment_sum" in c for c in code)
     assert rep.deterministic and rep.clean, rep.table()
     assert any(r.pass_name == "deterministic_scatter" and "embed" in r.layer for r in rep.rewrites), rep.table()
     assert torch.equal(again[0], loss) and all(torch.equal(again[1][n], g) for n, g in grads.items())
 
     (loss_off, grads_off), _, rep_off, code_off = _step(model, inputs, deterministic=False)
-    assert any(_atomics(c) for c in code_off), "control: the embedding's backward accumulates without the option"
+    assert any(ATOMIC_ADD.search(c) for c in code_off), "control: the embedding's backward accumulates without the option"
     assert not rep_off.deterministic and any("(embedding)" in r.what for r in rep_off.nondeterministic)
     k_dims = tol.gemm_k_dims(list(model.parameters()))
     rows = inputs["input_ids"].numel()

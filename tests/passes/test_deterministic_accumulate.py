@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.passes._harness import check_rewrite, no_scatter_add
+from tests.passes._harness import accumulates, check_rewrite, no_accumulation, no_scatter_add
 
 
 class GroupLimitedRouter(nn.Module):
@@ -114,21 +114,11 @@ class InLayer(nn.Module):
         return self.inner(*args)
 
 
-def _accumulates(code: str) -> bool:
-    """Whether generated code adds at computed indices: atomic adds (Triton, C++) or Inductor's CPU
-    fallback for scatter-adds (``aten.scatter_reduce_``)."""
-    return any(s in code for s in ("atomic_add(", "tl.atomic_add", "scatter_reduce", "index_put_("))
-
-
-def _no_atomics(code: str) -> None:
-    assert not _accumulates(code), "accumulating scatter left in the generated code"
-
-
 @pytest.mark.parametrize("T", [5, 16])
 def test_group_limited_router_gather_becomes_scatter(T):
     torch.manual_seed(T)
     x = torch.randn(T, 16, requires_grad=True)
-    run = check_rewrite(GroupLimitedRouter(), (x,), {}, backend="moe_compile", code_checks=[_no_atomics])
+    run = check_rewrite(GroupLimitedRouter(), (x,), {}, backend="moe_compile", code_checks=[no_accumulation])
     rewrites = [r for r in run.report.rewrites if r.pass_name == "deterministic_accumulate"]
     # the gather of the weights, and the two topk-value selections' backward are plain scatters already
     assert [r.detail for r in rewrites] == ["scatter (distinct indices, no accumulation)"], run.report.table()
@@ -138,7 +128,7 @@ def test_group_limited_router_gather_becomes_scatter(T):
 def test_expert_bias_gradient_is_one_hot_gemm(sort):
     torch.manual_seed(int(sort))
     x = torch.randn(10, 12, requires_grad=True)
-    run = check_rewrite(ExpertBias(sort=sort), (x,), {}, backend="moe_compile", code_checks=[no_scatter_add, _no_atomics])
+    run = check_rewrite(ExpertBias(sort=sort), (x,), {}, backend="moe_compile", code_checks=[no_scatter_add, no_accumulation])
     details = sorted(r.detail for r in run.report.rewrites if r.pass_name == "deterministic_accumulate")
     expected = ["one-hot GEMM over 8 rows (fixed-order sum, no atomics)"]
     if sort:
@@ -153,7 +143,7 @@ def test_accumulations_left_alone_with_reasons():
     run = check_rewrite(InLayer(Negatives()), (x, ids), {}, backend="moe_compile", code_checks=[lambda c: None],
                         expected_skips={"deterministic_accumulate": ["base_not_zeros", "too_many_rows"]})
     assert not [r for r in run.report.rewrites if r.pass_name == "deterministic_accumulate"]
-    assert any(_accumulates(c) for c in run.code)
+    assert any(accumulates(c) for c in run.code)
 
 
 def test_pass_off_keeps_atomics():
@@ -167,13 +157,13 @@ def test_pass_off_keeps_atomics():
     from moe_compile.backend import ConfiguredBackend
 
     run = compile_and_run(GroupLimitedRouter(), (x,), backend=ConfiguredBackend(config), train=True, get_code=True)
-    assert any(_accumulates(c) for c in run.code)
+    assert any(accumulates(c) for c in run.code)
 
 
 def test_custom_router_backward_scatter_add_into_live_tensor():
     torch.manual_seed(4)
     x = torch.randn(9, 16, requires_grad=True)
-    run = check_rewrite(InLayer(MaxRouter()), (x,), {}, backend="moe_compile", code_checks=[_no_atomics])
+    run = check_rewrite(InLayer(MaxRouter()), (x,), {}, backend="moe_compile", code_checks=[no_accumulation])
     details = [r.detail for r in run.report.rewrites if r.pass_name == "deterministic_accumulate"]
     assert "gather + add + scatter (distinct indices into a live tensor, no accumulation)" in details, \
         run.report.table()

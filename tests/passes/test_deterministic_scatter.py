@@ -6,8 +6,6 @@ results as eager within the derived layer bound; with the option off nothing cha
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import torch.fx as fx
@@ -17,20 +15,9 @@ from moe_compile import report
 from moe_compile.backend import ConfiguredBackend
 from moe_compile.config import make_config
 from moe_compile.passes import PassContext, deterministic_scatter
-from tests.passes._harness import check_rewrite, compile_and_run
+from tests.passes._harness import accumulates, check_rewrite, compile_and_run, no_accumulation
 
 DETERMINISTIC = make_config(deterministic=True, strict=True)
-
-
-def _accumulates(code: str) -> bool:
-    """Atomic adds (Triton ``tl.atomic_add(``, C++ ``atomic_add(`` and ``atomic_add_vec<...>(``) or Inductor's
-    CPU scatter-add fallback in generated code."""
-    return re.search(r"atomic_add(_vec)?\s*[<(]", code) is not None or \
-        any(s in code for s in ("scatter_reduce", "index_put_("))
-
-
-def _no_atomics(code: str) -> None:
-    assert not _accumulates(code), "accumulating scatter left in the generated code"
 
 
 class Embed(nn.Module):
@@ -85,7 +72,7 @@ def test_embedding_backward_becomes_segment_sum(padding_idx, scale):
     ids = torch.randint(0, 40, (3, 7))
     ids[0, :4] = 3  # repeated rows, and the padding row
     run = check_rewrite(Embed(padding_idx, scale), (ids,), {}, backend=ConfiguredBackend(DETERMINISTIC),
-                        code_checks=[_no_atomics])
+                        code_checks=[no_accumulation])
     # scale_grad_by_freq: the per-row counts (an integer accumulation) too
     assert len(_rewrites(run)) == (2 if scale else 1), run.report.table()
     assert run.report.deterministic, run.report.table()
@@ -98,7 +85,7 @@ def test_accumulations_left_by_deterministic_accumulate(form):
     x = torch.randn(8, 6, requires_grad=True)
     ids = torch.randint(0, 300, (8,))
     run = check_rewrite(Layer(form), (x, ids), {}, backend=ConfiguredBackend(DETERMINISTIC),
-                        code_checks=[_no_atomics])
+                        code_checks=[no_accumulation])
     assert _rewrites(run), run.report.table()
     assert {r.layer for r in run.report.rewrites if r.pass_name == "deterministic_scatter"} == {"inner"}
     assert run.report.deterministic, run.report.table()
@@ -109,7 +96,7 @@ def test_option_off_keeps_atomics_and_reports_them():
     torch.manual_seed(2)
     ids = torch.randint(0, 40, (3, 7))
     run = compile_and_run(Embed(), (ids,), backend=ConfiguredBackend(make_config()), train=True, get_code=True)
-    assert any(_accumulates(c) for c in run.code)
+    assert any(accumulates(c) for c in run.code)
     assert not _rewrites(run)
     assert not run.report.deterministic and run.report.clean, run.report.table()
     [left] = {r.what for r in run.report.nondeterministic}
