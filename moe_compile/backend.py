@@ -15,6 +15,7 @@ configure moe_compile (see :mod:`moe_compile.config`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 from torch._inductor.compile_fx import compile_fx
 
 from moe_compile.config import MoECompileConfig, split_options
+from moe_compile.ops.deterministic_flag import deterministic_sdpa
 from moe_compile.passes import enabled_passes, stage_passes
 
 log = logging.getLogger(__name__)
@@ -62,12 +64,9 @@ def compile_with_config(
 ) -> Any:
     patches = inductor_patches(config, mode, dict(inductor_options or {}))
     log.debug("compiling a graph of %d nodes, passes %s", len(gm.graph.nodes), enabled_passes(config))
-    if config.deterministic:  # SDPA is decomposed (its kernel chosen) while compile_fx traces
-        from moe_compile.ops.deterministic_flag import deterministic_sdpa
-
-        with deterministic_sdpa():
-            return compile_fx(gm, example_inputs, config_patches=patches)
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    # SDPA is decomposed (its kernel chosen) while compile_fx traces
+    with deterministic_sdpa() if config.deterministic else contextlib.nullcontext():
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def moe_backend(
