@@ -277,7 +277,7 @@ def launch_expert_wgrad(
         dy_MN.stride(0), dy_MN.stride(1),
         x_SK.stride(0), x_SK.stride(1),
         out_ENK.stride(0), out_ENK.stride(1), out_ENK.stride(2),
-        GATHER_DY=False, GATHER_X=src_M is not None, ROW_SCALE=row_weight_M is not None, IEEE_DOT=fp32, **cfg,
+        GATHER_X=src_M is not None, ROW_SCALE=row_weight_M is not None, IEEE_DOT=fp32, **cfg,
     )  # fmt: skip
     return out_ENK
 

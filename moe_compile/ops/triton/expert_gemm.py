@@ -187,11 +187,11 @@ def _expert_wgrad_kernel(
     stride_dym, stride_dyn,
     stride_xm, stride_xk,
     stride_we, stride_wn, stride_wk,
-    GATHER_DY: tl.constexpr, GATHER_X: tl.constexpr, ROW_SCALE: tl.constexpr, IEEE_DOT: tl.constexpr,
+    GATHER_X: tl.constexpr, ROW_SCALE: tl.constexpr, IEEE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """``dW[e] = sum over rows r of e of (p[r] dy[r'])^T x[r'']`` (``r'``/``r''``: ``src[r]`` where that
-    operand is gathered, else ``r``; ``p`` with ``ROW_SCALE``).
+    """``dW[e] = sum over rows r of e of (p[r] dy[r])^T x[r']`` (``r'``: ``src[r]`` with ``GATHER_X``, else
+    ``r``; ``p`` with ``ROW_SCALE``).
 
     Persistent over the ``E x cdiv(N, BLOCK_N) x cdiv(K, BLOCK_K)`` output tiles; each tile's rows are
     reduced by one program in ascending row order (fp32 accumulator, no atomics: bitwise
@@ -216,23 +216,13 @@ def _expert_wgrad_kernel(
         for r0 in tl.range(row_lo, row_hi, BLOCK_M):
             rows = r0 + tl.arange(0, BLOCK_M)
             r_mask = rows < row_hi
-            if GATHER_DY or GATHER_X:
+            x_rows, x_mask = rows, r_mask
+            if GATHER_X:  # x's row src[r]; -1 (a pad row) reads zeros
                 src = tl.load(src_ptr + rows, mask=r_mask, other=-1)
-            if GATHER_DY:
-                dy_rows = tl.maximum(src, 0)
-                dy_mask = r_mask & (src >= 0)
-            else:
-                dy_rows = rows
-                dy_mask = r_mask
-            if GATHER_X:
-                x_rows = tl.maximum(src, 0)
-                x_mask = r_mask & (src >= 0)
-            else:
-                x_rows = rows
-                x_mask = r_mask
+                x_rows, x_mask = tl.maximum(src, 0), r_mask & (src >= 0)
             dy = tl.load(
-                dy_ptr + dy_rows[:, None].to(tl.int64) * stride_dym + cols_n[None, :] * stride_dyn,
-                mask=dy_mask[:, None] & n_mask[None, :], other=0.0,
+                dy_ptr + rows[:, None].to(tl.int64) * stride_dym + cols_n[None, :] * stride_dyn,
+                mask=r_mask[:, None] & n_mask[None, :], other=0.0,
             )  # fmt: skip
             x = tl.load(
                 x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + cols_k[None, :] * stride_xk,

@@ -213,7 +213,7 @@ def compile_sm90() -> dict:
                 jobs[f"gemm_{fmt}_{M}_{E}_{N}_{K}_{act}_tma{tma}"] = (kernel, sig, consts, opts)
     wgrad = eg._kernels._expert_wgrad_kernel
     for gather, rw in ((True, False), (False, True)):
-        consts = dict(GATHER_DY=False, GATHER_X=gather, ROW_SCALE=rw, IEEE_DOT=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)
+        consts = dict(GATHER_X=gather, ROW_SCALE=rw, IEEE_DOT=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)
         sig = {n: "constexpr" if n in consts else "*bf16" if n.endswith("_ptr") else "i32" for n in wgrad.arg_names}
         sig.update(src_ptr="*i32", offs_ptr="*i32", rw_ptr="*fp32")
         jobs[f"wgrad_gather{gather}_rw{rw}"] = (wgrad, sig, consts, dict(num_warps=8, num_stages=3))
