@@ -187,16 +187,9 @@ _SM90_TYPES = {  # format -> (x/y, weight, scale, per-expert scale) pointer type
 
 def compile_sm90() -> dict:
     """Compile the CUDA launch configs (bf16 ``tl.dot``, TMA, PTX decode) for sm_90; no GPU needed."""
-    import traceback
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from tests.ops.triton._interp import import_ops_only
+    from tests.ops.triton._interp import compile_for_sm90, import_ops_only
 
     eg, gmm = import_ops_only("expert_gemm", "grouped_mm")
-    target = GPUTarget("cuda", 90, 32)
     kernel, jobs = eg._kernels._expert_gemm_kernel, {}
     for M, E, N, K, act, gather, rw in SM90_SHAPES:
         for fmt, (x_t, w_t, s_t, g_t) in _SM90_TYPES.items():
@@ -220,14 +213,7 @@ def compile_sm90() -> dict:
     src_k = eg._kernels._source_rows_kernel
     sig = dict(row_map_ptr="*i32", src_ptr="*i32", T="i32", K="i32", stride_t="i32", BLOCK="constexpr")
     jobs["source_rows"] = (src_k, sig, dict(BLOCK=1024), dict(num_warps=4))
-    results = {}
-    for name, (fn, sig, consts, options) in jobs.items():
-        try:
-            triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()[-3000:]
-    return results
+    return compile_for_sm90(jobs)
 
 
 def main() -> None:

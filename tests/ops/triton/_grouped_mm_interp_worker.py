@@ -207,16 +207,10 @@ _SM90_TYPES = {  # format, activation dtype -> (x/y, weight, scale, per-expert s
 def compile_sm90() -> dict:
     """Compile (no GPU needed) every kernel specialisation the CUDA launchers pick for the benchmark
     shapes, for sm_90: the bf16/fp16 ``tl.dot`` paths never run under the interpreter."""
-    import traceback
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from tests.ops.triton._interp import import_ops_only
+    from tests.ops.triton._interp import compile_for_sm90, import_ops_only
 
     (gmm,) = import_ops_only("grouped_mm")
-    kernel, target = gmm._kernels._grouped_mm_kernel, GPUTarget("cuda", 90, 32)
+    kernel = gmm._kernels._grouped_mm_kernel
     jobs = {}
     for M, E, N, K in SM90_SHAPES:
         for (fmt, dtype), (x_t, w_t, s_t, g_t) in _SM90_TYPES.items():
@@ -253,14 +247,7 @@ def compile_sm90() -> dict:
     zero = gmm._kernels._zero_empty_groups_kernel
     sig = dict(w_ptr="*bf16", offs_ptr="*i32", GROUP_NUMEL="i32", CHUNK="constexpr", BLOCK="constexpr")
     jobs["zero_empty_groups_bf16"] = (zero, sig, dict(CHUNK=1 << 16, BLOCK=1024), dict(num_warps=4))
-    results = {}
-    for name, (fn, sig, consts, options) in jobs.items():
-        try:
-            triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()[-3000:]
-    return results
+    return compile_for_sm90(jobs)
 
 
 def main() -> None:

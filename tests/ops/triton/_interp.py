@@ -58,3 +58,17 @@ def import_ops_only(*modules: str) -> list[types.ModuleType]:
             package.__path__ = [str(path)]
             sys.modules[name] = package
     return [importlib.import_module(f"moe_compile.ops.{m}") for m in modules]
+
+
+def compile_for_sm90(jobs: dict[str, tuple[Any, dict, dict, dict]]) -> dict[str, Any]:
+    """Worker side: lower each ``name: (kernel, signature, constexprs, options)`` to an sm_90 cubin (Triton's
+    NVIDIA backend; no GPU), for the paths the interpreter never runs (bf16 ``tl.dot``, TMA, inline PTX)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    return run_cases(
+        [(name, lambda job=job: triton.compile(ASTSource(*job[:3]), target=target, options=job[3]))
+         for name, job in jobs.items()], {},
+    )  # fmt: skip
