@@ -21,8 +21,9 @@ the block is left alone, and ``explain`` says why (``probe_mismatch``, ``no_rout
 
 NOTE [grouped views]: ``nn.ModuleList`` experts keep their per-expert ``nn.Parameter`` objects (same identity, so
 optimizers and their state stay valid; same ``state_dict`` keys and values). Each projection's weights are copied
-once into one grouped ``[E, N, K]`` leaf tensor ``G`` and every per-expert parameter's ``.data`` becomes the view
-``G[e]``: in-place updates (optimizer steps, ``load_state_dict``) write into ``G``. The fused forward uses ``G``;
+once into one grouped ``[E, N, K]`` leaf tensor ``G`` (gate and up of a gated MLP into one ``[E, 2I, H]`` leaf, so
+that one grouped GEMM serves both) and every per-expert parameter's ``.data`` becomes the view ``G[e]`` (``G[e, :I]``,
+``G[e, I:]``): in-place updates (optimizer steps, ``load_state_dict``) write into ``G``. The fused forward uses ``G``;
 hooks on ``G`` keep every ``p.grad`` a view of one gradient buffer (:class:`_GradViews`: accumulation over
 micro-batches adds into that buffer in place; ``zero_grad`` works either way). Trade-offs: ``torch.nn.utils.parametrize`` would rename the
 ``state_dict`` keys; a grouped ``nn.Parameter`` (``quantize_experts``) replaces the per-expert parameters, which
@@ -105,45 +106,82 @@ def _stacked_projections(group: ExpertGroup) -> dict[str, Projection]:
     return out
 
 
-class _GroupedViews:
-    """One grouped ``[E, ...]`` leaf per parameter name of a ModuleList's linears; see NOTE [grouped views]."""
+def _per_expert_views(grouped: Tensor, halves: bool) -> list[Tensor]:
+    """The per-expert views of a grouped leaf, in the order of its parameters (NOTE [grouped views]).
 
-    def __init__(self, experts: nn.ModuleList, paths: tuple[str, ...]):
-        self.experts, self.paths = experts, paths
+    ``halves``: ``grouped`` is ``[E, 2N, ...]``, gate then up (as transformers' ``gate_up_proj``); the views
+    are every expert's gate half, then every expert's up half. Built by ``unbind`` alone (no Python indexing
+    per expert): this runs once per projection on every backward.
+    """
+    if not halves:
+        return list(grouped.unbind(0))
+    E, two_n = grouped.shape[:2]
+    gate, up = grouped.view(E, 2, two_n // 2, *grouped.shape[2:]).unbind(1)
+    return [*gate.unbind(0), *up.unbind(0)]
+
+
+class _GroupedViews:
+    """One grouped ``[E, ...]`` leaf per projection of a ModuleList's linears; see NOTE [grouped views].
+
+    Gated MLPs keep gate and up in one ``[E, 2I, H]`` leaf (``gate_up``), so that the fused forward runs one
+    grouped GEMM for both, as transformers' grouped experts do.
+    """
+
+    def __init__(self, experts: nn.ModuleList, paths: tuple[str, ...], gated: bool):
+        self.experts, self.paths, self.gated = experts, paths, gated
         self.grouped: dict[str, Tensor] = {}
         self.regroup()
 
     def __deepcopy__(self, memo: dict) -> "_GroupedViews":
         # a deep copy of the block copies every parameter on its own: regroup the copies
-        return _GroupedViews(copy.deepcopy(self.experts, memo), self.paths)
+        return _GroupedViews(copy.deepcopy(self.experts, memo), self.paths, self.gated)
 
-    def _params(self, path: str, attr: str) -> list[nn.Parameter] | None:
-        params = [getattr(e.get_submodule(path), attr) for e in self.experts]
-        return None if params[0] is None else params
+    def _groups(self) -> dict[str, tuple[list[nn.Parameter], bool]]:
+        """``{key: (parameters, halves)}``: the parameters each grouped leaf holds, in view order."""
+        groups = {}
+        for attr in ("weight", "bias"):
+            per_path = {path: [getattr(e.get_submodule(path), attr) for e in self.experts] for path in self.paths}
+            if per_path[self.paths[0]][0] is None:
+                continue
+            if self.gated:
+                gate, up, down = self.paths
+                groups[f"gate_up.{attr}"] = (per_path[gate] + per_path[up], True)
+                groups[f"{down}.{attr}"] = (per_path[down], False)
+            else:
+                groups.update({f"{path}.{attr}": (per_path[path], False) for path in self.paths})
+        return groups
 
     def regroup(self) -> None:
         """Copy the per-expert weights into fresh grouped leaves and make every parameter a view of them."""
-        for path in self.paths:
-            for attr in ("weight", "bias"):
-                params = self._params(path, attr)
-                if params is None:
-                    continue
-                grouped = torch.stack([p.detach() for p in params]).requires_grad_(params[0].requires_grad)
-                for e, p in enumerate(params):
-                    p.data = grouped.detach()[e]
-                if grouped.requires_grad:
-                    _GradViews(grouped, params)
-                self.grouped[f"{path}.{attr}"] = grouped
+        self.grouped = {}
+        for key, (params, halves) in self._groups().items():
+            stacked = torch.stack([p.detach() for p in params])
+            if halves:  # [2E, N, ...] (gate experts, then up experts) -> [E, 2N, ...]
+                E = len(params) // 2
+                stacked = torch.cat([stacked[:E], stacked[E:]], dim=1)
+            grouped = stacked.requires_grad_(params[0].requires_grad)
+            for p, view in zip(params, _per_expert_views(grouped.detach(), halves)):
+                p.data = view
+            if grouped.requires_grad:
+                _GradViews(grouped, params, halves)
+            self.grouped[key] = grouped
 
-    def projection(self, path: str) -> Projection:
-        return Projection(self.grouped[f"{path}.weight"], self.grouped.get(f"{path}.bias"))
+    def projections(self) -> tuple[tuple[Projection, ...], Projection]:
+        """``(ups, down)`` for :func:`_fused_block_forward`: ``(gate_up,)`` for gated MLPs, ``(up,)`` else."""
+        def projection(name: str) -> Projection:
+            return Projection(self.grouped[f"{name}.weight"], self.grouped.get(f"{name}.bias"))
+
+        ups = ("gate_up",) if self.gated else self.paths[:-1]
+        return tuple(projection(name) for name in ups), projection(self.paths[-1])
 
     def aliased(self) -> bool:
         """Whether every per-expert parameter is still a view of its grouped tensor."""
-        for key, grouped in self.grouped.items():
-            path, attr = key.rsplit(".", 1)
-            for e, p in enumerate(self._params(path, attr)):
-                if p.data_ptr() != grouped[e].data_ptr() or p.shape != grouped.shape[1:]:
+        for key, (params, halves) in self._groups().items():
+            grouped = self.grouped.get(key)
+            if grouped is None:
+                return False
+            for p, view in zip(params, _per_expert_views(grouped.detach(), halves)):
+                if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
                     return False
         return True
 
@@ -154,13 +192,13 @@ class _GradViews:
     Before the grouped gradient accumulates (a tensor hook), ``G.grad`` is set to what the per-expert
     grads hold: their common buffer when every ``p.grad`` is still the view it was given (autograd then
     adds in place: gradient accumulation costs no copy), nothing when all were reset to ``None`` (the new
-    gradient is taken as is), else a stack of them. After it accumulates, the views are handed out again
-    (one ``unbind``) unless they still are, and ``G.grad`` is dropped so that ``zero_grad`` frees it.
-    Per step this is one Python check and one assignment per expert, not one indexing op and one add.
+    gradient is taken as is), else a buffer filled from them. After it accumulates, the views are handed
+    out again (``unbind`` only) unless they still are, and ``G.grad`` is dropped so that ``zero_grad`` frees
+    it. Per step this is one Python check and one assignment per expert, not one indexing op and one add.
     """
 
-    def __init__(self, grouped: Tensor, params: list[nn.Parameter]):
-        self.params = params
+    def __init__(self, grouped: Tensor, params: list[nn.Parameter], halves: bool):
+        self.params, self.halves = params, halves
         self.buffer: weakref.ref[Tensor] | None = None
         self.reused = False  # set by _before: G.grad is the views' buffer, accumulated in place
         grouped.register_hook(functools.partial(self._before, weakref.ref(grouped)))
@@ -181,13 +219,17 @@ class _GradViews:
         elif all(p.grad is None for p in self.params):
             grouped.grad = None
         else:
-            grouped.grad = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
+            buffer = torch.zeros_like(grouped)
+            for p, view in zip(self.params, _per_expert_views(buffer, self.halves)):
+                if p.grad is not None:
+                    view.copy_(p.grad)
+            grouped.grad = buffer
 
     def _after(self, grouped: Tensor) -> None:
         grad, grouped.grad = grouped.grad, None
         if self.reused:  # the views already are views of ``grad``
             return
-        for p, view in zip(self.params, grad.unbind(0)):
+        for p, view in zip(self.params, _per_expert_views(grad, self.halves)):
             p.grad = view
         self.buffer = weakref.ref(grad)
 
@@ -207,18 +249,25 @@ def _route(block: nn.Module, plan: _Plan, x_TH: Tensor) -> tuple[Tensor, Tensor,
     return ids_TK, weights_TK.to(x_TH.dtype), logits_TE
 
 
-def _fused_block_forward(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projection]],
-                         hidden: Tensor) -> Any:
+def _gated_middle(act: Callable[[Tensor], Tensor], n_ups: int) -> Callable[..., Tensor]:
+    """``act(gate) * up``, from two projections' outputs or from one ``gate_up`` output (gate first)."""
+    if n_ups == 2:
+        return lambda gate_MI, up_MI: act(gate_MI) * up_MI
+
+    def middle(gate_up_MN: Tensor) -> Tensor:
+        gate_MI, up_MI = gate_up_MN.chunk(2, dim=-1)
+        return act(gate_MI) * up_MI
+    return middle
+
+
+def _fused_block_forward(block: nn.Module, plan: _Plan, projections: Callable[[], tuple[tuple[Projection, ...],
+                         Projection]], hidden: Tensor) -> Any:
+    """The swapped forward: route, then ``fused_experts_forward`` over ``projections() = (ups, down)``."""
     x_TH = hidden.reshape(-1, hidden.shape[-1])
     ids_TK, weights_TK, logits_TE = _route(block, plan, x_TH)
-    projs = projections()
-    if plan.gated:
-        def middle(gate_MI: Tensor, up_MI: Tensor) -> Tensor:
-            return plan.act(gate_MI) * up_MI
-        ups = (projs[0], projs[1])
-    else:
-        middle, ups = plan.act, (projs[0],)
-    y_TH = fused_experts_forward(x_TH, ids_TK, weights_TK, ups, middle, projs[-1], num_experts=plan.num_experts,
+    ups, down = projections()
+    middle = _gated_middle(plan.act, len(ups)) if plan.gated else plan.act
+    y_TH = fused_experts_forward(x_TH, ids_TK, weights_TK, ups, middle, down, num_experts=plan.num_experts,
                                  weights_before=plan.weights_before)
     y = y_TH.reshape(hidden.shape)
     return (y, logits_TE) if plan.returns_logits else y
@@ -264,16 +313,18 @@ def swap_block(block: nn.Module, group: ExpertGroup) -> str:
     if weight.dtype not in SUPPORTED_DTYPES:
         raise NotSwappable("dtype", f"{weight.dtype} (supported: bf16, fp16, fp32)")
     if group.kind == "module_list":
-        def stacked() -> list[Projection]:  # the probe only: the swapped forward uses the grouped views
+        def stacked() -> tuple[tuple[Projection, ...], Projection]:  # the probe only: the forward uses the views
             out = []
             for path in plan.paths:
                 mods = [e.get_submodule(path) for e in group.module]
                 bias = torch.stack([m.bias for m in mods]) if mods[0].bias is not None else None
                 out.append(Projection(torch.stack([m.weight for m in mods]), bias))
-            return out
+            return tuple(out[:-1]), out[-1]
         probe_projections = stacked
     else:
-        probe_projections = lambda: [_stacked_projections(group)[p] for p in plan.paths]  # noqa: E731
+        def probe_projections() -> tuple[tuple[Projection, ...], Projection]:
+            projs = _stacked_projections(group)
+            return tuple(projs[p] for p in plan.paths[:-1]), projs[plan.paths[-1]]
     hidden = _hidden_size(group, plan)
     was_training = [m.training for m in block.modules()]
     block.eval()
@@ -300,7 +351,7 @@ def swap_block(block: nn.Module, group: ExpertGroup) -> str:
     block._moe_compile_original_forward = block.forward
     block._moe_compile_plan = plan
     if group.kind == "module_list":
-        block._moe_compile_views = _GroupedViews(group.module, plan.paths)
+        block._moe_compile_views = _GroupedViews(group.module, plan.paths, plan.gated)
         block._apply = types.MethodType(_apply_then_regroup, block)
         block.forward = types.MethodType(_swapped_module_list_forward, block)
     else:
@@ -318,14 +369,14 @@ def _hidden_size(group: ExpertGroup, plan: _Plan) -> int:
 
 def _swapped_module_list_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
     """The swapped forward of a ModuleList block; state lives on ``self`` so ``copy.deepcopy`` follows it."""
-    plan, views = self._moe_compile_plan, self._moe_compile_views
-    return _fused_block_forward(self, plan, lambda: [views.projection(p) for p in plan.paths], hidden_states)
+    return _fused_block_forward(self, self._moe_compile_plan, self._moe_compile_views.projections, hidden_states)
 
 
 def _swapped_stacked_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
     plan, group = self._moe_compile_plan, self._moe_compile_experts
     stacked = _stacked_projections(group)
-    return _fused_block_forward(self, plan, lambda: [stacked[p] for p in plan.paths], hidden_states)
+    return _fused_block_forward(self, plan, lambda: (tuple(stacked[p] for p in plan.paths[:-1]),
+                                                     stacked[plan.paths[-1]]), hidden_states)
 
 
 def _apply_then_regroup(self: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -> nn.Module:

@@ -115,7 +115,8 @@ class SwapGraphTest(unittest.TestCase):
         return graphs[0]
 
     def test_one_grouped_gemm_per_projection_no_host_sync(self):
-        for kwargs, projections in ((dict(mlp="swiglu"), 3), (dict(mlp="gelu_bias", layout="stacked"), 2)):
+        # a gated ModuleList MLP: gate and up share one grouped leaf, so two GEMMs (gate_up, down)
+        for kwargs, projections in ((dict(mlp="swiglu"), 2), (dict(mlp="gelu_bias", layout="stacked"), 2)):
             with self.subTest(**kwargs):
                 gm = self._graph(**kwargs)
                 targets = collections.Counter(
@@ -236,42 +237,51 @@ if __name__ == "__main__":
     unittest.main()
 
 
-def test_grad_views_accumulate_reset_and_mixed():
+@pytest.mark.parametrize("halves", [False, True], ids=["stacked", "gate_up_halves"])
+def test_grad_views_accumulate_reset_and_mixed(halves):
     """Per-expert grads stay views of one buffer: accumulation without zeroing sums, ``zero_grad`` in
-    either mode restarts, and grads the user replaced or reset one by one are respected."""
-    from moe_compile.swap import _GradViews
+    either mode restarts, and grads the user replaced or reset one by one are respected. ``halves``: the
+    grouped leaf holds two parameters per expert (gate and up halves of ``[E, 2N, K]``)."""
+    from moe_compile.swap import _GradViews, _per_expert_views
 
     E, N, K = 4, 3, 5
-    params = [nn.Parameter(torch.randn(N, K)) for _ in range(E)]
-    grouped = torch.stack([p.detach() for p in params]).requires_grad_(True)
-    for e, p in enumerate(params):
-        p.data = grouped.detach()[e]
-    _GradViews(grouped, params)
+    params = [nn.Parameter(torch.randn(N, K)) for _ in range(2 * E if halves else E)]
+    stacked = torch.stack([p.detach() for p in params])
+    grouped = (torch.cat([stacked[:E], stacked[E:]], dim=1) if halves else stacked).requires_grad_(True)
+    for p, view in zip(params, _per_expert_views(grouped.detach(), halves)):
+        assert torch.equal(view, p.detach())
+        p.data = view
+    _GradViews(grouped, params, halves)
+    E, N = grouped.shape[:2]
 
     def backward() -> torch.Tensor:
         c = torch.randn(E, N, K)
         (grouped * c).sum().backward()
         return c
 
+    def per_param(c: torch.Tensor) -> list[torch.Tensor]:
+        return _per_expert_views(c, halves)
+
     c1 = backward()
-    for e, p in enumerate(params):
-        assert torch.equal(p.grad, c1[e])
+    for p, want in zip(params, per_param(c1)):
+        assert torch.equal(p.grad, want)
         assert p.grad._base is params[0].grad._base
     c2 = backward()  # accumulation: in place into the same buffer
     buffer = params[0].grad._base
     assert all(p.grad._base is buffer for p in params)
-    assert all(torch.equal(p.grad, c1[e] + c2[e]) for e, p in enumerate(params))
+    assert all(torch.equal(p.grad, a + b) for p, a, b in zip(params, per_param(c1), per_param(c2)))
     for p in params:  # zero_grad(set_to_none=False)
         p.grad.zero_()
     c3 = backward()
-    assert all(torch.equal(p.grad, c3[e]) for e, p in enumerate(params))
+    assert all(torch.equal(p.grad, w) for p, w in zip(params, per_param(c3)))
     for p in params:  # zero_grad(set_to_none=True)
         p.grad = None
     c4 = backward()
-    assert all(torch.equal(p.grad, c4[e]) for e, p in enumerate(params))
+    assert all(torch.equal(p.grad, w) for p, w in zip(params, per_param(c4)))
     params[1].grad = None
-    params[2].grad = torch.full((N, K), 2.0)
+    params[2].grad = torch.full(params[2].shape, 2.0)
     c5 = backward()
-    want = [c4[0] + c5[0], c5[1], 2.0 + c5[2], c4[3] + c5[3]]
+    want = [a + b for a, b in zip(per_param(c4), per_param(c5))]
+    want[1], want[2] = per_param(c5)[1], 2.0 + per_param(c5)[2]
     assert all(torch.equal(p.grad, w) for p, w in zip(params, want))
     assert grouped.grad is None

@@ -334,9 +334,22 @@ def zero_empty_groups(w_ENK: torch.Tensor, offs_E: torch.Tensor, kernels=None) -
     return w_ENK
 
 
-def _zero_rows_past(y_MN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    rows = torch.arange(y_MN.shape[0], device=y_MN.device, dtype=torch.int32)
-    return torch.where((rows < offs_E[-1:])[:, None], y_MN, 0)
+def zero_rows_past(y_MN: torch.Tensor, offs_E: torch.Tensor, kernels=None) -> torch.Tensor:
+    """Zero ``y_MN[offs_E[-1]:]`` in place (``_grouped_mm`` leaves the rows past the last expert unwritten).
+
+    A Triton kernel that writes only those rows: ``where(rows < offs_E[-1], y, 0)`` reads and writes all of
+    ``y`` (0.13 ms for the down projection's output at Qwen3-MoE's T4096 H2048 K8 on an H100).
+    """
+    kernels = kernels or _kernels
+    if not y_MN.is_contiguous():
+        raise ValueError(f"y_MN must be contiguous, got strides {y_MN.stride()}")
+    M, N = y_MN.shape
+    if M == 0 or N == 0:
+        return y_MN
+    rows = 64
+    kernel = wrap_triton(kernels._zero_rows_past_kernel) if y_MN.is_cuda else kernels._zero_rows_past_kernel
+    kernel[(triton.cdiv(M, rows),)](y_MN, offs_E, offs_E.shape[0], M, N, ROWS=rows, BLOCK=1024)
+    return y_MN
 
 
 # ===== ops =====
@@ -347,7 +360,7 @@ def _grouped_mm_op(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
     if x_MK.device.type != "cuda":
         return grouped_mm_reference(x_MK, w_ENK, offs_E)
     if _use_cutlass_bf16(x_MK, w_ENK.transpose(-2, -1)):
-        return _zero_rows_past(torch._grouped_mm(x_MK, w_ENK.transpose(-2, -1), offs=offs_E), offs_E)
+        return zero_rows_past(torch._grouped_mm(x_MK, w_ENK.transpose(-2, -1), offs=offs_E), offs_E)
     out = x_MK.new_empty(x_MK.shape[0], w_ENK.shape[1])
     return launch_grouped_mm(x_MK, w_ENK, None, None, offs_E, out, "plain")
 

@@ -472,3 +472,19 @@ def _zero_empty_groups_kernel(w_ptr, offs_ptr, GROUP_NUMEL, CHUNK: tl.constexpr,
         for i in range(chunk * CHUNK, tl.minimum((chunk + 1) * CHUNK, GROUP_NUMEL), BLOCK):
             idx = i + tl.arange(0, BLOCK)
             tl.store(base + idx, tl.zeros([BLOCK], dtype=w_ptr.dtype.element_ty), mask=idx < GROUP_NUMEL)
+
+
+@triton.jit
+def _zero_rows_past_kernel(y_ptr, offs_ptr, NUM_EXPERTS, M, N, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Zero the rows ``>= offs[E - 1]`` of a contiguous ``[M, N]`` ``y``; one program per ``ROWS`` rows.
+
+    Programs whose rows all lie below the end return after one load, so the cost is the tail's, not ``M``'s.
+    """
+    row0 = tl.program_id(0).to(tl.int64) * ROWS
+    end = tl.load(offs_ptr + NUM_EXPERTS - 1).to(tl.int64)
+    first = tl.maximum(row0, end)
+    last = tl.minimum(row0 + ROWS, M)
+    if first < last:
+        for i in range(first * N, last * N, BLOCK):
+            idx = i + tl.arange(0, BLOCK)
+            tl.store(y_ptr + idx, tl.zeros([BLOCK], dtype=y_ptr.dtype.element_ty), mask=idx < last * N)

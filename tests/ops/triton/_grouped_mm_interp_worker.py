@@ -37,6 +37,10 @@ CASES = {
     # only the empty experts' groups are zeroed; the others keep their values bit for bit
     "zero_empty_groups_bf16": ("zero_empty", [3, 0, 5, 0, 0, 2], 10, 24, 40, "bfloat16"),
     "zero_empty_groups_fp32_none_empty": ("zero_empty", [1, 2, 3], 6, 8, 16, "float32"),
+    # only the rows past the last expert are zeroed (tails across a program's 64 rows, none, all rows)
+    "zero_rows_past_bf16_tail": ("zero_rows", [30, 0, 41], 150, 24, 8, "bfloat16"),
+    "zero_rows_past_fp32_no_tail": ("zero_rows", [64, 0, 64], 128, 40, 8, "float32"),
+    "zero_rows_past_fp32_all_rows": ("zero_rows", [0, 0], 70, 1100, 8, "float32"),
     "deterministic_nvfp4": ("repeat", [3, 0, 5, 2], 12, 16, 64, "bfloat16"),
     # decode kernel: (fmt, split_k, swap_ab); split-K partials + fixed-order reduction, row tiles > 1 per expert
     "decode_plain_fp32_split3_swap": ("decode:plain:3:1", [3, 0, 5, 2], 12, 24, 96, "float32"),
@@ -118,6 +122,12 @@ def _run_case(gmm, kind, counts, M, N, K, dtype_name):
         got = gmm.zero_empty_groups(w.clone(), offs)
         empty = torch.tensor(counts) == 0
         assert torch.equal(got[~empty], w[~empty]) and torch.all(got[empty] == 0)
+        return
+    if kind == "zero_rows":
+        y = torch.randn(M, N, generator=gen).to(dtype)
+        got = gmm.zero_rows_past(y.clone(), offs)
+        end = sum(counts)
+        assert torch.equal(got[:end], y[:end]) and torch.all(got[end:] == 0)
         return
     if kind.startswith("bug:"):
         _run_bug(torch, gmm, kind.split(":")[1], gen, x, offs, E, M, N, K, dtype)
@@ -247,6 +257,9 @@ def compile_sm90() -> dict:
     zero = gmm._kernels._zero_empty_groups_kernel
     sig = dict(w_ptr="*bf16", offs_ptr="*i32", GROUP_NUMEL="i32", CHUNK="constexpr", BLOCK="constexpr")
     jobs["zero_empty_groups_bf16"] = (zero, sig, dict(CHUNK=1 << 16, BLOCK=1024), dict(num_warps=4))
+    zero_rows = gmm._kernels._zero_rows_past_kernel
+    sig = dict(y_ptr="*bf16", offs_ptr="*i32", NUM_EXPERTS="i32", M="i32", N="i32", ROWS="constexpr", BLOCK="constexpr")
+    jobs["zero_rows_past_bf16"] = (zero_rows, sig, dict(ROWS=64, BLOCK=1024), dict(num_warps=4))
     return compile_for_sm90(jobs)
 
 
