@@ -3,13 +3,18 @@
 Per layer, token count and direction (``fwd`` under ``no_grad``, ``fwd+bwd`` with ``backward(grad_out)``
 w.r.t. the input and every parameter), bf16:
 
-* ``wall_us``: 200 calls back to back, one synchronisation at the end, per call (median of 5 such runs):
-  what a decode loop sees; when the step is launch bound this is the host time;
+* ``wall_us``: 200 calls back to back, one synchronisation at the end, per call: what a decode loop sees;
+  when the step is launch bound this is the host time. The variants of a row are timed interleaved (9 rounds,
+  each runs every variant once, in rotating order) and the median round is reported, so that the drift of a
+  shared machine moves all of them alike; ``wall_min_us`` is the least disturbed round;
 * ``issue_us``: the same loop timed before that synchronisation (the host's time to issue a call;
   equal to ``wall_us`` when the host is the bottleneck, below it when the GPU is);
 * ``kernel_us``: GPU kernel time per call (``torch.profiler``, CUDA kernels summed);
 * ``prof_cpu_us``: CPU time per call of the profiled ops (``torch.profiler`` self CPU time summed;
-  Python between ops not included).
+  Python between ops not included);
+* ``host_cpu_us``: the process's CPU time per call while issuing the timed calls (``time.process_time``, every
+  thread; Python included): the host cost itself, which, unlike wall time, does not grow when the shared machine
+  takes the core away. The target "host time within 10 us of Inductor's" is read on this column.
 
 Layers (``torch.compile(layer, backend=..., fullgraph=True)``, as the issue measured them):
 
@@ -51,7 +56,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 VARIANTS = ("eager", "inductor", "moe")
 CALLS = 200  # timed calls per measurement (one synchronisation at the end)
-REPEATS = 5  # measurements per variant; the median is reported
+REPEATS = 9  # interleaved rounds (every variant once per round); the median is reported
 PROFILED_CALLS = 20
 SMOKE_CALLS = 3  # --cpu-smoke: the flow only
 
@@ -86,6 +91,8 @@ class Result:
     floor_us: float  # permute_pad rows only
     compile_s: float
     note: str = ""
+    wall_min_us: float = math.nan  # the least disturbed of the interleaved rounds
+    host_cpu_us: float = math.nan  # process CPU time while issuing, per call (see _timed_run)
 
 
 def get_configs(quick: bool, cpu_smoke: bool) -> list[Config]:
@@ -156,27 +163,47 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_calls(step: Callable[[], object], device: str) -> tuple[float, float]:
-    """(wall, issue) microseconds per call: the median over ``REPEATS`` runs of ``CALLS`` back-to-back calls.
-
-    Host-bound times drift by several percent between runs of one process (clocks, allocator, other
-    tenants); the median of repeats is what the variants are compared on.
-    """
-    calls = CALLS if device == "cuda" else SMOKE_CALLS
-    for _ in range(5 if device == "cuda" else 1):
+def _timed_run(step: Callable[[], object], device: str, calls: int) -> tuple[float, float, float]:
+    """(wall, issue, host CPU) microseconds per call over ``calls`` back-to-back calls, one synchronisation at
+    the end. Host CPU is the process's CPU time while issuing (every thread: the autograd engine's included);
+    unlike wall time it does not grow when the shared machine takes the core away."""
+    _sync(device)
+    cpu_start = time.process_time()
+    start = time.perf_counter()
+    for _ in range(calls):
         step()
-    walls, issues = [], []
-    for _ in range(REPEATS if device == "cuda" else 1):
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            step()
-        issued = time.perf_counter()
-        _sync(device)
-        end = time.perf_counter()
-        walls.append((end - start) / calls * 1e6)
-        issues.append((issued - start) / calls * 1e6)
-    return statistics.median(walls), statistics.median(issues)
+    issued = time.perf_counter()
+    cpu = time.process_time() - cpu_start
+    _sync(device)
+    end = time.perf_counter()
+    return (end - start) / calls * 1e6, (issued - start) / calls * 1e6, cpu / calls * 1e6
+
+
+def time_interleaved(steps: dict[str, Callable[[], object]], device: str) -> dict[str, tuple[float, ...]]:
+    """``{variant: (median wall, median issue, min wall, median host CPU)}`` microseconds per call, the
+    variants interleaved.
+
+    Host-bound times drift by tens of percent over a run on a shared machine (clocks, other tenants), so the
+    variants are not timed one after the other: each of ``REPEATS`` rounds runs ``CALLS`` calls of every
+    variant, in an order that rotates from round to round, and each variant's median over the rounds is
+    reported (drift moves every variant alike); the minimum is the least disturbed round.
+    """
+    calls, repeats = (CALLS, REPEATS) if device == "cuda" else (SMOKE_CALLS, 1)
+    names = list(steps)
+    for name in names:
+        for _ in range(5 if device == "cuda" else 1):
+            steps[name]()
+    walls: dict[str, list[float]] = {n: [] for n in names}
+    issues: dict[str, list[float]] = {n: [] for n in names}
+    cpus: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            wall, issue, cpu = _timed_run(steps[name], device, calls)
+            walls[name].append(wall)
+            issues[name].append(issue)
+            cpus[name].append(cpu)
+    med = statistics.median
+    return {n: (med(walls[n]), med(issues[n]), min(walls[n]), med(cpus[n])) for n in names}
 
 
 def profile_calls(step: Callable[[], object], device: str) -> tuple[float, float]:
@@ -222,15 +249,17 @@ def _make_step(cfg: Config, fn, layer: torch.nn.Module, x: torch.Tensor, grad_ou
 
 
 def run_layer(cfg: Config, device: str, deadline: float) -> list[Result]:
+    """Every variant of one layer: compiled first, then timed interleaved (:func:`time_interleaved`), then profiled."""
     layer = build_layer(cfg, device)
     x = layer_input(cfg, device)
     grad_out = torch.randn_like(x)
-    results = []
+    torch._dynamo.reset()
+    steps: dict[str, Callable[[], object]] = {}
+    info: dict[str, tuple[float, str]] = {}  # variant -> (compile seconds, note)
     for variant in VARIANTS:
         if time.perf_counter() > deadline:
-            results.append(Result(cfg.name, cfg.layer, cfg.T, cfg.direction, variant, *[math.nan] * 6, "skipped: time budget"))
+            info[variant] = (math.nan, "skipped: time budget")
             continue
-        torch._dynamo.reset()
         note = ""
         try:
             start = time.perf_counter()
@@ -241,20 +270,23 @@ def run_layer(cfg: Config, device: str, deadline: float) -> list[Result]:
                 if variant == "eager":
                     raise
                 note = f"fullgraph=False ({type(exc).__name__})"
-                torch._dynamo.reset()
                 step = _make_step(cfg, _compile(variant, layer, fullgraph=False), layer, x, grad_out)
                 step()
             _sync(device)
-            compile_s = time.perf_counter() - start if variant != "eager" else 0.0
-            wall, issue = time_calls(step, device)
-            kernel, cpu = profile_calls(step, device)
+            steps[variant] = step
+            info[variant] = (time.perf_counter() - start if variant != "eager" else 0.0, note)
         except Exception as exc:  # noqa: BLE001 - report the failure in the table, keep going
-            wall = issue = kernel = cpu = compile_s = math.nan
-            note = f"{note} failed: {type(exc).__name__}: {exc}"[:200].strip()
+            info[variant] = (math.nan, f"{note} failed: {type(exc).__name__}: {exc}"[:200].strip())
+    timed = time_interleaved(steps, device) if steps else {}
+    results = []
+    for variant in VARIANTS:
+        compile_s, note = info[variant]
+        wall, issue, wall_min, host_cpu = timed.get(variant, (math.nan,) * 4)
+        kernel, cpu = profile_calls(steps[variant], device) if variant in steps else (math.nan, math.nan)
         results.append(Result(cfg.name, cfg.layer, cfg.T, cfg.direction, variant, wall, issue, kernel, cpu,
-                              math.nan, compile_s, note))
-        print(f"  {cfg.name} {variant}: wall {wall:.1f} us, issue {issue:.1f} us, kernels {kernel:.1f} us "
-              f"(compile {compile_s:.1f} s) {note}", flush=True)
+                              math.nan, compile_s, note, wall_min, host_cpu))
+        print(f"  {cfg.name} {variant}: wall {wall:.1f} us (min {wall_min:.1f}), issue {issue:.1f} us, "
+              f"kernels {kernel:.1f} us (compile {compile_s:.1f} s) {note}", flush=True)
     torch._dynamo.reset()
     return results
 
@@ -281,18 +313,23 @@ def run_permute_pad(cfg: Config, device: str, bw: float) -> list[Result]:
     def op(x, ids, probs):
         return permute_pad(x, ids, probs, num_experts=cfg.E, align=cfg.align)
 
-    results = []
-    for variant in ("eager", "inductor"):  # "inductor": the op's kernels launched from generated code
-        torch._dynamo.reset()
+    torch._dynamo.reset()
+    names = {"eager": "eager (public wrapper)", "inductor": "compiled (Inductor launches)"}
+    steps, compile_s = {}, {}
+    for variant in names:  # "inductor": the op's kernels launched from generated code
         fn = _compile(variant, op)
         start = time.perf_counter()
         fn(x, ids, probs)
         _sync(device)
-        compile_s = time.perf_counter() - start if variant != "eager" else 0.0
-        wall, issue = time_calls(lambda fn=fn: fn(x, ids, probs), device)
-        kernel, cpu = profile_calls(lambda fn=fn: fn(x, ids, probs), device)
-        name = "eager (public wrapper)" if variant == "eager" else "compiled (Inductor launches)"
-        results.append(Result(cfg.name, cfg.layer, cfg.T, cfg.direction, name, wall, issue, kernel, cpu, floor, compile_s))
+        compile_s[variant] = time.perf_counter() - start if variant != "eager" else 0.0
+        steps[variant] = lambda fn=fn: fn(x, ids, probs)
+    timed = time_interleaved(steps, device)
+    results = []
+    for variant, name in names.items():
+        wall, issue, wall_min, host_cpu = timed[variant]
+        kernel, cpu = profile_calls(steps[variant], device)
+        results.append(Result(cfg.name, cfg.layer, cfg.T, cfg.direction, name, wall, issue, kernel, cpu, floor,
+                              compile_s[variant], "", wall_min, host_cpu))
         print(f"  {cfg.name} {name}: wall {wall:.1f} us, kernels {kernel:.1f} us, floor {floor:.1f} us", flush=True)
     torch._dynamo.reset()
     return results
@@ -320,6 +357,12 @@ def summarize(results: list[Result]) -> list[dict]:
             row[f"{v}_kernel_us"] = us(cell.get(v), "kernel_us")
         moe, ind = row["moe_wall_us"], row["inductor_wall_us"]
         row["moe/inductor"] = round(moe / ind, 2) if moe and ind else None
+        moe_min, ind_min = us(cell.get("moe"), "wall_min_us"), us(cell.get("inductor"), "wall_min_us")
+        row["moe/inductor_min"] = round(moe_min / ind_min, 2) if moe_min and ind_min else None
+        for v in ("inductor", "moe"):
+            row[f"{v}_host_cpu_us"] = us(cell.get(v), "host_cpu_us")
+        cpu_moe, cpu_ind = row["moe_host_cpu_us"], row["inductor_host_cpu_us"]
+        row["moe-inductor_host_cpu_us"] = round(cpu_moe - cpu_ind, 1) if cpu_moe and cpu_ind else None
         floor = us(cell.get("eager"), "floor_us")
         row["floor_us"] = floor
         row["eager/floor"] = round(row["eager_wall_us"] / floor, 2) if floor and row["eager_wall_us"] else None
