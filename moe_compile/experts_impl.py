@@ -56,8 +56,11 @@ def grouped_linear(x_MK: Tensor, proj: Projection, offs_E: Tensor, onehot_ME: Te
 
     The bias is added as ``onehot_ME @ bias_EN`` rather than ``bias_EN[expert_M]``: the gather's backward is an
     accumulating scatter (atomics, order-dependent); the matmul's is ``onehot^T @ dY``, deterministic.
+    Without biases, rows past the last expert are left unspecified (``zero_tail=False``): everything after the
+    GEMMs is row-wise and ``unpad_unpermute`` reads only the rows its row map names. A bias's gradient
+    ``onehot^T @ dY`` sums every row, so with biases those rows stay zero.
     """
-    y_MN = gmm.grouped_mm(x_MK, proj.w_ENK, offs_E)
+    y_MN = gmm.grouped_mm(x_MK, proj.w_ENK, offs_E, zero_tail=onehot_ME is not None)
     if proj.bias_EN is not None:
         y_MN = y_MN + onehot_ME @ proj.bias_EN.to(y_MN.dtype)
     return y_MN

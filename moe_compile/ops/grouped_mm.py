@@ -5,7 +5,9 @@ Shape suffixes: ``M`` rows of an expert-major buffer (static), ``K`` reduction d
 
     y_MN[r] = x_MK[r] @ w_ENK[e]^T          (fp32 accumulate, one cast to x's dtype)
 
-and writes **zeros** to rows ``>= offs[-1]`` (``torch._grouped_mm`` leaves them uninitialised).
+and writes **zeros** to rows ``>= offs[-1]`` (``torch._grouped_mm`` leaves them uninitialised; a Triton kernel
+writes only those rows). ``moe::grouped_mm(..., zero_tail=False)`` leaves them unspecified, for callers that never
+read them (the fused experts forward without biases).
 ``offs_E`` is a device-side int32 tensor of cumulative END offsets (empty experts allowed); no op
 ever reads it on the host, and every fake is static (output ``[M, N]``).
 
@@ -356,11 +358,12 @@ def zero_rows_past(y_MN: torch.Tensor, offs_E: torch.Tensor, kernels=None) -> to
 
 
 @triton_op("moe::grouped_mm", mutates_args=())
-def _grouped_mm_op(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+def _grouped_mm_op(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, zero_tail: bool = True) -> torch.Tensor:
     if x_MK.device.type != "cuda":
         return grouped_mm_reference(x_MK, w_ENK, offs_E)
     if _use_cutlass_bf16(x_MK, w_ENK.transpose(-2, -1)):
-        return zero_rows_past(torch._grouped_mm(x_MK, w_ENK.transpose(-2, -1), offs=offs_E), offs_E)
+        y_MN = torch._grouped_mm(x_MK, w_ENK.transpose(-2, -1), offs=offs_E)
+        return zero_rows_past(y_MN, offs_E) if zero_tail else y_MN
     out = x_MK.new_empty(x_MK.shape[0], w_ENK.shape[1])
     return launch_grouped_mm(x_MK, w_ENK, None, None, offs_E, out, "plain")
 
@@ -407,12 +410,17 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs)
 
 
+def _grouped_mm_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:3])
+    ctx.zero_tail = inputs[3] if len(inputs) > 3 else True
+
+
 def _grouped_mm_backward(ctx, dy_MN):
     x_MK, w_ENK, offs_E = ctx.saved_tensors
     dy_MN = dy_MN.contiguous()
-    dx = _grouped_mm_op(dy_MN, w_ENK.transpose(1, 2), offs_E) if ctx.needs_input_grad[0] else None
+    dx = _grouped_mm_op(dy_MN, w_ENK.transpose(1, 2), offs_E, ctx.zero_tail) if ctx.needs_input_grad[0] else None
     dw = _grouped_mm_wgrad_op(dy_MN, x_MK, offs_E) if ctx.needs_input_grad[1] else None
-    return dx, dw, None
+    return dx, dw, None, None
 
 
 def _mxfp8_backward(ctx, dy_MN):
@@ -427,7 +435,7 @@ def _nvfp4_backward(ctx, dy_MN):
     return _grouped_mm_op(dy_MN.contiguous(), w.transpose(1, 2), offs_E), None, None, None, None
 
 
-_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_setup_context)
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup_context)
 _grouped_mm_mxfp8_op.register_autograd(_mxfp8_backward, setup_context=_setup_context)
 _grouped_mm_nvfp4_op.register_autograd(_nvfp4_backward, setup_context=_setup_context)
 
@@ -448,13 +456,15 @@ def _check_common(x_MK: torch.Tensor, offs_E: torch.Tensor, num_experts: int, k:
         raise ValueError(f"x_MK.shape[1]={x_MK.shape[1]} does not match the weight's K={k}")
 
 
-def grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, *, zero_tail: bool = True) -> torch.Tensor:
     """``y_MN = x_MK @ w_ENK[e]^T`` per expert segment of ``offs_E``; rows ``>= offs[-1]`` are zero.
 
     Args:
         x_MK: ``[M, K]`` bf16/fp16/fp32, expert-major rows.
         w_ENK: ``[E, N, K]``, same dtype as ``x_MK``, any strides (a ``w.transpose(1, 2)`` view works).
         offs_E: int32 ``[E]`` cumulative end offsets, on ``x_MK``'s device.
+        zero_tail: ``False`` leaves the rows ``>= offs[-1]`` (and those of ``dX``) unspecified, for callers
+            that never read them (one launch less per GEMM where CUTLASS runs it).
 
     Returns:
         ``[M, N]`` in ``x_MK.dtype``. Differentiable w.r.t. ``x_MK`` and ``w_ENK`` (deterministic).
@@ -464,7 +474,7 @@ def grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) ->
     _check_common(x_MK, offs_E, w_ENK.shape[0], w_ENK.shape[2])
     if w_ENK.dtype != x_MK.dtype:
         raise TypeError(f"w_ENK.dtype={w_ENK.dtype} must equal x_MK.dtype={x_MK.dtype}")
-    return _grouped_mm_op(x_MK, w_ENK, offs_E)
+    return _grouped_mm_op(x_MK, w_ENK, offs_E, zero_tail)
 
 
 def grouped_mm_mxfp8(

@@ -88,6 +88,7 @@ def test_opcheck_plain_and_wgrad():
     offs = _offs([2, 0, 3])
     x, w = torch.randn(6, 8, requires_grad=True), torch.randn(3, 16, 8, requires_grad=True)
     torch.library.opcheck(torch.ops.moe.grouped_mm, (x, w, offs))
+    torch.library.opcheck(torch.ops.moe.grouped_mm, (x, w, offs, False))
     torch.library.opcheck(torch.ops.moe.grouped_mm_wgrad, (torch.randn(6, 16), x.detach(), offs))
 
 

@@ -60,6 +60,23 @@ def test_plain_bf16_matches_torch_grouped_mm(shape):
     assert torch.all(y[rows:] == 0)
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_zero_tail_false_leaves_only_the_tail_unspecified(shape):
+    """``zero_tail=False`` skips only the zeroing: the rows below ``offs[-1]`` of ``y``, ``dX`` and all of ``dW``
+    are bit for bit those of the default call; the default's tail rows are zero."""
+    x, w, offs, rows = _inputs(shape)
+    dy = torch.randn(x.shape[0], w.shape[1], device=DEV, dtype=x.dtype)
+    outs = {}
+    for zero_tail in (True, False):
+        xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = gmm.grouped_mm(xg, wg, offs, zero_tail=zero_tail)
+        y.backward(dy)
+        outs[zero_tail] = (y.detach(), xg.grad, wg.grad)
+    (y0, dx0, dw0), (y1, dx1, dw1) = outs[True], outs[False]
+    assert torch.equal(y0[:rows], y1[:rows]) and torch.equal(dx0[:rows], dx1[:rows]) and torch.equal(dw0, dw1)
+    assert torch.all(y0[rows:] == 0) and torch.all(dx0[rows:] == 0)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("shape", ["decode_e128", "skewed_e8"])
 def test_plain_triton_fp16_fp32(shape, dtype, tol):
