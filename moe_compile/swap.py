@@ -124,11 +124,13 @@ class _GroupedViews:
     """One grouped ``[E, ...]`` leaf per projection of a ModuleList's linears; see NOTE [grouped views].
 
     Gated MLPs keep gate and up in one ``[E, 2I, H]`` leaf (``gate_up``), so that the fused forward runs one
-    grouped GEMM for both, as transformers' grouped experts do.
+    grouped GEMM for both, as transformers' grouped experts do (unless only one of the two has a bias).
     """
 
     def __init__(self, experts: nn.ModuleList, paths: tuple[str, ...], gated: bool):
         self.experts, self.paths, self.gated = experts, paths, gated
+        gate_up = paths[:2] if gated else ()
+        self.fused = bool(gate_up) and len({experts[0].get_submodule(p).bias is None for p in gate_up}) == 1
         self.grouped: dict[str, Tensor] = {}
         self.regroup()
 
@@ -136,19 +138,20 @@ class _GroupedViews:
         # a deep copy of the block copies every parameter on its own: regroup the copies
         return _GroupedViews(copy.deepcopy(self.experts, memo), self.paths, self.gated)
 
+    def _leaves(self) -> dict[str, tuple[str, ...]]:
+        """``{leaf name: projection paths it holds}``: ``gate_up`` for a fused gated MLP, else one per path."""
+        if self.fused:
+            return {"gate_up": self.paths[:2], self.paths[2]: self.paths[2:]}
+        return {path: (path,) for path in self.paths}
+
     def _groups(self) -> dict[str, tuple[list[nn.Parameter], bool]]:
         """``{key: (parameters, halves)}``: the parameters each grouped leaf holds, in view order."""
         groups = {}
-        for attr in ("weight", "bias"):
-            per_path = {path: [getattr(e.get_submodule(path), attr) for e in self.experts] for path in self.paths}
-            if per_path[self.paths[0]][0] is None:
-                continue
-            if self.gated:
-                gate, up, down = self.paths
-                groups[f"gate_up.{attr}"] = (per_path[gate] + per_path[up], True)
-                groups[f"{down}.{attr}"] = (per_path[down], False)
-            else:
-                groups.update({f"{path}.{attr}": (per_path[path], False) for path in self.paths})
+        for leaf, paths in self._leaves().items():
+            for attr in ("weight", "bias"):
+                params = [getattr(e.get_submodule(path), attr) for path in paths for e in self.experts]
+                if params[0] is not None:
+                    groups[f"{leaf}.{attr}"] = (params, len(paths) == 2)
         return groups
 
     def regroup(self) -> None:
@@ -171,8 +174,8 @@ class _GroupedViews:
         def projection(name: str) -> Projection:
             return Projection(self.grouped[f"{name}.weight"], self.grouped.get(f"{name}.bias"))
 
-        ups = ("gate_up",) if self.gated else self.paths[:-1]
-        return tuple(projection(name) for name in ups), projection(self.paths[-1])
+        *ups, down = self._leaves()
+        return tuple(projection(name) for name in ups), projection(down)
 
     def aliased(self) -> bool:
         """Whether every per-expert parameter is still a view of its grouped tensor."""

@@ -99,6 +99,34 @@ class SwapNumericsTest(unittest.TestCase):
                 _check_against_eager(self, kwargs, train=True, compiled=True, dtype=torch.bfloat16)
 
 
+class SwapBiasLayoutTest(unittest.TestCase):
+    def test_gated_experts_with_biases(self):
+        """Gate and up share one grouped leaf when both or neither have a bias; a bias on only one of them keeps
+        three leaves. Either way the swapped block trains like the loop (output and every gradient)."""
+        for biased, fused in (({"w1", "w3", "w2"}, True), ({"w1", "w2"}, False), ({"w3"}, False)):
+            with self.subTest(biased=sorted(biased)):
+                block = make_loop_moe(seed=2, hidden=H, mlp="swiglu", num_experts=6, top_k=2)
+                for expert in block.experts:
+                    for name in biased:
+                        lin = getattr(expert, name)
+                        new = nn.Linear(lin.in_features, lin.out_features, bias=True)
+                        with torch.no_grad():
+                            new.weight.copy_(lin.weight)
+                            new.bias.normal_()
+                        setattr(expert, name, new)
+                eager = copy.deepcopy(block)
+                x = torch.randn(3, 7, H)
+                want, want_grads = _run(eager, x, train=True)
+                records = swap_expert_loops(block)
+                self.assertEqual([r[1] for r in records], ["rewrite"], records)
+                self.assertEqual(block._moe_compile_views.fused, fused)
+                got, got_grads = _run(block, x, train=True)
+                _assert_close(self, got, want, "output")
+                self.assertEqual(len(got_grads), len(want_grads))
+                for i, (g, w) in enumerate(zip(got_grads, want_grads)):
+                    _assert_close(self, g, w, f"grad {i}")
+
+
 class SwapGraphTest(unittest.TestCase):
     def _graph(self, **kwargs) -> torch.fx.GraphModule:
         torch._dynamo.reset()
