@@ -26,7 +26,7 @@ Rewrites to:
     deterministic autograd (no ``index_put(accumulate=True)`` / atomic adds from ``x[perm // K]``).
 
 Fires when:
-    every step above is proven (see ``_dispatch_match``): in particular the region is row-wise, so
+    every step above is proven (see ``_dispatch_match`` and ``_dispatch_region``): in particular the region is row-wise, so
     the row order inside an expert (HF's unstable sort vs our stable one) and the padded layout do not
     change any combined value.
 
