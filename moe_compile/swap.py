@@ -170,7 +170,8 @@ class _GroupedViews:
             self.grouped[key] = grouped
 
     def projections(self) -> tuple[tuple[Projection, ...], Projection]:
-        """``(ups, down)`` for :func:`_fused_block_forward`: ``(gate_up,)`` for gated MLPs, ``(up,)`` else."""
+        """``(ups, down)`` for :func:`_fused_block_forward`: ``(gate_up,)`` for a fused gated MLP, ``(gate, up)``
+        for a gated one with a bias on one of the two, ``(up,)`` for a plain one."""
         def projection(name: str) -> Projection:
             return Projection(self.grouped[f"{name}.weight"], self.grouped.get(f"{name}.bias"))
 
