@@ -103,6 +103,10 @@ def tiny_config(family: str):
 
 
 def _shrink(config: Any) -> Any:
+    if hasattr(config, "per_layer_attributes"):
+        # transformers >= 5.24 heterogeneous configs refuse global reads of per-layer attributes; the tiny config
+        # sets one value for every layer, so reading and writing the global value is what it means
+        config.allow_global_per_layer_attribute_access = True
     for attr, value in TINY.items():
         if hasattr(config, attr):
             try:
