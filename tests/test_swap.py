@@ -40,23 +40,29 @@ def _run(block: torch.nn.Module, x: torch.Tensor, train: bool) -> tuple[torch.Te
     return y.detach(), [x.grad] + [p.grad for p in block.parameters()]
 
 
+def _assert_same_run(test: unittest.TestCase, got: tuple, want: tuple, what: str) -> None:
+    """``_run`` results (output, gradients) of the swapped block against the loop's, elementwise."""
+    (y, grads), (y_want, grads_want) = got, want
+    _assert_close(test, y, y_want, f"{what} output")
+    test.assertEqual(len(grads), len(grads_want))
+    for i, (g, w) in enumerate(zip(grads, grads_want)):
+        _assert_close(test, g, w, f"{what} grad {i}")
+
+
 def _check_against_eager(test, kwargs, train, compiled: bool, dtype=torch.float32) -> moe_compile.Report | None:
     torch._dynamo.reset()
     block = make_loop_moe(seed=1, dtype=dtype, hidden=H, **kwargs)
     eager = copy.deepcopy(block)
     x = torch.randn(3, 7, H, dtype=dtype)
-    want, want_grads = _run(eager, x, train)
+    want = _run(eager, x, train)
     if compiled:
         with fresh_cache():
-            got, got_grads = _run(moe_compile.compile(block, fullgraph=True), x, train)
+            got = _run(moe_compile.compile(block, fullgraph=True), x, train)
     else:
         records = swap_expert_loops(block)
         test.assertEqual([r[1] for r in records], ["rewrite"], records)
-        got, got_grads = _run(block, x, train)
-    _assert_close(test, got, want, f"{kwargs} output")
-    test.assertEqual(len(got_grads), len(want_grads))
-    for i, (g, w) in enumerate(zip(got_grads, want_grads)):
-        _assert_close(test, g, w, f"{kwargs} grad {i}")
+        got = _run(block, x, train)
+    _assert_same_run(test, got, want, str(kwargs))
     return block
 
 
@@ -116,15 +122,11 @@ class SwapBiasLayoutTest(unittest.TestCase):
                         setattr(expert, name, new)
                 eager = copy.deepcopy(block)
                 x = torch.randn(3, 7, H)
-                want, want_grads = _run(eager, x, train=True)
+                want = _run(eager, x, train=True)
                 records = swap_expert_loops(block)
                 self.assertEqual([r[1] for r in records], ["rewrite"], records)
                 self.assertEqual(block._moe_compile_views.fused, fused)
-                got, got_grads = _run(block, x, train=True)
-                _assert_close(self, got, want, "output")
-                self.assertEqual(len(got_grads), len(want_grads))
-                for i, (g, w) in enumerate(zip(got_grads, want_grads)):
-                    _assert_close(self, g, w, f"grad {i}")
+                _assert_same_run(self, _run(block, x, train=True), want, f"biases on {sorted(biased)}")
 
 
 class SwapGraphTest(unittest.TestCase):
