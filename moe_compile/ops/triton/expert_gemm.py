@@ -188,24 +188,30 @@ def _expert_wgrad_kernel(
     stride_xm, stride_xk,
     stride_we, stride_wn, stride_wk,
     GATHER_X: tl.constexpr, ROW_SCALE: tl.constexpr, IEEE_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
 ):  # fmt: skip
     """``dW[e] = sum over rows r of e of (p[r] dy[r])^T x[r']`` (``r'``: ``src[r]`` with ``GATHER_X``, else
     ``r``; ``p`` with ``ROW_SCALE``).
 
-    Persistent over the ``E x cdiv(N, BLOCK_N) x cdiv(K, BLOCK_K)`` output tiles; each tile's rows are
-    reduced by one program in ascending row order (fp32 accumulator, no atomics: bitwise
-    reproducible). Empty experts write zeros. With ``ROW_SCALE`` the scaled ``dy`` is rounded to the
-    MMA's operand dtype, as the unfused path stores ``g * p``.
+    Persistent over the ``E x cdiv(N, BLOCK_N) x cdiv(K, BLOCK_K)`` output tiles, expert by expert; within
+    an expert, ``GROUP_N`` column tiles of ``dy`` take turns over each ``x`` tile while both are in L2.
+    Each tile's rows are reduced by one program in ascending row order (fp32 accumulator, no atomics:
+    bitwise reproducible). Empty experts write zeros. With ``ROW_SCALE`` the scaled ``dy`` is rounded to
+    the MMA's operand dtype, as the unfused path stores ``g * p``.
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
-    num_tiles = E * num_n * num_k
+    per_expert = num_n * num_k
+    num_tiles = E * per_expert
     for tile in tl.range(pid, num_tiles, NUM_PROGS):
-        e = tile // (num_n * num_k)
-        pid_n = (tile // num_k) % num_n
-        pid_k = tile % num_k
+        e = tile // per_expert
+        t = tile % per_expert
+        per_group = GROUP_N * num_k
+        first_n = (t // per_group) * GROUP_N
+        group_n = tl.minimum(num_n - first_n, GROUP_N)
+        pid_n = first_n + (t % per_group) % group_n
+        pid_k = (t % per_group) // group_n
         row_hi = tl.minimum(tl.load(offs_ptr + e), M)
         row_lo = tl.minimum(tl.load(offs_ptr + e - 1, mask=e > 0, other=0), M)
         cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -29,6 +29,7 @@ CASES = {
     "wgrad_fp32_gather_rw": ("wgrad", [3, 0, 5, 2], 2, 24, 40, "float32", "gr"),
     "wgrad_bf16_plain": ("wgrad", [2, 0, 0, 1, 4, 0, 3], 1, 16, 24, "bfloat16", ""),
     "wgrad_fp32_one_program_empty": ("wgrad", [0, 6, 0], 0, 16, 32, "float32", "g1"),
+    "wgrad_bf16_partial_column_group": ("wgrad", [5, 3, 0, 4], 1, 40, 24, "bfloat16", "g"),
     "source_rows": ("source_rows", [3, 0, 5, 2], 3, 8, 8, "float32", ""),
     # bitwise: same inputs twice, and 1 vs many persistent programs (each tile has one fixed owner)
     "deterministic_bf16_gather_swiglu": ("repeat", [3, 0, 5, 2], 2, 24, 64, "bfloat16", "gsr"),
@@ -206,10 +207,11 @@ def compile_sm90() -> dict:
                 jobs[f"gemm_{fmt}_{M}_{E}_{N}_{K}_{act}_tma{tma}"] = (kernel, sig, consts, opts)
     wgrad = eg._kernels._expert_wgrad_kernel
     for gather, rw in ((True, False), (False, True)):
-        consts = dict(GATHER_X=gather, ROW_SCALE=rw, IEEE_DOT=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)
+        cfg = eg.wgrad_config(1536, 2048, False, True)
+        consts = dict(GATHER_X=gather, ROW_SCALE=rw, IEEE_DOT=False, **{k: v for k, v in cfg.items() if k.isupper()})
         sig = {n: "constexpr" if n in consts else "*bf16" if n.endswith("_ptr") else "i32" for n in wgrad.arg_names}
         sig.update(src_ptr="*i32", offs_ptr="*i32", rw_ptr="*fp32")
-        jobs[f"wgrad_gather{gather}_rw{rw}"] = (wgrad, sig, consts, dict(num_warps=8, num_stages=3))
+        jobs[f"wgrad_gather{gather}_rw{rw}"] = (wgrad, sig, consts, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     src_k = eg._kernels._source_rows_kernel
     sig = dict(row_map_ptr="*i32", src_ptr="*i32", T="i32", K="i32", stride_t="i32", BLOCK="constexpr")
     jobs["source_rows"] = (src_k, sig, dict(BLOCK=1024), dict(num_warps=4))
