@@ -94,32 +94,38 @@ def expert_gemm_reference(
 
 # ===== heuristic: Triton family or CUTLASS =====
 
-# NOTE [grouped GEMM choice]: rows per expert (M / E) up to which the Triton family beats CUTLASS
-# ``torch._grouped_mm`` for bf16 on sm90, keyed by the GEMM's (N, K) ranges; starting values from the
-# issue's H100 profile (CUTLASS at ~52% of peak on Qwen3-MoE's 256 rows per expert, ~86% on Mixtral's
-# 1024): update from ``benchmarks/bench_grouped_gemm.py`` (its ``choice`` table). Fused gather /
-# activation savings are part of the measured Triton time, so the rule is per whole GEMM.
-# Measured (H100, triton 3.6, benchmarks/results/grouped_gemm.json, forward per GEMM, CUDA graphs): the
-# gated gate_up GEMM wins at Qwen3-like T4096 (638 vs 738 us) and T16384 (1970 vs 2399), DeepSeek-like
-# T4096 (749 vs 777); the down GEMM loses past T256 (Qwen3 T4096 358 vs 289); Mixtral-like loses from
-# T4096; the backward (wgrad) loses everywhere (Qwen3 block fwd+bwd 6.15 vs 3.61 ms). The op is not used
-# by the rewrite yet; this table only serves direct callers.
-TRITON_MAX_ROWS_PER_EXPERT = {
-    # (max N*K of the weight per expert, max rows per expert where Triton wins)
-    "small_weight": (2048 * 3072, 512),  # Qwen3-MoE / DeepSeek-V3-like experts
-    "large_weight": (float("inf"), 0),  # Mixtral-like: keep CUTLASS
+# NOTE [grouped GEMM choice]: per kind of GEMM, the rows per expert (M / E) up to which the Triton family beats
+# CUTLASS ``torch._grouped_mm`` for bf16 on sm90, keyed by the weight's size per expert (N * K). Fused gather /
+# activation savings are part of the measured Triton time, so the rule is per whole GEMM. Kinds: ``gated``
+# (gate_up with the gather prologue and the GLU epilogue), ``plain`` (down, any un-gated forward), ``dx`` (the
+# input gradient, against the transposed weights), ``wgrad`` (the weight gradient). Measured on the H100
+# (triton 3.6, ``benchmarks/bench_grouped_gemm.py``'s ``choice`` rows, CUDA graphs):
+# * gated: Qwen3-like wins at 16 / 256 / 1024 rows per expert (T4096: 636 vs 732 us; T16384: 1939 vs 2359);
+#   DeepSeek-V3-like (N*K 5.8M) wins at 24 rows and ties from 384; Mixtral-like (29M) wins only at 64 rows;
+# * plain: wins at 16-64 rows (T256: Qwen3 151 vs 163 us), loses from 256 (Qwen3 T4096 353 vs 286);
+# * dx: Qwen3-like T4096 (256 rows) 540-625 vs 497 us (gate_up), 289-483 vs 265 (down): CUTLASS;
+# * wgrad: Qwen3-like T4096 866 vs 545 + 78 us (gate_up, CUTLASS on gathered rows), 365 vs 282 (down): CUTLASS.
+TRITON_MAX_ROWS_PER_EXPERT: dict[str, tuple[tuple[float, int], ...]] = {
+    # kind: ((max N*K of the weight per expert, max rows per expert where Triton wins), ...), smallest first
+    "gated": ((2048 * 3072, 1 << 30), (2048 * 6144, 64), (float("inf"), 64)),
+    "plain": ((float("inf"), 64),),
+    "dx": ((float("inf"), 0),),
+    "wgrad": ((float("inf"), 0),),
 }
 _ENV_CHOICE = "MOE_COMPILE_GROUPED_GEMM"  # "triton" / "cutlass" / unset (the table)
 
 
 def use_triton_grouped_gemm(
-    M: int, N: int, K: int, E: int, dtype: torch.dtype, device: torch.device, fmt: str = "plain"
+    M: int, N: int, K: int, E: int, dtype: torch.dtype, device: torch.device, fmt: str = "plain", kind: str = "plain"
 ) -> bool:
-    """Whether ``moe::expert_gemm`` runs its Triton kernels (``True``) or CUTLASS ``torch._grouped_mm``.
+    """Whether ``moe::expert_gemm`` / ``moe::expert_wgrad`` run their Triton kernels (``True``) or CUTLASS.
 
     Triton where CUTLASS cannot run (not CUDA, not bf16, not sm90/sm100, quantised weights) and where
-    the measured table (NOTE [grouped GEMM choice]) says it wins; ``MOE_COMPILE_GROUPED_GEMM`` overrides.
+    the measured table for ``kind`` (NOTE [grouped GEMM choice]) says it wins; ``MOE_COMPILE_GROUPED_GEMM``
+    overrides.
     """
+    if kind not in TRITON_MAX_ROWS_PER_EXPERT:
+        raise ValueError(f"kind={kind!r} is not one of {tuple(TRITON_MAX_ROWS_PER_EXPERT)}")
     if device.type != "cuda" or fmt != "plain" or dtype != torch.bfloat16:
         return True
     if torch.cuda.get_device_capability(device)[0] not in (9, 10):
@@ -128,10 +134,17 @@ def use_triton_grouped_gemm(
     if choice in ("triton", "cutlass"):
         return choice == "triton"
     rows = M / max(E, 1)
-    for max_weight, max_rows in sorted(TRITON_MAX_ROWS_PER_EXPERT.values()):
+    for max_weight, max_rows in TRITON_MAX_ROWS_PER_EXPERT[kind]:
         if N * K <= max_weight:
             return rows <= max_rows
     return False
+
+
+def _gemm_kind(w: torch.Tensor, activation: str) -> str:
+    """``gated`` / ``dx`` (a weight whose rows are not contiguous: the backward's ``w.transpose(1, 2)``) / ``plain``."""
+    if activation != "none":
+        return "gated"
+    return "dx" if w.stride(-1) != 1 else "plain"
 
 
 # ===== launchers =====
@@ -335,7 +348,7 @@ def _expert_gemm_body(x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M,
         return y, (pre if store else x_SK.new_empty(0, N_w))
     src = source_rows(row_map, num_rows) if row_map is not None else None
     K, E = x_SK.shape[1], offs_E.shape[0]
-    if not use_triton_grouped_gemm(num_rows, N_w, K, E, x_SK.dtype, x_SK.device, fmt):
+    if not use_triton_grouped_gemm(num_rows, N_w, K, E, x_SK.dtype, x_SK.device, fmt, _gemm_kind(w, activation)):
         # CUTLASS grouped GEMM on the materialised rows, the epilogue in PyTorch (same semantics)
         a = gather_rows(x_SK, src) if src is not None else x_SK
         pre = gmm.grouped_mm(a, w, offs_E)
@@ -410,7 +423,7 @@ def _expert_wgrad_op(
         return gmm.grouped_mm_wgrad_reference(dy, a, offs_E)
     src = source_rows(row_map, M) if row_map is not None else None
     E, N, K = offs_E.shape[0], dy_MN.shape[1], x_SK.shape[1]
-    if not use_triton_grouped_gemm(M, N, K, E, x_SK.dtype, x_SK.device):
+    if not use_triton_grouped_gemm(M, N, K, E, x_SK.dtype, x_SK.device, kind="wgrad"):
         a = gather_rows(x_SK, src) if src is not None else x_SK
         dy = dy_MN if row_weight_M is None else (dy_MN.float() * row_weight_M.float()[:, None]).to(dy_MN.dtype)
         return torch.ops.moe.grouped_mm_wgrad(dy, a, offs_E)

@@ -156,3 +156,31 @@ def test_bad_arguments_name_the_argument():
 def test_heuristic_cpu_and_table():
     assert eg.use_triton_grouped_gemm(4096, 1536, 2048, 128, torch.bfloat16, torch.device("cpu"))
     assert eg.use_triton_grouped_gemm(4096, 1536, 2048, 128, torch.float32, torch.device("cuda"))  # no CUTLASS fp32
+
+
+def test_heuristic_per_kind_of_gemm(monkeypatch):
+    """NOTE [grouped GEMM choice]: the measured H100 decisions, read through the table for an sm90 bf16 GEMM."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delenv("MOE_COMPILE_GROUPED_GEMM", raising=False)
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    use = eg.use_triton_grouped_gemm
+    # Qwen3-like at T4096 (256 rows per expert): the gated gate_up wins, down / dX / wgrad stay on CUTLASS
+    assert use(32768, 1536, 2048, 128, bf16, cuda, kind="gated")
+    assert not use(32768, 2048, 768, 128, bf16, cuda, kind="plain")
+    assert use(2048, 2048, 768, 128, bf16, cuda, kind="plain")  # T256: 16 rows per expert
+    assert not use(32768, 2048, 1536, 128, bf16, cuda, kind="dx")
+    assert not use(32768, 1536, 2048, 128, bf16, cuda, kind="wgrad")
+    # Mixtral-like gate_up: Triton only at decode-like row counts
+    assert use(512, 7168, 4096, 8, bf16, cuda, kind="gated")
+    assert not use(8192, 7168, 4096, 8, bf16, cuda, kind="gated")
+    monkeypatch.setenv("MOE_COMPILE_GROUPED_GEMM", "triton")
+    assert use(32768, 1536, 2048, 128, bf16, cuda, kind="wgrad")
+    with pytest.raises(ValueError, match="kind"):
+        use(1, 1, 1, 1, bf16, cuda, kind="fwd")
+
+
+def test_gemm_kind_reads_the_weight_layout():
+    w = torch.randn(4, 8, 16)
+    assert eg._gemm_kind(w, "swiglu") == "gated"
+    assert eg._gemm_kind(w, "none") == "plain"
+    assert eg._gemm_kind(w.transpose(1, 2), "none") == "dx"

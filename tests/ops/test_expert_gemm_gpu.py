@@ -1,0 +1,100 @@
+"""``moe::expert_gemm`` / ``moe::expert_wgrad`` on CUDA with the production tile configs (written for the H100).
+
+The interpreter tests (``tests/ops/triton/test_expert_gemm_kernels.py``) run the kernels at tiny tiles; these
+run the GPU configs (``pick_config`` / ``wgrad_config``) at a Qwen3-like width with uneven and empty experts,
+the Triton family forced, against the fp64 reference within the derived bounds (``tests/_tolerance.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+from moe_compile.ops import expert_gemm as eg  # noqa: E402
+from moe_compile.ops import grouped_mm as gmm  # noqa: E402
+from moe_compile.ops.permute_pad import permute_pad  # noqa: E402
+from tests import _tolerance as tol  # noqa: E402
+
+DEV = "cuda"
+T, H, I, E, K = 512, 1024, 384, 16, 4  # noqa: E741 - 128 rows per expert on average
+
+
+@pytest.fixture
+def forced_triton(monkeypatch):
+    monkeypatch.setenv("MOE_COMPILE_GROUPED_GEMM", "triton")
+
+
+def _dispatch(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(DEV)
+    scores = torch.rand(T, E, generator=gen)
+    scores[:, 3] = -1  # expert 3 gets no rows
+    scores[:, 5] += 0.5  # expert 5 gets many
+    ids = scores.argsort(1, descending=True)[:, :K].to(DEV)
+    probs = torch.rand(T, K, generator=gen).to(DEV)
+    return x, permute_pad(x, ids, probs, num_experts=E, align=16), gen
+
+
+def test_wgrad_gathered_and_row_weighted(forced_triton):
+    x, d, gen = _dispatch(0)
+    M = d.rows_MH.shape[0]
+    dz = torch.randn(M, 2 * I, generator=gen).to(torch.bfloat16).to(DEV)
+    rw = d.probs_M.float()
+    got = torch.ops.moe.expert_wgrad(dz, x, d.offs_E, d.row_map, rw)
+    a = eg.gather_rows(x, eg.source_rows(d.row_map, M))
+    dys = (dz.float() * rw[:, None]).to(torch.bfloat16)  # the kernel rounds the scaled dy to the MMA dtype
+    want = gmm.grouped_mm_wgrad_reference(dys.double(), a.double(), d.offs_E)
+    counts = d.counts_E.tolist()
+    bound = tol.matmul_bound(tol.grouped_wgrad_abs(dys, a, d.offs_E), max(counts), want, got_dtype=torch.bfloat16)
+    tol.assert_within(got, want, bound, "expert_wgrad")
+    assert counts[3] == 0 and torch.all(got[3] == 0)
+    assert torch.equal(got, torch.ops.moe.expert_wgrad(dz, x, d.offs_E, d.row_map, rw)), "not bitwise reproducible"
+
+
+def test_gated_forward_and_dx(forced_triton):
+    x, d, gen = _dispatch(1)
+    M = d.rows_MH.shape[0]
+    w = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(torch.bfloat16).to(DEV)
+    y, pre = eg.expert_gemm(x, w, d.offs_E, row_map=d.row_map, activation="swiglu", num_rows=M, store_preact=True)
+    a = eg.gather_rows(x, eg.source_rows(d.row_map, M))
+    want_pre = gmm.grouped_mm_reference(a.double(), w.double(), d.offs_E)
+    bound = tol.grouped_mm_bound(a, w, d.offs_E, want_pre, got_dtype=torch.bfloat16)
+    tol.assert_within(pre, want_pre, bound, "gate_up pre-activations")
+    # the epilogue reads the fp32 accumulators, the reference the stored bf16 pre: with g' = g (1 + d1), u' = u (1 + d2),
+    # |d| <= u_bf16, |silu(g) u - silu(g') u'| <= (1.1 + 1) u_bf16 |g| |u| (|silu'| <= 1.1, |silu(g)| <= |g|);
+    # doubled for the first-order slack and the fp32 evaluation of the epilogue
+    g, u = pre[:, :I].double(), pre[:, I:].double()
+    want_y = torch.nn.functional.silu(g) * u
+    slack = 2 * 2.1 * tol.unit_roundoff(torch.bfloat16) * g.abs() * u.abs()
+    tol.assert_within(y, want_y, tol.rounding_bound(want_y, torch.bfloat16, inner=slack) + slack, "swiglu output")
+    # dX against the transposed weights (the backward's input-gradient GEMM)
+    dz = torch.randn(M, 2 * I, generator=gen).to(torch.bfloat16).to(DEV)
+    dx = eg.expert_gemm(dz, w.transpose(1, 2), d.offs_E)[0]
+    want_dx = gmm.grouped_mm_reference(dz.double(), w.transpose(1, 2).double(), d.offs_E)
+    tol.assert_within(dx, want_dx, tol.grouped_mm_bound(dz, w.transpose(1, 2), d.offs_E, want_dx, got_dtype=torch.bfloat16), "dX")
+
+
+def test_every_choice_trains_the_same_gated_gemm(monkeypatch):
+    """Forced Triton, forced CUTLASS and the shipped per-GEMM choice (Triton forward, CUTLASS dX / wgrad here) all
+    give the fp64 reference's output and gradients within the layer bound (``tests/_tolerance.py::layer_rel``)."""
+    x, d, gen = _dispatch(2)
+    M = d.rows_MH.shape[0]
+    w = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(torch.bfloat16).to(DEV)
+    dy = torch.randn(M, I, generator=gen).to(torch.bfloat16).to(DEV)
+    valid = eg.source_rows(d.row_map, M) >= 0  # pad and tail rows are zero on every path
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    src = eg.source_rows(d.row_map, M)
+    want_y = eg.expert_gemm_reference(xd, wd, d.offs_E, src, None, "swiglu")[0]
+    want = (want_y, *torch.autograd.grad(want_y, (xd, wd), dy.double()))
+    rows = int(d.counts_E.max())
+    for choice in ("triton", "cutlass", ""):
+        monkeypatch.setenv("MOE_COMPILE_GROUPED_GEMM", choice)
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y, _ = eg.expert_gemm(xg, wg, d.offs_E, row_map=d.row_map, activation="swiglu", num_rows=M)
+        got = (y, *torch.autograd.grad(y, (xg, wg), dy))
+        name = choice or "auto"
+        tol.assert_layer_close(got[0][valid], want[0][valid], [H], torch.bfloat16, what=f"{name} y")
+        for g, ref, what in zip(got[1:], want[1:], ("dX", "dW")):
+            tol.assert_layer_close(g, ref, [H, 2 * I], torch.bfloat16, backward=True, rows=rows, what=f"{name} {what}")
