@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import pathlib
@@ -258,6 +259,7 @@ def main() -> int:
             results.extend(run_shape(s, T, gen, args) if kind == "shape" else run_quant(T, gen, args))
         except Exception as exc:  # e.g. out of memory: report and go on
             results.append(dict(shape=label, what="error", impl=f"{type(exc).__name__}: {str(exc)[:300]}"))
+        gc.collect()  # captured CUDA graphs (and their memory pools) sit in reference cycles until collected
         torch.cuda.empty_cache()
         print(f"{label} done at {time.monotonic() - start:.0f} s", flush=True)
 

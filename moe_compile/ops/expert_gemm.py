@@ -64,10 +64,9 @@ def _act_grad_fp32(g: torch.Tensor, activation: str) -> torch.Tensor:
 
 def gather_rows(x_SK: torch.Tensor, src_M: torch.Tensor) -> torch.Tensor:
     """``x[src]`` with zero rows where ``src < 0`` (the permuted copy the gather prologue avoids)."""
-    if x_SK.shape[0] == 0:  # no tokens: every row is a pad row
-        return x_SK.new_zeros(src_M.shape[0], x_SK.shape[1])
-    rows = x_SK.index_select(0, src_M.clamp(min=0).long())
-    return torch.where((src_M >= 0)[:, None], rows, 0)
+    # one gather from x with a zero row appended (pad rows read it): one pass over the M rows, not two
+    x_zero = torch.cat([x_SK, x_SK.new_zeros(1, x_SK.shape[1])])
+    return x_zero.index_select(0, torch.where(src_M >= 0, src_M, x_SK.shape[0]).long())
 
 
 def expert_gemm_reference(
@@ -173,19 +172,22 @@ def pick_config(M: int, E: int, N: int, K: int, fmt: str, fp32: bool, gated: boo
     return cfg
 
 
-def wgrad_config(N: int, K: int, fp32: bool, cuda: bool) -> dict:
+def wgrad_config(N: int, K: int, fp32: bool, cuda: bool, row_scale: bool = False) -> dict:
     """Tile config of ``_expert_wgrad_kernel`` (``[BLOCK_N, BLOCK_K]`` output tiles, ``BLOCK_M`` rows a step).
 
     H100 (triton 3.6), Qwen3-like T4096 (E128, ~256 rows per expert): ``[128, 256]`` tiles in groups of 4
     column tiles took the gate_up wgrad from 1137 to 866 us and the down wgrad from 470 to 365 us against
     ``[128, 128]`` ungrouped; 32-row steps, 256-wide N tiles and flattened / transposed-load variants were slower.
+    With ``row_scale`` (``dy`` scaled in registers before the MMA) the ``[128, 256]`` tile gave different bits
+    from run to run, and NaN, on triton 3.6 (Qwen3-like down wgrad, bf16 weights): that path keeps ``[128, 128]``
+    (bitwise stable over repeated runs in the same test).
     """
     if not cuda:  # interpreter: small tiles, groups of 2 (several column tiles per group in the tests)
         bn, bk, bm, warps, stages, group = 16, 16, 16, 4, 1, 2
     elif fp32:
         bn, bk, bm, warps, stages, group = 64, 64, 32, 4, 3, 1
     else:
-        bn, bk, bm, warps, stages, group = 128, 256, 64, 8, 3, 4
+        bn, bk, bm, warps, stages, group = 128, 128 if row_scale else 256, 64, 8, 3, 4
     return dict(BLOCK_M=bm, BLOCK_N=max(min(bn, gmm._next_pow2(N)), 16), BLOCK_K=max(min(bk, gmm._next_pow2(K)), 16),
                 GROUP_N=group, num_warps=warps, num_stages=stages)  # fmt: skip
 
@@ -288,7 +290,7 @@ def launch_expert_wgrad(
     M, N = dy_MN.shape
     K, E = x_SK.shape[1], offs_E.shape[0]
     fp32 = x_SK.dtype == torch.float32 or not x_SK.is_cuda
-    cfg = wgrad_config(N, K, fp32, x_SK.is_cuda)
+    cfg = wgrad_config(N, K, fp32, x_SK.is_cuda, row_weight_M is not None)
     cfg.update(config or {})
     tiles = E * triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(K, cfg["BLOCK_K"])
     num_progs = cfg.pop("NUM_PROGS", None) or (_num_sms(x_SK.device.index or 0) if x_SK.is_cuda else 3)
@@ -352,6 +354,8 @@ def _expert_gemm_body(x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M,
         # CUTLASS grouped GEMM on the materialised rows, the epilogue in PyTorch (same semantics)
         a = gather_rows(x_SK, src) if src is not None else x_SK
         pre = gmm.grouped_mm(a, w, offs_E)
+        if activation == "none" and row_weight_M is None:  # the GEMM's own output, no epilogue passes
+            return pre, x_SK.new_empty(0, N_w)
         out = pre.float()
         if activation != "none":
             out = _act_fp32(out[:, :N], activation) * out[:, N:]

@@ -37,20 +37,27 @@ def _dispatch(seed: int):
     return x, permute_pad(x, ids, probs, num_experts=E, align=16), gen
 
 
-def test_wgrad_gathered_and_row_weighted(forced_triton):
+@pytest.mark.parametrize("gathered", [True, False], ids=["gate_up_gathered", "down_rows"])
+@pytest.mark.parametrize("rw_dtype", [None, torch.bfloat16, torch.float32])
+def test_wgrad(forced_triton, gathered, rw_dtype):
+    """Both wgrad layouts of the block (gate_up: x gathered through the row map; down: the expert rows of h,
+    ``K = I``), with and without the row weight, within the bound and bitwise equal over repeated runs."""
     x, d, gen = _dispatch(0)
     M = d.rows_MH.shape[0]
-    dz = torch.randn(M, 2 * I, generator=gen).to(torch.bfloat16).to(DEV)
-    rw = d.probs_M.float()
-    got = torch.ops.moe.expert_wgrad(dz, x, d.offs_E, d.row_map, rw)
-    a = eg.gather_rows(x, eg.source_rows(d.row_map, M))
-    dys = (dz.float() * rw[:, None]).to(torch.bfloat16)  # the kernel rounds the scaled dy to the MMA dtype
+    n, src_x = (2 * I, x) if gathered else (H, torch.randn(M, I, generator=gen).to(torch.bfloat16).to(DEV))
+    row_map = d.row_map if gathered else None
+    dz = torch.randn(M, n, generator=gen).to(torch.bfloat16).to(DEV)
+    rw = d.probs_M.to(rw_dtype) if rw_dtype is not None else None
+    runs = [torch.ops.moe.expert_wgrad(dz, src_x, d.offs_E, row_map, rw) for _ in range(3)]
+    a = eg.gather_rows(x, eg.source_rows(d.row_map, M)) if gathered else src_x
+    # the kernel rounds the scaled dy to the MMA dtype
+    dys = dz if rw is None else (dz.float() * rw.float()[:, None]).to(torch.bfloat16)
     want = gmm.grouped_mm_wgrad_reference(dys.double(), a.double(), d.offs_E)
     counts = d.counts_E.tolist()
     bound = tol.matmul_bound(tol.grouped_wgrad_abs(dys, a, d.offs_E), max(counts), want, got_dtype=torch.bfloat16)
-    tol.assert_within(got, want, bound, "expert_wgrad")
-    assert counts[3] == 0 and torch.all(got[3] == 0)
-    assert torch.equal(got, torch.ops.moe.expert_wgrad(dz, x, d.offs_E, d.row_map, rw)), "not bitwise reproducible"
+    tol.assert_within(runs[0], want, bound, "expert_wgrad")
+    assert counts[3] == 0 and torch.all(runs[0][3] == 0)
+    assert all(torch.equal(runs[0], r) for r in runs[1:]), "not bitwise reproducible"
 
 
 def test_gated_forward_and_dx(forced_triton):

@@ -207,7 +207,7 @@ def compile_sm90() -> dict:
                 jobs[f"gemm_{fmt}_{M}_{E}_{N}_{K}_{act}_tma{tma}"] = (kernel, sig, consts, opts)
     wgrad = eg._kernels._expert_wgrad_kernel
     for gather, rw in ((True, False), (False, True)):
-        cfg = eg.wgrad_config(1536, 2048, False, True)
+        cfg = eg.wgrad_config(1536, 2048, False, True, rw)
         consts = dict(GATHER_X=gather, ROW_SCALE=rw, IEEE_DOT=False, **{k: v for k, v in cfg.items() if k.isupper()})
         sig = {n: "constexpr" if n in consts else "*bf16" if n.endswith("_ptr") else "i32" for n in wgrad.arg_names}
         sig.update(src_ptr="*i32", offs_ptr="*i32", rw_ptr="*fp32")
