@@ -99,7 +99,8 @@ def expert_gemm_reference(
 # (gate_up with the gather prologue and the GLU epilogue), ``plain`` (down, any un-gated forward), ``dx`` (the
 # input gradient, against the transposed weights), ``wgrad`` (the weight gradient). Measured on the H100
 # (triton 3.6, ``benchmarks/bench_grouped_gemm.py``'s ``choice`` rows, CUDA graphs):
-# * gated: Qwen3-like wins at 16 / 256 / 1024 rows per expert (T4096: 636 vs 732 us; T16384: 1939 vs 2359);
+# * gated: Qwen3-like wins at 16 / 256 / 1024 rows per expert (T4096: 636 vs 732 us in two runs, 636 vs 576 in a
+#   third; T16384: 1939 vs 2359);
 #   DeepSeek-V3-like (N*K 5.8M) wins at 24 rows and ties from 384; Mixtral-like (29M) wins only at 64 rows;
 # * plain: wins at 16-64 rows (T256: Qwen3 151 vs 163 us), loses from 256 (Qwen3 T4096 353 vs 286);
 # * dx: Qwen3-like T4096 (256 rows) 540-625 vs 497 us (gate_up), 289-483 vs 265 (down): CUTLASS;
