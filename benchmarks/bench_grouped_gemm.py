@@ -148,9 +148,9 @@ def run_shape(s: Shape, T: int, gen, args) -> list[dict]:
         res.append(dict(shape=s.name, T=T, what=what, impl=impl, us=round(us, 1), tflops=round(fl / us * 1e-6, 1), timing=how))
 
     blocks = {"cutlass": lambda a, p, w1, w2: cutlass_block(a, ids, p, w1, w2, s.E),
-              "triton": lambda a, p, w1, w2: triton_block(a, ids, p, w1, w2, s.E),
-              "auto": lambda a, p, w1, w2: triton_block(a, ids, p, w1, w2, s.E)}  # fmt: skip
-    # "auto": the ops as shipped (each GEMM picks Triton or CUTLASS from NOTE [grouped GEMM choice])
+              "triton": lambda a, p, w1, w2: triton_block(a, ids, p, w1, w2, s.E)}  # fmt: skip
+    # "auto": the Triton block's ops as shipped (each GEMM picks Triton or CUTLASS from NOTE [grouped GEMM choice])
+    blocks["auto"] = blocks["triton"]
     choice_env = {"cutlass": "triton", "triton": "triton", "auto": ""}
     with env(MOE_COMPILE_GROUPED_GEMM="triton"):
         outs = {}
@@ -204,7 +204,7 @@ def run_shape(s: Shape, T: int, gen, args) -> list[dict]:
             add(g, impl, us, flops[g], how)
     for r in res:
         r.update(err=f"{err:.2g}", bitwise=bitwise)
-    choice = {g: min(("cutlass", "triton"), key=lambda i: times[(g, i)]) for g, _ in times}
+    choice = {g: min(("cutlass", "triton"), key=lambda i: times[(g, i)]) for g in dict.fromkeys(g for g, _ in times)}
     res.append(dict(shape=s.name, T=T, what="choice", impl=json.dumps(choice), rows_per_expert=round(rows / s.E, 1)))
     return res
 

@@ -90,9 +90,9 @@ def test_every_choice_trains_the_same_gated_gemm(monkeypatch):
     M = d.rows_MH.shape[0]
     w = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(torch.bfloat16).to(DEV)
     dy = torch.randn(M, I, generator=gen).to(torch.bfloat16).to(DEV)
-    valid = eg.source_rows(d.row_map, M) >= 0  # pad and tail rows are zero on every path
-    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
     src = eg.source_rows(d.row_map, M)
+    valid = src >= 0  # pad and tail rows are zero on every path
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
     want_y = eg.expert_gemm_reference(xd, wd, d.offs_E, src, None, "swiglu")[0]
     want = (want_y, *torch.autograd.grad(want_y, (xd, wd), dy.double()))
     rows = int(d.counts_E.max())
