@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from moe_compile.ops import _eager_launch
+
 SUPPORTED_ALIGNMENTS = (1, 8, 16, 32, 64, 128, 256)
 
 
@@ -246,11 +248,14 @@ def launch_kernel(kernel, grid, *args, traced: bool, options: dict, **kwargs) ->
     ``launch_pdl``). Inductor compiles a wrapped kernel with its own options and takes only
     ``num_warps`` from the call, so a traced launch passes just that: device asserts stay on because
     Inductor compiles user kernels with ``debug`` set (the kernels gate them on a ``DEBUG`` constexpr),
-    and fp contraction follows Inductor's default (see NOTE [expert-order gather-sum]).
+    and fp contraction follows Inductor's default (see NOTE [expert-order gather-sum]). Eager CUDA launches
+    reuse the compiled kernel without re-binding the arguments (NOTE [cached eager launch] in ``_eager_launch``).
     """
     if traced:
         from torch.library import wrap_triton
 
         wrap_triton(kernel)[grid](*args, **kwargs, num_warps=options["num_warps"])
+    elif args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+        _eager_launch.launch(kernel, grid, args, {**kwargs, **options})
     else:
         kernel[grid](*args, **kwargs, **options)

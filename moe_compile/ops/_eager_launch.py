@@ -1,0 +1,133 @@
+"""Eager CUDA launches of Triton kernels without ``JITFunction.run``'s per-call binding.
+
+NOTE [cached eager launch]: ``kernel[grid](*args)`` binds and specialises every argument in Python on every
+call (``binder``, the cache key, the current device and stream), about 10-20 us per launch on an H100 host
+(triton 3.6), as much as a small kernel runs. Inductor avoids this with its static launcher; the dispatch ops'
+eager calls (the public wrappers, the ops under autograd) went through ``JITFunction.run``. Here the first
+launch of a kernel for a given specialisation goes through ``JITFunction.run`` (which compiles or finds the
+kernel) and the ``CompiledKernel`` it returns is kept under a key at least as fine as Triton's own:
+
+* a tensor: its dtype and whether its address is a multiple of 16 (Triton's pointer specialisation);
+* an int: ``== 1``, ``% 16 == 0`` and whether it fits int32 / int64 (Triton's integer specialisation and
+  its argument type); a bool, a float or ``None``: its type (a bool's value too);
+* a ``tl.constexpr`` parameter and every keyword argument (constexprs, ``num_warps``, ``debug``,
+  ``launch_pdl``...): its value.
+
+Later launches with the same key call the compiled kernel's launcher directly, with the arguments in the
+signature's order, as ``JITFunction.run`` does. Not cached (the plain path every time): kernels that are not
+plain ``JITFunction`` objects (the interpreter, autotuners), launches while Triton launch hooks are set (a
+profiler), and anything whose key cannot be hashed. Kernels launched this way must not read mutable Python
+globals (``JITFunction.run`` re-checks those per call; none of ours do). ``MOE_COMPILE_CACHED_LAUNCH=0`` turns
+it off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+ENABLED = os.environ.get("MOE_COMPILE_CACHED_LAUNCH", "1") != "0"
+
+_INT32 = (-(2**31), 2**31)
+_INT64 = (-(2**63), 2**63)
+
+
+class _KernelLaunches:
+    """Per kernel: its parameters (names, which are constexpr, defaults) and the compiled kernels by key."""
+
+    def __init__(self, kernel) -> None:
+        params = kernel.params
+        self.names = tuple(p.name for p in params)
+        self.constexpr = tuple(bool(p.is_constexpr) for p in params)
+        self.defaults = {p.name: p.default for p in params if p.has_default}
+        self.compiled: dict[tuple, Any] = {}
+
+
+_LAUNCHES: dict[Any, _KernelLaunches | None] = {}
+_runtime = None  # (triton.knobs.runtime, driver.active), bound on first use
+
+
+def arg_key(arg: Any, constexpr: bool) -> Any:
+    """The part of the launch key for one positional argument (see NOTE [cached eager launch])."""
+    if constexpr:
+        return ("c", arg)
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    kind = type(arg)
+    if kind is int:
+        return ("i", arg == 1, arg % 16 == 0, _INT32[0] <= arg < _INT32[1], _INT64[0] <= arg < _INT64[1])
+    if kind is bool:
+        return ("b", arg)
+    if kind is float:
+        return "f"
+    if arg is None:
+        return None
+    return ("v", kind, arg)  # anything else by value (raises TypeError when unhashable: not cached)
+
+
+def launch_key(launches: _KernelLaunches, device: int, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
+    """The cache key of one launch: device, every positional argument's :func:`arg_key`, the keywords."""
+    return (device, tuple(arg_key(a, c) for a, c in zip(args, launches.constexpr)), tuple(kwargs.items()))
+
+
+def _no_hook(hook: Any) -> bool:
+    # Triton >= 3.5 keeps launch hooks in a ``HookChain``, empty unless something (a profiler) added one
+    return hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls)
+
+
+def _launches_of(kernel) -> _KernelLaunches | None:
+    try:
+        return _LAUNCHES[kernel]
+    except KeyError:
+        from triton.runtime.jit import JITFunction
+
+        launches = _KernelLaunches(kernel) if type(kernel) is JITFunction else None
+        _LAUNCHES[kernel] = launches
+        return launches
+
+
+def launch(kernel, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """``kernel[grid](*args, **kwargs)`` on CUDA tensors, through the cached compiled kernel when there is one."""
+    global _runtime
+    launches = _launches_of(kernel) if ENABLED else None
+    if launches is None:
+        kernel[grid](*args, **kwargs)
+        return
+    if _runtime is None:
+        from triton import knobs
+        from triton.runtime import driver
+
+        _runtime = (knobs.runtime, driver.active)
+    runtime, driver = _runtime
+    if not (_no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook)):
+        kernel[grid](*args, **kwargs)
+        return
+    device = driver.get_current_device()
+    try:
+        key = launch_key(launches, device, args, kwargs)
+        compiled = launches.compiled.get(key)
+    except TypeError:  # an unhashable argument: Triton's own path
+        kernel[grid](*args, **kwargs)
+        return
+    if compiled is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if hasattr(compiled, "packed_metadata") and hasattr(compiled, "function"):
+            launches.compiled[key] = compiled
+        return
+    names, defaults = launches.names, launches.defaults
+    bound = list(args)
+    for name in names[len(args):]:
+        bound.append(kwargs[name] if name in kwargs else defaults[name])
+    grid_1 = grid[1] if len(grid) > 1 else 1
+    grid_2 = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], grid_1, grid_2, driver.get_current_stream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *bound)
+
+
+def cached_kernels(kernel) -> int:
+    """How many compiled specialisations of ``kernel`` the cache holds (tests)."""
+    launches = _LAUNCHES.get(kernel)
+    return len(launches.compiled) if launches is not None else 0
