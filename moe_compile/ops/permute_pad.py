@@ -292,27 +292,27 @@ def _launch_triton(
         expert_idx = expert_idx.contiguous()
     if probs is not None and not probs.is_contiguous():
         probs = probs.contiguous()
-    dev = x.device
+    empty = _common.eager_cuda_allocator(x, traced)
     i32 = torch.int32
     e_pad = plan.e_pad
 
     # before_blocks, seg_start and counts; the permute kernel reads counts from here, not from `counts`
-    table = torch.empty((plan.num_blocks + 2) * e_pad, dtype=i32, device=dev)
-    counts = torch.empty(num_experts, dtype=i32, device=dev)
-    offs = torch.empty(num_experts, dtype=i32, device=dev)
+    table = empty(((plan.num_blocks + 2) * e_pad,), i32)
+    counts = empty((num_experts,), i32)
+    offs = empty((num_experts,), i32)
     # NOTE [no load-derived store addresses on graph inputs] (ops/triton/dispatch.py)
     copy_ids = traced and _common.ttir_writes_follow_loads()
-    ids_copy = torch.empty(plan.N, dtype=i32, device=dev) if copy_ids else table
+    ids_copy = empty((plan.N,), i32) if copy_ids else table
     _common.launch_kernel(
         kernels._expert_offsets_kernel, (1,),
         expert_idx, ids_copy, table, counts, offs, plan.N, num_experts, plan.num_blocks,
         ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, SUB=plan.sub, COPY_IDS=copy_ids, DEBUG=debug,
         USE_PDL=use_pdl, traced=traced, options=dict(num_warps=INDEX_NUM_WARPS, debug=debug),
     )  # fmt: skip
-    rows = torch.empty((plan.M, H), dtype=x.dtype, device=dev)
+    rows = empty((plan.M, H), x.dtype)
     # without probs, probs_M is the empty placeholder output: it doubles as the unused pointer
-    probs_M = torch.empty(plan.M, dtype=probs.dtype, device=dev) if probs is not None else x.new_empty(0)
-    row_map = torch.empty((T, 2 * K), dtype=i32, device=dev)
+    probs_M = empty((plan.M,), probs.dtype) if probs is not None else x.new_empty(0)
+    row_map = empty((T, 2 * K), i32)
     _common.launch_kernel(
         kernels._permute_rows_kernel, plan.rows_grid,
         x, ids_copy if copy_ids else expert_idx, table, x if probs is None else probs, rows, probs_M,

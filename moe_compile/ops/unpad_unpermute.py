@@ -199,11 +199,12 @@ def launch_gather_sum_triton(
     traced = rows.is_cuda and _common.is_traced(rows)
     rows, row_map = rows.contiguous(), row_map.contiguous()
     probs = probs.contiguous() if probs is not None else None
-    out = torch.empty((T, H), dtype=rows.dtype, device=rows.device)
+    empty = _common.eager_cuda_allocator(rows, traced)
+    out = empty((T, H), rows.dtype)
     grad_probs = None
     if grad_probs_M is not None:
         grad_probs_M = grad_probs_M.contiguous()
-        grad_probs = torch.empty((T, K), dtype=grad_probs_M.dtype, device=rows.device)
+        grad_probs = empty((T, K), grad_probs_M.dtype)
     bh, num_warps = _common.row_block(H, rows.element_size())
     bh = block_h or bh
     _common.launch_kernel(
@@ -242,9 +243,10 @@ def launch_unpad_unpermute_backward_triton(
     need_prob_grad = probs is not None and rows is not None
     probs = probs.contiguous() if probs is not None else None
     rows = rows.contiguous() if need_prob_grad else None
-    grad_rows = torch.empty((num_rows, H), dtype=grad_y.dtype, device=dev)
+    empty = _common.eager_cuda_allocator(grad_y, traced)
+    grad_rows = empty((num_rows, H), grad_y.dtype)
     # without the prob gradient: the op's empty placeholder output doubles as the unused pointer
-    grad_probs = torch.empty((T, K), dtype=probs.dtype, device=dev) if need_prob_grad else grad_y.new_empty(0)
+    grad_probs = empty((T, K), probs.dtype) if need_prob_grad else grad_y.new_empty(0)
     used = torch.zeros(num_rows, dtype=torch.int8, device=dev)
     if traced and _common.ttir_writes_follow_loads():
         # both kernels store at rows read from row_map: give them a private copy (NOTE [no
