@@ -24,8 +24,9 @@ Layers (``torch.compile(layer, backend=..., fullgraph=True)``, as the issue meas
 * ``sort_scatter``: ``SortIndexSelectScatterAdd`` (sort + ``scatter_add_`` combine), same sizes, T in {1, 64};
 * ``qwen3``: transformers' ``Qwen3MoeSparseMoeBlock`` (H 2048, I 768, E 128, K 8), T in {1, 64};
 * ``mixtral``: transformers' ``MixtralSparseMoeBlock`` (H 4096, I 3584, E 8, K 2), T in {1, 64};
-* ``permute_pad``: ``moe_compile.ops.permute_pad`` alone (eager public wrapper, and compiled with plain
-  Inductor, whose generated code launches the kernels) against its bandwidth floor (bytes read and
+* ``permute_pad``: ``moe_compile.ops.permute_pad`` alone (eager public wrapper; the same with Triton's own
+  launch path instead of the cached launch, NOTE [cached eager launch]; and compiled with plain Inductor, whose
+  generated code launches the kernels) against its bandwidth floor (bytes read and
   written / measured copy bandwidth), T8192 H4096 E8 K2 and T16384 H2048 E64 K8 (align 32).
 
 Variants: ``eager``; ``inductor`` (default backend); ``moe`` (``backend="moe_compile"``). Targets
@@ -313,15 +314,25 @@ def run_permute_pad(cfg: Config, device: str, bw: float) -> list[Result]:
     def op(x, ids, probs):
         return permute_pad(x, ids, probs, num_experts=cfg.E, align=cfg.align)
 
+    from moe_compile.ops import _eager_launch
+
+    def uncached(x, ids, probs):  # the eager wrapper with Triton's own launch path (JITFunction.run per launch)
+        _eager_launch.ENABLED = False
+        try:
+            return op(x, ids, probs)
+        finally:
+            _eager_launch.ENABLED = True
+
     torch._dynamo.reset()
-    names = {"eager": "eager (public wrapper)", "inductor": "compiled (Inductor launches)"}
+    names = {"eager": "eager (public wrapper)", "eager_uncached": "eager, Triton's launch path",
+             "inductor": "compiled (Inductor launches)"}
     steps, compile_s = {}, {}
     for variant in names:  # "inductor": the op's kernels launched from generated code
-        fn = _compile(variant, op)
+        fn = uncached if variant == "eager_uncached" else _compile(variant, op)
         start = time.perf_counter()
         fn(x, ids, probs)
         _sync(device)
-        compile_s[variant] = time.perf_counter() - start if variant != "eager" else 0.0
+        compile_s[variant] = time.perf_counter() - start if variant == "inductor" else 0.0
         steps[variant] = lambda fn=fn: fn(x, ids, probs)
     timed = time_interleaved(steps, device)
     results = []
@@ -336,7 +347,8 @@ def run_permute_pad(cfg: Config, device: str, bw: float) -> list[Result]:
 
 
 SUMMARY_VARIANTS = {"eager": "eager", "inductor": "inductor", "moe": "moe",
-                    "eager (public wrapper)": "eager", "compiled (Inductor launches)": "inductor"}
+                    "eager (public wrapper)": "eager", "eager, Triton's launch path": "eager_uncached",
+                    "compiled (Inductor launches)": "inductor"}
 
 
 def summarize(results: list[Result]) -> list[dict]:
@@ -366,6 +378,10 @@ def summarize(results: list[Result]) -> list[dict]:
         floor = us(cell.get("eager"), "floor_us")
         row["floor_us"] = floor
         row["eager/floor"] = round(row["eager_wall_us"] / floor, 2) if floor and row["eager_wall_us"] else None
+        # permute_pad rows: the same eager call through Triton's own launch path
+        row["eager_uncached_wall_us"] = us(cell.get("eager_uncached"), "wall_us")
+        uncached = row["eager_uncached_wall_us"]
+        row["eager_uncached/floor"] = round(uncached / floor, 2) if floor and uncached else None
         rows.append(row)
     return rows
 
