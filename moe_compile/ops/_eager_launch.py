@@ -70,7 +70,7 @@ def arg_key(arg: Any, constexpr: bool) -> Any:
 
 def launch_key(launches: _KernelLaunches, device: int, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
     """The cache key of one launch: device, every positional argument's :func:`arg_key`, the keywords."""
-    return (device, tuple(arg_key(a, c) for a, c in zip(args, launches.constexpr)), tuple(kwargs.items()))
+    return (device, tuple(map(arg_key, args, launches.constexpr)), tuple(kwargs.items()))
 
 
 def _no_hook(hook: Any) -> bool:
