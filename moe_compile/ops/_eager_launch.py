@@ -43,7 +43,7 @@ class _KernelLaunches:
         self.names = tuple(p.name for p in params)
         self.constexpr = tuple(bool(p.is_constexpr) for p in params)
         self.defaults = {p.name: p.default for p in params if p.has_default}
-        self.compiled: dict[tuple, Any] = {}
+        self.compiled: dict[tuple, tuple] = {}  # key -> (launcher, function, packed metadata, trailing args)
 
 
 _LAUNCHES: dict[Any, _KernelLaunches | None] = {}
@@ -115,16 +115,14 @@ def launch(kernel, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str,
     if compiled is None:
         compiled = kernel[grid](*args, **kwargs)
         if hasattr(compiled, "packed_metadata") and hasattr(compiled, "function"):
-            launches.compiled[key] = compiled
+            # the arguments after the positional ones (constexprs, defaults) are fixed by the key
+            tail = tuple(kwargs[n] if n in kwargs else launches.defaults[n] for n in launches.names[len(args):])
+            launches.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
         return
-    names, defaults = launches.names, launches.defaults
-    bound = list(args)
-    for name in names[len(args):]:
-        bound.append(kwargs[name] if name in kwargs else defaults[name])
+    run, function, metadata, tail = compiled
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
-    compiled.run(grid[0], grid_1, grid_2, driver.get_current_stream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *bound)
+    run(grid[0], grid_1, grid_2, driver.get_current_stream(device), function, metadata, None, None, None, *args, *tail)
 
 
 def cached_kernels(kernel) -> int:
