@@ -26,8 +26,8 @@ Rewrites to::
 
 then erases the host reads (``item``) that no longer feed a tensor op, with their ``_assert_scalar``
 checks (side-effecting: DCE would keep them). A model that pads on the host right after
-``moe.permute_pad`` (sizes from the op's ``offs_E`` or from ``ceil_div(counts, a) * a``) has its pad,
-narrow and host offsets removed: the rows are already aligned and are not padded twice.
+``moe.permute_pad`` has its pad, narrow and host offsets removed (``_pad_after_permute_pad``): the rows are
+already aligned and are not padded twice. The permute forms are ``_permute_forms``'s.
 
 Fires when: every step above is proven. The permutation is proven from the graph (ascending argsort of
 the same ids whose histogram gives the split sizes, or ``masked_select`` over a routing map scattered
@@ -74,9 +74,11 @@ from moe_compile.ops._common import SUPPORTED_ALIGNMENTS
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._combine_forms import UnpermuteSum, match_unpermute_sum, read_accumulate
 from moe_compile.passes._op_tables import CASTS, GROUPED_MM
-from moe_compile.passes._count_forms import expert_counts, ids_base, peel, routing_map_ids, strip_casts
-from moe_compile.passes._graph import arg, erase_dead, layer_name, op_name, outside_users, topo_index
+from moe_compile.passes._count_forms import expert_counts, ids_base, peel, strip_casts
+from moe_compile.passes._graph import erase_dead, layer_name, op_name, outside_users, topo_index
+from moe_compile.passes._pad_after_permute_pad import strip_pad_after_permute_pad
 from moe_compile.passes._padding_forms import Pad, Unpad, is_zeros, match_pad, match_unpad
+from moe_compile.passes._permute_forms import Permute, argsort_of, match_permute, probs_source, token_index, weighted_rows
 from moe_compile.passes._rowwise_region import rowwise_region
 from moe_compile.passes._host_sync import (
     HostRead,
@@ -89,28 +91,15 @@ from moe_compile.passes._host_sync import (
     host_reads,
     int_vector,
     is_call,
-    kwarg,
     leaf_vector,
     replace_uses_after,
     same_on_samples,
     sym_expr,
     tensor_value,
-    transitive_users,
 )
 
 
 COMBINES = {"index_add_", "index_add", "scatter_add_", "scatter_add", "index_put_", "index_put"}
-
-
-@dataclasses.dataclass
-class Permute:
-    x_TH: fx.Node
-    idx_TK: fx.Node
-    num_experts: int
-    x_NH: fx.Node
-    kind: str  # "argsort" | "masked_select"
-    order: fx.Node | None = None  # argsort result (for probs_N = probs.flatten()[order])
-    map_ET: fx.Node | None = None  # routing map (for probs_N = probs_ET.masked_select(map_ET))
 
 
 @dataclasses.dataclass
@@ -135,106 +124,8 @@ class Region:
 
 
 # ---------------------------------------------------------------------------------------------------
-# small structural helpers
+# counts
 # ---------------------------------------------------------------------------------------------------
-
-
-def _flat_base(node: Any) -> Any:
-    """``idx_TK`` for ``idx_TK.reshape(-1)`` / ``.view(-1)`` / ``.flatten()``; else the node."""
-    node = peel(node, {"contiguous"})
-    if is_call(node, "reshape", "view", "flatten", "ravel"):
-        value, base = tensor_value(node), tensor_value(node.args[0])
-        if value is not None and base is not None and value.dim() == 1 and base.dim() == 2:
-            return node.args[0]
-    return node
-
-
-def _transposed_base(node: Any) -> Any:
-    """``m_TE`` for ``m_TE.T`` / ``.t()`` / ``.transpose(0, 1)`` / ``.permute(1, 0)`` [``.contiguous()``]."""
-    node = peel(node, {"contiguous"})
-    if not isinstance(node, fx.Node):
-        return None
-    name = op_name(node)
-    if name == "getattr" and node.args[1] in ("T", "mT"):
-        return node.args[0]
-    if name == "t":
-        return node.args[0]
-    if name == "transpose" and set(node.args[1:3]) in ({0, 1}, {-1, -2}, {0, -1}, {1, -2}):
-        return node.args[0]
-    if name == "permute" and tuple(node.args[1:]) in ((1, 0), ((1, 0),)):
-        return node.args[0]
-    return None
-
-
-def _topk_indices(node: Any) -> bool:
-    return is_call(node, "getitem") and node.args[1] == 1 and is_call(node.args[0], "topk")
-
-
-# ---------------------------------------------------------------------------------------------------
-# permute recognition
-# ---------------------------------------------------------------------------------------------------
-
-
-def _argsort_of(order: Any) -> fx.Node | None:
-    """The 1-D ids sorted by ``order`` (ascending ``argsort`` / ``sort(...)[1]``), or None."""
-    if is_call(order, "argsort"):
-        descending = arg(order, 2, "descending", False)
-        dim = arg(order, 1, "dim", -1)
-        return order.args[0] if descending is False and dim in (0, -1) else None
-    if is_call(order, "getitem") and order.args[1] == 1 and is_call(order.args[0], "sort"):
-        sort = order.args[0]
-        descending = arg(sort, 2, "descending", False)
-        return sort.args[0] if descending is False and arg(sort, 1, "dim", -1) in (0, -1) else None
-    return None
-
-
-def _floordiv_by(node: Any) -> tuple[fx.Node, int] | None:
-    if is_call(node, "floordiv", "__floordiv__") and isinstance(node.args[1], int):
-        return node.args[0], node.args[1]
-    if is_call(node, "div") and kwarg(node, "rounding_mode") == "floor" and isinstance(node.args[1], int):
-        return node.args[0], node.args[1]
-    return None
-
-
-def _match_permute(token_N: fx.Node) -> Permute:
-    """Prove how ``token_N`` (source token of each permuted row) and the gathered rows were built."""
-    gathers = [
-        u for u in token_N.users
-        if (is_call(u, "getitem") and u.args[1] is token_N)
-        or (is_call(u, "index_select") and u.args[2] is token_N and arg(u, 1, "dim") == 0)
-    ]
-    if len(gathers) != 1:
-        raise NoMatch("permute_not_matched", f"{len(gathers)} row gathers by {token_N.name}")
-    x_NH = gathers[0]
-    x_TH = x_NH.args[0]
-    if tensor_value(x_TH) is None or tensor_value(x_TH).dim() != 2:
-        raise NoMatch("permute_not_matched", "gathered tensor is not [T, H]")
-    split = _floordiv_by(token_N)
-    if split is not None:
-        order, K = split
-        ids = _argsort_of(order)
-        idx_TK = _flat_base(ids) if ids is not None else None
-        value = tensor_value(idx_TK)
-        if idx_TK is None or value is None or value.dim() != 2 or value.shape[1] != K:
-            raise NoMatch("permute_not_matched", f"{token_N.name} is not argsort(ids.flatten()) // K")
-        return Permute(x_TH, idx_TK, -1, x_NH, "argsort", order=order)
-    if is_call(token_N, "masked_select"):
-        tokens, map_ET = token_N.args[0], token_N.args[1]
-        base = tokens
-        while is_call(base, "expand", "unsqueeze", "expand_as", "repeat", "contiguous"):
-            base = base.args[0]
-        T = tensor_value(x_TH).shape[0]
-        if not (is_call(base, "arange") and tuple(base.args) in ((T,), (0, T))):
-            raise NoMatch("permute_not_matched", "masked_select source is not arange(T) expanded over experts")
-        map_TE = _transposed_base(map_ET)
-        idx_TK = routing_map_ids(map_TE) if map_TE is not None else None
-        if idx_TK is None:
-            raise NoMatch("routing_map_not_topk", "routing map not proven to hold exactly K distinct experts per token")
-        if not _topk_indices(idx_TK):
-            raise NoMatch("routing_map_not_topk", f"{idx_TK.name} is not the indices of a topk")
-        E = tensor_value(map_ET).shape[0]
-        return Permute(x_TH, idx_TK, E, x_NH, "masked_select", map_ET=map_ET)
-    raise NoMatch("permute_not_matched", f"{token_N.name} is neither argsort // K nor masked_select(arange)")
 
 
 def _histogram_of(counts: Any, idx_TK: fx.Node) -> int | None:
@@ -264,67 +155,7 @@ def _unpermute_sum(sink: fx.Node) -> UnpermuteSum | None:
     """The sink as an un-permute + top-k sum combine (``y[order] = ys`` or ``ys[inverse(order)]``)."""
     if op_name(sink) != "sum":
         return None
-    return match_unpermute_sum(sink, None, lambda order: _argsort_of(order) is not None)
-
-
-def _token_index(order: fx.Node) -> fx.Node:
-    """``order // K``, the source token of each sorted row, as the graph computes it for the row gather."""
-    for u in order.users:
-        split = _floordiv_by(u)
-        if split is not None and split[0] is order:
-            return u
-    raise NoMatch("permute_not_matched", f"no token index {order.name} // K gathers the rows")
-
-
-def _weighted_rows(perm: Permute) -> tuple[fx.Node, fx.Node | None, fx.Node | None] | None:
-    """``(x_NH * probs_N[:, None], probs_TK, probs_TE)`` when the permuted rows' only use is that
-    multiply by the routing probs permuted alongside them (weights applied before the experts)."""
-    users = list(perm.x_NH.users)
-    if len(users) != 1 or not is_call(users[0], "mul", "__mul__") or len(users[0].args) != 2:
-        return None
-    mul = users[0]
-    col = mul.args[1] if mul.args[0] is perm.x_NH else mul.args[0]
-    cv = tensor_value(col) if isinstance(col, fx.Node) else None
-    if cv is None or cv.dim() != 2 or cv.shape[1] != 1:
-        return None
-    try:
-        probs_TK, probs_TE = _probs_source(col, perm)
-    except NoMatch:
-        return None
-    return mul, probs_TK, probs_TE
-
-
-def _probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx.Node | None]:
-    """``(probs_TK, None)`` or ``(None, probs_TE)`` for the permuted combine weight ``probs_col`` ([N, 1])."""
-    node = peel(probs_col, CASTS)
-    if is_call(node, "unsqueeze") and node.args[1] in (1, -1):
-        node = node.args[0]
-    elif is_call(node, "view", "reshape") and tuple(node.args[1:]) in ((-1, 1), ((-1, 1),)):
-        node = node.args[0]
-    elif is_call(node, "getitem") and isinstance(node.args[1], tuple) and len(node.args[1]) == 2 \
-            and node.args[1][1] is None and node.args[1][0] == slice(None):
-        node = node.args[0]
-    else:
-        raise NoMatch("probs_not_matched", f"{probs_col.name} is not a column of permuted probs")
-    node = peel(node, CASTS)
-    if perm.kind == "argsort" and is_call(node, "getitem") and node.args[1] is perm.order:
-        probs_TK = _flat_base(node.args[0])
-        value, ids = tensor_value(probs_TK), tensor_value(perm.idx_TK)
-        if value is not None and value.dim() == 2 and tuple(value.shape) == tuple(ids.shape):
-            return probs_TK, None
-    if perm.kind == "masked_select" and is_call(node, "masked_select") and node.args[1] is perm.map_ET:
-        probs_TE = _transposed_base(node.args[0])
-        if probs_TE is not None:
-            if is_call(probs_TE, "scatter", "scatter_") and is_zeros(probs_TE.args[0]) \
-                    and probs_TE.args[2] is perm.idx_TK and arg(probs_TE, 1, "dim") in (1, -1):
-                src = probs_TE.args[3] if len(probs_TE.args) > 3 else probs_TE.kwargs.get("src")
-                if isinstance(src, fx.Node) and tensor_value(src) is not None \
-                        and tuple(tensor_value(src).shape) == tuple(tensor_value(perm.idx_TK).shape):
-                    return src, None
-            value = tensor_value(probs_TE)
-            if value is not None and value.dim() == 2 and value.dtype.is_floating_point:
-                return None, probs_TE
-    raise NoMatch("probs_not_matched", f"{probs_col.name} is not the routing probs permuted alongside the rows")
+    return match_unpermute_sum(sink, None, lambda order: argsort_of(order) is not None)
 
 
 class _Matcher:
@@ -338,8 +169,8 @@ class _Matcher:
         unpermute = _unpermute_sum(sink)
         if unpermute is not None:
             dest, src = None, unpermute.rows
-            token_N = _token_index(unpermute.order)
-            perm = _match_permute(token_N)
+            token_N = token_index(unpermute.order)
+            perm = match_permute(token_N)
             matched = [perm.kind, unpermute.kind]
         else:
             dest, token_N, src = _combine_parts(sink)
@@ -350,7 +181,7 @@ class _Matcher:
                 )
             if any(order[u] < order[sink] for u in dest.users if u is not sink):
                 raise NoMatch("combine_buffer_reused", f"{dest.name} is used before the combine")
-            perm = _match_permute(token_N)
+            perm = match_permute(token_N)
             matched = [perm.kind, op_name(sink)]
 
         # combine source: casts, optional probs multiply, casts
@@ -375,7 +206,7 @@ class _Matcher:
                 y, col = b, a
             else:
                 raise NoMatch("probs_not_matched", f"{y.name}: neither operand is a [N, 1] column")
-            probs_TK, probs_TE = _probs_source(col, perm)
+            probs_TK, probs_TE = probs_source(col, perm)
             tail.add(next(u for u in y.users if is_call(u, "mul", "__mul__") and col in u.args))
             y0 = y
             y = peel(y, CASTS)
@@ -392,7 +223,7 @@ class _Matcher:
             bad += outside_users([unpad.cat], tail | {sink})
             if bad:
                 raise NoMatch("expert_region_escapes", f"the unpadded rows are also used by {bad[0].name}")
-        pre_weight = _weighted_rows(perm)
+        pre_weight = weighted_rows(perm)
         rows_NH = pre_weight[0] if pre_weight is not None else perm.x_NH
         pad = match_pad(rows_NH)
         Y = unpad.split.args[0] if unpad is not None else y
@@ -666,137 +497,8 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         ctx.rewrite(layer, " + ".join(region.matched), _rewrite(graph, region))
         touched.append(layer)
         reads = host_reads(graph)
-    touched += _strip_pad_after_permute_pad(graph, ctx)
+    touched += strip_pad_after_permute_pad(graph, ctx)
     remaining = erase_dead_host_reads(graph)
     if remaining and touched:
         ctx.skip(touched[0], "host_read_kept", f"{len(remaining)} host read(s) still feed tensor ops: "
                  + ", ".join(n.name for n in remaining[:4]))
-
-
-# ---------------------------------------------------------------------------------------------------
-# a host pad after our fused permute (already aligned)
-# ---------------------------------------------------------------------------------------------------
-
-
-def _permute_pad_leaves(pp: fx.Node) -> tuple[Any, list[sympy.Expr], int]:
-    """Symbolic ``offs_E`` / ``counts_E`` of a ``moe.permute_pad`` node in its per-expert counts ``n_e``."""
-    E, align = pp.args[3], pp.args[4]
-    counts = leaf_vector(pp, E)
-    padded = [ceil_align(n, align) for n in counts]
-    offs = [sympy.Add(*padded[: i + 1]) for i in range(E)]
-
-    def leaves(node: fx.Node) -> list[sympy.Expr] | None:
-        if is_call(node, "getitem") and node.args[0] is pp:
-            return {2: offs, 4: counts}.get(node.args[1])
-        return None
-
-    return leaves, counts, align
-
-
-def _match_pad_after_permute_pad(pp: fx.Node, reads: dict[sympy.Symbol, HostRead]) -> tuple[str, dict] | None:
-    """Match ``rows_MH[:used]`` -> host split + pad -> experts -> ``F.pad(y, (0, 0, 0, M - used))``."""
-    outs = {u.args[1]: u for u in pp.users if is_call(u, "getitem")}
-    rows, row_map = outs.get(0), outs.get(3)
-    if rows is None or row_map is None:
-        return None
-    narrowed = [
-        u for u in rows.users
-        if (is_call(u, "getitem") and isinstance(u.args[1], slice) and u.args[1].start in (None, 0)
-            and u.args[1].step in (None, 1) and isinstance(u.args[1].stop, fx.Node))
-        or (is_call(u, "narrow") and kwarg(u, "dim") == 0 and kwarg(u, "start") == 0)
-    ]
-    if len(narrowed) != 1:
-        return None
-    R = narrowed[0]
-    used = R.args[1].stop if is_call(R, "getitem") else kwarg(R, "length")
-    pad = match_pad(R)
-    X = pad.cat if pad is not None else R
-    pad_back = [
-        n for n in transitive_users(X)
-        if is_call(n, "pad") and any(is_call(u, "moe.unpad_unpermute") and u.args[1] is row_map for u in n.users)
-    ]
-    if len(pad_back) != 1:
-        raise NoMatch("pad_not_matched", f"{R.name}: the expert output is not padded back to the rows of {pp.name}")
-    back = pad_back[0]
-    Y = back.args[0]
-    spec = kwarg(back, "pad")
-    if not (isinstance(spec, (list, tuple)) and len(spec) == 4 and list(spec[:3]) == [0, 0, 0]):
-        raise NoMatch("pad_not_matched", f"{back.name} is not a row pad")
-    E = pp.args[3]
-    middle, offs_uses, offs_nodes = rowwise_region(X, Y, E, {back})
-    leaves, counts, align = _permute_pad_leaves(pp)
-    ev = IntVectorEval(reads, leaves)
-
-    def scalar(v: Any) -> sympy.Expr:
-        expr = ev.scalar(v)
-        if expr is None:
-            raise NoMatch("pad_not_matched", f"size {v} is not an expression of {pp.name}'s outputs")
-        return expr
-
-    segments = [ceil_align(n, align) for n in counts]
-    pairs = [(scalar(used), sympy.Add(*segments))]
-    M = tensor_value(rows).shape[0]
-    pairs.append((scalar(spec[3]) + scalar(used), sympy.Integer(M)))
-    padded = segments
-    if pad is not None:
-        if len(pad.sizes) != E:
-            raise NoMatch("pad_not_matched", f"{len(pad.sizes)} host groups for {E} experts")
-        pairs += [(scalar(s), seg) for s, seg in zip(pad.sizes, segments)]
-        if not same_on_samples(pairs, counts):
-            raise NoMatch("pad_not_matched", f"host groups are not the segments of {pp.name}")
-        if not same_on_samples([(scalar(q), sympy.Integer(0)) for q in pad.pads], counts):
-            raise NoMatch(
-                "alignment_unsupported", f"the host pads rows of {pp.name}(align={align}) to a larger alignment"
-            )
-    elif not same_on_samples(pairs, counts):
-        raise NoMatch("pad_not_matched", f"{R.name} does not keep exactly the used rows of {pp.name}")
-    for offs in offs_nodes:
-        vec = int_vector(offs, reads, leaves)
-        if vec is None or len(vec) != E or tensor_value(offs).dtype != torch.int32:
-            raise NoMatch("offsets_not_matched", f"{offs.name} is not an int32 [E] expression of {pp.name}")
-        expected = [sympy.Add(*padded[: i + 1]) for i in range(E)]
-        if not same_on_samples(list(zip(vec, expected)), counts):
-            raise NoMatch("offsets_not_matched", f"{offs.name} is not the offsets of {pp.name}")
-    return "ok", dict(rows=rows, offs=outs.get(2), R=R, X=X, Y=Y, back=back, middle=middle, pad=pad,
-                      offs_uses=offs_uses, offs_nodes=offs_nodes, align=align)
-
-
-def _strip_pad_after_permute_pad(graph: fx.Graph, ctx: PassContext) -> list[str]:
-    """Remove a host pad (and the host slicing around it) that follows ``moe.permute_pad``."""
-    touched = []
-    for pp in [n for n in graph.nodes if op_name(n) == "moe.permute_pad"]:
-        layer = layer_name(pp)
-        try:
-            found = _match_pad_after_permute_pad(pp, host_reads(graph))
-        except NoMatch as skip:
-            ctx.skip(layer, skip.reason, skip.detail)
-            touched.append(layer)
-            continue
-        if found is None:
-            continue
-        m = found[1]
-        offs = m["offs"]
-        if offs is None:
-            with graph.inserting_after(m["rows"]):
-                offs = call(graph, operator.getitem, pp, 2, meta_from=pp)
-        for node in m["middle"]:
-            node.replace_input_with(m["X"], m["rows"])
-        for node in m["offs_uses"]:
-            if len(node.args) > 2:
-                node.update_arg(2, offs)
-            else:
-                node.update_kwarg("offs", offs)
-        refresh_example_values(m["middle"])
-        m["back"].replace_all_uses_with(m["Y"])
-        graph.erase_node(m["back"])
-        erase_dead(graph, [m["X"], m["R"], *m["offs_nodes"]])
-        from torch._inductor.pattern_matcher import stable_topological_sort
-
-        stable_topological_sort(graph)
-        if m["pad"] is not None:
-            ctx.skip(layer, "already_aligned",
-                     f"rows of moe.permute_pad(align={m['align']}) are already aligned: host pad removed, not padded again")
-        ctx.rewrite(layer, "moe.permute_pad rows[:host used] + host split/pad + host offsets + pad back",
-                    "rows_MH + offs_E of moe.permute_pad")
-        touched.append(layer)
-    return touched

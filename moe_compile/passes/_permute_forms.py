@@ -1,0 +1,194 @@
+"""The ways MoE code permutes token rows by expert, in Dynamo IR (Torch IR, before AOTAutograd).
+
+One place for the permute forms a pass proves before it replaces them with ``moe.permute_pad``::
+
+    argsort        x_NH = x_TH[order // K]  (or index_select(0, order // K)),
+                   order = argsort(idx_TK.flatten()) | sort(idx_TK.flatten())[1], ascending
+                   (:func:`~moe_compile.passes._count_forms.permutation_of` knows the sort)
+    masked_select  x_NH = x_TH.index_select(0, arange(T).expand(E, T).masked_select(map_ET)),
+                   map_ET = map_TE.T, a routing map scattered from top-k ids (``_count_forms.routing_map_ids``)
+
+and the routing probs permuted alongside the rows (:func:`probs_source`)::
+
+    argsort        probs_N = probs_TK.flatten()[order]
+    masked_select  probs_N = probs_TE.T.masked_select(map_ET), probs_TE dense or zeros.scatter(1, idx_TK, probs_TK)
+
+Add a form here (with a ``kind`` of :class:`Permute`) to teach every pass that reads permutes through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.fx as fx
+
+from moe_compile.passes import NoMatch
+from moe_compile.passes._count_forms import peel, permutation_of, routing_map_ids
+from moe_compile.passes._graph import arg, op_name
+from moe_compile.passes._host_sync import is_call, kwarg, tensor_value
+from moe_compile.passes._op_tables import CASTS
+from moe_compile.passes._padding_forms import is_zeros
+
+
+@dataclasses.dataclass
+class Permute:
+    x_TH: fx.Node
+    idx_TK: fx.Node
+    num_experts: int
+    x_NH: fx.Node
+    kind: str  # "argsort" | "masked_select"
+    order: fx.Node | None = None  # argsort result (for probs_N = probs.flatten()[order])
+    map_ET: fx.Node | None = None  # routing map (for probs_N = probs_ET.masked_select(map_ET))
+
+
+
+
+def flat_base(node: Any) -> Any:
+    """``idx_TK`` for ``idx_TK.reshape(-1)`` / ``.view(-1)`` / ``.flatten()``; else the node."""
+    node = peel(node, {"contiguous"})
+    if is_call(node, "reshape", "view", "flatten", "ravel"):
+        value, base = tensor_value(node), tensor_value(node.args[0])
+        if value is not None and base is not None and value.dim() == 1 and base.dim() == 2:
+            return node.args[0]
+    return node
+
+
+def transposed_base(node: Any) -> Any:
+    """``m_TE`` for ``m_TE.T`` / ``.t()`` / ``.transpose(0, 1)`` / ``.permute(1, 0)`` [``.contiguous()``]."""
+    node = peel(node, {"contiguous"})
+    if not isinstance(node, fx.Node):
+        return None
+    name = op_name(node)
+    if name == "getattr" and node.args[1] in ("T", "mT"):
+        return node.args[0]
+    if name == "t":
+        return node.args[0]
+    if name == "transpose" and set(node.args[1:3]) in ({0, 1}, {-1, -2}, {0, -1}, {1, -2}):
+        return node.args[0]
+    if name == "permute" and tuple(node.args[1:]) in ((1, 0), ((1, 0),)):
+        return node.args[0]
+    return None
+
+
+def topk_indices(node: Any) -> bool:
+    return is_call(node, "getitem") and node.args[1] == 1 and is_call(node.args[0], "topk")
+
+
+def argsort_of(order: Any) -> fx.Node | None:
+    """The 1-D ids sorted by ``order`` (an ascending ``argsort`` / ``sort(...)[1]`` along the last dim), or None."""
+    ids = permutation_of(order)
+    if ids is None:
+        return None
+    sort = order if op_name(order) == "argsort" else order.args[0]
+    ascending = arg(sort, 2, "descending", False) is False
+    return ids if ascending and arg(sort, 1, "dim", -1) in (0, -1) else None
+
+
+def floordiv_by(node: Any) -> tuple[fx.Node, int] | None:
+    if is_call(node, "floordiv", "__floordiv__") and isinstance(node.args[1], int):
+        return node.args[0], node.args[1]
+    if is_call(node, "div") and kwarg(node, "rounding_mode") == "floor" and isinstance(node.args[1], int):
+        return node.args[0], node.args[1]
+    return None
+
+
+def match_permute(token_N: fx.Node) -> Permute:
+    """Prove how ``token_N`` (source token of each permuted row) and the gathered rows were built."""
+    gathers = [
+        u for u in token_N.users
+        if (is_call(u, "getitem") and u.args[1] is token_N)
+        or (is_call(u, "index_select") and u.args[2] is token_N and arg(u, 1, "dim") == 0)
+    ]
+    if len(gathers) != 1:
+        raise NoMatch("permute_not_matched", f"{len(gathers)} row gathers by {token_N.name}")
+    x_NH = gathers[0]
+    x_TH = x_NH.args[0]
+    if tensor_value(x_TH) is None or tensor_value(x_TH).dim() != 2:
+        raise NoMatch("permute_not_matched", "gathered tensor is not [T, H]")
+    split = floordiv_by(token_N)
+    if split is not None:
+        order, K = split
+        ids = argsort_of(order)
+        idx_TK = flat_base(ids) if ids is not None else None
+        value = tensor_value(idx_TK)
+        if idx_TK is None or value is None or value.dim() != 2 or value.shape[1] != K:
+            raise NoMatch("permute_not_matched", f"{token_N.name} is not argsort(ids.flatten()) // K")
+        return Permute(x_TH, idx_TK, -1, x_NH, "argsort", order=order)
+    if is_call(token_N, "masked_select"):
+        tokens, map_ET = token_N.args[0], token_N.args[1]
+        base = tokens
+        while is_call(base, "expand", "unsqueeze", "expand_as", "repeat", "contiguous"):
+            base = base.args[0]
+        T = tensor_value(x_TH).shape[0]
+        if not (is_call(base, "arange") and tuple(base.args) in ((T,), (0, T))):
+            raise NoMatch("permute_not_matched", "masked_select source is not arange(T) expanded over experts")
+        map_TE = transposed_base(map_ET)
+        idx_TK = routing_map_ids(map_TE) if map_TE is not None else None
+        if idx_TK is None:
+            raise NoMatch("routing_map_not_topk", "routing map not proven to hold exactly K distinct experts per token")
+        if not topk_indices(idx_TK):
+            raise NoMatch("routing_map_not_topk", f"{idx_TK.name} is not the indices of a topk")
+        E = tensor_value(map_ET).shape[0]
+        return Permute(x_TH, idx_TK, E, x_NH, "masked_select", map_ET=map_ET)
+    raise NoMatch("permute_not_matched", f"{token_N.name} is neither argsort // K nor masked_select(arange)")
+
+
+def token_index(order: fx.Node) -> fx.Node:
+    """``order // K``, the source token of each sorted row, as the graph computes it for the row gather."""
+    for u in order.users:
+        split = floordiv_by(u)
+        if split is not None and split[0] is order:
+            return u
+    raise NoMatch("permute_not_matched", f"no token index {order.name} // K gathers the rows")
+
+
+def weighted_rows(perm: Permute) -> tuple[fx.Node, fx.Node | None, fx.Node | None] | None:
+    """``(x_NH * probs_N[:, None], probs_TK, probs_TE)`` when the permuted rows' only use is that
+    multiply by the routing probs permuted alongside them (weights applied before the experts)."""
+    users = list(perm.x_NH.users)
+    if len(users) != 1 or not is_call(users[0], "mul", "__mul__") or len(users[0].args) != 2:
+        return None
+    mul = users[0]
+    col = mul.args[1] if mul.args[0] is perm.x_NH else mul.args[0]
+    cv = tensor_value(col) if isinstance(col, fx.Node) else None
+    if cv is None or cv.dim() != 2 or cv.shape[1] != 1:
+        return None
+    try:
+        probs_TK, probs_TE = probs_source(col, perm)
+    except NoMatch:
+        return None
+    return mul, probs_TK, probs_TE
+
+
+def probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx.Node | None]:
+    """``(probs_TK, None)`` or ``(None, probs_TE)`` for the permuted combine weight ``probs_col`` ([N, 1])."""
+    node = peel(probs_col, CASTS)
+    if is_call(node, "unsqueeze") and node.args[1] in (1, -1):
+        node = node.args[0]
+    elif is_call(node, "view", "reshape") and tuple(node.args[1:]) in ((-1, 1), ((-1, 1),)):
+        node = node.args[0]
+    elif is_call(node, "getitem") and isinstance(node.args[1], tuple) and len(node.args[1]) == 2 \
+            and node.args[1][1] is None and node.args[1][0] == slice(None):
+        node = node.args[0]
+    else:
+        raise NoMatch("probs_not_matched", f"{probs_col.name} is not a column of permuted probs")
+    node = peel(node, CASTS)
+    if perm.kind == "argsort" and is_call(node, "getitem") and node.args[1] is perm.order:
+        probs_TK = flat_base(node.args[0])
+        value, ids = tensor_value(probs_TK), tensor_value(perm.idx_TK)
+        if value is not None and value.dim() == 2 and tuple(value.shape) == tuple(ids.shape):
+            return probs_TK, None
+    if perm.kind == "masked_select" and is_call(node, "masked_select") and node.args[1] is perm.map_ET:
+        probs_TE = transposed_base(node.args[0])
+        if probs_TE is not None:
+            if is_call(probs_TE, "scatter", "scatter_") and is_zeros(probs_TE.args[0]) \
+                    and probs_TE.args[2] is perm.idx_TK and arg(probs_TE, 1, "dim") in (1, -1):
+                src = probs_TE.args[3] if len(probs_TE.args) > 3 else probs_TE.kwargs.get("src")
+                if isinstance(src, fx.Node) and tensor_value(src) is not None \
+                        and tuple(tensor_value(src).shape) == tuple(tensor_value(perm.idx_TK).shape):
+                    return src, None
+            value = tensor_value(probs_TE)
+            if value is not None and value.dim() == 2 and value.dtype.is_floating_point:
+                return None, probs_TE
+    raise NoMatch("probs_not_matched", f"{probs_col.name} is not the routing probs permuted alongside the rows")
