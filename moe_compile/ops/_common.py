@@ -259,7 +259,11 @@ def eager_cuda_allocator(t: torch.Tensor, traced: bool):
         return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device)
 
     def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return _empty_strided_cuda(shape, (shape[1], 1) if len(shape) == 2 else (1,), dtype)
+        if len(shape) == 1:
+            return _empty_strided_cuda(shape, (1,), dtype)
+        if len(shape) == 2:
+            return _empty_strided_cuda(shape, (shape[1], 1), dtype)
+        return torch.empty(shape, dtype=dtype, device=device)
 
     return alloc
 
