@@ -62,8 +62,11 @@ def _act_grad_fp32(g: torch.Tensor, activation: str) -> torch.Tensor:
     return 0.5 * (1 + torch.erf(g * 0.5**0.5)) + g * torch.exp(-0.5 * g * g) * (2 * torch.pi) ** -0.5
 
 
-def gather_rows(x_SK: torch.Tensor, src_M: torch.Tensor) -> torch.Tensor:
-    """``x[src]`` with zero rows where ``src < 0`` (the permuted copy the gather prologue avoids)."""
+def gather_rows(x_SK: torch.Tensor, src_M: torch.Tensor | None) -> torch.Tensor:
+    """``x[src]`` with zero rows where ``src < 0`` (the permuted copy the gather prologue avoids); ``x`` itself
+    when there is no row map (``src`` None)."""
+    if src_M is None:
+        return x_SK
     # one gather from x with a zero row appended (pad rows read it): one pass over the M rows, not two
     x_zero = torch.cat([x_SK, x_SK.new_zeros(1, x_SK.shape[1])])
     return x_zero.index_select(0, torch.where(src_M >= 0, src_M, x_SK.shape[0]).long())
@@ -78,7 +81,7 @@ def expert_gemm_reference(
     activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, pre)`` in ``x``'s dtype; fp32 (fp64 for fp64) math, one cast per output."""
-    a = gather_rows(x_SK, src_M) if src_M is not None else x_SK
+    a = gather_rows(x_SK, src_M)
     acc = torch.float64 if x_SK.dtype == torch.float64 else torch.float32
     pre = gmm.grouped_mm_reference(a.to(acc), w_ENK.to(acc), offs_E)  # rows past offs[-1] are 0
     if activation != "none":
@@ -353,7 +356,7 @@ def _expert_gemm_body(x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M,
     K, E = x_SK.shape[1], offs_E.shape[0]
     if not use_triton_grouped_gemm(num_rows, N_w, K, E, x_SK.dtype, x_SK.device, fmt, _gemm_kind(w, activation)):
         # CUTLASS grouped GEMM on the materialised rows, the epilogue in PyTorch (same semantics)
-        a = gather_rows(x_SK, src) if src is not None else x_SK
+        a = gather_rows(x_SK, src)
         pre = gmm.grouped_mm(a, w, offs_E)
         if activation == "none" and row_weight_M is None:  # the GEMM's own output, no epilogue passes
             return pre, x_SK.new_empty(0, N_w)
@@ -416,24 +419,26 @@ def _expert_gemm_nvfp4_op(
     )  # fmt: skip
 
 
+def _row_weighted(dy_MN: torch.Tensor, row_weight_M: torch.Tensor | None) -> torch.Tensor:
+    """``dy * row_weight[:, None]`` computed in fp32 (fp64 for fp64 ``dy``), in ``dy``'s dtype."""
+    if row_weight_M is None:
+        return dy_MN
+    acc = torch.float64 if dy_MN.dtype == torch.float64 else torch.float32
+    return (dy_MN.to(acc) * row_weight_M[:, None]).to(dy_MN.dtype)
+
+
 @triton_op("moe::expert_wgrad", mutates_args=())
 def _expert_wgrad_op(
     dy_MN: torch.Tensor, x_SK: torch.Tensor, offs_E: torch.Tensor, row_map: torch.Tensor | None, row_weight_M: torch.Tensor | None
 ) -> torch.Tensor:
-    M = dy_MN.shape[0]
-    if x_SK.device.type != "cuda":
-        src = source_rows_reference(row_map, M) if row_map is not None else None
-        a = gather_rows(x_SK, src) if src is not None else x_SK
-        dy = dy_MN if row_weight_M is None else (dy_MN.to(torch.float64 if dy_MN.dtype == torch.float64 else torch.float32) * row_weight_M[:, None]).to(dy_MN.dtype)
-        return gmm.grouped_mm_wgrad_reference(dy, a, offs_E)
-    src = source_rows(row_map, M) if row_map is not None else None
-    E, N, K = offs_E.shape[0], dy_MN.shape[1], x_SK.shape[1]
-    if not use_triton_grouped_gemm(M, N, K, E, x_SK.dtype, x_SK.device, kind="wgrad"):
-        a = gather_rows(x_SK, src) if src is not None else x_SK
-        dy = dy_MN if row_weight_M is None else (dy_MN.float() * row_weight_M.float()[:, None]).to(dy_MN.dtype)
-        return torch.ops.moe.grouped_mm_wgrad(dy, a, offs_E)
-    out = x_SK.new_empty(E, N, K)
-    return launch_expert_wgrad(dy_MN, x_SK, src, row_weight_M, offs_E, out)
+    M, N, K, E = dy_MN.shape[0], dy_MN.shape[1], x_SK.shape[1], offs_E.shape[0]
+    cuda = x_SK.device.type == "cuda"
+    src = None if row_map is None else (source_rows if cuda else source_rows_reference)(row_map, M)
+    if cuda and use_triton_grouped_gemm(M, N, K, E, x_SK.dtype, x_SK.device, kind="wgrad"):
+        return launch_expert_wgrad(dy_MN, x_SK, src, row_weight_M, offs_E, x_SK.new_empty(E, N, K))
+    a = gather_rows(x_SK, src)
+    wgrad = torch.ops.moe.grouped_mm_wgrad if cuda else gmm.grouped_mm_wgrad_reference
+    return wgrad(_row_weighted(dy_MN, row_weight_M), a, offs_E)
 
 
 # ===== autograd =====
@@ -486,7 +491,7 @@ def _expert_backward(ctx, dy, dpre):
         if need_rw and act == "none":  # d rw[r] = <a[r], dy[r] @ W[e]>: the dX GEMM before its row scale
             dx_u = _expert_gemm_op(dz, dense.transpose(1, 2), offs_E, None, None, "none", M, False)[0]
             src = source_rows(row_map, M) if row_map is not None else None
-            a = gather_rows(x_SK, src) if src is not None else x_SK
+            a = gather_rows(x_SK, src)
             d_rw = (a.to(acc) * dx_u.to(acc)).sum(1)
             dx_perm = (dx_u.to(acc) * rw.to(acc)[:, None]).to(dtype)
         else:

@@ -102,7 +102,7 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
         dy = torch.randn(M, N, generator=gen).to(dtype)
         out = torch.full((E, N, K), float("nan"), dtype=dtype)
         eg.launch_expert_wgrad(dy, x, src, rw, offs, out, config=config)
-        a = eg.gather_rows(x, src) if src is not None else x
+        a = eg.gather_rows(x, src)
         dys = dy if rw is None else (dy.float() * rw[:, None]).to(dtype)
         want = gmm.grouped_mm_wgrad_reference(dys, a, offs)
         mag = tol.grouped_wgrad_abs(dys, a, offs)
@@ -141,7 +141,7 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
 
     y, pre = launch(src)
     want, pre_want = eg.expert_gemm_reference(x, dense, offs, src, rw, act)
-    a = eg.gather_rows(x, src) if src is not None else x
+    a = eg.gather_rows(x, src)
     mag = tol.grouped_abs_matmul(a, dense, offs)
     operand_rel = 0.0
     if fmt == "nvfp4":  # as _grouped_mm_interp_worker._operand_rel
