@@ -458,6 +458,14 @@ def _grouped_mm_wgrad_kernel(
 
 
 @triton.jit
+def _zero_span(ptr, start, stop, BLOCK: tl.constexpr):
+    """Zero ``ptr[start:stop]``, ``BLOCK`` elements per step (the tail of the zeroing kernels below)."""
+    for i in range(start, stop, BLOCK):
+        idx = i + tl.arange(0, BLOCK)
+        tl.store(ptr + idx, tl.zeros([BLOCK], dtype=ptr.dtype.element_ty), mask=idx < stop)
+
+
+@triton.jit
 def _zero_empty_groups_kernel(w_ptr, offs_ptr, GROUP_NUMEL, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Zero ``w[e]`` (contiguous ``[E, ...]``) where expert ``e`` has no rows; one program per (expert, chunk).
 
@@ -469,9 +477,7 @@ def _zero_empty_groups_kernel(w_ptr, offs_ptr, GROUP_NUMEL, CHUNK: tl.constexpr,
     start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
     if end == start:
         base = w_ptr + e.to(tl.int64) * GROUP_NUMEL
-        for i in range(chunk * CHUNK, tl.minimum((chunk + 1) * CHUNK, GROUP_NUMEL), BLOCK):
-            idx = i + tl.arange(0, BLOCK)
-            tl.store(base + idx, tl.zeros([BLOCK], dtype=w_ptr.dtype.element_ty), mask=idx < GROUP_NUMEL)
+        _zero_span(base, chunk * CHUNK, tl.minimum((chunk + 1) * CHUNK, GROUP_NUMEL), BLOCK)
 
 
 @triton.jit
@@ -485,6 +491,4 @@ def _zero_rows_past_kernel(y_ptr, offs_ptr, NUM_EXPERTS, M, N, ROWS: tl.constexp
     first = tl.maximum(row0, end)
     last = tl.minimum(row0 + ROWS, M)
     if first < last:
-        for i in range(first * N, last * N, BLOCK):
-            idx = i + tl.arange(0, BLOCK)
-            tl.store(y_ptr + idx, tl.zeros([BLOCK], dtype=y_ptr.dtype.element_ty), mask=idx < last * N)
+        _zero_span(y_ptr, first * N, last * N, BLOCK)
