@@ -313,8 +313,11 @@ def launch_expert_wgrad(
     return out_ENK
 
 
-def source_rows(row_map: torch.Tensor, num_rows: int, kernels=None) -> torch.Tensor:
-    """int32 ``[num_rows]``: token of each permuted row (``-1``: pad / tail); one scatter of unique rows."""
+def source_rows(row_map: torch.Tensor | None, num_rows: int, kernels=None) -> torch.Tensor | None:
+    """int32 ``[num_rows]``: token of each permuted row (``-1``: pad / tail); one scatter of unique rows
+    (the reference off CUDA). None without a row map (rows not permuted: :func:`gather_rows` reads ``x``)."""
+    if row_map is None:
+        return None
     if not row_map.is_cuda:
         return source_rows_reference(row_map, num_rows)
     kernels = kernels or _kernels
@@ -347,12 +350,11 @@ def _dense_weight(w, w_scale, w_gscale, fmt: str, dtype: torch.dtype) -> torch.T
 def _expert_gemm_body(x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M, activation, num_rows, store_preact, fmt):
     N, N_w = _out_cols(w, activation, fmt)
     store = store_preact and activation != "none"
+    src = source_rows(row_map, num_rows)
     if x_SK.device.type != "cuda":
-        src = source_rows_reference(row_map, num_rows) if row_map is not None else None
         dense = _dense_weight(w, w_scale, w_gscale, fmt, x_SK.dtype)
         y, pre = expert_gemm_reference(x_SK, dense, offs_E, src, row_weight_M, activation)
         return y, (pre if store else x_SK.new_empty(0, N_w))
-    src = source_rows(row_map, num_rows) if row_map is not None else None
     K, E = x_SK.shape[1], offs_E.shape[0]
     if not use_triton_grouped_gemm(num_rows, N_w, K, E, x_SK.dtype, x_SK.device, fmt, _gemm_kind(w, activation)):
         # CUTLASS grouped GEMM on the materialised rows, the epilogue in PyTorch (same semantics)
@@ -433,7 +435,7 @@ def _expert_wgrad_op(
 ) -> torch.Tensor:
     M, N, K, E = dy_MN.shape[0], dy_MN.shape[1], x_SK.shape[1], offs_E.shape[0]
     cuda = x_SK.device.type == "cuda"
-    src = None if row_map is None else (source_rows if cuda else source_rows_reference)(row_map, M)
+    src = source_rows(row_map, M)
     if cuda and use_triton_grouped_gemm(M, N, K, E, x_SK.dtype, x_SK.device, kind="wgrad"):
         return launch_expert_wgrad(dy_MN, x_SK, src, row_weight_M, offs_E, x_SK.new_empty(E, N, K))
     a = gather_rows(x_SK, src)
@@ -490,7 +492,7 @@ def _expert_backward(ctx, dy, dpre):
     if need_x or need_rw and act == "none":
         if need_rw and act == "none":  # d rw[r] = <a[r], dy[r] @ W[e]>: the dX GEMM before its row scale
             dx_u = _expert_gemm_op(dz, dense.transpose(1, 2), offs_E, None, None, "none", M, False)[0]
-            src = source_rows(row_map, M) if row_map is not None else None
+            src = source_rows(row_map, M)
             a = gather_rows(x_SK, src)
             d_rw = (a.to(acc) * dx_u.to(acc)).sum(1)
             dx_perm = (dx_u.to(acc) * rw.to(acc)[:, None]).to(dtype)
