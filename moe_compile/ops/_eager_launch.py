@@ -14,7 +14,12 @@ kernel) and the ``CompiledKernel`` it returns is kept under a key at least as fi
   ``launch_pdl``...): its value.
 
 Later launches with the same key call the compiled kernel's launcher directly, with the arguments in the
-signature's order, as ``JITFunction.run`` does. Not cached (the plain path every time): kernels that are not
+signature's order, as ``JITFunction.run`` does, except that a tensor is passed as its address (an int): for a
+tensor the launcher calls ``data_ptr()`` and asks the driver whether the address is a device pointer
+(``cuPointerGetAttribute``), about a microsecond per tensor argument, while an int it takes as is. That check is
+the launcher's only guard against a CPU tensor or a tensor of another device; here every tensor argument must
+be a CUDA tensor of the current device, and a launch where one is not takes Triton's path (which raises or
+launches as it always did). Not cached (the plain path every time): kernels that are not
 plain ``JITFunction`` objects (the interpreter, autotuners), launches while Triton launch hooks are set (a
 profiler), and anything whose key cannot be hashed. Kernels launched this way must not read mutable Python
 globals (``JITFunction.run`` re-checks those per call; none of ours do). ``MOE_COMPILE_CACHED_LAUNCH=0`` turns
@@ -43,6 +48,7 @@ class _KernelLaunches:
         self.names = tuple(p.name for p in params)
         self.constexpr = tuple(bool(p.is_constexpr) for p in params)
         self.defaults = {p.name: p.default for p in params if p.has_default}
+        self.first_constexpr = next((i for i, c in enumerate(self.constexpr) if c), len(params))
         self.compiled: dict[tuple, tuple] = {}  # key -> (launcher, function, packed metadata, trailing args)
 
 
@@ -54,11 +60,13 @@ def arg_key(arg: Any, constexpr: bool) -> Any:
     """The part of the launch key for one positional argument (see NOTE [cached eager launch])."""
     if constexpr:
         return ("c", arg)
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
     kind = type(arg)
     if kind is int:
-        return ("i", arg == 1, arg % 16 == 0, _INT32[0] <= arg < _INT32[1], _INT64[0] <= arg < _INT64[1])
+        if _INT32[0] <= arg < _INT32[1]:  # the common case, as one small int: == 1, % 16 == 0, else
+            return 1 if arg == 1 else -16 if arg % 16 == 0 else -1
+        return ("i", arg % 16 == 0, _INT64[0] <= arg < _INT64[1])
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
     if kind is bool:
         return ("b", arg)
     if kind is float:
@@ -68,9 +76,31 @@ def arg_key(arg: Any, constexpr: bool) -> Any:
     return ("v", kind, arg)  # anything else by value (raises TypeError when unhashable: not cached)
 
 
-def launch_key(launches: _KernelLaunches, device: int, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
-    """The cache key of one launch: device, every positional argument's :func:`arg_key`, the keywords."""
-    return (device, tuple(map(arg_key, args, launches.constexpr)), tuple(kwargs.items()))
+def key_and_pointers(
+    launches: _KernelLaunches, device: int, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[tuple, list[Any] | None]:
+    """The cache key of one launch (device, every positional argument's :func:`arg_key`, the keywords) and
+    ``args`` with every tensor replaced by its address (None when a tensor is not on CUDA ``device``)."""
+    if len(args) > launches.first_constexpr:  # a constexpr passed by position (ours pass them by keyword)
+        keys = tuple(map(arg_key, args, launches.constexpr))
+        on_device = all(a.get_device() == device for a in args if isinstance(a, torch.Tensor))
+        pointers = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args] if on_device else None
+        return (device, keys, tuple(kwargs.items())), pointers
+    keys, pointers, on_device = [], [], True
+    for arg in args:  # (hot: most of a cached launch's Python; the int32 case is arg_key's, inlined)
+        if type(arg) is int and -2147483648 <= arg < 2147483648:
+            keys.append(1 if arg == 1 else -16 if arg % 16 == 0 else -1)
+            pointers.append(arg)
+        elif isinstance(arg, torch.Tensor):
+            address = arg.data_ptr()
+            keys.append((arg.dtype, address % 16 == 0))
+            if arg.get_device() != device:  # (-1 for a CPU tensor)
+                on_device = False
+            pointers.append(address)
+        else:
+            keys.append(arg_key(arg, False))
+            pointers.append(arg)
+    return (device, tuple(keys), tuple(kwargs.items())), (pointers if on_device else None)
 
 
 def _no_hook(hook: Any) -> bool:
@@ -107,14 +137,14 @@ def launch(kernel, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str,
         return
     device = driver.get_current_device()
     try:
-        key = launch_key(launches, device, args, kwargs)
+        key, pointers = key_and_pointers(launches, device, args, kwargs)
         compiled = launches.compiled.get(key)
     except TypeError:  # an unhashable argument: Triton's own path
         kernel[grid](*args, **kwargs)
         return
-    if compiled is None:
+    if compiled is None or pointers is None:  # (a tensor off the current CUDA device: Triton checks it)
         compiled = kernel[grid](*args, **kwargs)
-        if hasattr(compiled, "packed_metadata") and hasattr(compiled, "function"):
+        if pointers is not None and hasattr(compiled, "packed_metadata") and hasattr(compiled, "function"):
             # the arguments after the positional ones (constexprs, defaults) are fixed by the key
             tail = tuple(kwargs[n] if n in kwargs else launches.defaults[n] for n in launches.names[len(args):])
             launches.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
@@ -122,7 +152,7 @@ def launch(kernel, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str,
     run, function, metadata, tail = compiled
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
-    run(grid[0], grid_1, grid_2, driver.get_current_stream(device), function, metadata, None, None, None, *args, *tail)
+    run(grid[0], grid_1, grid_2, driver.get_current_stream(device), function, metadata, None, None, None, *pointers, *tail)
 
 
 def cached_kernels(kernel) -> int:

@@ -85,3 +85,29 @@ def test_cached_launch_matches_triton_launch_bitwise(monkeypatch, H, aligned):
         got = _dispatch(x, ids, probs, E)
         for g, w in zip(got, want):
             assert torch.equal(_bits(g), _bits(w))
+
+
+@pytest.mark.parametrize("constexprs_by_position", [False, True])
+def test_key_and_pointers_pass_tensors_as_addresses(constexprs_by_position):
+    from triton.runtime.jit import JITFunction
+
+    from moe_compile.ops.triton import dispatch as kernels
+
+    kernel = kernels._expert_offsets_kernel
+    if type(kernel) is not JITFunction:  # under TRITON_INTERPRET the kernels are not cached
+        pytest.skip("the interpreter's kernels are launched through Triton")
+    launches = _eager_launch._launches_of(kernel)
+    ids = torch.randint(0, 4, (6,))
+    table = torch.zeros(40, dtype=torch.int32)
+    args = (ids, table, table, table[:4], table[4:8], 6, 4, 2**31 + 1)
+    constexprs = dict(ALIGN=32, E_PAD=16, BLOCK_N=1024, SUB=1, COPY_IDS=False, DEBUG=False, USE_PDL=False)
+    if constexprs_by_position:
+        args, kwargs = (*args, *constexprs.values()), {"num_warps": 4}
+    else:
+        kwargs = {**constexprs, "num_warps": 4}
+    key, pointers = _eager_launch.key_and_pointers(launches, -1, args, kwargs)
+    assert key == (-1, tuple(map(arg_key, args, launches.constexpr)), tuple(kwargs.items()))
+    assert pointers[:5] == [ids.data_ptr(), table.data_ptr(), table.data_ptr(), table.data_ptr(), table[4:].data_ptr()]
+    assert pointers[5:] == list(args[5:])
+    # a tensor off the launch's CUDA device: no address list (the launch takes Triton's checked path)
+    assert _eager_launch.key_and_pointers(launches, 0, args, kwargs)[1] is None
