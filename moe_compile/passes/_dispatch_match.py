@@ -24,8 +24,9 @@ Ids in ``[0, E)`` (``permute_pad``'s contract) are assumed, except where the gra
 ``>= E`` (an in-place clamp of the ids, or a ``ids_sorted >= E`` mask, as transformers does for expert
 parallelism): then the ids must be a router's top-k over ``E`` scores.
 
-Anything unproven raises :class:`NoMatch` with a reason tag (see ``fuse_dispatch``'s docstring). Steps 5 and 6
-(and the row gathers every step reads) are :mod:`moe_compile.passes._dispatch_region`.
+Anything unproven raises :class:`NoMatch` with a reason tag (see ``fuse_dispatch``'s docstring). Step 4 is
+:mod:`moe_compile.passes._device_padding`; steps 5 and 6 (and the row gathers every step reads) are
+:mod:`moe_compile.passes._dispatch_region`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from moe_compile.passes import NoMatch
 from moe_compile.passes import _index_algebra as ia
 from moe_compile.passes._op_tables import CASTS, FLAT_VIEWS
 from moe_compile.passes._count_forms import expert_counts, ids_base
+from moe_compile.passes._device_padding import DevicePaddingProof, sentinel_base
 from moe_compile.passes._dispatch_region import (
     Combine,
     Padding,
@@ -179,29 +181,6 @@ def _flat_source(node: fx.Node) -> fx.Node:
     return node
 
 
-def _sentinel_base(node: Any) -> fx.Node | None:
-    """``x`` for ``cat([x, zeros(1, H)])`` or ``F.pad(x, (0, 0, 0, 1))`` (x with a zero row at index T)."""
-    if not isinstance(node, fx.Node):
-        return None
-    name = op_name(node)
-    if name == "cat":
-        parts = arg(node, 0, "tensors")
-        if known_int(arg(node, 1, "dim", 0)) != 0 or not isinstance(parts, (list, tuple)) or len(parts) != 2:
-            return None
-        first, zero = parts
-        zv, fv = tensor_val(zero), tensor_val(first)
-        if fv is not None and fv.dim() == 2 and zv is not None and zv.dim() == 2 and zv.shape[0] == 1 \
-                and ia.is_zeros_creation(zero):
-            return first
-        return None
-    if name == "pad":
-        pad = tuple(arg(node, 1, "pad"))
-        fv = tensor_val(node.args[0])
-        if fv is not None and fv.dim() == 2 and pad == (0, 0, 0, 1) and arg(node, 3, "value", None) in (None, 0, 0.0):
-            return node.args[0]
-    return None
-
-
 def _index_consumers(idx: fx.Node, direct: fx.Node | None = None) -> list[fx.Node]:
     """Row gathers indexed by ``idx``, directly or through ``idx.unsqueeze(-1).expand(-1, H)``."""
     found = []
@@ -218,7 +197,7 @@ def _index_consumers(idx: fx.Node, direct: fx.Node | None = None) -> list[fx.Nod
 # the matcher
 
 
-class Matcher(RegionProof):
+class Matcher(DevicePaddingProof, RegionProof):
     """Analyses one sort/argsort anchor. :meth:`match` returns a :class:`Dispatch` or raises."""
 
     def __init__(self, graph: fx.Graph, sort: fx.Node, order: dict[fx.Node, int]) -> None:
@@ -455,7 +434,7 @@ class Matcher(RegionProof):
                 for g in w.args[0].users:
                     parts = gather_parts(g)
                     if parts is not None and parts[1] is w.args[0]:
-                        base = _sentinel_base(parts[0])
+                        base = sentinel_base(parts[0])
                         if base is not None:
                             return base, k
         return None, None
@@ -475,117 +454,8 @@ class Matcher(RegionProof):
             return False
         return False
 
-    # -- padding -----------------------------------------------------------------------------------
-    def _padding(self, token_gathers: list[fx.Node], weight_gathers: list[fx.Node]) -> Padding | None:
-        """Detect a device-padded layout built from the sorted rows (proved later in _check_destination)."""
-        writes: list[fx.Node] = []
-        seeds: list[fx.Node] = []
-        prob_seeds: list[fx.Node] = []
-        dest = None
-        num_rows = None
-
-        def padded_write(buf: fx.Node, value: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-            # buf[dest] = value / buf.index_put_((dest,), value) / buf.index_copy_(0, dest, value)
-            for w in buf.users:
-                name = op_name(w)
-                if name == "setitem" and w.args[0] is buf and w.args[2] is value and isinstance(w.args[1], fx.Node):
-                    return w, w.args[1]
-                if name == "index_put_" and w.args[0] is buf and arg(w, 2, "values") is value \
-                        and not arg(w, 3, "accumulate", False):
-                    idx = arg(w, 1, "indices")
-                    if isinstance(idx, (list, tuple)) and len(idx) == 1:
-                        return w, idx[0]
-                if name == "index_copy_" and w.args[0] is buf and known_int(arg(w, 1, "dim")) == 0 \
-                        and arg(w, 3, "source") is value:
-                    return w, arg(w, 2, "index")
-            return None
-
-        # (a) zeros[M, H] written at dest with the gathered token rows, or with them weighted by the
-        # routing weight gathered alongside (weights applied before the experts)
-        weighted_seeds: list[fx.Node] = []
-        for g in token_gathers:
-            values = [(g, False)] + [(u, True) for u in g.users if self._is_weighted_rows_of(u, g, weight_gathers)]
-            for value, weighted in values:
-                for w in list(value.users):
-                    name = op_name(w)
-                    if name in ("setitem", "index_put_", "index_copy_") and w.args[0] is not value \
-                            and ia.is_zeros_creation(w.args[0]):
-                        found = padded_write(w.args[0], value)
-                        if found is None or found[0] is not w:
-                            continue
-                        if dest is not None and found[1] is not dest:
-                            raise NoMatch("padding_not_proven", "two different padded destinations")
-                        dest = found[1]
-                        writes.append(w)
-                        seeds.append(w.args[0])
-                        if weighted:
-                            weighted_seeds.append(w.args[0])
-        # (b) sentinel gather: src = full((M,), T); src[dest] = perm // K; cat([x, zeros(1, H)])[src]
-        for u in self.perm.users:
-            if index_of_floordiv(u, self.perm) is None:
-                continue
-            for w in u.users:
-                if op_name(w) not in ("setitem", "index_put_", "index_copy_") or w.args[0] is u:
-                    continue
-                buf = w.args[0]
-                if op_name(buf) not in ("full", "new_full") or not same_int(
-                    arg(buf, 1 if op_name(buf) == "full" else 2, "fill_value"), self._num_tokens()
-                ):
-                    continue
-                found = padded_write(buf, u)
-                if found is None or found[0] is not w:
-                    continue
-                for g in buf.users:
-                    parts = gather_parts(g)
-                    if parts is None or parts[1] is not buf or not self._is_sentinel_extended(parts[0]):
-                        continue
-                    if dest is not None and found[1] is not dest:
-                        raise NoMatch("padding_not_proven", "two different padded destinations")
-                    dest = found[1]
-                    seeds.append(g)
-                    writes.append(w)
-        if dest is None:
-            return None
-        # probs written into a padded zeros[M] buffer at the same dest
-        for g in weight_gathers:
-            for w in list(g.users):
-                if op_name(w) in ("setitem", "index_put_", "index_copy_") and w.args[0] is not g \
-                        and ia.is_zeros_creation(w.args[0]):
-                    found = padded_write(w.args[0], g)
-                    if found is not None and found[0] is w and found[1] is dest:
-                        writes.append(w)
-                        prob_seeds.append(w.args[0])
-        rows = [tensor_val(s).shape[0] for s in seeds + prob_seeds]
-        num_rows = tensor_val(seeds[0]).shape[0]
-        if not all(same_int(r, num_rows) for r in rows):
-            raise NoMatch("padding_not_proven", "padded buffers of different sizes")
-        unpads = []
-        self.matched.append("pad(index_put into zeros)" if op_name(seeds[0]) != "getitem" else "pad(sentinel row)")
-        return Padding(align=0, num_rows=num_rows, dest=dest, seeds=seeds, prob_seeds=prob_seeds,
-                       writes=writes, unpads=unpads, weighted_seeds=weighted_seeds)
-
-    def _is_weighted_rows_of(self, node: fx.Node, rows: fx.Node, weight_gathers: list[fx.Node]) -> bool:
-        """``rows * w[perm][:, None]`` (through casts of the column) with ``w[perm]`` a weight gather."""
-        if op_name(node) != "mul" or len(node.args) != 2 or rows not in node.args:
-            return False
-        col = node.args[1] if node.args[0] is rows else node.args[0]
-        while isinstance(col, fx.Node) and op_name(col) in ("to", "float", "bfloat16", "half", "type_as"):
-            col = col.args[0]
-        if not isinstance(col, fx.Node):
-            return False
-        if op_name(col) == "unsqueeze" and arg(col, 1, "dim") in (-1, 1):
-            col = col.args[0]
-        elif op_name(col) == "getitem" and col.args[1] in ((slice(None), None), (Ellipsis, None)):
-            col = col.args[0]
-        else:
-            return False
-        return col in weight_gathers
-
     def _num_tokens(self) -> Any:
         return tensor_val(self.x_TH).shape[0]
-
-    def _is_sentinel_extended(self, node: Any) -> bool:
-        return _sentinel_base(node) is self.x_TH
 
     # -- 3. counts and offsets -------------------------------------------------------------------
     def _counts_of(self, node: fx.Node) -> tuple[int, str] | None:
@@ -649,25 +519,6 @@ class Matcher(RegionProof):
             self._forms = forms
         self.matched.append(f"counts({found['kind']})->cumsum offsets" + (f" padded to {align}" if align != 1 else ""))
         return E, found["kind"]
-
-    def _check_destination(self, padding: Padding, num_experts: int) -> None:
-        from moe_compile.ops._common import static_row_bound
-
-        try:
-            form = self._forms(padding.dest)
-        except ia.NotLinear as exc:
-            raise NoMatch("padding_not_proven", f"padded destination is not understood: {exc}") from None
-        if form != ia.expected_destination(padding.align):
-            raise NoMatch("padding_not_proven", "padded destination rows differ from the per-expert "
-                          f"{padding.align}-aligned layout")
-        bound = static_row_bound(self.S, num_experts, padding.align)
-        if not same_int(bound, padding.num_rows):
-            from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-            if not statically_known_true(padding.num_rows >= bound):
-                raise NoMatch("padding_not_proven", f"padded buffer has {padding.num_rows} rows, fewer than the "
-                              f"worst case {bound}")
-
 
 def _alignment_of_offsets(form: ia.Form) -> int | None:
     """``a`` if ``form`` is ``cumsum(ceil(counts / a) * a)`` (``cumsum(counts)`` for ``a == 1``)."""

@@ -211,13 +211,10 @@ class LinearForms:
         raise NotLinear(f"unsupported op {name}")
 
     def _arange(self, node: fx.Node) -> Form:
-        args = list(node.args)
-        if len(args) == 1 and "start" not in node.kwargs:
-            start, end, step = 0, args[0], 1
-        else:
-            start = arg(node, 0, "start", 0)
-            end = arg(node, 1, "end")
-            step = arg(node, 2, "step", 1)
+        only_end = len(node.args) == 1 and "start" not in node.kwargs  # arange(end)
+        start = 0 if only_end else arg(node, 0, "start", 0)
+        step = 1 if only_end else arg(node, 2, "step", 1)
+        # (the length is read from the traced value below, so `end` itself is not needed)
         if known_int(start) != 0 or known_int(step) != 1:
             raise NotLinear("arange with a non-zero start or step != 1")
         v = tensor_val(node)
