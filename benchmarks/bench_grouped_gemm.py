@@ -21,7 +21,8 @@ weight-only ``expert_gemm`` vs the bf16 ``cutlass`` and ``triton`` blocks. ``--t
 loads (``MOE_COMPILE_TMA=1``) to the Triton forward.
 
 Timing: ``triton.testing.do_bench_cudagraph`` (GPU time of a CUDA-graph replay: kernel time without
-launch gaps), median. TFLOP/s counts the real routed rows ``T*K``: ``2*T*K*H*2I`` (gate_up) +
+launch gaps), median; the forward+backward blocks: GPU kernel time from ``torch.profiler`` (:func:`kernel_us`
+says why), ``timing`` says which. TFLOP/s counts the real routed rows ``T*K``: ``2*T*K*H*2I`` (gate_up) +
 ``2*T*K*I*H`` (down) forward, 3x that forward+backward. ``err``: max |triton - cutlass| / max |cutlass| of
 the block output. ``bitwise``: the Triton block's output and gradients equal over two runs. ``choice``:
 which implementation is faster per GEMM: feed it to ``TRITON_MAX_ROWS_PER_EXPERT`` (NOTE [grouped GEMM
@@ -84,6 +85,29 @@ def bench_us(fn) -> tuple[float, str]:
         return do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3, "cudagraph"
     except Exception:  # capture failed: eager timing (includes launch gaps)
         return do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3, "eager"
+
+
+def kernel_us(fn, iters: int = 10) -> tuple[float, str]:
+    """GPU kernel time per call (``torch.profiler``, CUDA kernels summed over ``iters`` calls).
+
+    For the forward+backward steps: capturing this ``torch.autograd.grad`` step in a CUDA graph failed on the
+    H100 for every GEMM choice in a probe ("operation would make the legacy stream depend on a capturing
+    blocking stream", raised from the autograd engine; the same ops capture alone), so those rows fell back to
+    eager timing, launch gaps included; and each failed capture kept its memory pool reserved (2-12 GB per
+    row), which ran this benchmark out of memory from T16384 on. Kernel time is what the targets are stated in.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return total / iters, "profiler"
 
 
 def make_inputs(s: Shape, T: int, gen: torch.Generator):
@@ -171,7 +195,7 @@ def run_shape(s: Shape, T: int, gen, args) -> list[dict]:
         for impl, block in blocks.items():
             step = fwd_bwd(block, x, probs, wgu, wd, dy)
             with env(MOE_COMPILE_GROUPED_GEMM=choice_env[impl]):
-                us, how = bench_us(step)
+                us, how = kernel_us(step)
             add("block_fwd_bwd", impl, us, 3 * fl_block, how)
             if impl == "triton":
                 a, b = step(), step()
