@@ -16,10 +16,11 @@ never written (NOTE [gather prologue] in ``ops/triton/expert_gemm.py``).
 
 CUDA: the persistent Triton kernel family of ``ops/triton/expert_gemm.py``, unless
 :func:`use_triton_grouped_gemm` says CUTLASS wins for the shape (bf16 plain weights on sm90/sm100:
-then ``torch._grouped_mm`` plus PyTorch gather / epilogue, same semantics). CPU: the reference.
+then ``torch._grouped_mm`` plus a PyTorch gather and the epilogue: one Triton pass in eager, PyTorch
+expressions that Inductor fuses when traced, NOTE [standalone epilogues]; same semantics). CPU: the reference.
 
 Autograd (plain weights; quantised ops differentiate w.r.t. ``x`` and ``row_weight``): the epilogue's
-backward is elementwise PyTorch (Inductor fuses it), ``dX`` is an ``expert_gemm`` against
+backward is one Triton pass in eager on CUDA, elementwise PyTorch otherwise (Inductor fuses it), ``dX`` is an ``expert_gemm`` against
 ``w.transpose(1, 2)`` followed, when gathering, by the deterministic gather-sum of ``unpad_unpermute``;
 ``dW`` is ``moe::expert_wgrad`` (persistent, fixed order, the ``x`` operand gathered through the row
 map). Every step is deterministic.
@@ -34,6 +35,7 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
+from moe_compile.ops import _common
 from moe_compile.ops import grouped_mm as gmm
 from moe_compile.ops.triton import expert_gemm as _kernels
 
@@ -313,6 +315,64 @@ def launch_expert_wgrad(
     return out_ENK
 
 
+EPILOGUE_BLOCK_N = 1024  # columns per program (pass) of the standalone epilogues
+
+
+def _epilogue_block(N: int) -> int:
+    return min(EPILOGUE_BLOCK_N, max(16, triton.next_power_of_2(N)))
+
+
+def _unit_columns(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def launch_epilogue(
+    pre_MW: torch.Tensor, N: int, activation: str, row_weight_M: torch.Tensor | None, out_dtype: torch.dtype,
+    kernels=None, block_n: int | None = None,
+) -> torch.Tensor:
+    """NOTE [standalone epilogues]: ``rw * act(pre[:, :N]) * pre[:, N:]`` (``activation="none"``: ``rw * pre``)
+    in ``out_dtype``, one pass, fp32 math; the eager CUTLASS path of :func:`expert_gemm`."""
+    kernels = kernels or _kernels
+    pre_MW = _unit_columns(pre_MW)
+    M = pre_MW.shape[0]
+    out = pre_MW.new_empty(M, N, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return out
+    block = block_n or _epilogue_block(N)
+    _common.launch_kernel(
+        kernels._epilogue_kernel, (M, triton.cdiv(N, block)),
+        pre_MW, row_weight_M if row_weight_M is not None else pre_MW, out, N, pre_MW.stride(0), out.stride(0),
+        ACT=ACTIVATIONS[activation], ROW_SCALE=row_weight_M is not None, BLOCK_N=block,
+        traced=False, options=dict(num_warps=4),
+    )  # fmt: skip
+    return out
+
+
+def launch_epilogue_backward(
+    pre_MW: torch.Tensor, dy_MN: torch.Tensor, row_weight_M: torch.Tensor | None, dpre_MW: torch.Tensor | None,
+    activation: str, need_row_weight_grad: bool, kernels=None, block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """NOTE [standalone epilogues]: ``(dz [M, 2N] in pre's dtype, d rw [M] fp32 or None)`` for a gated epilogue:
+    ``dz = [dh * u * act'(g) | dh * act(g)] + dpre`` with ``dh = dy * rw``, ``d rw = sum(act(g) * u * dy)``."""
+    kernels = kernels or _kernels
+    pre_MW, dy_MN = _unit_columns(pre_MW), _unit_columns(dy_MN)
+    dpre_MW = _unit_columns(dpre_MW) if dpre_MW is not None else None
+    M, n_w = pre_MW.shape
+    dz = pre_MW.new_empty(M, n_w)
+    d_rw = torch.empty(M, dtype=torch.float32, device=pre_MW.device) if need_row_weight_grad else None
+    if M == 0:
+        return dz, d_rw
+    _common.launch_kernel(
+        kernels._epilogue_backward_kernel, (M,),
+        pre_MW, dy_MN, row_weight_M if row_weight_M is not None else pre_MW, dpre_MW if dpre_MW is not None else pre_MW,
+        dz, d_rw if d_rw is not None else dz, n_w // 2, pre_MW.stride(0), dy_MN.stride(0),
+        dpre_MW.stride(0) if dpre_MW is not None else 0, dz.stride(0),
+        ACT=ACTIVATIONS[activation], ROW_SCALE=row_weight_M is not None, NEED_DRW=need_row_weight_grad,
+        HAS_DPRE=dpre_MW is not None, BLOCK_N=block_n or _epilogue_block(n_w // 2), traced=False, options=dict(num_warps=4),
+    )  # fmt: skip
+    return dz, d_rw
+
+
 def source_rows(row_map: torch.Tensor | None, num_rows: int, kernels=None) -> torch.Tensor | None:
     """int32 ``[num_rows]``: token of each permuted row (``-1``: pad / tail); one scatter of unique rows
     (the reference off CUDA). None without a row map (rows not permuted: :func:`gather_rows` reads ``x``)."""
@@ -362,6 +422,8 @@ def _expert_gemm_body(x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M,
         pre = gmm.grouped_mm(a, w, offs_E)
         if activation == "none" and row_weight_M is None:  # the GEMM's own output, no epilogue passes
             return pre, x_SK.new_empty(0, N_w)
+        if not _common.is_traced(x_SK):  # NOTE [standalone epilogues]: one pass; traced, Inductor fuses the below
+            return launch_epilogue(pre, N, activation, row_weight_M, x_SK.dtype), (pre if store else x_SK.new_empty(0, N_w))
         out = pre.float()
         if activation != "none":
             out = _act_fp32(out[:, :N], activation) * out[:, N:]
@@ -475,17 +537,22 @@ def _expert_backward(ctx, dy, dpre):
     if act != "none":
         if pre is None:  # not stored: recompute the pre-activations (one more GEMM)
             pre = _expert_gemm_op(x_SK, dense, offs_E, row_map, None, "none", M, False)[0]
-        n = pre.shape[1] // 2
-        g, u = pre[:, :n].to(acc), pre[:, n:].to(acc)
-        a_g, dh = _act_fp32(g, act), dy.to(acc)
-        if need_rw:
-            d_rw = (a_g * u * dh).sum(1)
-        if rw is not None:
-            dh = dh * rw.to(acc)[:, None]
-        dz = torch.cat([dh * u * _act_grad_fp32(g, act), dh * a_g], 1)
-        if dpre is not None and dpre.numel():
-            dz = dz + dpre.to(acc)
-        dz, dz_rw = dz.to(dtype), None
+        dpre = dpre if dpre is not None and dpre.numel() else None
+        if dy.is_cuda and acc == torch.float32 and not _common.is_traced(dy):  # NOTE [standalone epilogues]
+            dz, d_rw = launch_epilogue_backward(pre, dy, rw, dpre, act, need_rw)
+        else:
+            n = pre.shape[1] // 2
+            g, u = pre[:, :n].to(acc), pre[:, n:].to(acc)
+            a_g, dh = _act_fp32(g, act), dy.to(acc)
+            if need_rw:
+                d_rw = (a_g * u * dh).sum(1)
+            if rw is not None:
+                dh = dh * rw.to(acc)[:, None]
+            dz = torch.cat([dh * u * _act_grad_fp32(g, act), dh * a_g], 1)
+            if dpre is not None:
+                dz = dz + dpre.to(acc)
+            dz = dz.to(dtype)
+        dz_rw = None
     else:
         dz, dz_rw = dy.contiguous(), rw
     dx = None

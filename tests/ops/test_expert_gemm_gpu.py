@@ -105,3 +105,33 @@ def test_every_choice_trains_the_same_gated_gemm(monkeypatch):
         tol.assert_layer_close(got[0][valid], want[0][valid], [H], torch.bfloat16, what=f"{name} y")
         for g, ref, what in zip(got[1:], want[1:], ("dX", "dW")):
             tol.assert_layer_close(g, ref, [H, 2 * I], torch.bfloat16, backward=True, rows=rows, what=f"{name} {what}")
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_standalone_epilogues_with_row_weight(monkeypatch, activation):
+    """NOTE [standalone epilogues]: the CUTLASS forward's epilogue kernel and the backward's, with a row weight:
+    output and gradients (x, w, row weight) within the layer bound of the fp64 reference, bitwise over runs."""
+    monkeypatch.setenv("MOE_COMPILE_GROUPED_GEMM", "cutlass")
+    x, d, gen = _dispatch(3)
+    M = d.rows_MH.shape[0]
+    w = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(torch.bfloat16).to(DEV)
+    rw = d.probs_M.float()
+    dy = torch.randn(M, I, generator=gen).to(torch.bfloat16).to(DEV)
+    src = eg.source_rows(d.row_map, M)
+    valid = src >= 0
+    xd, wd, rwd = x.double().requires_grad_(), w.double().requires_grad_(), rw.double().requires_grad_()
+    want_y = eg.expert_gemm_reference(xd, wd, d.offs_E, src, rwd, activation)[0]
+    want = (want_y, *torch.autograd.grad(want_y, (xd, wd, rwd), dy.double()))
+    runs = []
+    for _ in range(3):
+        xg, wg, rwg = x.clone().requires_grad_(), w.clone().requires_grad_(), rw.clone().requires_grad_()
+        y, _ = eg.expert_gemm(xg, wg, d.offs_E, row_map=d.row_map, row_weight_M=rwg, activation=activation, num_rows=M)
+        runs.append((y, *torch.autograd.grad(y, (xg, wg, rwg), dy)))
+    got = runs[0]
+    rows = int(d.counts_E.max())
+    tol.assert_layer_close(got[0][valid], want[0][valid], [H], torch.bfloat16, what="y")
+    tol.assert_layer_close(got[1], want[1], [H, 2 * I], torch.bfloat16, backward=True, rows=rows, what="dX")
+    tol.assert_layer_close(got[2], want[2], [H, 2 * I], torch.bfloat16, backward=True, rows=rows, what="dW")
+    tol.assert_layer_close(got[3][valid], want[3][valid], [H, I], torch.bfloat16, backward=True, what="d row weight")
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, got)), "not bitwise reproducible"

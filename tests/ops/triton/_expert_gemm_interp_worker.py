@@ -35,6 +35,14 @@ CASES = {
     "deterministic_bf16_gather_swiglu": ("repeat", [3, 0, 5, 2], 2, 24, 64, "bfloat16", "gsr"),
     # deliberate bug: the row map shifted by one row must FAIL the derived comparison
     "bug_gather_row_map_shifted": ("bug", [3, 0, 5, 2], 2, 24, 40, "float32", "g"),
+    # NOTE [standalone epilogues] (K unused; N > 16 columns: several column blocks in the forward, several
+    # trips of the backward's column loop at the test's BLOCK_N); d = upstream grad of pre, w = d row weight
+    "epilogue_bf16_swiglu_rw": ("epilogue", [3, 0, 5], 2, 40, 0, "bfloat16", "sr"),
+    "epilogue_fp32_geglu": ("epilogue", [4, 2], 0, 24, 0, "float32", "e"),
+    "epilogue_fp16_none_rw": ("epilogue", [2, 3], 1, 40, 0, "float16", "r"),
+    "epilogue_backward_fp32_swiglu_rw_drw_dpre": ("epilogue_backward", [3, 0, 5], 2, 40, 0, "float32", "srwd"),
+    "epilogue_backward_bf16_geglu": ("epilogue_backward", [4, 2], 1, 24, 0, "bfloat16", "e"),
+    "epilogue_backward_fp32_geglu_drw": ("epilogue_backward", [1, 5], 0, 16, 0, "float32", "ew"),
 }
 ACT_RATE = 1.13  # max |d act / dg| for SiLU (1.0998) and erf-GELU (1.1289)
 
@@ -97,6 +105,9 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
         for t in range(row_map.shape[0]):
             for k in range(2):
                 assert torch.equal(a[row_map[t, k]], x[t])
+        return
+    if kind in ("epilogue", "epilogue_backward"):
+        _run_epilogue_case(torch, tol, eg, kind, M, N, dtype, act, rw, opts, gen)
         return
     if kind == "wgrad":
         dy = torch.randn(M, N, generator=gen).to(dtype)
@@ -172,6 +183,55 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
         assert torch.equal(y, launch(src, {"NUM_PROGS": 1})[0]), "depends on the number of persistent programs"
 
 
+def _run_epilogue_case(torch, tol, eg, kind, M, N, dtype, act, rw, opts, gen):
+    """NOTE [standalone epilogues] against the same formulas in float64. Bounds: 16 fp32 rounding errors of
+    each term's magnitude, where the magnitude of ``act(g)`` and ``act'(g)`` includes the cancellations of
+    their fp32 evaluation (``1 + erf(g / sqrt 2)`` for GELU: ``|g| / 2`` more; ``1 - sigmoid(g)`` in SiLU's
+    derivative: ``|g|`` more), then the output cast (the interpreter truncates); the row weight's gradient adds
+    a length-N fp32 sum."""
+    n_w = 2 * N if act != "none" else N
+    pre = torch.randn(M, n_w, generator=gen).to(dtype)
+    u32 = tol.unit_roundoff(torch.float32)
+    scale = rw.double()[:, None] if rw is not None else torch.ones(M, 1, dtype=torch.float64)
+    p64 = pre.double()
+    g, u = (p64[:, :N], p64[:, N:]) if act != "none" else (p64, None)
+    if act == "swiglu":
+        a, s = torch.nn.functional.silu(g), torch.sigmoid(g)
+        mag_a, da = a.abs(), s * (1 + g * (1 - s))
+        mag_da = da.abs() + g.abs()
+    else:
+        a = torch.nn.functional.gelu(g)
+        mag_a = a.abs() + 0.5 * g.abs()
+        da = 0.5 * (1 + torch.erf(g / 2**0.5)) + g * torch.exp(-0.5 * g * g) / (2 * torch.pi) ** 0.5
+        mag_da = da.abs() + 1
+    if kind == "epilogue":
+        got = eg.launch_epilogue(pre, N, act, rw, dtype, block_n=16)
+        if act == "none":
+            want, inner = p64 * scale, 2 * u32 * (p64 * scale).abs()
+        else:
+            want, inner = a * u * scale, 16 * u32 * mag_a * (u * scale).abs()
+        tol.assert_within(got, want, inner + tol.rounding_bound(want, dtype, inner=inner, truncate=True))
+        return
+    dy = torch.randn(M, N, generator=gen).to(dtype)
+    dpre = torch.randn(M, n_w, generator=gen).to(dtype) if "d" in opts else None
+    dz, drw = eg.launch_epilogue_backward(pre, dy, rw, dpre, act, "w" in opts, block_n=16)
+    dh = dy.double() * scale
+    want = torch.cat([dh * u * da, dh * a], 1)
+    inner = 16 * u32 * torch.cat([(dh * u).abs() * mag_da, dh.abs() * mag_a], 1)
+    if dpre is not None:
+        want = want + dpre.double()
+        inner = inner + u32 * want.abs()
+    tol.assert_within(dz, want, inner + tol.rounding_bound(want, dtype, inner=inner, truncate=True), "dz")
+    if "w" in opts:
+        want_rw = (a * u * dy.double()).sum(1)
+        bound = (16 * u32 + tol.gamma(N)) * (mag_a * (u * dy.double()).abs()).sum(1)
+        tol.assert_within(drw, want_rw, bound, "d row weight")
+        again = eg.launch_epilogue_backward(pre, dy, rw, dpre, act, True, block_n=16)[1]
+        assert torch.equal(drw, again), "the row weight's gradient is not reproducible"
+    else:
+        assert drw is None
+
+
 # (M, E, N_out, K, activation, gather, row weight): Qwen3-MoE-like gate_up / down and Mixtral-like at T 4096
 SM90_SHAPES = (
     (32768, 128, 768, 2048, "swiglu", True, False),
@@ -212,6 +272,17 @@ def compile_sm90() -> dict:
         sig = {n: "constexpr" if n in consts else "*bf16" if n.endswith("_ptr") else "i32" for n in wgrad.arg_names}
         sig.update(src_ptr="*i32", offs_ptr="*i32", rw_ptr="*fp32")
         jobs[f"wgrad_gather{gather}_rw{rw}"] = (wgrad, sig, consts, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    epi = eg._kernels._epilogue_kernel
+    for act, rw in (("swiglu", True), ("none", True), ("geglu", False)):
+        consts = dict(ACT=eg.ACTIVATIONS[act], ROW_SCALE=rw, BLOCK_N=eg.EPILOGUE_BLOCK_N)
+        sig = dict(pre_ptr="*bf16", rw_ptr="*bf16", out_ptr="*bf16", N="i32", stride_pre="i32", stride_out="i32", **consts)
+        jobs[f"epilogue_{act}_rw{rw}"] = (epi, {n: "constexpr" if n in consts else t for n, t in sig.items()}, consts, dict(num_warps=4))
+    epi_b = eg._kernels._epilogue_backward_kernel
+    for act in ("swiglu", "geglu"):
+        consts = dict(ACT=eg.ACTIVATIONS[act], ROW_SCALE=True, NEED_DRW=True, HAS_DPRE=False, BLOCK_N=eg.EPILOGUE_BLOCK_N)
+        sig = {n: "constexpr" if n in consts else "*fp32" if n == "drw_ptr" else "*bf16" if n.endswith("_ptr") else "i32"
+               for n in epi_b.arg_names}
+        jobs[f"epilogue_backward_{act}"] = (epi_b, sig, consts, dict(num_warps=4))
     src_k = eg._kernels._source_rows_kernel
     sig = dict(row_map_ptr="*i32", src_ptr="*i32", T="i32", K="i32", stride_t="i32", BLOCK="constexpr")
     jobs["source_rows"] = (src_k, sig, dict(BLOCK=1024), dict(num_warps=4))
