@@ -373,6 +373,26 @@ def launch_epilogue_backward(
     return dz, d_rw
 
 
+def launch_row_scale_backward(
+    a_MK: torch.Tensor, dx_unscaled_MK: torch.Tensor, row_weight_M: torch.Tensor, kernels=None, block_n: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NOTE [standalone epilogues]: ``(rw * dxu in dxu's dtype, sum(a * dxu, 1) in fp32)``, one pass: the
+    row weight's share of the backward of ``y = rw * (a @ W)``."""
+    kernels = kernels or _kernels
+    a_MK, dxu = _unit_columns(a_MK), _unit_columns(dx_unscaled_MK)
+    M, K = dxu.shape
+    dx = torch.empty_like(dxu, memory_format=torch.contiguous_format)
+    d_rw = torch.empty(M, dtype=torch.float32, device=dxu.device)
+    if M == 0:
+        return dx, d_rw
+    _common.launch_kernel(
+        kernels._row_scale_backward_kernel, (M,), a_MK, dxu, row_weight_M, dx, d_rw, K,
+        a_MK.stride(0), dxu.stride(0), dx.stride(0), BLOCK_N=block_n or _epilogue_block(K),
+        traced=False, options=dict(num_warps=4),
+    )  # fmt: skip
+    return dx, d_rw
+
+
 def source_rows(row_map: torch.Tensor | None, num_rows: int, kernels=None) -> torch.Tensor | None:
     """int32 ``[num_rows]``: token of each permuted row (``-1``: pad / tail); one scatter of unique rows
     (the reference off CUDA). None without a row map (rows not permuted: :func:`gather_rows` reads ``x``)."""
@@ -487,6 +507,8 @@ def _row_weighted(dy_MN: torch.Tensor, row_weight_M: torch.Tensor | None) -> tor
     """``dy * row_weight[:, None]`` computed in fp32 (fp64 for fp64 ``dy``), in ``dy``'s dtype."""
     if row_weight_M is None:
         return dy_MN
+    if dy_MN.is_cuda and dy_MN.dtype != torch.float64 and not _common.is_traced(dy_MN):  # one pass
+        return launch_epilogue(dy_MN, dy_MN.shape[1], "none", row_weight_M, dy_MN.dtype)
     acc = torch.float64 if dy_MN.dtype == torch.float64 else torch.float32
     return (dy_MN.to(acc) * row_weight_M[:, None]).to(dy_MN.dtype)
 
@@ -561,8 +583,11 @@ def _expert_backward(ctx, dy, dpre):
             dx_u = _expert_gemm_op(dz, dense.transpose(1, 2), offs_E, None, None, "none", M, False)[0]
             src = source_rows(row_map, M)
             a = gather_rows(x_SK, src)
-            d_rw = (a.to(acc) * dx_u.to(acc)).sum(1)
-            dx_perm = (dx_u.to(acc) * rw.to(acc)[:, None]).to(dtype)
+            if dy.is_cuda and acc == torch.float32 and not _common.is_traced(dy):  # NOTE [standalone epilogues]
+                dx_perm, d_rw = launch_row_scale_backward(a, dx_u, rw)
+            else:
+                d_rw = (a.to(acc) * dx_u.to(acc)).sum(1)
+                dx_perm = (dx_u.to(acc) * rw.to(acc)[:, None]).to(dtype)
         else:
             dx_perm = _expert_gemm_op(dz, dense.transpose(1, 2), offs_E, None, dz_rw, "none", M, False)[0]
         if need_x:

@@ -107,7 +107,7 @@ def test_every_choice_trains_the_same_gated_gemm(monkeypatch):
             tol.assert_layer_close(g, ref, [H, 2 * I], torch.bfloat16, backward=True, rows=rows, what=f"{name} {what}")
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "none"])
 def test_standalone_epilogues_with_row_weight(monkeypatch, activation):
     """NOTE [standalone epilogues]: the CUTLASS forward's epilogue kernel and the backward's, with a row weight:
     output and gradients (x, w, row weight) within the layer bound of the fp64 reference, bitwise over runs."""
@@ -116,7 +116,8 @@ def test_standalone_epilogues_with_row_weight(monkeypatch, activation):
     M = d.rows_MH.shape[0]
     w = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(torch.bfloat16).to(DEV)
     rw = d.probs_M.float()
-    dy = torch.randn(M, I, generator=gen).to(torch.bfloat16).to(DEV)
+    n_out = I if activation != "none" else 2 * I
+    dy = torch.randn(M, n_out, generator=gen).to(torch.bfloat16).to(DEV)
     src = eg.source_rows(d.row_map, M)
     valid = src >= 0
     xd, wd, rwd = x.double().requires_grad_(), w.double().requires_grad_(), rw.double().requires_grad_()
@@ -132,6 +133,6 @@ def test_standalone_epilogues_with_row_weight(monkeypatch, activation):
     tol.assert_layer_close(got[0][valid], want[0][valid], [H], torch.bfloat16, what="y")
     tol.assert_layer_close(got[1], want[1], [H, 2 * I], torch.bfloat16, backward=True, rows=rows, what="dX")
     tol.assert_layer_close(got[2], want[2], [H, 2 * I], torch.bfloat16, backward=True, rows=rows, what="dW")
-    tol.assert_layer_close(got[3][valid], want[3][valid], [H, I], torch.bfloat16, backward=True, what="d row weight")
+    tol.assert_layer_close(got[3][valid], want[3][valid], [H, n_out], torch.bfloat16, backward=True, what="d row weight")
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run, got)), "not bitwise reproducible"

@@ -326,3 +326,21 @@ def _epilogue_backward_kernel(
         tl.store(dz_row + N + cols, dz_u.to(dz_ptr.dtype.element_ty), mask=mask)
     if NEED_DRW:
         tl.store(drw_ptr + r, tl.sum(drw, 0))
+
+
+@triton.jit
+def _row_scale_backward_kernel(
+    a_ptr, dxu_ptr, rw_ptr, dx_ptr, drw_ptr, N, stride_a, stride_dxu, stride_dx, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """NOTE [standalone epilogues], the backward of ``y = rw * (a @ W)``'s row weight: one program per row ``r``,
+    ``BLOCK_N`` columns at a time: ``dx[r] = rw[r] * dxu[r]``, ``drw[r] = sum(a[r] * dxu[r])`` in fp32."""
+    r = tl.program_id(0).to(tl.int64)
+    rw = tl.load(rw_ptr + r).to(tl.float32)
+    drw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for c0 in range(0, N, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        dxu = tl.load(dxu_ptr + r * stride_dxu + cols, mask=mask, other=0.0).to(tl.float32)
+        drw += tl.load(a_ptr + r * stride_a + cols, mask=mask, other=0.0).to(tl.float32) * dxu
+        tl.store(dx_ptr + r * stride_dx + cols, (dxu * rw).to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(drw_ptr + r, tl.sum(drw, 0))

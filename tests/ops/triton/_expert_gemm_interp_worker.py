@@ -43,6 +43,8 @@ CASES = {
     "epilogue_backward_fp32_swiglu_rw_drw_dpre": ("epilogue_backward", [3, 0, 5], 2, 40, 0, "float32", "srwd"),
     "epilogue_backward_bf16_geglu": ("epilogue_backward", [4, 2], 1, 24, 0, "bfloat16", "e"),
     "epilogue_backward_fp32_geglu_drw": ("epilogue_backward", [1, 5], 0, 16, 0, "float32", "ew"),
+    "row_scale_backward_fp32": ("row_scale_backward", [3, 0, 5], 2, 40, 0, "float32", "r"),
+    "row_scale_backward_bf16": ("row_scale_backward", [4, 2], 1, 24, 0, "bfloat16", "r"),
 }
 ACT_RATE = 1.13  # max |d act / dg| for SiLU (1.0998) and erf-GELU (1.1289)
 
@@ -105,6 +107,15 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
         for t in range(row_map.shape[0]):
             for k in range(2):
                 assert torch.equal(a[row_map[t, k]], x[t])
+        return
+    if kind == "row_scale_backward":  # NOTE [standalone epilogues]: dx = rw * dxu, d rw = sum(a * dxu)
+        a, dxu = torch.randn(M, N, generator=gen).to(dtype), torch.randn(M, N, generator=gen).to(dtype)
+        dx, drw = eg.launch_row_scale_backward(a, dxu, rw, block_n=16)
+        want = dxu.double() * rw.double()[:, None]
+        inner = tol.unit_roundoff(torch.float32) * want.abs()
+        tol.assert_within(dx, want, inner + tol.rounding_bound(want, dtype, inner=inner, truncate=True), "dx")
+        terms = a.double() * dxu.double()
+        tol.assert_within(drw, terms.sum(1), tol.gamma(N) * terms.abs().sum(1), "d row weight")
         return
     if kind in ("epilogue", "epilogue_backward"):
         _run_epilogue_case(torch, tol, eg, kind, M, N, dtype, act, rw, opts, gen)
@@ -283,6 +294,11 @@ def compile_sm90() -> dict:
         sig = {n: "constexpr" if n in consts else "*fp32" if n == "drw_ptr" else "*bf16" if n.endswith("_ptr") else "i32"
                for n in epi_b.arg_names}
         jobs[f"epilogue_backward_{act}"] = (epi_b, sig, consts, dict(num_warps=4))
+    rsb = eg._kernels._row_scale_backward_kernel
+    consts = dict(BLOCK_N=eg.EPILOGUE_BLOCK_N)
+    sig = {n: "constexpr" if n in consts else "*fp32" if n in ("rw_ptr", "drw_ptr") else "*bf16" if n.endswith("_ptr") else "i32"
+           for n in rsb.arg_names}
+    jobs["row_scale_backward"] = (rsb, sig, consts, dict(num_warps=4))
     src_k = eg._kernels._source_rows_kernel
     sig = dict(row_map_ptr="*i32", src_ptr="*i32", T="i32", K="i32", stride_t="i32", BLOCK="constexpr")
     jobs["source_rows"] = (src_k, sig, dict(BLOCK=1024), dict(num_warps=4))
