@@ -85,7 +85,11 @@ def _inner_bound(torch, tol, mag, K, act, pre_ref, operand_rel=0.0):
 
 
 def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
+    import importlib
+
     import torch
+
+    ee = importlib.import_module("moe_compile.ops.expert_epilogue")  # (imported by main, without the packages)
 
     from tests import _tolerance as tol
     dtype = getattr(torch, dtype_name)
@@ -110,7 +114,7 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
         return
     if kind == "row_scale_backward":  # NOTE [standalone epilogues]: dx = rw * dxu, d rw = sum(a * dxu)
         a, dxu = torch.randn(M, N, generator=gen).to(dtype), torch.randn(M, N, generator=gen).to(dtype)
-        dx, drw = eg.launch_row_scale_backward(a, dxu, rw, block_n=16)
+        dx, drw = ee.launch_row_scale_backward(a, dxu, rw, block_n=16)
         want = dxu.double() * rw.double()[:, None]
         inner = tol.unit_roundoff(torch.float32) * want.abs()
         tol.assert_within(dx, want, inner + tol.rounding_bound(want, dtype, inner=inner, truncate=True), "dx")
@@ -118,7 +122,7 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
         tol.assert_within(drw, terms.sum(1), tol.gamma(N) * terms.abs().sum(1), "d row weight")
         return
     if kind in ("epilogue", "epilogue_backward"):
-        _run_epilogue_case(torch, tol, eg, kind, M, N, dtype, act, rw, opts, gen)
+        _run_epilogue_case(torch, tol, ee, kind, M, N, dtype, act, rw, opts, gen)
         return
     if kind == "wgrad":
         dy = torch.randn(M, N, generator=gen).to(dtype)
@@ -194,7 +198,7 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
         assert torch.equal(y, launch(src, {"NUM_PROGS": 1})[0]), "depends on the number of persistent programs"
 
 
-def _run_epilogue_case(torch, tol, eg, kind, M, N, dtype, act, rw, opts, gen):
+def _run_epilogue_case(torch, tol, ee, kind, M, N, dtype, act, rw, opts, gen):
     """NOTE [standalone epilogues] against the same formulas in float64. Bounds: 16 fp32 rounding errors of
     each term's magnitude, where the magnitude of ``act(g)`` and ``act'(g)`` includes the cancellations of
     their fp32 evaluation (``1 + erf(g / sqrt 2)`` for GELU: ``|g| / 2`` more; ``1 - sigmoid(g)`` in SiLU's
@@ -216,7 +220,7 @@ def _run_epilogue_case(torch, tol, eg, kind, M, N, dtype, act, rw, opts, gen):
         da = 0.5 * (1 + torch.erf(g / 2**0.5)) + g * torch.exp(-0.5 * g * g) / (2 * torch.pi) ** 0.5
         mag_da = da.abs() + 1
     if kind == "epilogue":
-        got = eg.launch_epilogue(pre, N, act, rw, dtype, block_n=16)
+        got = ee.launch_epilogue(pre, N, act, rw, dtype, block_n=16)
         if act == "none":
             want, inner = p64 * scale, 2 * u32 * (p64 * scale).abs()
         else:
@@ -225,7 +229,7 @@ def _run_epilogue_case(torch, tol, eg, kind, M, N, dtype, act, rw, opts, gen):
         return
     dy = torch.randn(M, N, generator=gen).to(dtype)
     dpre = torch.randn(M, n_w, generator=gen).to(dtype) if "d" in opts else None
-    dz, drw = eg.launch_epilogue_backward(pre, dy, rw, dpre, act, "w" in opts, block_n=16)
+    dz, drw = ee.launch_epilogue_backward(pre, dy, rw, dpre, act, "w" in opts, block_n=16)
     dh = dy.double() * scale
     want = torch.cat([dh * u * da, dh * a], 1)
     inner = 16 * u32 * torch.cat([(dh * u).abs() * mag_da, dh.abs() * mag_a], 1)
@@ -237,7 +241,7 @@ def _run_epilogue_case(torch, tol, eg, kind, M, N, dtype, act, rw, opts, gen):
         want_rw = (a * u * dy.double()).sum(1)
         bound = (16 * u32 + tol.gamma(N)) * (mag_a * (u * dy.double()).abs()).sum(1)
         tol.assert_within(drw, want_rw, bound, "d row weight")
-        again = eg.launch_epilogue_backward(pre, dy, rw, dpre, act, True, block_n=16)[1]
+        again = ee.launch_epilogue_backward(pre, dy, rw, dpre, act, True, block_n=16)[1]
         assert torch.equal(drw, again), "the row weight's gradient is not reproducible"
     else:
         assert drw is None
@@ -283,19 +287,20 @@ def compile_sm90() -> dict:
         sig = {n: "constexpr" if n in consts else "*bf16" if n.endswith("_ptr") else "i32" for n in wgrad.arg_names}
         sig.update(src_ptr="*i32", offs_ptr="*i32", rw_ptr="*fp32")
         jobs[f"wgrad_gather{gather}_rw{rw}"] = (wgrad, sig, consts, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-    epi = eg._kernels._epilogue_kernel
+    (ee,) = import_ops_only("expert_epilogue")
+    epi = ee._kernels._epilogue_kernel
     for act, rw in (("swiglu", True), ("none", True), ("geglu", False)):
-        consts = dict(ACT=eg.ACTIVATIONS[act], ROW_SCALE=rw, BLOCK_N=eg.EPILOGUE_BLOCK_N)
+        consts = dict(ACT=ee.ACTIVATIONS[act], ROW_SCALE=rw, BLOCK_N=ee.EPILOGUE_BLOCK_N)
         sig = dict(pre_ptr="*bf16", rw_ptr="*bf16", out_ptr="*bf16", N="i32", stride_pre="i32", stride_out="i32", **consts)
         jobs[f"epilogue_{act}_rw{rw}"] = (epi, {n: "constexpr" if n in consts else t for n, t in sig.items()}, consts, dict(num_warps=4))
-    epi_b = eg._kernels._epilogue_backward_kernel
+    epi_b = ee._kernels._epilogue_backward_kernel
     for act in ("swiglu", "geglu"):
-        consts = dict(ACT=eg.ACTIVATIONS[act], ROW_SCALE=True, NEED_DRW=True, HAS_DPRE=False, BLOCK_N=eg.EPILOGUE_BLOCK_N)
+        consts = dict(ACT=ee.ACTIVATIONS[act], ROW_SCALE=True, NEED_DRW=True, HAS_DPRE=False, BLOCK_N=ee.EPILOGUE_BLOCK_N)
         sig = {n: "constexpr" if n in consts else "*fp32" if n == "drw_ptr" else "*bf16" if n.endswith("_ptr") else "i32"
                for n in epi_b.arg_names}
         jobs[f"epilogue_backward_{act}"] = (epi_b, sig, consts, dict(num_warps=4))
-    rsb = eg._kernels._row_scale_backward_kernel
-    consts = dict(BLOCK_N=eg.EPILOGUE_BLOCK_N)
+    rsb = ee._kernels._row_scale_backward_kernel
+    consts = dict(BLOCK_N=ee.EPILOGUE_BLOCK_N)
     sig = {n: "constexpr" if n in consts else "*fp32" if n in ("rw_ptr", "drw_ptr") else "*bf16" if n.endswith("_ptr") else "i32"
            for n in rsb.arg_names}
     jobs["row_scale_backward"] = (rsb, sig, consts, dict(num_warps=4))
@@ -316,9 +321,11 @@ def main() -> None:
         print(json.dumps(compile_sm90()))
         return
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    eg, gmm = import_ops_only("expert_gemm", "grouped_mm")
+    eg, gmm, ee = import_ops_only("expert_gemm", "grouped_mm", "expert_epilogue")
     only = [a for a in sys.argv[1:] if not a.startswith("-")]
-    results = {"_kernels": sorted(k for k in vars(eg._kernels) if k.endswith("_kernel"))}
+    kernels = [*vars(eg._kernels).items(), *vars(ee._kernels).items()]
+    assert all(type(v).__name__ == "InterpretedFunction" for k, v in kernels if k.endswith("_kernel"))
+    results = {"_kernels": sorted({k for k, _ in kernels if k.endswith("_kernel")})}
     jobs = [(name, lambda case=case: _run_case(eg, gmm, *case)) for name, case in CASES.items()
             if not only or name in only]
     print(json.dumps(run_cases(jobs, results)))
