@@ -20,8 +20,8 @@ then ``torch._grouped_mm`` plus a PyTorch gather and the epilogue: one Triton pa
 expressions that Inductor fuses when traced, NOTE [standalone epilogues]; same semantics). CPU: the reference.
 
 Autograd (plain weights; quantised ops differentiate w.r.t. ``x`` and ``row_weight``): the epilogue's
-backward is one Triton pass in eager on CUDA, elementwise PyTorch otherwise (Inductor fuses it), ``dX`` is an ``expert_gemm`` against
-``w.transpose(1, 2)`` followed, when gathering, by the deterministic gather-sum of ``unpad_unpermute``;
+backward is one Triton pass in eager on CUDA, elementwise PyTorch otherwise (Inductor fuses it), ``dX`` is
+an ``expert_gemm`` against ``w.transpose(1, 2)`` followed, when gathering, by the deterministic gather-sum of ``unpad_unpermute``;
 ``dW`` is ``moe::expert_wgrad`` (persistent, fixed order, the ``x`` operand gathered through the row
 map). Every step is deterministic.
 """
@@ -39,7 +39,6 @@ from moe_compile.ops import _common
 from moe_compile.ops import grouped_mm as gmm
 from moe_compile.ops.expert_epilogue import ACTIVATIONS, launch_epilogue, launch_epilogue_backward, launch_row_scale_backward
 from moe_compile.ops.triton import expert_gemm as _kernels
-
 
 
 # ===== references (pure PyTorch, sync-free) =====
@@ -364,7 +363,7 @@ def _expert_gemm_body(x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M,
         pre = gmm.grouped_mm(a, w, offs_E)
         if activation == "none" and row_weight_M is None:  # the GEMM's own output, no epilogue passes
             return pre, x_SK.new_empty(0, N_w)
-        if not _common.is_traced(x_SK):  # NOTE [standalone epilogues]: one pass; traced, Inductor fuses the below
+        if _standalone_epilogue(x_SK):
             return launch_epilogue(pre, N, activation, row_weight_M, x_SK.dtype), (pre if store else x_SK.new_empty(0, N_w))
         out = pre.float()
         if activation != "none":
@@ -425,11 +424,17 @@ def _expert_gemm_nvfp4_op(
     )  # fmt: skip
 
 
+def _standalone_epilogue(t: torch.Tensor) -> bool:
+    """Whether the epilogue math on ``t`` runs as one Triton pass (NOTE [standalone epilogues]): eager on CUDA,
+    fp32 math (not fp64). Traced, the PyTorch expressions stay for Inductor to fuse."""
+    return t.is_cuda and t.dtype != torch.float64 and not _common.is_traced(t)
+
+
 def _row_weighted(dy_MN: torch.Tensor, row_weight_M: torch.Tensor | None) -> torch.Tensor:
     """``dy * row_weight[:, None]`` computed in fp32 (fp64 for fp64 ``dy``), in ``dy``'s dtype."""
     if row_weight_M is None:
         return dy_MN
-    if dy_MN.is_cuda and dy_MN.dtype != torch.float64 and not _common.is_traced(dy_MN):  # one pass
+    if _standalone_epilogue(dy_MN):
         return launch_epilogue(dy_MN, dy_MN.shape[1], "none", row_weight_M, dy_MN.dtype)
     acc = torch.float64 if dy_MN.dtype == torch.float64 else torch.float32
     return (dy_MN.to(acc) * row_weight_M[:, None]).to(dy_MN.dtype)
@@ -482,7 +487,7 @@ def _expert_backward(ctx, dy, dpre):
         if pre is None:  # not stored: recompute the pre-activations (one more GEMM)
             pre = _expert_gemm_op(x_SK, dense, offs_E, row_map, None, "none", M, False)[0]
         dpre = dpre if dpre is not None and dpre.numel() else None
-        if dy.is_cuda and acc == torch.float32 and not _common.is_traced(dy):  # NOTE [standalone epilogues]
+        if _standalone_epilogue(dy):
             dz, d_rw = launch_epilogue_backward(pre, dy, rw, dpre, act, need_rw)
         else:
             n = pre.shape[1] // 2
@@ -505,7 +510,7 @@ def _expert_backward(ctx, dy, dpre):
             dx_u = _expert_gemm_op(dz, dense.transpose(1, 2), offs_E, None, None, "none", M, False)[0]
             src = source_rows(row_map, M)
             a = gather_rows(x_SK, src)
-            if dy.is_cuda and acc == torch.float32 and not _common.is_traced(dy):  # NOTE [standalone epilogues]
+            if _standalone_epilogue(dy):
                 dx_perm, d_rw = launch_row_scale_backward(a, dx_u, rw)
             else:
                 d_rw = (a.to(acc) * dx_u.to(acc)).sum(1)

@@ -45,6 +45,10 @@ CASES = {
     "epilogue_backward_fp32_geglu_drw": ("epilogue_backward", [1, 5], 0, 16, 0, "float32", "ew"),
     "row_scale_backward_fp32": ("row_scale_backward", [3, 0, 5], 2, 40, 0, "float32", "r"),
     "row_scale_backward_bf16": ("row_scale_backward", [4, 2], 1, 24, 0, "bfloat16", "r"),
+    # expert_gemm's autograd with the standalone epilogues switched on for CPU tensors (on the GPU they run in
+    # eager): output and gradients of x, w and the row weight vs the float64 reference
+    "standalone_autograd_swiglu_rw": ("standalone_autograd", [3, 0, 5, 2], 2, 24, 40, "float32", "gsr"),
+    "standalone_autograd_none_rw": ("standalone_autograd", [2, 4, 0], 1, 24, 40, "float32", "gr"),
 }
 ACT_RATE = 1.13  # max |d act / dg| for SiLU (1.0998) and erf-GELU (1.1289)
 
@@ -121,6 +125,9 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
         terms = a.double() * dxu.double()
         tol.assert_within(drw, terms.sum(1), tol.gamma(N) * terms.abs().sum(1), "d row weight")
         return
+    if kind == "standalone_autograd":
+        _run_standalone_autograd_case(torch, tol, eg, x, offs, row_map, rw, M, N, K, act, gen)
+        return
     if kind in ("epilogue", "epilogue_backward"):
         _run_epilogue_case(torch, tol, ee, kind, M, N, dtype, act, rw, opts, gen)
         return
@@ -196,6 +203,29 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
     if kind == "repeat":
         assert torch.equal(y, launch(src)[0]), "not reproducible"
         assert torch.equal(y, launch(src, {"NUM_PROGS": 1})[0]), "depends on the number of persistent programs"
+
+
+def _run_standalone_autograd_case(torch, tol, eg, x, offs, row_map, rw, M, N, K, act, gen):
+    """``expert_gemm`` + autograd with ``_standalone_epilogue`` forced on (the epilogue kernels under the
+    interpreter) against the float64 reference, within the layer bound (``tests/_tolerance.py::layer_rel``)."""
+    E = offs.shape[0]
+    w = torch.randn(E, 2 * N if act != "none" else N, K, generator=gen)
+    dy = torch.randn(M, N, generator=gen)
+    src = eg.source_rows_reference(row_map, M)
+    xd, wd, rwd = x.double().requires_grad_(), w.double().requires_grad_(), rw.double().requires_grad_()
+    want_y = eg.expert_gemm_reference(xd, wd, offs, src, rwd, act)[0]
+    want = (want_y, *torch.autograd.grad(want_y, (xd, wd, rwd), dy.double()))
+    forced = eg._standalone_epilogue
+    eg._standalone_epilogue = lambda t: True
+    try:
+        xg, wg, rwg = x.clone().requires_grad_(), w.clone().requires_grad_(), rw.clone().requires_grad_()
+        y, _ = eg.expert_gemm(xg, wg, offs, row_map=row_map, row_weight_M=rwg, activation=act, num_rows=M)
+        got = (y, *torch.autograd.grad(y, (xg, wg, rwg), dy))
+    finally:
+        eg._standalone_epilogue = forced
+    rows = max(int(offs.diff(prepend=offs.new_zeros(1)).max()), 1)
+    for g, ref, what, k_dims in zip(got, want, ("y", "dX", "dW", "d row weight"), ([K], [K, N], [K, N], [K, N])):
+        tol.assert_layer_close(g, ref, k_dims, torch.float32, backward=what != "y", rows=rows, what=what)
 
 
 def _run_epilogue_case(torch, tol, ee, kind, M, N, dtype, act, rw, opts, gen):
