@@ -11,7 +11,8 @@ for both and left out):
   block time is pessimistic for us), ``expert_gemm`` gate_up with the gather prologue and the SwiGLU
   epilogue, ``expert_gemm`` down with the row weight in its epilogue. ``MOE_COMPILE_GROUPED_GEMM=triton``
   forces the Triton kernels everywhere (the op's heuristic is what this benchmark calibrates);
-* ``auto``: the same ops as shipped: each GEMM (forward, dX, wgrad) picks Triton or CUTLASS from the table.
+* ``auto``: the same ops as shipped: each GEMM (forward, dX, wgrad) picks Triton or CUTLASS from the table;
+  where CUTLASS runs, the epilogue is one Triton pass in eager (NOTE [standalone epilogues]).
 
 Per shape: ``block`` fwd and fwd+bwd (autograd w.r.t. x, both weights and the probs), and each GEMM alone
 (``gate_up``: gather + SwiGLU vs permuted copy + ``_grouped_mm``; ``down``: row weight vs
