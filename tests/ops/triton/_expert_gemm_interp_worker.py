@@ -12,7 +12,7 @@ from __future__ import annotations
 
 # name: (kind, counts per expert, extra tail rows, N (output), K, dtype, options)
 # options: g = gather through a row map, r = row weight, p = store pre-activations, t = TMA weight loads,
-# 1 = one persistent program, s = swiglu, e = geglu
+# 1 = one persistent program, s = swiglu, e = geglu, v = the row weight a strided view
 CASES = {
     "plain_fp32_empty_experts_tail": ("plain", [3, 0, 5, 2], 3, 24, 40, "float32", ""),
     "plain_bf16_gather_swiglu_rw_pre": ("plain", [2, 0, 0, 1, 4, 0, 3], 2, 24, 40, "bfloat16", "grps"),
@@ -45,6 +45,12 @@ CASES = {
     "epilogue_backward_fp32_geglu_drw": ("epilogue_backward", [1, 5], 0, 16, 0, "float32", "ew"),
     "row_scale_backward_fp32": ("row_scale_backward", [3, 0, 5], 2, 40, 0, "float32", "r"),
     "row_scale_backward_bf16": ("row_scale_backward", [4, 2], 1, 24, 0, "bfloat16", "r"),
+    # a strided row weight (probs[:, 0]) must be read as its values, not its storage
+    "plain_fp32_gather_rw_strided": ("plain", [3, 0, 5, 2], 2, 24, 40, "float32", "grv"),
+    "wgrad_fp32_rw_strided": ("wgrad", [3, 0, 5, 2], 2, 24, 40, "float32", "rv"),
+    "epilogue_fp32_swiglu_rw_strided": ("epilogue", [3, 0, 5], 2, 40, 0, "float32", "srv"),
+    "epilogue_backward_fp32_swiglu_rw_strided": ("epilogue_backward", [3, 0, 5], 2, 40, 0, "float32", "srwv"),
+    "row_scale_backward_fp32_strided": ("row_scale_backward", [3, 0, 5], 2, 40, 0, "float32", "rv"),
     # expert_gemm's autograd with the standalone epilogues switched on for CPU tensors (on the GPU they run in
     # eager): output and gradients of x, w and the row weight vs the float64 reference
     "standalone_autograd_swiglu_rw": ("standalone_autograd", [3, 0, 5, 2], 2, 24, 40, "float32", "gsr"),
@@ -72,6 +78,8 @@ def _setup(torch, gen, counts, extra, K, dtype, opts):
         row_map = None
         x = torch.randn(M, K, generator=gen).to(dtype)
     rw = torch.rand(M, generator=gen) if "r" in opts else None
+    if rw is not None and "v" in opts:  # a strided view, as probs[:, 0]
+        rw = torch.stack([rw, torch.full_like(rw, float("nan"))], 1)[:, 0]
     return x, offs, row_map, rw, M
 
 
