@@ -235,6 +235,13 @@ def ttir_writes_follow_loads() -> bool:
         return True
 
 
+def unit_last_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` (None stays None) with unit stride along its last dim, copied only when it has not: kernels that read
+    rows as ``ptr + row * stride + col``, or a vector as ``ptr + i`` (a row weight ``probs[:, 0]`` is a strided
+    view), need it."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def static_ints(*values) -> tuple[int, ...]:
     """Plain ints for launch parameters: symbolic sizes (``dynamic=True``, opcheck) are specialised here,
     since block sizes and grids are chosen from them (the launch plans are cached on plain ints)."""

@@ -25,12 +25,6 @@ def _epilogue_block(N: int) -> int:
     return min(EPILOGUE_BLOCK_N, max(16, triton.next_power_of_2(N)))
 
 
-def _unit_columns(t: torch.Tensor | None) -> torch.Tensor | None:
-    """``t`` with unit stride along its last dim (the kernels read rows as ``ptr + row * stride + col`` and the
-    row weight as ``rw_ptr + row``)."""
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
-
-
 def launch_epilogue(
     pre_MW: torch.Tensor, N: int, activation: str, row_weight_M: torch.Tensor | None, out_dtype: torch.dtype,
     kernels=None, block_n: int | None = None,
@@ -38,7 +32,7 @@ def launch_epilogue(
     """NOTE [standalone epilogues]: ``rw * act(pre[:, :N]) * pre[:, N:]`` (``activation="none"``: ``rw * pre``)
     in ``out_dtype``, one pass, fp32 math; the eager CUTLASS path of :func:`expert_gemm`."""
     kernels = kernels or _kernels
-    pre_MW, row_weight_M = _unit_columns(pre_MW), _unit_columns(row_weight_M)
+    pre_MW, row_weight_M = map(_common.unit_last_stride, (pre_MW, row_weight_M))
     M = pre_MW.shape[0]
     out = pre_MW.new_empty(M, N, dtype=out_dtype)
     if M == 0 or N == 0:
@@ -60,8 +54,7 @@ def launch_epilogue_backward(
     """NOTE [standalone epilogues]: ``(dz [M, 2N] in pre's dtype, d rw [M] fp32 or None)`` for a gated epilogue:
     ``dz = [dh * u * act'(g) | dh * act(g)] + dpre`` with ``dh = dy * rw``, ``d rw = sum(act(g) * u * dy)``."""
     kernels = kernels or _kernels
-    pre_MW, dy_MN, dpre_MW = _unit_columns(pre_MW), _unit_columns(dy_MN), _unit_columns(dpre_MW)
-    row_weight_M = _unit_columns(row_weight_M)
+    pre_MW, dy_MN, dpre_MW, row_weight_M = map(_common.unit_last_stride, (pre_MW, dy_MN, dpre_MW, row_weight_M))
     M, n_w = pre_MW.shape
     dz = pre_MW.new_empty(M, n_w)
     d_rw = torch.empty(M, dtype=torch.float32, device=pre_MW.device) if need_row_weight_grad else None
@@ -84,7 +77,7 @@ def launch_row_scale_backward(
     """NOTE [standalone epilogues]: ``(rw * dxu in dxu's dtype, sum(a * dxu, 1) in fp32)``, one pass: the
     row weight's share of the backward of ``y = rw * (a @ W)``."""
     kernels = kernels or _kernels
-    a_MK, dxu, row_weight_M = _unit_columns(a_MK), _unit_columns(dx_unscaled_MK), _unit_columns(row_weight_M)
+    a_MK, dxu, row_weight_M = map(_common.unit_last_stride, (a_MK, dx_unscaled_MK, row_weight_M))
     M, K = dxu.shape
     dx = torch.empty_like(dxu, memory_format=torch.contiguous_format)
     d_rw = torch.empty(M, dtype=torch.float32, device=dxu.device)

@@ -207,11 +207,6 @@ def _tma_ok(x: torch.Tensor, w: torch.Tensor, fmt: str) -> bool:
     return w.is_contiguous() and (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
 
 
-def _unit_stride(row_weight_M: torch.Tensor) -> torch.Tensor:
-    """The kernels read the row weight as ``rw_ptr + row``: a strided view (``probs[:, 0]``) is copied first."""
-    return row_weight_M if row_weight_M.stride(0) == 1 else row_weight_M.contiguous()
-
-
 def _set_tma_allocator() -> None:
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
@@ -266,7 +261,7 @@ def launch_expert_gemm(
     scale = w_scale if w_scale is not None else w
     gscale = w_gscale if w_gscale is not None else offs_E
     src = src_M if src_M is not None else offs_E
-    rw = _unit_stride(row_weight_M) if row_weight_M is not None else offs_E
+    rw = _common.unit_last_stride(row_weight_M) if row_weight_M is not None else offs_E
     pre = pre_MW if pre_MW is not None else y_MN
     ptx = cfg.pop("PTX_DECODE", fmt == "nvfp4" and gmm._ptx_decode_supported(x_SK))
     wrap = wrap_triton if x_SK.is_cuda else (lambda k: k)
@@ -307,7 +302,7 @@ def launch_expert_wgrad(
     num_progs = max(1, min(num_progs, tiles))
     wrap = wrap_triton if x_SK.is_cuda else (lambda k: k)
     src = src_M if src_M is not None else offs_E
-    rw = _unit_stride(row_weight_M) if row_weight_M is not None else offs_E
+    rw = _common.unit_last_stride(row_weight_M) if row_weight_M is not None else offs_E
     wrap(kernels._expert_wgrad_kernel)[(num_progs,)](
         dy_MN, x_SK, src, rw, offs_E, out_ENK,
         M, N, K, E, num_progs,
