@@ -275,7 +275,7 @@ def eager_cuda_allocator(t: torch.Tensor, traced: bool):
     return alloc
 
 
-def launch_kernel(kernel, grid, *args, traced: bool, options: dict, **kwargs) -> None:
+def launch_kernel(kernel, grid, *args, traced: bool, options: dict, record: list | None = None, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs, **options)``; under a trace, through ``wrap_triton``.
 
     ``options`` are Triton compile/launch options (``num_warps``, ``debug``, ``enable_fp_fusion``,
@@ -283,13 +283,17 @@ def launch_kernel(kernel, grid, *args, traced: bool, options: dict, **kwargs) ->
     ``num_warps`` from the call, so a traced launch passes just that: device asserts stay on because
     Inductor compiles user kernels with ``debug`` set (the kernels gate them on a ``DEBUG`` constexpr),
     and fp contraction follows Inductor's default (see NOTE [expert-order gather-sum]). Eager CUDA launches
-    reuse the compiled kernel without re-binding the arguments (NOTE [cached eager launch] in ``_eager_launch``).
+    reuse the compiled kernel without re-binding the arguments (NOTE [cached eager launch] in ``_eager_launch``)
+    and append it to ``record`` (NOTE [replayed eager launches]); other launches append ``None``.
     """
     if traced:
         from torch.library import wrap_triton
 
         wrap_triton(kernel)[grid](*args, **kwargs, num_warps=options["num_warps"])
     elif args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
-        _eager_launch.launch(kernel, grid, args, {**kwargs, **options})
+        _eager_launch.launch(kernel, grid, args, {**kwargs, **options}, record)
+        return
     else:
         kernel[grid](*args, **kwargs, **options)
+    if record is not None:
+        record.append(None)

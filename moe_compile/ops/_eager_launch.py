@@ -24,12 +24,21 @@ plain ``JITFunction`` objects (the interpreter, autotuners), launches while Trit
 profiler), and anything whose key cannot be hashed. Kernels launched this way must not read mutable Python
 globals (``JITFunction.run`` re-checks those per call; none of ours do). ``MOE_COMPILE_CACHED_LAUNCH=0`` turns
 it off.
+
+NOTE [replayed eager launches]: even a cached launch spends 5-10 us building its key (every argument's
+specialisation) and the caller as much again building keyword arguments, for each of an op's launches. A
+launcher that knows what its launches depend on keeps a :class:`Replays` under a :func:`replay_key`: one that
+fixes every launch's grid, keyword arguments, integer arguments and tensor dtypes, and the 16-byte alignment of
+every tensor argument it did not allocate itself (its own outputs come from the caching allocator). The first
+call with a key launches as above and records the compiled kernels; later calls replay them with the tensors'
+addresses, one list comprehension per launch. A replay runs only where a cached launch would (cache on, no
+launch hooks, the launcher's device current) and only when every launch of the recorded call was cached.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -119,21 +128,33 @@ def _launches_of(kernel) -> _KernelLaunches | None:
         return launches
 
 
-def launch(kernel, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-    """``kernel[grid](*args, **kwargs)`` on CUDA tensors, through the cached compiled kernel when there is one."""
+def _bind_runtime() -> tuple[Any, Any]:
     global _runtime
-    launches = _launches_of(kernel) if ENABLED else None
-    if launches is None:
-        kernel[grid](*args, **kwargs)
-        return
     if _runtime is None:
         from triton import knobs
         from triton.runtime import driver
 
         _runtime = (knobs.runtime, driver.active)
-    runtime, driver = _runtime
+    return _runtime
+
+
+def launch(
+    kernel, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str, Any], record: list | None = None
+) -> None:
+    """``kernel[grid](*args, **kwargs)`` on CUDA tensors, through the cached compiled kernel when there is one.
+
+    ``record`` (NOTE [replayed eager launches]): the launch is appended to it, as what :func:`replay` needs, or
+    ``None`` when it went through Triton's own path.
+    """
+    launches = _launches_of(kernel) if ENABLED else None
+    if launches is None:
+        kernel[grid](*args, **kwargs)
+        _append(record, None)
+        return
+    runtime, driver = _bind_runtime()
     if not (_no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook)):
         kernel[grid](*args, **kwargs)
+        _append(record, None)
         return
     device = driver.get_current_device()
     try:
@@ -141,18 +162,73 @@ def launch(kernel, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str,
         compiled = launches.compiled.get(key)
     except TypeError:  # an unhashable argument: Triton's own path
         kernel[grid](*args, **kwargs)
+        _append(record, None)
         return
+    grid_3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     if compiled is None or pointers is None:  # (a tensor off the current CUDA device: Triton checks it)
-        compiled = kernel[grid](*args, **kwargs)
-        if pointers is not None and hasattr(compiled, "packed_metadata") and hasattr(compiled, "function"):
+        launched = kernel[grid](*args, **kwargs)
+        if pointers is not None and hasattr(launched, "packed_metadata") and hasattr(launched, "function"):
             # the arguments after the positional ones (constexprs, defaults) are fixed by the key
             tail = tuple(kwargs[n] if n in kwargs else launches.defaults[n] for n in launches.names[len(args):])
-            launches.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+            compiled = launches.compiled[key] = (launched.run, launched.function, launched.packed_metadata, tail)
+            _append(record, (*compiled, *grid_3))
+        else:
+            _append(record, None)
         return
     run, function, metadata, tail = compiled
-    grid_1 = grid[1] if len(grid) > 1 else 1
-    grid_2 = grid[2] if len(grid) > 2 else 1
-    run(grid[0], grid_1, grid_2, driver.get_current_stream(device), function, metadata, None, None, None, *pointers, *tail)
+    run(*grid_3, driver.get_current_stream(device), function, metadata, None, None, None, *pointers, *tail)
+    _append(record, (*compiled, *grid_3))
+
+
+def _append(record: list | None, launch: tuple | None) -> None:
+    if record is not None:
+        record.append(launch)
+
+
+class Replays:
+    """Recorded launches of one launcher by its key (NOTE [replayed eager launches])."""
+
+    def __init__(self, max_keys: int = 1024) -> None:
+        self.max_keys = max_keys  # keys hold shapes: a launcher called with ever new shapes starts over
+        self.recorded: dict[Hashable, tuple[tuple, ...]] = {}
+
+    def get(self, key: Hashable, device: int) -> tuple[tuple[tuple, ...], int] | None:
+        """``(launches, stream)`` to :func:`replay` for ``key`` on CUDA ``device``, or None: take the full path."""
+        launches = self.recorded.get(key)
+        if launches is None or not ENABLED:
+            return None
+        runtime, driver = _bind_runtime()
+        if not (_no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook)):
+            return None
+        if driver.get_current_device() != device:
+            return None
+        return launches, driver.get_current_stream(device)
+
+    def keep(self, key: Hashable, record: list, count: int) -> None:
+        """Keep ``record`` (filled by ``count`` launches of one call) under ``key`` when every launch was cached."""
+        if len(record) == count and all(r is not None for r in record):
+            if len(self.recorded) >= self.max_keys:
+                self.recorded.clear()
+            self.recorded[key] = tuple(record)
+
+
+def replay_key(sizes: Hashable, *tensors: torch.Tensor | None) -> tuple:
+    """A launcher's replay key: ``sizes`` (its sizes, strides and flags: whatever fixes the grids, the integer
+    arguments and the keyword arguments) and the dtype and address modulo 16 of each tensor it was given (None
+    for an absent one). Triton specialises pointers on 16-byte alignment; outputs the launcher allocates are
+    aligned."""
+    return (
+        sizes,
+        tuple([t.dtype if t is not None else None for t in tensors]),
+        tuple([t.data_ptr() & 15 if t is not None else -1 for t in tensors]),
+    )
+
+
+def replay(launches: tuple[tuple, ...], stream: int, *arg_lists: Sequence[Any]) -> None:
+    """Launch each recorded kernel with its positional arguments (tensors passed as their addresses)."""
+    for (run, function, metadata, tail, g0, g1, g2), args in zip(launches, arg_lists, strict=True):
+        pointers = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        run(g0, g1, g2, stream, function, metadata, None, None, None, *pointers, *tail)
 
 
 def cached_kernels(kernel) -> int:

@@ -42,7 +42,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from moe_compile.ops import _common
+from moe_compile.ops import _common, _eager_launch
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS, static_row_bound
 from moe_compile.ops.unpad_unpermute import launch_gather_sum_triton, rows_by_slot, unpad_unpermute_reference
 
@@ -255,6 +255,9 @@ def _permute_plan(
     return _PermutePlan(N, M, e_pad, k_pad, block_n, num_blocks, sub, chunk, bh, warps, zero_rows, rows_grid)
 
 
+_REPLAYS = _eager_launch.Replays()
+
+
 def _launch_triton(
     x: Tensor,
     expert_idx: Tensor,
@@ -280,18 +283,22 @@ def _launch_triton(
     from moe_compile.ops.triton import dispatch as kernels
 
     T, H, K = _common.static_ints(x.shape[0], x.shape[1], expert_idx.shape[1])
-    plan = _permute_plan(T, H, K, num_experts, align, x.element_size(), block_n, block_h, num_warps, sub)
+    plan_args = (T, H, K, num_experts, align, x.element_size(), block_n, block_h, num_warps, sub)
+    plan = _permute_plan(*plan_args)
     traced = x.is_cuda and _common.is_traced(x)
     if use_pdl is None:
         use_pdl = not traced and _common.pdl_supported(x.device)
     use_pdl = use_pdl and not traced
-    pdl = {"launch_pdl": True} if use_pdl else {}
     if x.stride(1) != 1:
         x = x.contiguous()
     if not expert_idx.is_contiguous():
         expert_idx = expert_idx.contiguous()
     if probs is not None and not probs.is_contiguous():
         probs = probs.contiguous()
+    replay_key = replayed = None
+    if not traced:  # NOTE [replayed eager launches] (ops/_eager_launch.py)
+        replay_key = _eager_launch.replay_key((plan_args, debug, use_pdl, x.stride(0)), x, expert_idx, probs)
+        replayed = _REPLAYS.get(replay_key, x.get_device())
     empty = _common.eager_cuda_allocator(x, traced)
     i32 = torch.int32
     e_pad = plan.e_pad
@@ -300,27 +307,36 @@ def _launch_triton(
     table = empty(((plan.num_blocks + 2) * e_pad,), i32)
     counts = empty((num_experts,), i32)
     offs = empty((num_experts,), i32)
-    # NOTE [no load-derived store addresses on graph inputs] (ops/triton/dispatch.py)
-    copy_ids = traced and _common.ttir_writes_follow_loads()
-    ids_copy = empty((plan.N,), i32) if copy_ids else table
-    _common.launch_kernel(
-        kernels._expert_offsets_kernel, (1,),
-        expert_idx, ids_copy, table, counts, offs, plan.N, num_experts, plan.num_blocks,
-        ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, SUB=plan.sub, COPY_IDS=copy_ids, DEBUG=debug,
-        USE_PDL=use_pdl, traced=traced, options=dict(num_warps=INDEX_NUM_WARPS, debug=debug),
-    )  # fmt: skip
     rows = empty((plan.M, H), x.dtype)
     # without probs, probs_M is the empty placeholder output: it doubles as the unused pointer
     probs_M = empty((plan.M,), probs.dtype) if probs is not None else x.new_empty(0)
     row_map = empty((T, 2 * K), i32)
-    _common.launch_kernel(
-        kernels._permute_rows_kernel, plan.rows_grid,
+    # NOTE [no load-derived store addresses on graph inputs] (ops/triton/dispatch.py)
+    copy_ids = traced and _common.ttir_writes_follow_loads()
+    ids_copy = empty((plan.N,), i32) if copy_ids else table
+    index_args = (expert_idx, ids_copy, table, counts, offs, plan.N, num_experts, plan.num_blocks)
+    rows_args = (
         x, ids_copy if copy_ids else expert_idx, table, x if probs is None else probs, rows, probs_M,
         row_map, T, H, _common.static_ints(x.stride(0))[0], num_experts, plan.num_blocks, plan.M, plan.M - plan.N,
+    )  # fmt: skip
+    if replayed is not None:
+        _eager_launch.replay(*replayed, index_args, rows_args)
+        return rows, probs_M, offs, row_map, counts
+    record = [] if replay_key is not None else None
+    _common.launch_kernel(
+        kernels._expert_offsets_kernel, (1,), *index_args,
+        ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, SUB=plan.sub, COPY_IDS=copy_ids, DEBUG=debug,
+        USE_PDL=use_pdl, traced=traced, record=record, options=dict(num_warps=INDEX_NUM_WARPS, debug=debug),
+    )  # fmt: skip
+    pdl = {"launch_pdl": True} if use_pdl else {}
+    _common.launch_kernel(
+        kernels._permute_rows_kernel, plan.rows_grid, *rows_args,
         K=K, K_PAD=plan.k_pad, ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, CHUNK=plan.chunk,
         HAS_PROBS=probs is not None, BLOCK_H=plan.block_h, ZERO_ROWS=plan.zero_rows, USE_PDL=use_pdl,
-        traced=traced, options=dict(num_warps=plan.num_warps, **pdl),
+        traced=traced, record=record, options=dict(num_warps=plan.num_warps, **pdl),
     )  # fmt: skip
+    if record is not None:
+        _REPLAYS.keep(replay_key, record, 2)
     return rows, probs_M, offs, row_map, counts
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moe_compile.ops import _common
+from moe_compile.ops import _common, _eager_launch
 
 __all__ = ["unpad_unpermute", "unpad_unpermute_backward_reference", "unpad_unpermute_reference"]
 
@@ -180,6 +180,10 @@ def _acc_tl_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+_GATHER_SUM_REPLAYS = _eager_launch.Replays()
+_BACKWARD_REPLAYS = _eager_launch.Replays()
+
+
 def launch_gather_sum_triton(
     rows: Tensor,
     row_map: Tensor,
@@ -199,24 +203,35 @@ def launch_gather_sum_triton(
     traced = rows.is_cuda and _common.is_traced(rows)
     rows, row_map = rows.contiguous(), row_map.contiguous()
     probs = probs.contiguous() if probs is not None else None
+    grad_probs_M = grad_probs_M.contiguous() if grad_probs_M is not None else None
+    replay_key = replayed = None
+    if not traced:  # NOTE [replayed eager launches] (ops/_eager_launch.py)
+        replay_key = _eager_launch.replay_key((T, K, R, H, debug, block_h), rows, row_map, probs, grad_probs_M)
+        replayed = _GATHER_SUM_REPLAYS.get(replay_key, rows.get_device())
     empty = _common.eager_cuda_allocator(rows, traced)
     out = empty((T, H), rows.dtype)
-    grad_probs = None
-    if grad_probs_M is not None:
-        grad_probs_M = grad_probs_M.contiguous()
-        grad_probs = empty((T, K), grad_probs_M.dtype)
-    bh, num_warps = _common.row_block(H, rows.element_size())
-    bh = block_h or bh
-    _common.launch_kernel(
-        kernels._unpermute_rows_kernel, (T, _common.cdiv(H, bh)),
+    grad_probs = empty((T, K), grad_probs_M.dtype) if grad_probs_M is not None else None
+    args = (
         rows, row_map, probs if probs is not None else rows, out,
         grad_probs_M if grad_probs_M is not None else rows,
         # unused without GATHER_PROB_GRAD: a fresh placeholder, so that no output aliases another
         grad_probs if grad_probs is not None else out.new_empty(0),
-        R, H, K=K, K_PAD=max(2, _common.next_power_of_2(K)), HAS_PROBS=probs is not None,
-        GATHER_PROB_GRAD=grad_probs_M is not None, ACC_DTYPE=_acc_tl_dtype(rows.dtype), BLOCK_H=bh, DEBUG=debug,
-        traced=traced, options=dict(num_warps=num_warps, debug=debug, enable_fp_fusion=False),
+        R, H,
     )  # fmt: skip
+    if replayed is not None:
+        _eager_launch.replay(*replayed, args)
+        return out, grad_probs
+    bh, num_warps = _common.row_block(H, rows.element_size())
+    bh = block_h or bh
+    record = [] if replay_key is not None else None
+    _common.launch_kernel(
+        kernels._unpermute_rows_kernel, (T, _common.cdiv(H, bh)), *args,
+        K=K, K_PAD=max(2, _common.next_power_of_2(K)), HAS_PROBS=probs is not None,
+        GATHER_PROB_GRAD=grad_probs_M is not None, ACC_DTYPE=_acc_tl_dtype(rows.dtype), BLOCK_H=bh, DEBUG=debug,
+        traced=traced, record=record, options=dict(num_warps=num_warps, debug=debug, enable_fp_fusion=False),
+    )  # fmt: skip
+    if record is not None:
+        _GATHER_SUM_REPLAYS.keep(replay_key, record, 1)
     return out, grad_probs
 
 
@@ -243,6 +258,10 @@ def launch_unpad_unpermute_backward_triton(
     need_prob_grad = probs is not None and rows is not None
     probs = probs.contiguous() if probs is not None else None
     rows = rows.contiguous() if need_prob_grad else None
+    replay_key = replayed = None
+    if not traced:  # NOTE [replayed eager launches] (ops/_eager_launch.py)
+        replay_key = _eager_launch.replay_key((T, K, H, num_rows, debug, block_h), grad_y, row_map, probs, rows)
+        replayed = _BACKWARD_REPLAYS.get(replay_key, grad_y.get_device())
     empty = _common.eager_cuda_allocator(grad_y, traced)
     grad_rows = empty((num_rows, H), grad_y.dtype)
     # without the prob gradient: the op's empty placeholder output doubles as the unused pointer
@@ -252,10 +271,19 @@ def launch_unpad_unpermute_backward_triton(
         # both kernels store at rows read from row_map: give them a private copy (NOTE [no
         # load-derived store addresses on graph inputs] in ops/triton/dispatch.py)
         row_map = row_map.clone()
+    mark_args = (row_map, used, T * K, num_rows)
+    args = (
+        grad_y, rows if need_prob_grad else grad_y, row_map, probs if probs is not None else grad_y, used,
+        grad_rows, grad_probs, T, num_rows, H,
+    )  # fmt: skip
+    if replayed is not None:
+        _eager_launch.replay(*replayed, *((mark_args,) if T * K > 0 else ()), args)
+        return grad_rows, (grad_probs if need_prob_grad else None)
+    record = [] if replay_key is not None else None
     if T * K > 0:
         _common.launch_kernel(
-            kernels._mark_used_rows_kernel, (_common.cdiv(T * K, 1024),),
-            row_map, used, T * K, num_rows, K=K, BLOCK=1024, traced=traced, options=dict(num_warps=4),
+            kernels._mark_used_rows_kernel, (_common.cdiv(T * K, 1024),), *mark_args,
+            K=K, BLOCK=1024, traced=traced, record=record, options=dict(num_warps=4),
         )  # fmt: skip
     k_pad = max(2, _common.next_power_of_2(K))
     # tiles are [K_PAD, BLOCK_H]: keep them at <= 8 KiB of activations
@@ -265,13 +293,14 @@ def launch_unpad_unpermute_backward_triton(
     zero_rows = max(2, min(16, 4096 // bh))
     grid = (T + _common.cdiv(num_rows, zero_rows), 1 if need_prob_grad else _common.cdiv(H, bh))
     _common.launch_kernel(
-        kernels._unpermute_backward_kernel, grid,
-        grad_y, rows if need_prob_grad else grad_y, row_map, probs if probs is not None else grad_y, used,
-        grad_rows, grad_probs,
-        T, num_rows, H, K=K, K_PAD=k_pad, HAS_PROBS=probs is not None, NEED_PROB_GRAD=need_prob_grad,
+        kernels._unpermute_backward_kernel, grid, *args,
+        K=K, K_PAD=k_pad, HAS_PROBS=probs is not None, NEED_PROB_GRAD=need_prob_grad,
         LOOP_H=need_prob_grad, ACC_DTYPE=_acc_tl_dtype(grad_y.dtype), BLOCK_H=bh, ZERO_ROWS=zero_rows,
-        DEBUG=debug, traced=traced, options=dict(num_warps=num_warps, debug=debug, enable_fp_fusion=False),
+        DEBUG=debug, traced=traced, record=record,
+        options=dict(num_warps=num_warps, debug=debug, enable_fp_fusion=False),
     )  # fmt: skip
+    if record is not None:
+        _BACKWARD_REPLAYS.keep(replay_key, record, 2 if T * K > 0 else 1)
     return grad_rows, (grad_probs if need_prob_grad else None)
 
 
