@@ -211,6 +211,13 @@ TABLE_ENTRIES = 8192
 MIN_BLOCK_N = 16
 MAX_BLOCK_N = 2048  # each token program compares its ids with up to BLOCK_N + K - 1 earlier ids
 INDEX_NUM_WARPS = 16
+# From this many blocks on, the histograms are computed by one program per block (a third launch) and the
+# index kernel scans them (NOTE [destination rows in two launches]). Measured on an H100 (triton 3.6), kernel
+# time per call, serial index kernel vs histograms + scan: T8192 E8 K2 (16 blocks) 90.5 vs 78.3 us; T4096 E128
+# K8 (32) 82.4 vs 70.2; T16384 E64 K8 (128) 343.6 vs 238.9. Below it the extra launch's host time matters more.
+PARALLEL_HISTOGRAM_BLOCKS = 8
+# Table entries the scan reads per trip when the histograms are in the table
+SCAN_TILE_ENTRIES = 4096
 
 
 class _PermutePlan(NamedTuple):
@@ -228,12 +235,14 @@ class _PermutePlan(NamedTuple):
     num_warps: int
     zero_rows: int
     rows_grid: tuple[int, int]
+    parallel_histogram: bool
 
 
 @functools.lru_cache(maxsize=512)
 def _permute_plan(
     T: int, H: int, K: int, num_experts: int, align: int, elem_size: int,
     block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None, sub: int | None = None,
+    parallel_histogram: bool | None = None,
 ) -> _PermutePlan:  # fmt: skip
     N = T * K
     M = static_row_bound(N, num_experts, align)
@@ -244,7 +253,12 @@ def _permute_plan(
         while block_n < MAX_BLOCK_N and _common.cdiv(N, block_n) * e_pad > TABLE_ENTRIES:
             block_n *= 2
     num_blocks = _common.cdiv(N, block_n)
-    sub = sub or 1  # table blocks per index-kernel iteration (tests set more, to cover the loop)
+    if parallel_histogram is None:
+        parallel_histogram = num_blocks >= PARALLEL_HISTOGRAM_BLOCKS
+    # table blocks per index-kernel iteration (tests set more, to cover the loop); a scan of histograms
+    # already in the table reads a whole tile per trip
+    if sub is None:
+        sub = min(_common.next_power_of_2(num_blocks), max(1, SCAN_TILE_ENTRIES // e_pad)) if parallel_histogram else 1
     # the rank loop's [K_PAD, CHUNK] compare tile: <= 4K entries, at most the span it has to cover
     chunk = max(16, min(_common.next_power_of_2(block_n + K), 4096 // k_pad))
     bh, warps = _common.row_block(H, elem_size, max_bytes=16384)
@@ -252,7 +266,9 @@ def _permute_plan(
     warps = num_warps or warps
     zero_rows = max(2, min(16, 4096 // bh, 16384 // e_pad))
     rows_grid = (T + _common.cdiv(M - N, zero_rows), _common.cdiv(H, bh))
-    return _PermutePlan(N, M, e_pad, k_pad, block_n, num_blocks, sub, chunk, bh, warps, zero_rows, rows_grid)
+    return _PermutePlan(
+        N, M, e_pad, k_pad, block_n, num_blocks, sub, chunk, bh, warps, zero_rows, rows_grid, parallel_histogram
+    )
 
 
 _REPLAYS = _eager_launch.Replays()
@@ -270,20 +286,23 @@ def _launch_triton(
     block_h: int | None = None,
     num_warps: int | None = None,
     sub: int | None = None,
+    parallel_histogram: bool | None = None,
     use_pdl: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Two launches, no host sync: the index kernel (histogram + scan), then the permute (+ zero rows).
+    """Two launches, no host sync: the index kernel (histogram + scan), then the permute (+ zero rows); at large
+    ``N`` three (``parallel_histogram``: the histograms first, one program per block).
 
     See ``moe_compile/ops/triton/dispatch.py`` NOTE [destination rows in two launches] and NOTE
     [overlapping the launches] (``use_pdl``: default on for eager CUDA launches where supported).
     Under a trace (fake/functional tensors) the kernels go through ``wrap_triton``, so Inductor launches
     them from its generated code. ``block_n`` / ``block_h`` / ``num_warps`` / ``sub`` (table blocks per
-    index-kernel iteration, a power of two) override the plan (tests use small blocks to cover several).
+    index-kernel iteration, a power of two) and ``parallel_histogram`` override the plan (tests use small blocks
+    to cover several).
     """
     from moe_compile.ops.triton import dispatch as kernels
 
     T, H, K = _common.static_ints(x.shape[0], x.shape[1], expert_idx.shape[1])
-    plan_args = (T, H, K, num_experts, align, x.element_size(), block_n, block_h, num_warps, sub)
+    plan_args = (T, H, K, num_experts, align, x.element_size(), block_n, block_h, num_warps, sub, parallel_histogram)
     plan = _permute_plan(*plan_args)
     traced = x.is_cuda and _common.is_traced(x)
     if use_pdl is None:
@@ -319,13 +338,21 @@ def _launch_triton(
         x, ids_copy if copy_ids else expert_idx, table, x if probs is None else probs, rows, probs_M,
         row_map, T, H, _common.static_ints(x.stride(0))[0], num_experts, plan.num_blocks, plan.M, plan.M - plan.N,
     )  # fmt: skip
+    histogram_args = (expert_idx, ids_copy, table, plan.N, num_experts)
     if replayed is not None:
-        _eager_launch.replay(*replayed, index_args, rows_args)
+        _eager_launch.replay(*replayed, *((histogram_args,) if plan.parallel_histogram else ()), index_args, rows_args)
         return rows, probs_M, offs, row_map, counts
     record = [] if replay_key is not None else None
+    if plan.parallel_histogram:
+        _common.launch_kernel(
+            kernels._block_histogram_kernel, (plan.num_blocks,), *histogram_args,
+            E_PAD=e_pad, BLOCK_N=plan.block_n, COPY_IDS=copy_ids, DEBUG=debug,
+            traced=traced, record=record, options=dict(num_warps=4, debug=debug),
+        )  # fmt: skip
     _common.launch_kernel(
         kernels._expert_offsets_kernel, (1,), *index_args,
-        ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, SUB=plan.sub, COPY_IDS=copy_ids, DEBUG=debug,
+        ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, SUB=plan.sub, FROM_TABLE=plan.parallel_histogram,
+        COPY_IDS=copy_ids and not plan.parallel_histogram, DEBUG=debug and not plan.parallel_histogram,
         USE_PDL=use_pdl, traced=traced, record=record, options=dict(num_warps=INDEX_NUM_WARPS, debug=debug),
     )  # fmt: skip
     pdl = {"launch_pdl": True} if use_pdl else {}
@@ -336,7 +363,7 @@ def _launch_triton(
         traced=traced, record=record, options=dict(num_warps=plan.num_warps, **pdl),
     )  # fmt: skip
     if record is not None:
-        _REPLAYS.keep(replay_key, record, 2)
+        _REPLAYS.keep(replay_key, record, 3 if plan.parallel_histogram else 2)
     return rows, probs_M, offs, row_map, counts
 
 

@@ -21,13 +21,19 @@ CASES = {
     "strided_x": (6, 24, 6, 2, 16, "float32", True, "strided_x", None, None),
     # K_PAD = 64 caps the rank loop's chunk at 64 ids < BLOCK_N + K - 1: several chunks per token
     "k40_rank_loop_chunks": (5, 8, 40, 40, 8, "float32", True, "uniform", 64, None),
+    # 40 blocks of 8 entries: past PARALLEL_HISTOGRAM_BLOCKS, so the histograms come from their own kernel
+    "many_blocks_parallel_histogram": (40, 8, 16, 8, 8, "float32", True, "uniform", 8, None),
 }
-DEBUG_CASES = ("debug_assert_expert_idx", "debug_assert_row_map")
-# the index kernel's loop over table blocks, SUB at a time: (T, E, K, align, block_n, sub)
+DEBUG_CASES = ("debug_assert_expert_idx", "debug_assert_expert_idx_parallel_histogram", "debug_assert_row_map")
+# the index kernel's loop over table blocks, SUB at a time: (T, E, K, align, block_n, sub, parallel_histogram)
 INDEX_LOOP_CASES = {
-    "index_loop_sub2_partial_last": (37, 6, 3, 16, 16, 2),  # 7 blocks: 4 iterations, the last one half empty
-    "index_loop_sub1": (20, 9, 2, 8, 16, 1),
-    "index_loop_sub4_e64": (40, 64, 4, 32, 32, 4),
+    "index_loop_sub2_partial_last": (37, 6, 3, 16, 16, 2, False),  # 7 blocks: 4 iterations, the last half empty
+    "index_loop_sub1": (20, 9, 2, 8, 16, 1, False),
+    "index_loop_sub4_e64": (40, 64, 4, 32, 32, 4, False),
+    # the histograms from _block_histogram_kernel, then the scan over the table
+    "parallel_histogram_sub2_partial_last": (37, 6, 3, 16, 16, 2, True),
+    "parallel_histogram_plan_sub_e64": (40, 64, 4, 32, 32, None, True),
+    "parallel_histogram_sub1_int32_ids": (20, 9, 2, 8, 16, 1, True),
 }
 # kernel launches per op call (issue 14: the permute is at most two)
 LAUNCH_COUNTS = {"permute_pad": 2, "unpad_unpermute": 1, "permute_pad_backward": 1, "unpad_unpermute_backward": 2}
@@ -123,14 +129,14 @@ def _run_case(name, T, H, E, K, a, dtype_name, with_probs, routing, block_n, blo
             torch.testing.assert_close(dp.double(), dp_ref.double(), rtol=tol, atol=tol)
 
 
-def _run_index_loop_case(T, E, K, a, block_n, sub):
+def _run_index_loop_case(T, E, K, a, block_n, sub, parallel_histogram):
     import importlib
 
     import torch
 
     pp = importlib.import_module("moe_compile.ops.permute_pad")
-    x, ids, probs = _inputs(T, 8, E, K, torch.float32, "uniform", seed=T + E)
-    got = pp._launch_triton(x, ids, probs, E, a, block_n=block_n, sub=sub)
+    x, ids, probs = _inputs(T, 8, E, K, torch.float32, "int32_ids" if sub == 1 else "uniform", seed=T + E)
+    got = pp._launch_triton(x, ids, probs, E, a, block_n=block_n, sub=sub, parallel_histogram=parallel_histogram)
     ref = pp._reference_tuple(x, ids, probs, E, a)
     for g, want, what in zip(got, ref, ("rows", "probs", "offs", "row_map", "counts")):
         assert torch.equal(g, want), what
@@ -193,8 +199,9 @@ def _run_debug_case(name):
     builder.options = dataclasses.replace(saved, debug=True)  # the interpreter's device_assert switch
     try:
         x = torch.randn(4, 8)
-        if name == "debug_assert_expert_idx":
-            pp._launch_triton(x, torch.tensor([[0, 1], [2, 3], [4, 7], [0, 1]]), None, 8, 16, debug=True)  # ok ids
+        if name.startswith("debug_assert_expert_idx"):
+            parallel = dict(block_n=2, parallel_histogram=name.endswith("parallel_histogram"))
+            pp._launch_triton(x, torch.tensor([[0, 1], [2, 3], [4, 7], [0, 1]]), None, 8, 16, debug=True, **parallel)
             bad = torch.tensor([[0, 1], [2, 3], [4, 9], [0, 1]])
         else:
             rows, _, _, row_map, _ = pp._launch_triton(x, torch.tensor([[0, 1], [2, 3], [4, 7], [0, 1]]), None, 8, 16)
@@ -202,12 +209,12 @@ def _run_debug_case(name):
             bad_map = row_map.clone()
             bad_map[2, 1] = rows.shape[0]
         try:
-            if name == "debug_assert_expert_idx":
-                pp._launch_triton(x, bad, None, 8, 16, debug=True)
+            if name.startswith("debug_assert_expert_idx"):
+                pp._launch_triton(x, bad, None, 8, 16, debug=True, **parallel)
             else:
                 uu.launch_gather_sum_triton(rows, bad_map, None, debug=True)
         except Exception as e:  # the interpreter raises the assert as an InterpreterError
-            expected = "expert_idx out of range" if name == "debug_assert_expert_idx" else "row_map row out of range"
+            expected = "expert_idx out of range" if name.startswith("debug_assert_expert_idx") else "row_map row out of range"
             assert expected in str(e), str(e)
         else:
             raise AssertionError("device_assert did not fire")

@@ -12,6 +12,7 @@ from ._dispatch_interp_worker import CASES, DEBUG_CASES, INDEX_LOOP_CASES, LAUNC
 from ._interp import run_worker
 
 KERNELS = (
+    "_block_histogram_kernel",
     "_expert_offsets_kernel",
     "_mark_used_rows_kernel",
     "_permute_rows_kernel",
@@ -31,7 +32,7 @@ def test_all_kernels_are_interpreted_and_covered(interpreter_results):
 
 
 def test_launches_per_op(interpreter_results):
-    # issue 14: permute_pad is two launches (index kernel, permute); the others as listed
+    # issue 14: permute_pad is two launches (index kernel, permute) below PARALLEL_HISTOGRAM_BLOCKS; the others as listed
     assert interpreter_results["_launches"] == LAUNCH_COUNTS
 
 
