@@ -240,12 +240,13 @@ def test_empty_and_tiny_cases():
         assert unpad_unpermute(out.rows_MH, out.row_map, probs).shape == (T, 32)
 
 
-def test_compile_reduce_overhead_strict_cudagraph():
+@pytest.mark.parametrize("T", [256, 4096])  # 4096: the histogram kernel too (PARALLEL_HISTOGRAM_BLOCKS)
+def test_compile_reduce_overhead_strict_cudagraph(T):
     import torch._inductor.cudagraph_trees
     from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
 
-    T, H, E, K, a = 256, 128, 16, 2, 32
+    H, E, K, a = 128, 16, 2, 32
     w = torch.randn(H, H, device=DEV, dtype=torch.bfloat16) / 8
 
     def layer(x, ids, probs):
@@ -327,26 +328,34 @@ def test_debug_device_assert(op):
     assert "assert" in bad.stderr.lower(), bad.stderr[-3000:]
 
 
-def test_eager_permute_pad_is_two_launches():
-    # issue 14: the index kernel (histogram + scan) and the permute kernel, nothing else
+@pytest.mark.parametrize("T", [512, 8192])
+def test_eager_permute_pad_launches(T):
+    # issue 14: the index kernel (histogram + scan) and the permute kernel, nothing else; from
+    # PARALLEL_HISTOGRAM_BLOCKS blocks of ids on (T 8192: 16 blocks), the histogram kernel first
     from torch.autograd import DeviceType
 
-    x, ids, probs = _inputs(512, 256, 16, 2, torch.bfloat16, seed=12)
+    x, ids, probs = _inputs(T, 256, 16, 2, torch.bfloat16, seed=12)
     permute_pad(x, ids, probs, num_experts=16, align=32)  # compile the kernels first
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         permute_pad(x, ids, probs, num_experts=16, align=32)
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
-    assert kernels == ["_expert_offsets_kernel", "_permute_rows_kernel"], kernels
+    want = ["_expert_offsets_kernel", "_permute_rows_kernel"]
+    assert kernels == (["_block_histogram_kernel", *want] if T == 8192 else want), kernels
 
 
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
-def test_compiled_layer_launches_the_kernels_from_generated_code(dtype):
-    """Inductor's own code launches our kernels: no Python custom-op call, no atomics (fwd and bwd)."""
+@pytest.mark.parametrize("dtype,T", [(torch.bfloat16, 96), (torch.float32, 96), (torch.bfloat16, 4096)], ids=str)
+def test_compiled_layer_launches_the_kernels_from_generated_code(dtype, T):
+    """Inductor's own code launches our kernels: no Python custom-op call, no atomics (fwd and bwd). T 4096:
+    8192 ids, past PARALLEL_HISTOGRAM_BLOCKS (the histogram kernel's launch too)."""
     from torch._inductor.utils import run_and_get_code
 
-    T, H, E, K, a = 96, 128, 8, 2, 16
+    from moe_compile.ops.permute_pad import PARALLEL_HISTOGRAM_BLOCKS, _permute_plan
+
+    H, E, K, a = 128, 8, 2, 16
+    parallel = _permute_plan(T, H, K, E, a, 2).parallel_histogram
+    assert parallel == (T == 4096) and PARALLEL_HISTOGRAM_BLOCKS <= 8
     x, ids, probs = _inputs(T, H, E, K, dtype, seed=13)
     w = (torch.randn(H, H, device=DEV) / 8).to(dtype)
 
@@ -375,16 +384,19 @@ def test_compiled_layer_launches_the_kernels_from_generated_code(dtype):
     for kernel in ("_expert_offsets_kernel", "_permute_rows_kernel", "_unpermute_rows_kernel",
                    "_mark_used_rows_kernel", "_unpermute_backward_kernel"):  # fmt: skip
         assert kernel in joined, kernel
+    assert ("def _block_histogram_kernel" in joined) == parallel  # (the index kernel's comments name it)
     assert "torch.ops.moe." not in joined
     assert "tl.atomic_add" not in joined
 
 
-def test_compiled_decode_layer_has_no_input_copies():
+@pytest.mark.parametrize("T", [1, 4096])
+def test_compiled_layer_has_no_input_copies(T):
     """torch 2.11's mutation analysis must not turn ``expert_idx`` into a mutated graph input (NOTE [no
-    load-derived store addresses on graph inputs]): no ``copy_`` back into an input in the code."""
+    load-derived store addresses on graph inputs]): no ``copy_`` back into an input in the code (T 4096: the
+    histogram kernel reads the ids)."""
     from torch._inductor.utils import run_and_get_code
 
-    x, ids, probs = _inputs(1, 256, 8, 2, torch.bfloat16, seed=14)
+    x, ids, probs = _inputs(T, 256, 8, 2, torch.bfloat16, seed=14)
 
     def layer(x, ids, probs):
         out = permute_pad(x, ids, probs, num_experts=8, align=16)
