@@ -124,30 +124,40 @@ def _pdl_supported_on(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def use_eager_fast_path(*tensors: torch.Tensor | None) -> bool:
-    """NOTE [eager fast path]: whether a public wrapper may call the op's CUDA kernel directly.
+FAST = "fast"  # eager_fast_path: call the op's CUDA kernel directly
+FAST_WITH_GRAD = "fast_with_grad"  # the same under the op's autograd formula (a plain autograd.Function)
+
+
+def eager_fast_path(*tensors: torch.Tensor | None) -> str | None:
+    """NOTE [eager fast path]: whether a public wrapper may call the op's CUDA kernels directly.
 
     The custom-op dispatcher costs 30-60 us of Python per call on an H200 host (autograd wrapper,
-    redispatch, aliasing check), comparable to the GPU time of a mid-sized dispatch. When nothing can
-    observe the difference, the wrappers skip it: eager (not traced), plain ``torch.Tensor`` inputs on
-    CUDA, no gradient needed, no dispatch or function mode, no functorch transform, no profiler (and the
-    CUDA kernel not disabled through ``set_kernel_enabled``, checked by the callers). Everything else
-    (tracing, ``torch.compile``, fake tensors, subclasses, autograd) goes through ``torch.ops.moe.*``.
+    redispatch, aliasing check), comparable to the GPU time of a mid-sized dispatch; more with autograd.
+    When nothing can observe the difference, the wrappers skip it: eager (not traced), plain ``torch.Tensor``
+    inputs on CUDA, no dispatch or function mode, no functorch transform, no profiler (and the CUDA kernel not
+    disabled through ``set_kernel_enabled``, checked by the callers). Returns ``FAST`` when no gradient is
+    needed, ``FAST_WITH_GRAD`` when one is (the wrapper then applies an ``autograd.Function`` with the op's
+    own autograd formula and backward kernels, once differentiable like the op), None otherwise: tracing,
+    ``torch.compile``, fake tensors and subclasses go through ``torch.ops.moe.*``.
     """
     first = tensors[0]
     if type(first) is not torch.Tensor or not first.is_cuda:
-        return False
-    grad = torch.is_grad_enabled()
+        return None
+    grad = False
     for t in tensors:
-        if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
-            return False
-    return not (
+        if t is not None:
+            if type(t) is not torch.Tensor:
+                return None
+            grad = grad or t.requires_grad
+    if (
         torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack() > 0
         or torch._C._is_torch_function_mode_enabled()
         or torch._C._functorch.peek_interpreter_stack() is not None
         or torch.autograd._profiler_enabled()
-    )
+    ):
+        return None
+    return FAST_WITH_GRAD if grad and torch.is_grad_enabled() else FAST
 
 
 # ===== op construction =====

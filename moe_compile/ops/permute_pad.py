@@ -471,15 +471,32 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(output[3])
 
 
-def _backward(ctx, grad_rows, grad_probs_M, grad_offs, grad_row_map, grad_counts):
+def _backward(ctx, grad_rows, grad_probs_M, grad_offs, grad_row_map, grad_counts, backward_op=None):
     (row_map,) = ctx.saved_tensors
-    grad_x, grad_probs_TK = torch.ops.moe.permute_pad_backward(
+    grad_x, grad_probs_TK = (backward_op or torch.ops.moe.permute_pad_backward)(
         grad_rows.contiguous(), grad_probs_M.contiguous() if ctx.has_probs else None, row_map
     )
     return grad_x, None, (grad_probs_TK if ctx.has_probs else None), None, None, None
 
 
 _permute_pad_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerPermutePad(torch.autograd.Function):
+    """NOTE [eager fast path] when a gradient is needed: the op's autograd formula around its CUDA kernels."""
+
+    @staticmethod
+    def forward(ctx, x, expert_idx, probs, num_experts, align, debug):
+        output = _permute_pad_cuda(x, expert_idx, probs, num_experts, align, debug)
+        _setup_context(ctx, (x, expert_idx, probs, num_experts, align, debug), output)
+        ctx.mark_non_differentiable(*output[2:])
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads, backward_op=_permute_pad_backward_body)
+
 _PERMUTE_PAD = torch.ops.moe.permute_pad.default
 # device types whose kernel was turned off with `_permute_pad_op.set_kernel_enabled(...)` (torch's own set)
 _CUDA_KERNEL_DISABLED = getattr(_permute_pad_op, "_disabled_kernel", set())
@@ -520,11 +537,11 @@ def permute_pad(
     if not (isinstance(x_TH, Tensor) and isinstance(expert_idx_TK, Tensor)):
         _check_args_detailed(x_TH, expert_idx_TK, probs_TK, num_experts, align)  # raises, naming the argument
     # the op's kernels (and its fake, when traced) validate the arguments: checked once per call
-    if _common.use_eager_fast_path(x_TH, expert_idx_TK, probs_TK) and "cuda" not in _CUDA_KERNEL_DISABLED:
-        # NOTE [eager fast path] (ops/_common.py): same kernel, without the dispatcher's Python layers
-        rows_MH, probs_M, offs_E, row_map, counts_E = _permute_pad_cuda(
-            x_TH, expert_idx_TK, probs_TK, num_experts, align, debug
-        )
+    fast = _common.eager_fast_path(x_TH, expert_idx_TK, probs_TK)
+    if fast and "cuda" not in _CUDA_KERNEL_DISABLED:
+        # NOTE [eager fast path] (ops/_common.py): same kernels, without the dispatcher's Python layers
+        launch = _EagerPermutePad.apply if fast is _common.FAST_WITH_GRAD else _permute_pad_cuda
+        rows_MH, probs_M, offs_E, row_map, counts_E = launch(x_TH, expert_idx_TK, probs_TK, num_experts, align, debug)
     else:
         rows_MH, probs_M, offs_E, row_map, counts_E = _PERMUTE_PAD(
             x_TH, expert_idx_TK, probs_TK, num_experts, align, debug

@@ -382,15 +382,31 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(row_map, probs, rows if ctx.needs_rows else None)
 
 
-def _backward(ctx, grad_y):
+def _backward(ctx, grad_y, backward_op=None):
     row_map, probs, rows = ctx.saved_tensors
-    grad_rows, grad_probs = torch.ops.moe.unpad_unpermute_backward(
+    grad_rows, grad_probs = (backward_op or torch.ops.moe.unpad_unpermute_backward)(
         grad_y.contiguous(), row_map, probs, rows, ctx.num_rows
     )
     return grad_rows, None, (grad_probs if ctx.needs_rows else None), None
 
 
 _unpad_unpermute_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerUnpadUnpermute(torch.autograd.Function):
+    """NOTE [eager fast path] when a gradient is needed: the op's autograd formula around its CUDA kernels."""
+
+    @staticmethod
+    def forward(ctx, rows, row_map, probs, debug):
+        y = _unpad_unpermute_cuda(rows, row_map, probs, debug)
+        _setup_context(ctx, (rows, row_map, probs, debug), y)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        return _backward(ctx, grad_y, backward_op=_unpad_unpermute_backward_body)
+
 _UNPAD_UNPERMUTE = torch.ops.moe.unpad_unpermute.default
 # device types whose kernel was turned off with `_unpad_unpermute_op.set_kernel_enabled(...)` (torch's own set)
 _CUDA_KERNEL_DISABLED = getattr(_unpad_unpermute_op, "_disabled_kernel", set())
@@ -421,7 +437,9 @@ def unpad_unpermute(
     if not (isinstance(rows_RH, Tensor) and isinstance(row_map, Tensor)):
         _check_args_detailed(rows_RH, row_map, probs_TK)  # raises, naming the argument
     # the op's kernels (and its fake, when traced) validate the arguments: checked once per call
-    if _common.use_eager_fast_path(rows_RH, row_map, probs_TK) and "cuda" not in _CUDA_KERNEL_DISABLED:
-        # NOTE [eager fast path] (ops/_common.py): same kernel, without the dispatcher's Python layers
-        return _unpad_unpermute_cuda(rows_RH, row_map, probs_TK, debug)
+    fast = _common.eager_fast_path(rows_RH, row_map, probs_TK)
+    if fast and "cuda" not in _CUDA_KERNEL_DISABLED:
+        # NOTE [eager fast path] (ops/_common.py): same kernels, without the dispatcher's Python layers
+        launch = _EagerUnpadUnpermute.apply if fast is _common.FAST_WITH_GRAD else _unpad_unpermute_cuda
+        return launch(rows_RH, row_map, probs_TK, debug)
     return _UNPAD_UNPERMUTE(rows_RH, row_map, probs_TK, debug)

@@ -162,10 +162,27 @@ def test_eager_fast_path_skips_dispatcher_only_when_unobservable(monkeypatch):
     for got, want in zip(out, via_op):
         assert torch.equal(got, want)
     assert torch.equal(y, torch.ops.moe.unpad_unpermute(out.rows_MH, out.row_map, probs))
-    permute_pad(x.requires_grad_(True), ids, probs, num_experts=8, align=16)  # autograd: through the op
     with torch.autograd.profiler.profile():
         unpad_unpermute(out.rows_MH, out.row_map, probs)  # profiled: through the op (named in traces)
-    assert calls == ["op", "op"]
+    assert calls == ["op"]
+    # with gradients: the op's autograd formula around the same kernels, still past the dispatcher; outputs and
+    # gradients bitwise equal to the op's
+    g = torch.randn(x.shape, device=DEV)
+    grads = []
+    for direct in (True, False):
+        calls.clear()
+        xx, pp_ = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        if direct:
+            out = permute_pad(xx, ids, pp_, num_experts=8, align=16)
+            y = unpad_unpermute(out.rows_MH.sin(), out.row_map, pp_)
+            assert calls == []
+        else:
+            out = torch.ops.moe.permute_pad(xx, ids, pp_, 8, 16)
+            y = torch.ops.moe.unpad_unpermute(out[0].sin(), out[3], pp_)
+        y.backward(g)
+        grads.append((y, xx.grad, pp_.grad))
+    for got, want in zip(*grads):
+        assert torch.equal(got, want)
 
 
 def test_autograd_end_to_end_matches_cpu():

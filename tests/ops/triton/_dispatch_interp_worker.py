@@ -142,6 +142,47 @@ def _run_index_loop_case(T, E, K, a, block_n, sub, parallel_histogram):
         assert torch.equal(g, want), what
 
 
+def _run_eager_autograd_case():
+    """The eager fast path's autograd.Functions (NOTE [eager fast path]) on the kernels: output and gradients of
+    x, probs and the expert rows vs autograd through the pure-PyTorch references (float64)."""
+    import importlib
+
+    import torch
+
+    pp = importlib.import_module("moe_compile.ops.permute_pad")
+    uu = importlib.import_module("moe_compile.ops.unpad_unpermute")
+    T, H, E, K, a = 11, 12, 5, 3, 8
+    x0, ids, p0 = _inputs(T, H, E, K, torch.float64, "uniform", seed=21)
+    gen = torch.Generator().manual_seed(22)
+    w = torch.randn(H, generator=gen, dtype=torch.float64)
+    g = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    results = []
+    for permute, unpermute in (
+        (lambda x, p: pp._EagerPermutePad.apply(x, ids, p, E, a, False),
+         lambda r, m, p: uu._EagerUnpadUnpermute.apply(r, m, p, False)),
+        (lambda x, p: pp.permute_pad_reference(x, ids, p, E, a), uu.unpad_unpermute_reference),
+    ):
+        x, p = x0.clone().requires_grad_(True), p0.clone().requires_grad_(True)
+        out = permute(x, p)
+        rows = out[0] * w
+        rows.retain_grad()
+        y = unpermute(rows * out[1][:, None], out[3], p)  # probs used before (probs_M) and after (combine)
+        y.backward(g)
+        results.append((y.detach(), x.grad, p.grad, rows.grad))
+    for got, want, what in zip(*results, ("y", "x.grad", "probs.grad", "rows.grad")):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=what)
+    # like the op, the backward is once differentiable
+    x, p = x0.clone().requires_grad_(True), p0.clone().requires_grad_(True)
+    y = uu._EagerUnpadUnpermute.apply(pp._EagerPermutePad.apply(x, ids, p, E, a, False)[0], out[3], p, False)
+    (grad_x,) = torch.autograd.grad(y, x, g, create_graph=True)
+    try:
+        grad_x.sum().backward()
+    except RuntimeError as e:
+        assert "once_differentiable" in str(e) or "does not require grad" in str(e), str(e)
+    else:
+        raise AssertionError("double backward through the eager autograd.Function did not raise")
+
+
 def _count_launches() -> dict:
     """Launches per op call, counted by wrapping every kernel of the dispatch module."""
     import importlib
@@ -254,6 +295,7 @@ def main() -> None:
             results[name] = traceback.format_exc()
     run_cases([(name, lambda case=case: _run_index_loop_case(*case)) for name, case in INDEX_LOOP_CASES.items()],
               results)
+    run_cases([("eager_autograd_function", _run_eager_autograd_case)], results)
     try:
         results["_launches"] = _count_launches()
     except Exception:

@@ -36,6 +36,6 @@ def test_launches_per_op(interpreter_results):
     assert interpreter_results["_launches"] == LAUNCH_COUNTS
 
 
-@pytest.mark.parametrize("case", sorted(CASES) + list(DEBUG_CASES) + list(INDEX_LOOP_CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + list(DEBUG_CASES) + list(INDEX_LOOP_CASES) + ["eager_autograd_function"])
 def test_kernel_case(interpreter_results, case):
     assert interpreter_results[case] == "ok", interpreter_results[case]
