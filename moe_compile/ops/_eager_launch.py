@@ -213,11 +213,12 @@ class Replays:
 
 
 def replay_key(sizes: Hashable, *tensors: torch.Tensor | None) -> tuple:
-    """A launcher's replay key: ``sizes`` (its sizes, strides and flags: whatever fixes the grids, the integer
-    arguments and the keyword arguments) and the dtype and address modulo 16 of each tensor it was given (None
-    for an absent one). Triton specialises pointers on 16-byte alignment; outputs the launcher allocates are
-    aligned."""
+    """A launcher's replay key: the first tensor's device (compiled kernels are per device), ``sizes`` (its sizes,
+    strides and flags: whatever fixes the grids, the integer arguments and the keyword arguments) and the dtype
+    and address modulo 16 of each tensor it was given (None for an absent one). Triton specialises pointers on
+    16-byte alignment; outputs the launcher allocates are aligned."""
     return (
+        tensors[0].get_device(),
         sizes,
         tuple([t.dtype if t is not None else None for t in tensors]),
         tuple([t.data_ptr() & 15 if t is not None else -1 for t in tensors]),
