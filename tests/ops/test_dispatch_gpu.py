@@ -40,6 +40,7 @@ SHAPES = [
     (4096, 1280, 64, 8, 128, torch.float32),
     (3000, 2048, 8, 2, 1, torch.bfloat16),
     (2, 512, 256, 8, 128, torch.bfloat16),  # T*K < E
+    (8192, 256, 8, 2, 32, torch.bfloat16),  # parallel histograms, few experts: blocks of 512 ids
 ]
 
 
