@@ -128,14 +128,16 @@ def _launches_of(kernel) -> _KernelLaunches | None:
         return launches
 
 
-def _bind_runtime() -> tuple[Any, Any]:
+def _unhooked_driver() -> Any | None:
+    """Triton's active driver, or None while launch hooks are set (a profiler): launches then take Triton's path."""
     global _runtime
     if _runtime is None:
         from triton import knobs
         from triton.runtime import driver
 
         _runtime = (knobs.runtime, driver.active)
-    return _runtime
+    runtime, driver = _runtime
+    return driver if _no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook) else None
 
 
 def launch(
@@ -151,8 +153,8 @@ def launch(
         kernel[grid](*args, **kwargs)
         _append(record, None)
         return
-    runtime, driver = _bind_runtime()
-    if not (_no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook)):
+    driver = _unhooked_driver()
+    if driver is None:
         kernel[grid](*args, **kwargs)
         _append(record, None)
         return
@@ -197,10 +199,8 @@ class Replays:
         launches = self.recorded.get(key)
         if launches is None or not ENABLED:
             return None
-        runtime, driver = _bind_runtime()
-        if not (_no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook)):
-            return None
-        if driver.get_current_device() != device:
+        driver = _unhooked_driver()
+        if driver is None or driver.get_current_device() != device:
             return None
         return launches, driver.get_current_stream(device)
 

@@ -232,3 +232,37 @@ def test_unpermute_replay_keys_fix_their_launches(monkeypatch):
                         uu.launch_unpad_unpermute_backward_triton(g, row_map, p, r, m, d))
     _check_replay_keys(_launches_by_replay_key(monkeypatch, forward))
     _check_replay_keys(_launches_by_replay_key(monkeypatch, backward))
+
+
+def test_launch_hooks_turn_off_cached_launches_and_replays(monkeypatch):
+    """While Triton launch hooks are set (a profiler), neither a cached launch nor a replay runs: the launch goes
+    through ``kernel[grid]`` and records nothing replayable. Driver and runtime are stand-ins (CPU)."""
+    import types
+
+    calls = []
+
+    class Driver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 7
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append(("triton", grid))
+
+    kernel = Kernel()
+    runtime = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    monkeypatch.setattr(_eager_launch, "_runtime", (runtime, Driver()))
+    monkeypatch.setattr(_eager_launch, "_launches_of", lambda k: _eager_launch._KernelLaunches.__new__(
+        _eager_launch._KernelLaunches))
+    replays = _eager_launch.Replays()
+    replays.recorded["key"] = (("run", "fn", "meta", (), 1, 1, 1),)
+    assert replays.get("key", 0) == (replays.recorded["key"], 7)  # no hooks: replayable on the current device
+    assert replays.get("key", 1) is None  # another device
+    runtime.launch_enter_hook = lambda *a: None
+    assert replays.get("key", 0) is None
+    record = []
+    _eager_launch.launch(kernel, (3,), (1, 2), {}, record)
+    assert calls == [("triton", (3,))] and record == [None]
