@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,40 @@ BACKEND_NAME = "moe_compile"
 # static C launcher, as it does for its own kernels: ~10-20 us of host time per launch at decode sizes.
 # Kernels the static launcher cannot take fall back to Triton's launcher by themselves.
 INDUCTOR_DEFAULTS: dict[str, Any] = {"static_launch_user_defined_triton_kernels": True}
+
+# NOTE [static launch in compile workers]: the config patch above reaches kernels compiled in this process
+# only. With compile_threads > 1 (any machine with a few cores) Inductor compiles Triton kernels in worker
+# processes, and a worker decides there whether a kernel gets the static launcher, from its own config: Inductor
+# forwards ``use_static_triton_launcher`` to it and nothing else. So every dispatch kernel took Triton's Python
+# launcher in a parallel compile (H200 probe: 3 of the 6 launches of a sort + scatter_add_ layer's call at T1).
+# A worker reads this option from the environment when it starts, so we set the variable on import (unless the
+# user did), before the pool starts; a pool that started before moe_compile was imported lacks it and is shut
+# down once, at our first compile, so that Inductor starts a new one. Workers compile for every backend, so user
+# Triton kernels compiled there by plain Inductor get the static launcher too; it falls back to Triton's
+# launcher for any kernel it cannot take.
+STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+
+
+def _compile_workers_started() -> bool:
+    from torch._inductor import async_compile
+
+    return bool(getattr(async_compile, "_pool_set", ()))
+
+
+_restart_compile_workers = STATIC_LAUNCH_ENV not in os.environ and _compile_workers_started()
+os.environ.setdefault(STATIC_LAUNCH_ENV, "1")
+
+
+def _restart_workers_without_static_launch() -> None:
+    """Shut down a compile-worker pool started without :data:`STATIC_LAUNCH_ENV` (once per process)."""
+    global _restart_compile_workers
+    if not _restart_compile_workers:
+        return
+    _restart_compile_workers = False
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    log.info("restarting Inductor's compile workers: they started before moe_compile set %s", STATIC_LAUNCH_ENV)
+    shutdown_compile_workers()
 
 
 def inductor_patches(
@@ -63,6 +98,7 @@ def compile_with_config(
     inductor_options: dict[str, Any] | None = None,
 ) -> Any:
     patches = inductor_patches(config, mode, dict(inductor_options or {}))
+    _restart_workers_without_static_launch()
     log.debug("compiling a graph of %d nodes, passes %s", len(gm.graph.nodes), enabled_passes(config))
     # SDPA is decomposed (its kernel chosen) while compile_fx traces
     with deterministic_sdpa() if config.deterministic else contextlib.nullcontext():

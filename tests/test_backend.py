@@ -6,6 +6,12 @@ give outputs and grads identical to ``torch.compile(backend="inductor")``.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -212,3 +218,104 @@ def test_user_defined_kernels_are_launched_statically_unless_the_user_says_other
     assert INDUCTOR_DEFAULTS[key] is True
     assert inductor_patches(make_config(), None, {})[key] is True
     assert inductor_patches(make_config(), None, {key: False})[key] is False
+
+
+def _python(body: str, env_update: dict[str, str | None]) -> str:
+    """Run ``body`` in a fresh interpreter with ``env_update`` applied (None removes a variable); its stdout."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    for key, value in env_update.items():
+        env.pop(key) if value is None else env.__setitem__(key, value)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(body)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("user_value", (None, "0"), ids=("unset", "user_says_0"))
+def test_compile_workers_see_the_static_launch_option(user_value):
+    """NOTE [static launch in compile workers]: a process started after ``import moe_compile`` (as Inductor's
+    compile workers are) reads static launch of user kernels as on; a value the user set is kept."""
+    from moe_compile.backend import STATIC_LAUNCH_ENV
+
+    out = _python(f"""
+        import os, subprocess, sys
+        import moe_compile
+        child = "import torch._inductor.config as c; print(c.static_launch_user_defined_triton_kernels)"
+        print(os.environ["{STATIC_LAUNCH_ENV}"])
+        print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout)
+    """, {STATIC_LAUNCH_ENV: user_value})
+    assert out.split() == (["1", "True"] if user_value is None else ["0", "False"])
+
+
+def test_compile_workers_started_before_import_are_restarted_once(monkeypatch):
+    """A worker pool that predates the variable is shut down at the first compile (Inductor starts a new one
+    that inherits it), and only then."""
+    from torch._inductor import async_compile
+
+    from moe_compile import backend
+
+    calls = []
+    monkeypatch.setattr(async_compile, "shutdown_compile_workers", lambda: calls.append(1))
+    monkeypatch.setattr(backend, "_restart_compile_workers", True)
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        torch._dynamo.reset()
+        torch.compile(MLP(), backend="moe_compile")(x)
+    assert calls == [1]
+
+
+_STATIC_LAUNCH_SCRIPT = """
+    import time
+    import torch
+    from torch._inductor import async_compile, config
+    config.compile_threads = 4  # compile in worker processes, as on any machine with a few cores
+
+    def pool_ready():  # Inductor compiles in this process until its pool answers
+        async_compile.AsyncCompile.warm_pool()
+        deadline = time.time() + 120
+        while not async_compile.AsyncCompile.use_process_pool():
+            assert time.time() < deadline
+            time.sleep(0.1)
+
+    if {pool_first}:
+        pool_ready()  # a pool started before moe_compile is imported
+    import moe_compile
+    if {pool_first}:  # our first compile restarts it
+        torch.compile(lambda t: t * 2, backend="moe_compile")(torch.ones(3, device="cuda"))
+    pool_ready()
+    from moe_compile.ops import permute_pad, unpad_unpermute
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner, HeuristicType
+
+    def layer(x, ids, probs, w):
+        out = permute_pad(x, ids, probs, num_experts=8, align=16)
+        return unpad_unpermute(torch.nn.functional.silu(out.rows_MH @ w), out.row_map, probs)
+
+    x = torch.randn(64, 128, device="cuda", requires_grad=True)
+    ids = torch.randint(0, 8, (64, 2), device="cuda")
+    probs = torch.rand(64, 2, device="cuda", requires_grad=True)
+    w = torch.randn(128, 128, device="cuda", requires_grad=True)
+    torch.compile(layer, backend="moe_compile", fullgraph=True)(x, ids, probs, w).sum().backward()
+    kernels = {{v.fn.__name__: v.is_statically_launchable() for m in PyCodeCache.modules for v in vars(m).values()
+               if isinstance(v, CachingAutotuner) and v.heuristic_type == HeuristicType.USER_AUTOTUNE}}
+    print(sorted(kernels.items()))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pool_first,user_value", [(False, None), (True, None), (False, "0")], ids=str)
+def test_dispatch_kernels_compiled_in_workers_launch_statically(pool_first, user_value, tmp_path):
+    """Forward and backward dispatch kernels compiled in Inductor's worker processes get the static launcher
+    (also when the pool started before ``import moe_compile``); with the user's ``0`` they do not (which shows
+    the check can fail)."""
+    import ast
+
+    from moe_compile.backend import STATIC_LAUNCH_ENV
+
+    env = {STATIC_LAUNCH_ENV: user_value, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}  # compiled, not loaded
+    out = _python(_STATIC_LAUNCH_SCRIPT.format(pool_first=pool_first), env)
+    kernels = dict(ast.literal_eval(out.strip().splitlines()[-1]))
+    assert {"_expert_offsets_kernel", "_permute_rows_kernel", "_unpermute_rows_kernel"} <= set(kernels), kernels
+    assert set(kernels.values()) == {user_value is None}, kernels
