@@ -216,8 +216,11 @@ INDEX_NUM_WARPS = 16
 # time per call, serial index kernel vs histograms + scan: T8192 E8 K2 (16 blocks) 90.5 vs 78.3 us; T4096 E128
 # K8 (32) 82.4 vs 70.2; T16384 E64 K8 (128) 343.6 vs 238.9. Below it the extra launch's host time matters more.
 PARALLEL_HISTOGRAM_BLOCKS = 8
-# Table entries the scan reads per trip when the histograms are in the table
+# Table entries the scan reads per trip when the histograms are in the table, and its warps. H200 (triton 3.6),
+# scan kernel time, 16 / 4 warps: T16384 E64 K8 8.0 / 4.8 us, T4096 E256 K8 8.8 / 4.0 (tiles of 8192: the same);
+# permute_pad in a CUDA graph 178.2 / 174.0 and 179.4 / 175.9 us (the 3-launch version of 2026-11-21: 174.0, 174.8)
 SCAN_TILE_ENTRIES = 4096
+SCAN_NUM_WARPS = 4
 # With the histograms in parallel and few experts (E_PAD <= 32), blocks of 512 ids: each token program then
 # compares its ids with at most 511 earlier ones. H100 kernel time per call, blocks of 1024 / 512 / 256: T8192
 # E8 K2 78.3 / 74.4 / 74.8 us, T16384 H4096 E8 K2 152.0 / 146.3 / 146.7; with many experts the longer table costs
@@ -363,7 +366,8 @@ def _launch_triton(
         kernels._expert_offsets_kernel, (1,), *index_args,
         ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, SUB=plan.sub, FROM_TABLE=plan.parallel_histogram,
         COPY_IDS=copy_ids and not plan.parallel_histogram, DEBUG=debug and not plan.parallel_histogram,
-        USE_PDL=use_pdl, traced=traced, record=record, options=dict(num_warps=INDEX_NUM_WARPS, debug=debug),
+        USE_PDL=use_pdl, traced=traced, record=record,
+        options=dict(num_warps=SCAN_NUM_WARPS if plan.parallel_histogram else INDEX_NUM_WARPS, debug=debug),
     )  # fmt: skip
     pdl = {"launch_pdl": True} if use_pdl else {}
     _common.launch_kernel(
