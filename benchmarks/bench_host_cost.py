@@ -21,7 +21,11 @@ Layers (``torch.compile(layer, backend=..., fullgraph=True)``, as the issue meas
 * ``padded``: ``tests/models/handwritten.py::PaddedSentinelRow`` (torchtitan-style device padding: sort,
   padded indices on the device, zero sentinel row, ``torch._grouped_mm``, ``index_add_`` combine),
   H 1024, I 1536, E 16, K 4, align 32, T in {1, 64, 4096};
-* ``sort_scatter``: ``SortIndexSelectScatterAdd`` (sort + ``scatter_add_`` combine), same sizes, T in {1, 64};
+* ``sort_scatter``: ``SortIndexSelectScatterAdd`` (sort + ``scatter_add_`` combine), same sizes, T in {1, 64, 4096};
+* ``host_padded``: ``tests/models/host_padded.py::SplitPadGroupedMoE`` (``counts.tolist()``, split + ``F.pad`` +
+  cat, offsets from host sizes, ``index_add_``), same sizes, T in {1, 64, 4096} forward, 4096 forward+backward;
+  ``moe`` compiles it through ``moe_compile.compile`` (the entry point for host-sized padding), ``inductor``
+  with ``torch.compile(fullgraph=True)`` (which captures the ``.tolist()``);
 * ``qwen3``: transformers' ``Qwen3MoeSparseMoeBlock`` (H 2048, I 768, E 128, K 8), T in {1, 64};
 * ``mixtral``: transformers' ``MixtralSparseMoeBlock`` (H 4096, I 3584, E 8, K 2), T in {1, 64};
 * ``permute_pad``: ``moe_compile.ops.permute_pad`` alone (eager public wrapper; the same with Triton's own
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import pathlib
@@ -64,7 +69,7 @@ SMOKE_CALLS = 3  # --cpu-smoke: the flow only
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    layer: str  # padded | sort_scatter | qwen3 | mixtral | permute_pad
+    layer: str  # padded | sort_scatter | host_padded | qwen3 | mixtral | permute_pad
     T: int
     direction: str  # fwd | fwd+bwd
     H: int
@@ -94,6 +99,7 @@ class Result:
     note: str = ""
     wall_min_us: float = math.nan  # the least disturbed of the interleaved rounds
     host_cpu_us: float = math.nan  # process CPU time while issuing, per call (see _timed_run)
+    wall_rounds_us: tuple[float, ...] = ()  # wall per call in each interleaved round, in order
 
 
 def get_configs(quick: bool, cpu_smoke: bool) -> list[Config]:
@@ -102,6 +108,7 @@ def get_configs(quick: bool, cpu_smoke: bool) -> list[Config]:
             Config("padded", 1, "fwd", 32, 16, 4, 2, 8),
             Config("padded", 16, "fwd+bwd", 32, 16, 4, 2, 8),
             Config("sort_scatter", 16, "fwd", 32, 16, 4, 2, 8),
+            Config("host_padded", 16, "fwd+bwd", 32, 16, 4, 2, 8),
             Config("qwen3", 1, "fwd", 32, 16, 8, 2),
             Config("mixtral", 16, "fwd", 32, 16, 4, 2),
             Config("permute_pad", 64, "fwd", 32, 0, 4, 2, 8),
@@ -113,7 +120,9 @@ def get_configs(quick: bool, cpu_smoke: bool) -> list[Config]:
     configs += [Config("permute_pad", 8192, "fwd", 4096, 0, 8, 2), Config("permute_pad", 16384, "fwd", 2048, 0, 64, 8)]
     configs += [Config("padded", 4096, d, 1024, 1536, 16, 4) for d in ("fwd", "fwd+bwd")]
     configs += [Config("padded", T, "fwd+bwd", 1024, 1536, 16, 4) for T in decode]
-    configs += [Config("sort_scatter", T, "fwd", 1024, 1536, 16, 4) for T in decode]
+    configs += [Config("sort_scatter", T, "fwd", 1024, 1536, 16, 4) for T in (*decode, 4096)]
+    configs += [Config("host_padded", T, "fwd", 1024, 1536, 16, 4) for T in (*decode, 4096)]
+    configs += [Config("host_padded", 4096, "fwd+bwd", 1024, 1536, 16, 4)]
     if quick:
         configs = [c for c in configs if c.T <= 64 or c.layer == "permute_pad"][:6]
     return configs
@@ -129,6 +138,10 @@ def build_layer(cfg: Config, device: str) -> torch.nn.Module:
         cls = hw.PaddedSentinelRow if cfg.layer == "padded" else hw.SortIndexSelectScatterAdd
         kwargs = dict(align=cfg.align) if cfg.layer == "padded" else {}
         return cls(hidden=cfg.H, inter=cfg.I, experts=cfg.E, top_k=cfg.K, **kwargs).to(device)
+    if cfg.layer == "host_padded":
+        from tests.models.host_padded import SplitPadGroupedMoE
+
+        return SplitPadGroupedMoE(cfg.H, cfg.I, cfg.E, cfg.K, cfg.align, torch.bfloat16).to(device)
     if cfg.layer in ("qwen3", "mixtral"):  # transformers' own block, as bench_moe_block.py builds it
         import bench_moe_block
 
@@ -139,7 +152,7 @@ def build_layer(cfg: Config, device: str) -> torch.nn.Module:
 
 def layer_input(cfg: Config, device: str) -> torch.Tensor:
     gen = torch.Generator(device=device).manual_seed(cfg.T)
-    shape = (cfg.T, cfg.H) if cfg.layer in ("padded", "sort_scatter") else (1, cfg.T, cfg.H)
+    shape = (1, cfg.T, cfg.H) if cfg.layer in ("qwen3", "mixtral") else (cfg.T, cfg.H)
     return torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)
 
 
@@ -147,11 +160,13 @@ def _output(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _compile(variant: str, fn, fullgraph: bool = True):
-    import moe_compile  # noqa: F401 - registers the backend
+def _compile(variant: str, fn, fullgraph: bool = True, layer: str = ""):
+    import moe_compile
 
     if variant == "eager":
         return fn
+    if variant == "moe" and layer == "host_padded":  # a layer that sizes its padding on the host: the entry point
+        return moe_compile.compile(fn, fullgraph=fullgraph, dynamic=False)
     backend = "moe_compile" if variant == "moe" else "inductor"
     return torch.compile(fn, backend=backend, fullgraph=fullgraph, dynamic=False)
 
@@ -167,22 +182,28 @@ def _sync(device: str) -> None:
 def _timed_run(step: Callable[[], object], device: str, calls: int) -> tuple[float, float, float]:
     """(wall, issue, host CPU) microseconds per call over ``calls`` back-to-back calls, one synchronisation at
     the end. Host CPU is the process's CPU time while issuing (every thread: the autograd engine's included);
-    unlike wall time it does not grow when the shared machine takes the core away."""
+    unlike wall time it does not grow when the shared machine takes the core away. The garbage collector is off
+    while timing, as in ``timeit``."""
     _sync(device)
-    cpu_start = time.process_time()
-    start = time.perf_counter()
-    for _ in range(calls):
-        step()
-    issued = time.perf_counter()
-    cpu = time.process_time() - cpu_start
-    _sync(device)
-    end = time.perf_counter()
+    gc.collect()
+    gc.disable()  # a collection inside the loop is noise of the harness, not host cost of the layer (as timeit)
+    try:
+        cpu_start = time.process_time()
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        issued = time.perf_counter()
+        cpu = time.process_time() - cpu_start
+        _sync(device)
+        end = time.perf_counter()
+    finally:
+        gc.enable()
     return (end - start) / calls * 1e6, (issued - start) / calls * 1e6, cpu / calls * 1e6
 
 
-def time_interleaved(steps: dict[str, Callable[[], object]], device: str) -> dict[str, tuple[float, ...]]:
-    """``{variant: (median wall, median issue, min wall, median host CPU)}`` microseconds per call, the
-    variants interleaved.
+def time_interleaved(steps: dict[str, Callable[[], object]], device: str) -> dict[str, tuple]:
+    """``{variant: (median wall, median issue, min wall, median host CPU, wall of each round)}`` microseconds
+    per call, the variants interleaved.
 
     Host-bound times drift by tens of percent over a run on a shared machine (clocks, other tenants), so the
     variants are not timed one after the other: each of ``REPEATS`` rounds runs ``CALLS`` calls of every
@@ -204,7 +225,7 @@ def time_interleaved(steps: dict[str, Callable[[], object]], device: str) -> dic
             issues[name].append(issue)
             cpus[name].append(cpu)
     med = statistics.median
-    return {n: (med(walls[n]), med(issues[n]), min(walls[n]), med(cpus[n])) for n in names}
+    return {n: (med(walls[n]), med(issues[n]), min(walls[n]), med(cpus[n]), tuple(walls[n])) for n in names}
 
 
 def profile_calls(step: Callable[[], object], device: str) -> tuple[float, float]:
@@ -265,13 +286,13 @@ def run_layer(cfg: Config, device: str, deadline: float) -> list[Result]:
         try:
             start = time.perf_counter()
             try:
-                step = _make_step(cfg, _compile(variant, layer), layer, x, grad_out)
+                step = _make_step(cfg, _compile(variant, layer, layer=cfg.layer), layer, x, grad_out)
                 step()
             except Exception as exc:  # noqa: BLE001 - a graph break: measure what a user gets without fullgraph
                 if variant == "eager":
                     raise
                 note = f"fullgraph=False ({type(exc).__name__})"
-                step = _make_step(cfg, _compile(variant, layer, fullgraph=False), layer, x, grad_out)
+                step = _make_step(cfg, _compile(variant, layer, fullgraph=False, layer=cfg.layer), layer, x, grad_out)
                 step()
             _sync(device)
             steps[variant] = step
@@ -282,12 +303,13 @@ def run_layer(cfg: Config, device: str, deadline: float) -> list[Result]:
     results = []
     for variant in VARIANTS:
         compile_s, note = info[variant]
-        wall, issue, wall_min, host_cpu = timed.get(variant, (math.nan,) * 4)
+        wall, issue, wall_min, host_cpu, rounds = timed.get(variant, (math.nan,) * 4 + ((),))
         kernel, cpu = profile_calls(steps[variant], device) if variant in steps else (math.nan, math.nan)
         results.append(Result(cfg.name, cfg.layer, cfg.T, cfg.direction, variant, wall, issue, kernel, cpu,
-                              math.nan, compile_s, note, wall_min, host_cpu))
+                              math.nan, compile_s, note, wall_min, host_cpu, tuple(round(w, 1) for w in rounds)))
         print(f"  {cfg.name} {variant}: wall {wall:.1f} us (min {wall_min:.1f}), issue {issue:.1f} us, "
-              f"kernels {kernel:.1f} us (compile {compile_s:.1f} s) {note}", flush=True)
+              f"kernels {kernel:.1f} us (compile {compile_s:.1f} s) {note}; rounds {[round(w) for w in rounds]}",
+              flush=True)
     torch._dynamo.reset()
     return results
 
@@ -337,10 +359,10 @@ def run_permute_pad(cfg: Config, device: str, bw: float) -> list[Result]:
     timed = time_interleaved(steps, device)
     results = []
     for variant, name in names.items():
-        wall, issue, wall_min, host_cpu = timed[variant]
+        wall, issue, wall_min, host_cpu, rounds = timed[variant]
         kernel, cpu = profile_calls(steps[variant], device)
         results.append(Result(cfg.name, cfg.layer, cfg.T, cfg.direction, name, wall, issue, kernel, cpu, floor,
-                              compile_s[variant], "", wall_min, host_cpu))
+                              compile_s[variant], "", wall_min, host_cpu, tuple(round(w, 1) for w in rounds)))
         print(f"  {cfg.name} {name}: wall {wall:.1f} us, kernels {kernel:.1f} us, floor {floor:.1f} us", flush=True)
     torch._dynamo.reset()
     return results
@@ -391,7 +413,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--quick", action="store_true", help="decode rows and permute_pad only")
     parser.add_argument("--budget-s", type=float, default=200.0, help="skip what is left after this many seconds")
-    parser.add_argument("--layers", nargs="+", default=None, help="subset of: padded sort_scatter qwen3 mixtral permute_pad")
+    parser.add_argument("--layers", nargs="+", default=None,
+                        help="subset of: padded sort_scatter host_padded qwen3 mixtral permute_pad")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: checks the flow runs")
     args = parser.parse_args()
     device = "cpu" if args.cpu_smoke else "cuda"
