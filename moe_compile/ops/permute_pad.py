@@ -359,17 +359,18 @@ def _launch_triton(
     if plan.parallel_histogram:
         _common.launch_kernel(
             kernels._block_histogram_kernel, (plan.num_blocks,), *histogram_args,
-            E_PAD=e_pad, BLOCK_N=plan.block_n, COPY_IDS=copy_ids, DEBUG=debug,
+            E_PAD=e_pad, BLOCK_N=plan.block_n, COPY_IDS=copy_ids, DEBUG=debug, USE_PDL=use_pdl,
             traced=traced, record=record, options=dict(num_warps=4, debug=debug),
         )  # fmt: skip
+    pdl = {"launch_pdl": True} if use_pdl else {}
     _common.launch_kernel(
         kernels._expert_offsets_kernel, (1,), *index_args,
         ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, SUB=plan.sub, FROM_TABLE=plan.parallel_histogram,
         COPY_IDS=copy_ids and not plan.parallel_histogram, DEBUG=debug and not plan.parallel_histogram,
         USE_PDL=use_pdl, traced=traced, record=record,
-        options=dict(num_warps=SCAN_NUM_WARPS if plan.parallel_histogram else INDEX_NUM_WARPS, debug=debug),
+        options=dict(num_warps=SCAN_NUM_WARPS if plan.parallel_histogram else INDEX_NUM_WARPS, debug=debug,
+                     **(pdl if plan.parallel_histogram else {})),  # NOTE [overlapping the launches]
     )  # fmt: skip
-    pdl = {"launch_pdl": True} if use_pdl else {}
     _common.launch_kernel(
         kernels._permute_rows_kernel, plan.rows_grid, *rows_args,
         K=K, K_PAD=plan.k_pad, ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, CHUNK=plan.chunk,

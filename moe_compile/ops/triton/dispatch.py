@@ -39,9 +39,12 @@ started before the index kernel has finished (programmatic dependent launch): th
 signals ``gdc_launch_dependents`` at once, and the permute kernel does the work that needs only the
 op's inputs (its row of ``x`` and the rank of its entries) before ``gdc_wait``, which returns once the
 index grid has completed and its writes are visible. Only ``table`` and ``counts`` (written by the
-index kernel) are read after the wait. The index kernel itself is launched normally, so everything
-before the op has completed when any of its kernels runs. Launches from Inductor's generated code
-(the traced path) do not use PDL.
+index kernel) are read after the wait. The op's first kernel is launched normally, so everything
+before the op has completed when any of its kernels runs. With parallel histograms the chain is one
+longer: the histogram kernel signals at once too, and the index kernel, launched with PDL, waits before
+it reads the table (the three-launch version of 2026-11-21 overlapped its launches so, and was faster
+in CUDA graphs at mid sizes without it). Launches from Inductor's generated code (the traced path) do
+not use PDL.
 
 NOTE [no load-derived store addresses on graph inputs]
 When Inductor traces a ``wrap_triton`` launch it finds the written tensors by walking back from each
@@ -97,8 +100,11 @@ def _block_histogram_kernel(
     BLOCK_N: tl.constexpr,
     COPY_IDS: tl.constexpr,
     DEBUG: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # grid (NB,): NOTE [destination rows in two launches], large N (the index kernel then scans the table)
+    if USE_PDL:
+        gdc_launch_dependents()  # NOTE [overlapping the launches]
     block = tl.program_id(0)
     ids, valid = _block_ids(ids_ptr, ids_copy_ptr, block + tl.arange(0, 1), N, num_experts, BLOCK_N, COPY_IDS, DEBUG)
     hist = tl.histogram(tl.reshape(tl.where(valid, ids, 0).to(tl.int32), [BLOCK_N]), E_PAD,
@@ -129,6 +135,8 @@ def _expert_offsets_kernel(
     # BLOCK_N ids per iteration; FROM_TABLE: the histograms are in the table already (_block_histogram_kernel)
     if USE_PDL:
         gdc_launch_dependents()  # NOTE [overlapping the launches]
+        if FROM_TABLE:
+            gdc_wait()  # the table is written by the histogram kernel
     experts = tl.arange(0, E_PAD)
     sub = tl.arange(0, SUB)
     running = tl.zeros([E_PAD], dtype=tl.int32)
