@@ -160,12 +160,12 @@ def _output(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _compile(variant: str, fn, fullgraph: bool = True, layer: str = ""):
+def _compile(variant: str, fn, fullgraph: bool = True, layer_kind: str = ""):
     import moe_compile
 
     if variant == "eager":
         return fn
-    if variant == "moe" and layer == "host_padded":  # a layer that sizes its padding on the host: the entry point
+    if variant == "moe" and layer_kind == "host_padded":  # padding sized on the host: moe_compile's entry point
         return moe_compile.compile(fn, fullgraph=fullgraph, dynamic=False)
     backend = "moe_compile" if variant == "moe" else "inductor"
     return torch.compile(fn, backend=backend, fullgraph=fullgraph, dynamic=False)
@@ -286,13 +286,14 @@ def run_layer(cfg: Config, device: str, deadline: float) -> list[Result]:
         try:
             start = time.perf_counter()
             try:
-                step = _make_step(cfg, _compile(variant, layer, layer=cfg.layer), layer, x, grad_out)
+                step = _make_step(cfg, _compile(variant, layer, layer_kind=cfg.layer), layer, x, grad_out)
                 step()
             except Exception as exc:  # noqa: BLE001 - a graph break: measure what a user gets without fullgraph
                 if variant == "eager":
                     raise
                 note = f"fullgraph=False ({type(exc).__name__})"
-                step = _make_step(cfg, _compile(variant, layer, fullgraph=False, layer=cfg.layer), layer, x, grad_out)
+                fn = _compile(variant, layer, fullgraph=False, layer_kind=cfg.layer)
+                step = _make_step(cfg, fn, layer, x, grad_out)
                 step()
             _sync(device)
             steps[variant] = step
