@@ -6,18 +6,13 @@ give outputs and grads identical to ``torch.compile(backend="inductor")``.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import moe_compile
+from tests._subprocess import run_python
 from tests.models import handwritten as hw
 from tests.passes._harness import fresh_cache
 
@@ -221,13 +216,8 @@ def test_user_defined_kernels_are_launched_statically_unless_the_user_says_other
 
 
 def _python(body: str, env_update: dict[str, str | None]) -> str:
-    """Run ``body`` in a fresh interpreter with ``env_update`` applied (None removes a variable); its stdout."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                      os.environ.get("PYTHONPATH", "")]))
-    for key, value in env_update.items():
-        env.pop(key) if value is None else env.__setitem__(key, value)
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(body)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    """The stdout of ``body`` run in a fresh interpreter (:func:`tests._subprocess.run_python`), which must succeed."""
+    done = run_python(body, env_update, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +16,7 @@ from moe_compile.ops import (
     unpad_unpermute_backward_reference,
     unpad_unpermute_reference,
 )
+from tests._subprocess import run_python
 
 from ._dispatch_reference import DOT_TOLS, DTYPE_TOLS, check_invariants, make_routing
 
@@ -29,7 +26,6 @@ pytestmark = [
 ]
 
 DEV = "cuda"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # (T, H, E, K, align, dtype); H=70: not a multiple of the vector width or the block
 SHAPES = [
@@ -309,14 +305,6 @@ def test_compile_training_fullgraph_matches_eager():
     torch._dynamo.reset()
 
 
-def _run_script(body: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(body)], env=env, capture_output=True, text=True, timeout=300
-    )
-
-
 @pytest.mark.parametrize("op", ("permute_pad", "unpad_unpermute"))
 def test_debug_device_assert(op):
     # a device-side assert poisons the CUDA context: run it in a subprocess
@@ -339,9 +327,9 @@ def test_debug_device_assert(op):
     else:
         fmt = dict(bad="", bad_map="row_map[2, 0] = out.rows_MH.shape[0] + 5", debug_pp=False)
         key = "debug_uu"
-    ok = _run_script(script.format(**fmt, **{key: False}))  # no debug: memory-safe, no assert
+    ok = run_python(script.format(**fmt, **{key: False}))  # no debug: memory-safe, no assert
     assert ok.returncode == 0 and "finished" in ok.stdout, ok.stderr[-3000:]
-    bad = _run_script(script.format(**fmt, **{key: True}))
+    bad = run_python(script.format(**fmt, **{key: True}))
     assert bad.returncode != 0 and "finished" not in bad.stdout
     assert "assert" in bad.stderr.lower(), bad.stderr[-3000:]
 
@@ -445,8 +433,8 @@ def test_debug_device_assert_under_compile():
         torch.cuda.synchronize()
         print("finished")
     """
-    ok = _run_script(script.format(debug=False))
+    ok = run_python(script.format(debug=False))
     assert ok.returncode == 0 and "finished" in ok.stdout, ok.stderr[-3000:]
-    bad = _run_script(script.format(debug=True))
+    bad = run_python(script.format(debug=True))
     assert bad.returncode != 0 and "finished" not in bad.stdout
     assert "assert" in bad.stderr.lower(), bad.stderr[-3000:]
