@@ -186,7 +186,7 @@ def _timed_run(step: Callable[[], object], device: str, calls: int) -> tuple[flo
     while timing, as in ``timeit``."""
     _sync(device)
     gc.collect()
-    gc.disable()  # a collection inside the loop is noise of the harness, not host cost of the layer (as timeit)
+    gc.disable()
     try:
         cpu_start = time.process_time()
         start = time.perf_counter()
@@ -225,7 +225,8 @@ def time_interleaved(steps: dict[str, Callable[[], object]], device: str) -> dic
             issues[name].append(issue)
             cpus[name].append(cpu)
     med = statistics.median
-    return {n: (med(walls[n]), med(issues[n]), min(walls[n]), med(cpus[n]), tuple(walls[n])) for n in names}
+    return {n: (med(walls[n]), med(issues[n]), min(walls[n]), med(cpus[n]), tuple(round(w, 1) for w in walls[n]))
+            for n in names}
 
 
 def profile_calls(step: Callable[[], object], device: str) -> tuple[float, float]:
@@ -307,7 +308,7 @@ def run_layer(cfg: Config, device: str, deadline: float) -> list[Result]:
         wall, issue, wall_min, host_cpu, rounds = timed.get(variant, (math.nan,) * 4 + ((),))
         kernel, cpu = profile_calls(steps[variant], device) if variant in steps else (math.nan, math.nan)
         results.append(Result(cfg.name, cfg.layer, cfg.T, cfg.direction, variant, wall, issue, kernel, cpu,
-                              math.nan, compile_s, note, wall_min, host_cpu, tuple(round(w, 1) for w in rounds)))
+                              math.nan, compile_s, note, wall_min, host_cpu, rounds))
         print(f"  {cfg.name} {variant}: wall {wall:.1f} us (min {wall_min:.1f}), issue {issue:.1f} us, "
               f"kernels {kernel:.1f} us (compile {compile_s:.1f} s) {note}; rounds {[round(w) for w in rounds]}",
               flush=True)
@@ -363,7 +364,7 @@ def run_permute_pad(cfg: Config, device: str, bw: float) -> list[Result]:
         wall, issue, wall_min, host_cpu, rounds = timed[variant]
         kernel, cpu = profile_calls(steps[variant], device)
         results.append(Result(cfg.name, cfg.layer, cfg.T, cfg.direction, name, wall, issue, kernel, cpu, floor,
-                              compile_s[variant], "", wall_min, host_cpu, tuple(round(w, 1) for w in rounds)))
+                              compile_s[variant], "", wall_min, host_cpu, rounds))
         print(f"  {cfg.name} {name}: wall {wall:.1f} us, kernels {kernel:.1f} us, floor {floor:.1f} us", flush=True)
     torch._dynamo.reset()
     return results

@@ -42,9 +42,9 @@ index grid has completed and its writes are visible. Only ``table`` and ``counts
 index kernel) are read after the wait. The op's first kernel is launched normally, so everything
 before the op has completed when any of its kernels runs. With parallel histograms the chain is one
 longer: the histogram kernel signals at once too, and the index kernel, launched with PDL, waits before
-it reads the table (the three-launch version of 2026-11-21 overlapped its launches so, and was faster
-in CUDA graphs at mid sizes without it). Launches from Inductor's generated code (the traced path) do
-not use PDL.
+it reads the table, as the three-launch version of 2026-11-21 did (without that overlap this version
+was up to 3% slower in CUDA graphs). Launches from Inductor's generated code (the traced path) do not
+use PDL.
 
 NOTE [no load-derived store addresses on graph inputs]
 When Inductor traces a ``wrap_triton`` launch it finds the written tensors by walking back from each
