@@ -26,8 +26,8 @@ Layers (``torch.compile(layer, backend=..., fullgraph=True)``, as the issue meas
   cat, offsets from host sizes, ``index_add_``), same sizes, T in {1, 64, 4096} forward, 4096 forward+backward;
   ``moe`` compiles it through ``moe_compile.compile`` (the entry point for host-sized padding), ``inductor``
   with ``torch.compile(fullgraph=True)`` (which captures the ``.tolist()``);
-* ``qwen3``: transformers' ``Qwen3MoeSparseMoeBlock`` (H 2048, I 768, E 128, K 8), T in {1, 64};
-* ``mixtral``: transformers' ``MixtralSparseMoeBlock`` (H 4096, I 3584, E 8, K 2), T in {1, 64};
+* ``qwen3``: transformers' ``Qwen3MoeSparseMoeBlock`` (H 2048, I 768, E 128, K 8), T in {1, 64, 4096} forward;
+* ``mixtral``: transformers' ``MixtralSparseMoeBlock`` (H 4096, I 3584, E 8, K 2), T in {1, 64, 4096} forward;
 * ``permute_pad``: ``moe_compile.ops.permute_pad`` alone (eager public wrapper; the same with Triton's own
   launch path instead of the cached launch, NOTE [cached eager launch]; and compiled with plain Inductor, whose
   generated code launches the kernels) against its bandwidth floor (bytes read and
@@ -123,6 +123,7 @@ def get_configs(quick: bool, cpu_smoke: bool) -> list[Config]:
     configs += [Config("sort_scatter", T, "fwd", 1024, 1536, 16, 4) for T in (*decode, 4096)]
     configs += [Config("host_padded", T, "fwd", 1024, 1536, 16, 4) for T in (*decode, 4096)]
     configs += [Config("host_padded", 4096, "fwd+bwd", 1024, 1536, 16, 4)]
+    configs += [Config("qwen3", 4096, "fwd", 2048, 768, 128, 8), Config("mixtral", 4096, "fwd", 4096, 3584, 8, 2)]
     if quick:
         configs = [c for c in configs if c.T <= 64 or c.layer == "permute_pad"][:6]
     return configs

@@ -221,12 +221,16 @@ PARALLEL_HISTOGRAM_BLOCKS = 8
 # permute_pad in a CUDA graph 178.2 / 174.0 and 179.4 / 175.9 us (the 3-launch version of 2026-11-21: 174.0, 174.8)
 SCAN_TILE_ENTRIES = 4096
 SCAN_NUM_WARPS = 4
-# With the histograms in parallel and few experts (E_PAD <= 32), blocks of 512 ids: each token program then
-# compares its ids with at most 511 earlier ones. H100 kernel time per call, blocks of 1024 / 512 / 256: T8192
-# E8 K2 78.3 / 74.4 / 74.8 us, T16384 H4096 E8 K2 152.0 / 146.3 / 146.7; with many experts the longer table costs
-# the scan more than it saves (T4096 E128 K8 70.2 / 72.6 / 80.8).
+# With the histograms in parallel and few experts (E_PAD <= 32), blocks of 256 ids: each token program then
+# compares its ids with at most 255 earlier ones. H100 kernel time per call (before the overlapped launches),
+# blocks of 1024 / 512 / 256: T8192 E8 K2 78.3 / 74.4 / 74.8 us, T16384 H4096 E8 K2 152.0 / 146.3 / 146.7; with
+# many experts the longer table costs the scan more than it saves (T4096 E128 K8 70.2 / 72.6 / 80.8). In CUDA
+# graphs with the overlapped launches (H100, 10 calls per graph, us per call), blocks of 512 / 256 / 128 against
+# the 3-launch version of 2026-11-21: T4096 H2048 E16 K4 35.50 / 34.82 / 34.87 vs 34.53 (33.57 / - / 33.51 vs
+# 33.51 measured first in its process), T8192 H4096 E8 K2 72.8-73.2 / 73.37 / 73.48 vs 73.38, T16384 H4096 E8 K2
+# 143.1 for all three vs 143.3.
 FEW_EXPERTS_PAD = 32
-FEW_EXPERTS_BLOCK_N = 512
+FEW_EXPERTS_BLOCK_N = 256
 
 
 class _PermutePlan(NamedTuple):
