@@ -339,26 +339,24 @@ def _launch_triton(
     i32 = torch.int32
     e_pad = plan.e_pad
 
-    # before_blocks, seg_start and counts; the permute kernel reads counts from here, not from `counts`
-    table = empty(((plan.num_blocks + 2) * e_pad,), i32)
-    counts = empty((num_experts,), i32)
+    # NOTE [one table] (ops/triton/dispatch.py): counts, before_blocks, seg_start, then the ids copy if traced
+    copy_ids = traced and _common.ttir_writes_follow_loads()  # NOTE [no load-derived store addresses on graph inputs]
+    ids_offset = (plan.num_blocks + 2) * e_pad
+    table = empty((ids_offset + (plan.N if copy_ids else 0),), i32)
     offs = empty((num_experts,), i32)
     rows = empty((plan.M, H), x.dtype)
     # without probs, probs_M is the empty placeholder output: it doubles as the unused pointer
     probs_M = empty((plan.M,), probs.dtype) if probs is not None else x.new_empty(0)
     row_map = empty((T, 2 * K), i32)
-    # NOTE [no load-derived store addresses on graph inputs] (ops/triton/dispatch.py)
-    copy_ids = traced and _common.ttir_writes_follow_loads()
-    ids_copy = empty((plan.N,), i32) if copy_ids else table
-    index_args = (expert_idx, ids_copy, table, counts, offs, plan.N, num_experts, plan.num_blocks)
+    index_args = (expert_idx, table, offs, plan.N, num_experts, plan.num_blocks, ids_offset)
     rows_args = (
-        x, ids_copy if copy_ids else expert_idx, table, x if probs is None else probs, rows, probs_M,
-        row_map, T, H, _common.static_ints(x.stride(0))[0], num_experts, plan.num_blocks, plan.M, plan.M - plan.N,
+        x, expert_idx, table, x if probs is None else probs, rows, probs_M, row_map,
+        T, H, _common.static_ints(x.stride(0))[0], num_experts, plan.num_blocks, plan.M, plan.M - plan.N, ids_offset,
     )  # fmt: skip
-    histogram_args = (expert_idx, ids_copy, table, plan.N, num_experts)
+    histogram_args = (expert_idx, table, plan.N, num_experts, ids_offset)
     if replayed is not None:
         _eager_launch.replay(*replayed, *((histogram_args,) if plan.parallel_histogram else ()), index_args, rows_args)
-        return rows, probs_M, offs, row_map, counts
+        return rows, probs_M, offs, row_map, table.narrow(0, 0, num_experts)
     record = [] if replay_key is not None else None
     if plan.parallel_histogram:
         _common.launch_kernel(
@@ -378,12 +376,14 @@ def _launch_triton(
     _common.launch_kernel(
         kernels._permute_rows_kernel, plan.rows_grid, *rows_args,
         K=K, K_PAD=plan.k_pad, ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, CHUNK=plan.chunk,
-        HAS_PROBS=probs is not None, BLOCK_H=plan.block_h, ZERO_ROWS=plan.zero_rows, USE_PDL=use_pdl,
-        traced=traced, record=record, options=dict(num_warps=plan.num_warps, **pdl),
+        HAS_PROBS=probs is not None, BLOCK_H=plan.block_h, ZERO_ROWS=plan.zero_rows, IDS_IN_TABLE=copy_ids,
+        USE_PDL=use_pdl, traced=traced, record=record, options=dict(num_warps=plan.num_warps, **pdl),
     )  # fmt: skip
     if record is not None:
         _REPLAYS.keep(replay_key, record, 3 if plan.parallel_histogram else 2)
-    return rows, probs_M, offs, row_map, counts
+    # counts: a view of the table (NOTE [one table]), taken after the launches (traced, a view taken before a
+    # kernel writes its base would make functionalization copy the table)
+    return rows, probs_M, offs, row_map, table.narrow(0, 0, num_experts)
 
 
 def _use_triton(x: Tensor, expert_idx: Tensor, num_experts: int) -> bool:

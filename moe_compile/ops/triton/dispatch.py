@@ -13,8 +13,8 @@ The padded destination row of entry ``i`` (expert ``e``) is
 ids[j] == e}``. Launch 1 (one program) streams the ids ``SUB`` blocks at a time, histograms them
 (one ``tl.histogram`` over ``SUB * E_PAD`` bins keyed ``block * E_PAD + e``) and scans the histograms
 as it goes, writing the ``[NB, E]`` table of ``before_blocks``, then ``counts``, ``offs`` and
-``seg_start``. The permute kernel counts the last term itself: each token program compares its ``K``
-ids with the entries of its block that precede them (at most ``BLOCK_N + K - 1`` ids, read from L2),
+``seg_start`` (NOTE [one table]). The permute kernel counts the last term itself: each token program
+compares its ``K`` ids with the entries of its block that precede them (at most ``BLOCK_N + K - 1`` ids, read from L2),
 so no sort and no ``dest`` buffer. One program for the index work saves a launch (and its latency),
 and decode steps are launch bound (issue 14); but its trips are serial, so at large ``N`` (many
 blocks) it costs tens of microseconds (64 us at ``N = 131072``, ``E = 64`` on an H100). There the
@@ -24,9 +24,9 @@ index kernel only scans them (``FROM_TABLE``): three launches. Worked example, `
 
     launch 1 (_expert_offsets_kernel)  iteration 0 covers blocks 0 and 1: keys = ids + 4 * block,
                                        hist = [[1, 1, 2], [1, 1, 2]]
-                                       table[b] = before_blocks = [[0, 0, 0], [1, 1, 2]]
-                                       counts = [2, 2, 4], padded = [4, 4, 4], offs = [4, 8, 12]
-                                       table[NB] = seg_start = [0, 4, 8]
+                                       table[1 + b] = before_blocks = [[0, 0, 0], [1, 1, 2]]
+                                       table[0] = counts = [2, 2, 4], padded = [4, 4, 4], offs = [4, 8, 12]
+                                       table[1 + NB] = seg_start = [0, 4, 8]
     launch 2 (_permute_rows_kernel)    token 3 (flat 6, 7; block 1): ids 2 and 1; earlier entries of
                                        block 1 with the same id: 1 (flat 5) and 0, so
                                        dest = seg_start + before_blocks + rank = [8+2+1, 4+1+0] = [11, 5];
@@ -38,13 +38,20 @@ With ``USE_PDL`` (Hopper and newer, eager launches with ``launch_pdl=True``), th
 started before the index kernel has finished (programmatic dependent launch): the index kernel
 signals ``gdc_launch_dependents`` at once, and the permute kernel does the work that needs only the
 op's inputs (its row of ``x`` and the rank of its entries) before ``gdc_wait``, which returns once the
-index grid has completed and its writes are visible. Only ``table`` and ``counts`` (written by the
-index kernel) are read after the wait. The op's first kernel is launched normally, so everything
+index grid has completed and its writes are visible. Only ``table`` (written by the index kernel) is read
+after the wait. The op's first kernel is launched normally, so everything
 before the op has completed when any of its kernels runs. With parallel histograms the chain is one
 longer: the histogram kernel signals at once too, and the index kernel, launched with PDL, waits before
 it reads the table, as the three-launch version of 2026-11-21 did (without that overlap this version
 was up to 3% slower in CUDA graphs). Launches from Inductor's generated code (the traced path) do not
 use PDL.
+
+NOTE [one table]
+The index kernels write one int32 buffer, rows of ``E_PAD``: row 0 ``counts``, rows ``1 .. NB``
+``before_blocks``, row ``NB + 1`` ``seg_start``, then (traced launches) the int32 copy of the ids (NOTE [no
+load-derived store addresses on graph inputs]). The op's ``counts`` output is ``table[:E]``, a view at storage
+offset 0 (the fake's layout), so a decode step allocates one buffer where it allocated three (each allocation in
+Inductor's generated code costs host time, issue 14).
 
 NOTE [no load-derived store addresses on graph inputs]
 When Inductor traces a ``wrap_triton`` launch it finds the written tensors by walking back from each
@@ -52,7 +59,8 @@ store's address; torch 2.11 walks through loads too, so a tensor whose *values* 
 counts as written. A graph input counted as written is an input mutation (a copy back into it, and
 CUDA-graph trees skip the graph); an op output counted as written is cloned first. So on the traced
 path: the permute kernel reads the ids from an int32 copy that the index kernel writes (``COPY_IDS``)
-and the counts from the table (a dead intermediate), never from ``expert_idx`` or ``counts``; the
+into the table (an intermediate; ``counts`` is a view of it taken after the last launch), never from
+``expert_idx``; the
 prob gradients are stored at ``t*K + k`` after an in-register reorder (``_to_slot_order``); only the
 unpad backward's row scatter reads addresses from ``row_map``, and its launcher passes a copy there.
 
@@ -92,10 +100,10 @@ def _block_ids(ids_ptr, ids_copy_ptr, blocks, N, num_experts, BLOCK_N: tl.conste
 @triton.jit
 def _block_histogram_kernel(
     ids_ptr,  # [N] expert ids, any integer dtype
-    ids_copy_ptr,  # int32 [N] out (if COPY_IDS)
-    table_ptr,  # int32 [NB + 2, E_PAD] out: row b = block b's histogram
+    table_ptr,  # int32 table (NOTE [one table]) out: row 1 + b = block b's histogram; the ids copy (if COPY_IDS)
     N,
     num_experts,
+    ids_copy_offset,  # where the int32 copy of the ids starts in the table
     E_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     COPY_IDS: tl.constexpr,
@@ -106,22 +114,22 @@ def _block_histogram_kernel(
     if USE_PDL:
         gdc_launch_dependents()  # NOTE [overlapping the launches]
     block = tl.program_id(0)
-    ids, valid = _block_ids(ids_ptr, ids_copy_ptr, block + tl.arange(0, 1), N, num_experts, BLOCK_N, COPY_IDS, DEBUG)
+    ids, valid = _block_ids(ids_ptr, table_ptr + ids_copy_offset, block + tl.arange(0, 1), N, num_experts, BLOCK_N,
+                            COPY_IDS, DEBUG)
     hist = tl.histogram(tl.reshape(tl.where(valid, ids, 0).to(tl.int32), [BLOCK_N]), E_PAD,
                         mask=tl.reshape(valid, [BLOCK_N]))
-    tl.store(table_ptr + block * E_PAD + tl.arange(0, E_PAD), hist)
+    tl.store(table_ptr + (1 + block) * E_PAD + tl.arange(0, E_PAD), hist)
 
 
 @triton.jit
 def _expert_offsets_kernel(
     ids_ptr,  # [N] expert ids, any integer dtype
-    ids_copy_ptr,  # int32 [N] out (if COPY_IDS): the ids again, for the permute kernel
-    table_ptr,  # int32 [NB + 2, E_PAD] out: before_blocks (rows < NB), seg_start (row NB), counts (row NB + 1)
-    counts_ptr,  # int32 [E] out
+    table_ptr,  # int32 table out (NOTE [one table]): counts, before_blocks, seg_start; the ids copy (if COPY_IDS)
     offs_ptr,  # int32 [E] out
     N,
     num_experts,
     num_blocks,
+    ids_copy_offset,  # where the int32 copy of the ids (for the permute kernel) starts in the table
     ALIGN: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -139,34 +147,35 @@ def _expert_offsets_kernel(
             gdc_wait()  # the table is written by the histogram kernel
     experts = tl.arange(0, E_PAD)
     sub = tl.arange(0, SUB)
+    blocks_ptr = table_ptr + E_PAD  # before_blocks, then seg_start
     running = tl.zeros([E_PAD], dtype=tl.int32)
     for b0 in tl.range(0, num_blocks, SUB, num_stages=3):  # the loads of later trips in flight
         blocks = b0 + sub
         tile = blocks[:, None] * E_PAD + experts[None, :]
         if FROM_TABLE:
-            hist = tl.load(table_ptr + tile, mask=(blocks < num_blocks)[:, None], other=0)
+            hist = tl.load(blocks_ptr + tile, mask=(blocks < num_blocks)[:, None], other=0)
         else:
-            ids, valid = _block_ids(ids_ptr, ids_copy_ptr, blocks, N, num_experts, BLOCK_N, COPY_IDS, DEBUG)
+            ids, valid = _block_ids(ids_ptr, table_ptr + ids_copy_offset, blocks, N, num_experts, BLOCK_N, COPY_IDS,
+                                    DEBUG)
             keys = sub[:, None] * E_PAD + tl.where(valid, ids, 0).to(tl.int32)
             hist = tl.histogram(tl.reshape(keys, [SUB * BLOCK_N]), SUB * E_PAD,
                                 mask=tl.reshape(valid, [SUB * BLOCK_N]))
             hist = tl.reshape(hist, [SUB, E_PAD])
-        tl.store(table_ptr + tile, tl.cumsum(hist, 0) - hist + running[None, :], mask=(blocks < num_blocks)[:, None])
+        tl.store(blocks_ptr + tile, tl.cumsum(hist, 0) - hist + running[None, :], mask=(blocks < num_blocks)[:, None])
         running += tl.sum(hist, 0)
     padded = (running + (ALIGN - 1)) // ALIGN * ALIGN
     offs_e = tl.cumsum(padded, 0)
     expert_mask = experts < num_experts
-    tl.store(counts_ptr + experts, running, mask=expert_mask)
+    tl.store(table_ptr + experts, running)  # the op's `counts` output is a view of this row
     tl.store(offs_ptr + experts, offs_e, mask=expert_mask)
-    tl.store(table_ptr + num_blocks * E_PAD + experts, offs_e - padded)
-    tl.store(table_ptr + (num_blocks + 1) * E_PAD + experts, running)
+    tl.store(blocks_ptr + num_blocks * E_PAD + experts, offs_e - padded)
 
 
 @triton.jit
 def _permute_rows_kernel(
     x_ptr,  # [T, H] (row stride stride_x)
-    ids_ptr,  # [N] expert ids, any integer dtype (or the index kernel's int32 copy)
-    table_ptr,  # int32 [NB + 2, E_PAD] from _expert_offsets_kernel (counts in row NB + 1)
+    ids_ptr,  # [N] expert ids, any integer dtype (unread if IDS_IN_TABLE)
+    table_ptr,  # int32 table from _expert_offsets_kernel (NOTE [one table])
     probs_ptr,  # [T, K] (if HAS_PROBS)
     rows_ptr,  # [M, H] out
     probs_out_ptr,  # [M] out (if HAS_PROBS)
@@ -178,6 +187,7 @@ def _permute_rows_kernel(
     num_blocks,
     num_rows,  # M
     num_zero_rows,  # M - N
+    ids_offset,  # where the ids start in the table (if IDS_IN_TABLE)
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     ALIGN: tl.constexpr,
@@ -187,6 +197,7 @@ def _permute_rows_kernel(
     HAS_PROBS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ZERO_ROWS: tl.constexpr,
+    IDS_IN_TABLE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # grid (T + cdiv(M - N, ZERO_ROWS), cdiv(H, BLOCK_H)): token programs, then zero programs
@@ -198,24 +209,28 @@ def _permute_rows_kernel(
         t = pid.to(tl.int64)
         vals = tl.load(x_ptr + t * stride_x + cols, mask=col_mask)  # each source row is read once
         # NOTE [destination rows in two launches]: dest = seg_start + before_blocks + rank in block
+        if IDS_IN_TABLE:  # NOTE [no load-derived store addresses on graph inputs]
+            ids_src = table_ptr + ids_offset
+        else:
+            ids_src = ids_ptr
         slots = tl.arange(0, K_PAD)
         slot_mask = slots < K
         flat_K = t * K + slots
-        ids_K = tl.load(ids_ptr + flat_K, mask=slot_mask, other=0)
+        ids_K = tl.load(ids_src + flat_K, mask=slot_mask, other=0)
         valid_K = slot_mask & (ids_K >= 0) & (ids_K < num_experts)
         block_start_K = flat_K // BLOCK_N * BLOCK_N
         rank_K = tl.zeros([K_PAD], dtype=tl.int32)
         # entries j in [block start, flat) with the same id; compared in the ids' own dtype
         for j0 in range(t * K // BLOCK_N * BLOCK_N, t * K + K - 1, CHUNK):
             j = j0 + tl.arange(0, CHUNK)
-            ids_j = tl.load(ids_ptr + j, mask=j < t * K + K - 1, other=0)
+            ids_j = tl.load(ids_src + j, mask=j < t * K + K - 1, other=0)
             same = (ids_j[None, :] == ids_K[:, None]) & (j[None, :] >= block_start_K[:, None])
             rank_K += tl.sum((same & (j[None, :] < flat_K[:, None])).to(tl.int32), 1)
         if USE_PDL:
             gdc_wait()  # NOTE [overlapping the launches]: `table` is written by the index kernel
         experts_K = tl.where(valid_K, ids_K, 0).to(tl.int32)
-        before_K = tl.load(table_ptr + (flat_K // BLOCK_N) * E_PAD + experts_K, mask=valid_K, other=0)
-        seg_start_K = tl.load(table_ptr + num_blocks * E_PAD + experts_K, mask=valid_K, other=0)
+        before_K = tl.load(table_ptr + (1 + flat_K // BLOCK_N) * E_PAD + experts_K, mask=valid_K, other=0)
+        seg_start_K = tl.load(table_ptr + (1 + num_blocks) * E_PAD + experts_K, mask=valid_K, other=0)
         dest_K = seg_start_K + before_K + rank_K
         dest_ok = valid_K & (dest_K < num_rows)  # (always true for consistent inputs; memory safety)
         dest_K = tl.where(dest_ok, dest_K, -1)
@@ -241,7 +256,7 @@ def _permute_rows_kernel(
         j = (pid - num_tokens) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
         j_mask = j < num_zero_rows
         experts = tl.arange(0, E_PAD)
-        counts = tl.load(table_ptr + (num_blocks + 1) * E_PAD + experts, mask=experts < num_experts, other=0)
+        counts = tl.load(table_ptr + experts, mask=experts < num_experts, other=0)
         pad = (counts + (ALIGN - 1)) // ALIGN * ALIGN - counts
         pad_before = tl.cumsum(pad, 0) - pad
         row = j + tl.sum(tl.where(pad_before[None, :] <= j[:, None], counts[None, :], 0), 1)
