@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch._inductor.compile_fx import compile_fx
 
+from moe_compile import report
 from moe_compile.config import MoECompileConfig, split_options
 from moe_compile.ops.deterministic_flag import deterministic_sdpa
 from moe_compile.passes import enabled_passes, stage_passes
@@ -101,8 +102,14 @@ def compile_with_config(
     _restart_workers_without_static_launch()
     log.debug("compiling a graph of %d nodes, passes %s", len(gm.graph.nodes), enabled_passes(config))
     # SDPA is decomposed (its kernel chosen) while compile_fx traces
+    hits, graphs = report.cache_hits(), report.last_report().graphs
     with deterministic_sdpa() if config.deterministic else contextlib.nullcontext():
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    if report.cache_hits() > hits:  # NOTE [cached compiles] (report.py)
+        if report.last_report().graphs == graphs:  # not counted by the pre-grad passes: they did not run
+            report.graph_compiled()
+        report.graph_from_cache()
+    return compiled
 
 
 def moe_backend(

@@ -80,3 +80,32 @@ def test_records_from_another_thread_reach_the_open_report():
         report.add(record)
     report.add(record)
     assert inner.records == [record] and outer.records == [record, record]
+
+
+def test_a_compile_served_from_inductors_caches_says_its_report_is_incomplete():
+    """NOTE [cached compiles]: on a cache hit the joint and post-grad passes do not run; the report says so."""
+    import torch
+    from torch._inductor.utils import fresh_cache
+
+    import moe_compile
+    from moe_compile import report
+    from tests.models.handwritten import SortIndexSelectScatterAdd
+
+    layer = SortIndexSelectScatterAdd()
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
+    reports = []
+    with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True):
+        for _ in range(2):
+            torch._dynamo.reset()
+            with report.collecting() as rep:
+                moe_compile.compile(layer, fullgraph=True)(x).sum().backward()
+            reports.append(rep)
+    torch._dynamo.reset()
+    first, second = reports
+    assert first.graphs == second.graphs == 1
+    assert first.cached_graphs == 0 and second.cached_graphs == 1
+    # the passes that ran on the hit (torch 2.11: pre-grad; 2.13: none) recorded what they did the first time
+    assert first.rewrites and set(second.records) <= set(first.records), (first.records, second.records)
+    assert "this report is incomplete" in second.table() and "incomplete" not in first.table()
+    assert second.to_dict()["cached_graphs"] == 1
