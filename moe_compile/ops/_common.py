@@ -164,7 +164,7 @@ def eager_fast_path(*tensors: torch.Tensor | None) -> str | None:
 
 # Devices on which a dispatch op decomposes into its body when AOTAutograd traces it (NOTE [device-
 # decomposed triton ops]).
-DECOMPOSE_ON_DEVICES = frozenset({"cuda"})
+DECOMPOSE_ON_DEVICES = frozenset({"cuda", "cpu"})
 
 
 def is_traced(t: torch.Tensor) -> bool:
@@ -188,10 +188,12 @@ def dispatch_triton_op(name: str, fn, *, schema: str, fake):
     * the schema is the one given (``triton_op`` infers it from annotations, turning ``int`` into
       ``SymInt``; ``E`` and ``align`` stay plain ``int``: they size outputs and pick kernels);
     * the fake is ``fake`` (static shapes, no host reads; ``fn``'s CPU branch checks ids on the host);
-    * the body is traced only for tensors on ``DECOMPOSE_ON_DEVICES``. Elsewhere (CPU) the op stays one
-      node through AOTAutograd and Inductor calls its kernel (the gather-only reference), so our passes
-      and tests keep seeing ``moe.*`` nodes in post-grad graphs. The reference is written with gathers
-      only, so adding ``"cpu"`` to the set traces it with no scatter and no atomic.
+    * the body is traced only for tensors on ``DECOMPOSE_ON_DEVICES``. On CPU that is the gather-only
+      reference (no scatter, no atomic), which Inductor compiles with the rest of the graph: when the op
+      stayed one node, Inductor called its Python kernel, 1.7-2.3x of plain Inductor's time per call at
+      T16 (issue 14). Elsewhere the op stays one node. ``torch._functorch.config.decompose_custom_triton_ops
+      = False`` (torch.export sets it) keeps every dispatch op one node; the tests that read a rewrite's
+      post-grad graph use it.
 
     ``fn`` branches on the device (static under fake tensors); its CUDA branch launches Triton through
     the launchers, which call ``wrap_triton`` when :func:`is_traced`.

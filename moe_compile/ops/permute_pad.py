@@ -429,6 +429,9 @@ def _permute_pad_body(
     _check_args(x, expert_idx, probs, num_experts, align)
     if not _common.is_traced(x):  # eager CPU: the ids are on the host anyway
         _common.check_ids_in_range(expert_idx, 0, num_experts, "expert_idx")
+    else:  # traced into a CPU graph (NOTE [device-decomposed triton ops]): checked there, on every call
+        torch._assert_async(((expert_idx >= 0) & (expert_idx < num_experts)).all(),
+                            "expert_idx values must be in [0, num_experts)")
     return _reference_tuple(x, expert_idx, probs, num_experts, align)
 
 

@@ -217,7 +217,10 @@ def test_cuda_trace_debug_flag_reaches_the_kernels():
     assert debug_flags == [True, None, True], debug_flags
 
 
-def test_cpu_compiled_graph_keeps_the_ops_and_has_no_atomics():
+@pytest.mark.parametrize("decompose", [True, False], ids=["traced", "one_node"])
+def test_cpu_compiled_graph_has_no_atomics(decompose):
+    """On CPU the ops trace into the graph as their gather-only references (NOTE [device-decomposed triton
+    ops]); with ``decompose_custom_triton_ops`` off (torch.export's setting) they stay one node each."""
     from torch._inductor.utils import run_and_get_code
     from torch.testing import FileCheck
 
@@ -237,7 +240,8 @@ def test_cpu_compiled_graph_keeps_the_ops_and_has_no_atomics():
         return unpad_unpermute(out.rows_MH.sin(), out.row_map, probs)
 
     torch._dynamo.reset()
-    with torch._inductor.config.patch(post_grad_custom_post_pass=Keep(), fx_graph_cache=False):
+    with torch._inductor.config.patch(post_grad_custom_post_pass=Keep(), fx_graph_cache=False), \
+            torch._functorch.config.patch(decompose_custom_triton_ops=decompose):
         compiled = torch.compile(layer, backend="inductor", fullgraph=True)
 
         def step():
@@ -249,13 +253,32 @@ def test_cpu_compiled_graph_keeps_the_ops_and_has_no_atomics():
     torch._dynamo.reset()
     grad = x.grad.clone()
     x.grad = None
-    layer(x, ids, probs).square().sum().backward()
+    want = layer(x, ids, probs)
+    want.square().sum().backward()
+    torch.testing.assert_close(y, want)
     torch.testing.assert_close(grad, x.grad)
     fw, bw = post_grad
-    assert fw["moe.permute_pad.default"] == 1 and fw["moe.unpad_unpermute.default"] == 1, fw
-    assert bw["moe.permute_pad_backward.default"] == 1 and bw["moe.unpad_unpermute_backward.default"] == 1, bw
+    if decompose:
+        assert not [t for t in (*fw, *bw) if t.startswith("moe.")], (fw, bw)
+        assert not [t for t in (*fw, *bw) if "scatter" in t or "index_put" in t], (fw, bw)
+    else:
+        assert fw["moe.permute_pad.default"] == 1 and fw["moe.unpad_unpermute.default"] == 1, fw
+        assert bw["moe.permute_pad_backward.default"] == 1 and bw["moe.unpad_unpermute_backward.default"] == 1, bw
     for code in codes:
         FileCheck().check_not("atomic_add(").check_not("tl.atomic_add").run(code)
+
+
+def test_cpu_compiled_graph_rejects_out_of_range_ids():
+    """Traced into a CPU graph, the op checks ``expert_idx`` there on every call (no host read)."""
+    x, ids, probs = _inputs(seed=7)
+    compiled = torch.compile(lambda *a: permute_pad(*a, num_experts=E, align=A).rows_MH, fullgraph=True)
+    torch._dynamo.reset()
+    compiled(x, ids, probs)  # in range: fine
+    bad = ids.clone()
+    bad[torch.randint(0, ids.shape[0], ()), 0] = E
+    with pytest.raises(RuntimeError, match=r"expert_idx values must be in \[0, num_experts\)"):
+        compiled(x, bad, probs)
+    torch._dynamo.reset()
 
 
 # written tensors per kernel under torch 2.11's mutation analysis (stores' addresses followed through

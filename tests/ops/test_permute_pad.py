@@ -176,19 +176,26 @@ def test_reference_is_sync_free_and_static():
             assert "_local_scalar_dense" not in str(node.target) and "nonzero" not in str(node.target), node
 
 
-def test_op_graph_has_one_node_and_no_unbacked_symbols():
+@pytest.mark.parametrize("decompose", [False, True], ids=["one_node", "traced"])
+def test_op_graph_has_no_unbacked_symbols(decompose):
+    """One node each way (decomposition off, torch.export's setting), or the traced reference (CPU default)."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     x, ids, probs = _inputs(24, 16, 8, 2, torch.float32)
     x.requires_grad_(True)
     backend = AotEagerAndRecordGraphs()
-    out = torch.compile(lambda *a: permute_pad(*a, num_experts=8, align=16), fullgraph=True, backend=backend)(
-        x, ids, probs
-    )
-    out.rows_MH.sum().backward()
-    targets = [str(n.target) for gm in backend.fw_graphs for n in gm.graph.nodes]
-    assert targets.count("moe.permute_pad.default") == 1
-    assert "moe.permute_pad_backward.default" in [str(n.target) for gm in backend.bw_graphs for n in gm.graph.nodes]
+    with torch._functorch.config.patch(decompose_custom_triton_ops=decompose):
+        out = torch.compile(lambda *a: permute_pad(*a, num_experts=8, align=16), fullgraph=True, backend=backend)(
+            x, ids, probs
+        )
+        out.rows_MH.sum().backward()
+    fw_targets = [str(n.target) for gm in backend.fw_graphs for n in gm.graph.nodes]
+    bw_targets = [str(n.target) for gm in backend.bw_graphs for n in gm.graph.nodes]
+    if decompose:
+        assert not [t for t in fw_targets + bw_targets if t.startswith("moe.")], (fw_targets, bw_targets)
+    else:
+        assert fw_targets.count("moe.permute_pad.default") == 1
+        assert "moe.permute_pad_backward.default" in bw_targets
     for gm in backend.fw_graphs + backend.bw_graphs:
         assert not any(n.meta.get("unbacked_bindings") for n in gm.graph.nodes)
 

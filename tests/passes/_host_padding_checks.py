@@ -106,11 +106,16 @@ def _step(fn: Any, x: torch.Tensor, train: bool, params: Any = None) -> tuple[to
 def run_layer(
     model: torch.nn.Module, x: torch.Tensor, *, path: str, train: bool, passes: dict[str, bool] | None = None
 ) -> tuple[Result, Result]:
-    """Compile a copy of ``model`` and run one step; returns (compiled result, eager result)."""
+    """Compile a copy of ``model`` and run one step; returns (compiled result, eager result).
+
+    The dispatch ops stay one node each (``decompose_custom_triton_ops`` off, torch.export's setting), so the
+    kept post-grad graphs show the rewrite; by default they trace into CPU graphs as their references (NOTE
+    [device-decomposed triton ops]), which the other compiled tests run."""
     eager_model = copy.deepcopy(model)
     torch._dynamo.reset()
     keep = KeepGraphs()
-    with fresh_caches(), report.collecting() as records:
+    with fresh_caches(), report.collecting() as records, \
+            torch._functorch.config.patch(decompose_custom_triton_ops=False):
         compiled = compile_layer(model, path, keep, passes)
         out, grads = _step(compiled, x, train, params=model)
     eager_out, eager_grads = _step(eager_model, x, train, params=eager_model)
