@@ -162,6 +162,12 @@ def eager_fast_path(*tensors: torch.Tensor | None) -> str | None:
 
 # ===== op construction =====
 
+# NOTE [few library calls]: on CPU the references are traced into the compiled graph (NOTE [device-decomposed
+# triton ops]), where each sort, search or scan is a library call with its own host cost (several us), while
+# elementwise work fuses into one loop. So at small sizes the references use compares and sums instead (the
+# same integers): up to this many compares replace one library call.
+SMALL_COMPARES = 1 << 16
+
 # Devices on which a dispatch op decomposes into its body when AOTAutograd traces it (NOTE [device-
 # decomposed triton ops]).
 DECOMPOSE_ON_DEVICES = frozenset({"cuda", "cpu"})

@@ -84,19 +84,37 @@ def permute_pad_reference(
     device = x_TH.device
     i64 = torch.int64
     ids_N = expert_idx_TK.reshape(N).to(i64)
-    sorted_ids_N, order_N = torch.sort(ids_N, stable=True)  # order_N[p] = flat index t*K + k
     experts_E = torch.arange(num_experts, device=device, dtype=i64)
-    starts_E = torch.searchsorted(sorted_ids_N, experts_E)  # first sorted position of each expert
-    counts_E = torch.searchsorted(sorted_ids_N, experts_E, right=True) - starts_E
+    inverse_N = None  # inverse_N[i]: the sorted position of flat entry i
+    if 0 < N * N <= _common.SMALL_COMPARES:  # NOTE [few library calls] (ops/_common.py): a stable sort by compares
+        j_N = torch.arange(N, device=device)
+        same_NN = ids_N[None, :] == ids_N[:, None]
+        inverse_N = ((ids_N[None, :] < ids_N[:, None]) | (same_NN & (j_N[None, :] < j_N[:, None]))).sum(1)
+        order_N = (inverse_N[None, :] == j_N[:, None]).to(torch.int32).argmax(1)
+    else:
+        _, order_N = torch.sort(ids_N, stable=True)  # order_N[p] = flat index t*K + k
+    if N * num_experts <= _common.SMALL_COMPARES:  # one past each expert's last sorted position
+        ends_E = (ids_N[None, :] <= experts_E[:, None]).sum(1)
+    else:
+        ends_E = torch.searchsorted(ids_N.index_select(0, order_N), experts_E, right=True)
+    starts_E = torch.cat([ends_E.new_zeros(1), ends_E[:-1]])  # (ids in [0, E): expert e starts where e-1 ends)
+    counts_E = ends_E - starts_E
     padded_E = (counts_E + (align - 1)) // align * align
-    offs_E = torch.cumsum(padded_E, 0)
+    # NOTE [few library calls]: a cumsum over E here, a search over the M rows below
+    small = num_experts * num_experts <= _common.SMALL_COMPARES
+    offs_E = (
+        (padded_E[None, :] * (experts_E[None, :] <= experts_E[:, None])).sum(1) if small else torch.cumsum(padded_E, 0)
+    )
     seg_start_E = offs_E - padded_E
 
     # NOTE [gather-only reference]: every output element is read from its source (no scatter, no
     # index_put), so a traced reference compiles without atomics. Row m belongs to the expert whose
     # segment holds it; it is real when it lies among the expert's first counts[e] rows.
     rows_M = torch.arange(M, device=device, dtype=i64)
-    owner_M = torch.searchsorted(offs_E, rows_M, right=True).clamp_max(num_experts - 1)
+    if M * num_experts <= _common.SMALL_COMPARES:  # NOTE [few library calls]
+        owner_M = (offs_E[None, :] <= rows_M[:, None]).sum(1).clamp_max(num_experts - 1)
+    else:
+        owner_M = torch.searchsorted(offs_E, rows_M, right=True).clamp_max(num_experts - 1)
     within_M = rows_M - seg_start_E.index_select(0, owner_M)
     is_real_M = within_M < counts_E.index_select(0, owner_M)  # (tail rows: within >= padded)
     sorted_pos_M = (starts_E.index_select(0, owner_M) + within_M).clamp(0, max(N - 1, 0))
@@ -109,11 +127,18 @@ def permute_pad_reference(
             torch.where(is_real_M, probs_TK.reshape(N).index_select(0, src_M), probs_TK.new_zeros(()))
             if N > 0 else probs_TK.new_zeros(M)
         )
-    # destination of flat entry i: its sorted position (the inverse permutation of order_N, another
-    # sort) shifted to its expert's segment
-    inverse_N = torch.argsort(order_N)
-    dest_N = inverse_N + (seg_start_E - starts_E).index_select(0, ids_N)
-    sorted_rows_TK, slots_TK = dest_N.reshape(T, K).sort(dim=1)
+    # destination of flat entry i: its sorted position (the inverse permutation of order_N: from the compares
+    # above, or another sort) shifted to its expert's segment
+    if inverse_N is None:
+        inverse_N = torch.argsort(order_N)
+    dest_TK = (inverse_N + (seg_start_E - starts_E).index_select(0, ids_N)).reshape(T, K)
+    if T * K * K <= _common.SMALL_COMPARES:  # NOTE [few library calls]: a token's rows are distinct, rank them
+        rank_TK = (dest_TK[:, None, :] < dest_TK[:, :, None]).sum(2)  # rank_TK[t, k]: k's place in t's order
+        at_TQK = rank_TK[:, None, :] == torch.arange(K, device=device)[None, :, None]  # [t, place, slot]
+        sorted_rows_TK = (at_TQK * dest_TK[:, None, :]).sum(2)
+        slots_TK = (at_TQK * torch.arange(K, device=device)[None, None, :]).sum(2)
+    else:
+        sorted_rows_TK, slots_TK = dest_TK.sort(dim=1)
     row_map = torch.cat([sorted_rows_TK, slots_TK], dim=1).to(torch.int32)
     return PermutePadOut(rows_MH, probs_M, offs_E.to(torch.int32), row_map, counts_E.to(torch.int32))
 

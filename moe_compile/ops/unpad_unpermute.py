@@ -69,14 +69,23 @@ def unpad_unpermute_reference(rows_RH: Tensor, row_map: Tensor, probs_TK: Tensor
     return acc_TH.to(rows_RH.dtype)
 
 
+def place_of_slot(slots_TK: Tensor) -> Tensor:
+    """int64 ``[T, K]``: where each top-k slot ``k`` sits in ``slots_TK`` (each row a permutation of ``0..K-1``),
+    the inverse permutation: a sort, or compares at small sizes (NOTE [few library calls])."""
+    T, K = slots_TK.shape
+    if T * K * K > _common.SMALL_COMPARES:
+        return slots_TK.argsort(dim=1)
+    k = torch.arange(K, device=slots_TK.device)
+    return ((slots_TK[:, None, :] == k[None, :, None]) * k[None, None, :]).sum(2)
+
+
 def rows_by_slot(row_map: Tensor) -> Tensor:
     """int64 ``[T, K]``: the row of each top-k slot (``row_map`` lists rows ascending, with their slots).
 
-    A gather through the inverse of each token's slot permutation (a sort), not a scatter.
+    A gather through the inverse of each token's slot permutation, not a scatter.
     """
     K = row_map.shape[1] // 2
-    slot_order_TK = row_map[:, K:].long().argsort(dim=1)
-    return row_map[:, :K].long().gather(1, slot_order_TK)
+    return row_map[:, :K].long().gather(1, place_of_slot(row_map[:, K:].long()))
 
 
 def unpad_unpermute_backward_reference(
@@ -101,11 +110,16 @@ def unpad_unpermute_backward_reference(
     # row r takes the value of the entry (t, j) that references it, found by a sort of the referenced
     # rows and a search; unreferenced rows (pad, tail) are zero
     if N > 0:
-        sorted_rows_N, entry_N = torch.sort(rows_TK.reshape(N))
         r_R = torch.arange(num_rows, device=device, dtype=torch.int64)
-        pos_R = torch.searchsorted(sorted_rows_N, r_R).clamp_max(N - 1)
-        is_used_R = sorted_rows_N.index_select(0, pos_R) == r_R
-        src_R = entry_N.index_select(0, pos_R)
+        if N * num_rows <= _common.SMALL_COMPARES:  # NOTE [few library calls]
+            hit_RN = (rows_TK.reshape(1, N) == r_R[:, None]).to(torch.int32)
+            is_used_R = hit_RN.amax(1) > 0
+            src_R = hit_RN.argmax(1)  # the first entry that references row r
+        else:
+            sorted_rows_N, entry_N = torch.sort(rows_TK.reshape(N))
+            pos_R = torch.searchsorted(sorted_rows_N, r_R).clamp_max(N - 1)
+            is_used_R = sorted_rows_N.index_select(0, pos_R) == r_R
+            src_R = entry_N.index_select(0, pos_R)
         gathered_RH = vals_TKH.reshape(N, H).index_select(0, src_R)
         grad_rows_RH = torch.where(is_used_R[:, None], gathered_RH, grad_y_TH.new_zeros(()))
     else:
@@ -115,7 +129,7 @@ def unpad_unpermute_backward_reference(
     z_TKH = rows_RH.index_select(0, rows_TK.reshape(-1)).reshape(T, K, H).to(acc_dtype)
     dots_TK = (z_TKH * grad_y_TH.to(acc_dtype).unsqueeze(1)).sum(dim=2)
     # dots are in ascending-row order; slot k's dot sits at the position of k among the token's slots
-    grad_probs_TK = dots_TK.gather(1, slots_TK.argsort(dim=1)).to(probs_TK.dtype)
+    grad_probs_TK = dots_TK.gather(1, place_of_slot(slots_TK)).to(probs_TK.dtype)
     return grad_rows_RH, grad_probs_TK
 
 
