@@ -243,11 +243,14 @@ def add(record: PassRecord) -> None:
             report.records.append(record)
 
 
-def graph_compiled() -> None:
+def _count(field: str) -> None:
     with _LOCK:
-        _LAST.graphs += 1
-        for report in _ACTIVE:
-            report.graphs += 1
+        for report in (_LAST, *_ACTIVE):
+            setattr(report, field, getattr(report, field) + 1)
+
+
+def graph_compiled() -> None:
+    _count("graphs")
 
 
 # NOTE [cached compiles]: on an AOTAutograd or FX graph cache hit some of the passes do not run (the cached code
@@ -265,10 +268,7 @@ def cache_hits() -> int:
 
 
 def graph_from_cache() -> None:
-    with _LOCK:
-        _LAST.cached_graphs += 1
-        for report in _ACTIVE:
-            report.cached_graphs += 1
+    _count("cached_graphs")
 
 
 # Records of module-level rewrites (moe_compile.compile's expert-loop swaps), per model, for explain.

@@ -44,7 +44,9 @@ from torch import Tensor
 
 from moe_compile.ops import _common, _eager_launch
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS, static_row_bound
-from moe_compile.ops.unpad_unpermute import launch_gather_sum_triton, rows_by_slot, unpad_unpermute_reference
+from moe_compile.ops.unpad_unpermute import (
+    launch_gather_sum_triton, place_of_slot, rows_by_slot, unpad_unpermute_reference,
+)
 
 __all__ = ["PermutePadOut", "permute_pad", "permute_pad_backward_reference", "permute_pad_reference"]
 
@@ -134,9 +136,8 @@ def permute_pad_reference(
     dest_TK = (inverse_N + (seg_start_E - starts_E).index_select(0, ids_N)).reshape(T, K)
     if T * K * K <= _common.SMALL_COMPARES:  # NOTE [few library calls]: a token's rows are distinct, rank them
         rank_TK = (dest_TK[:, None, :] < dest_TK[:, :, None]).sum(2)  # rank_TK[t, k]: k's place in t's order
-        at_TQK = rank_TK[:, None, :] == torch.arange(K, device=device)[None, :, None]  # [t, place, slot]
-        sorted_rows_TK = (at_TQK * dest_TK[:, None, :]).sum(2)
-        slots_TK = (at_TQK * torch.arange(K, device=device)[None, None, :]).sum(2)
+        slots_TK = place_of_slot(rank_TK)  # the slot at each place: the inverse permutation
+        sorted_rows_TK = dest_TK.gather(1, slots_TK)
     else:
         sorted_rows_TK, slots_TK = dest_TK.sort(dim=1)
     row_map = torch.cat([sorted_rows_TK, slots_TK], dim=1).to(torch.int32)
