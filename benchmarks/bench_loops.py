@@ -19,8 +19,9 @@ than the layer itself), then runs forward and ``backward(grad_out)``. ``determin
 output and every gradient bitwise equal over 20 runs. ``cuda_graph``: the ``moe`` forward captured with
 ``torch.cuda.graph(capture_error_mode="global")`` (any host sync or sync-requiring op fails the capture) and
 replayed bitwise equal to the uncaptured call. ``vs_grouped_mm``: ``moe`` time / ``grouped_mm_moe`` time
-(target <= 1.10), read on ``paired``: the two timed again interleaved, median of 7 rounds (:func:`time_paired`;
-the fwd+bwd of both is host-bound, and the variants' own rows are timed minutes apart).
+(target <= 1.10), read on ``paired``: the two timed again interleaved, median of 7 rounds, with the host time per
+call next to the wall time (:func:`time_paired`; at E=128 the loop's fwd+bwd does more host work per step, one
+gradient view per expert parameter, and the variants' own rows are timed minutes apart).
 
 Usage: ``python benchmarks/bench_loops.py --json benchmarks/results/loops.json [--quick]``;
 ``--cpu-smoke`` runs the whole flow on CPU at tiny shapes (no timing worth reading, no CUDA graphs).
@@ -186,20 +187,37 @@ def _steps(fn, x: torch.Tensor, grad_out: torch.Tensor, params: list[torch.Tenso
 
 PAIRED = ("moe", "grouped_mm_moe")  # timed again interleaved: the ratio the target is read on
 PAIRED_ROUNDS = 7
+HOST_STEPS = 5  # calls issued back to back for the host time: few enough not to fill the launch queue
 
 
-def time_paired(steps: dict[str, tuple], bench) -> dict[str, dict[str, float]]:
-    """``{variant: {"fwd_ms", "fwd_bwd_ms"}}``: the median over ``PAIRED_ROUNDS`` rounds, each timing every
-    variant once in alternating order. Both blocks are host-bound at fwd+bwd (the loop hands out one gradient
-    per expert parameter), so timing them minutes apart on a shared host compares two different hosts; timed
-    interleaved, drift moves both alike."""
+def _host_ms(fn, sync) -> float:
+    """Host time per call: ``HOST_STEPS`` calls issued after a sync, timed before the next sync (the GPU runs
+    behind; where host time < wall time, the step is GPU-bound and the difference is the host's margin)."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(HOST_STEPS):
+        fn()
+    host = (time.perf_counter() - start) / HOST_STEPS * 1e3
+    sync()
+    return host
+
+
+def time_paired(steps: dict[str, tuple], bench, sync=lambda: None) -> dict[str, dict[str, float]]:
+    """``{variant: {"fwd_ms", "fwd_bwd_ms", "host_fwd_ms", "host_fwd_bwd_ms"}}``: the median over
+    ``PAIRED_ROUNDS`` rounds, each timing every variant once in alternating order (wall time, then host time per
+    call, :func:`_host_ms`). The loop's fwd+bwd hands out one gradient view per expert parameter (384 at E=128):
+    on a slow host that is host-bound, so the two are timed interleaved (drift moves both alike) and the host
+    time says how far from host-bound each is."""
     names = list(steps)
-    times: dict[str, dict[str, list[float]]] = {n: {"fwd_ms": [], "fwd_bwd_ms": []} for n in names}
+    fields = ("fwd_ms", "fwd_bwd_ms", "host_fwd_ms", "host_fwd_bwd_ms")
+    times: dict[str, dict[str, list[float]]] = {n: {f: [] for f in fields} for n in names}
     for r in range(PAIRED_ROUNDS):
         for name in names if r % 2 == 0 else names[::-1]:
             forward, step = steps[name]
             times[name]["fwd_ms"].append(bench(forward, warmup=3, rep=25))
             times[name]["fwd_bwd_ms"].append(bench(step, warmup=3, rep=25))
+            times[name]["host_fwd_ms"].append(_host_ms(forward, sync))
+            times[name]["host_fwd_bwd_ms"].append(_host_ms(step, sync))
     return {n: {k: statistics.median(v) for k, v in fields.items()} for n, fields in times.items()}
 
 
@@ -279,7 +297,8 @@ def run_config(cfg: Config, deadline: float, quick: bool, device: str = "cuda") 
         else:
             del fn, forward, step
             cache.close()
-    paired = time_paired(kept, bench) if len(kept) == len(PAIRED) else {}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    paired = time_paired(kept, bench, sync) if len(kept) == len(PAIRED) else {}
     kept.clear()
     caches.close()
     torch._dynamo.reset()
@@ -306,8 +325,10 @@ def vs_grouped_mm(results: list[Result], paired: dict[str, dict]) -> list[str]:
         if pair:
             for field in ("fwd_ms", "fwd_bwd_ms"):
                 mine, theirs = pair["moe"][field], pair["grouped_mm_moe"][field]
+                host = f"host_{field}"
                 lines.append(f"{model} moe {field}, interleaved (median of {PAIRED_ROUNDS} rounds): {mine:.3f} vs "
-                             f"grouped_mm_moe {theirs:.3f} -> {mine / theirs:.2f}x (target <= 1.10)")
+                             f"grouped_mm_moe {theirs:.3f} -> {mine / theirs:.2f}x (target <= 1.10); host time "
+                             f"{pair['moe'][host]:.3f} vs {pair['grouped_mm_moe'][host]:.3f}")
     return lines
 
 
