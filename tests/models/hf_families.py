@@ -192,10 +192,11 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
     own error is the noise of this computation, and the compiled step may sum in another order, so the
     bound scales with it instead of a fixed tolerance), ``worst`` the tensor closest to failing that bound.
     Where that fails, plain Inductor's own distance from fp32 is added to the bound (``noise`` says so): it
-    is the compile's noise on this model (its upcasts and fusions), which the rewrite does not change; and
-    a tensor that bf16 eager or plain Inductor misses by half its magnitude or more is not judged
-    (``unjudged`` names them): it is a sum that cancels to below bf16's rounding of its terms, so every bf16
-    computation of it is noise, and one draw of that noise cannot bound another (NOTE [cancelling sums]).
+    is the compile's noise on this model (its upcasts and fusions, or a routing choice that flips), which the
+    rewrite does not change; and a tensor still beyond that bound that bf16 eager or plain Inductor misses by
+    half its magnitude or more is not judged (``unjudged`` names them): it is a sum that cancels to below
+    bf16's rounding of its terms, so every bf16 computation of it is noise, and one draw of that noise cannot
+    bound another (NOTE [cancelling sums]).
     """
     import copy
 
@@ -242,7 +243,9 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
 # without and with its references traced +/-1e-4..2e-4; over seeds 1-4 every one of them is 0.2x to 5x of
 # the value away). One draw of that noise is no bound on another: such a tensor carries no signal in bf16 and
 # cannot judge a rewrite. A wrong rewrite still shows, in the loss and in every tensor that bf16 computes
-# (the experts' and the router's weights, the embeddings).
+# (the experts' and the router's weights, the embeddings). Only a tensor beyond the bound is left out: where a
+# compile flips a routing choice (hy_v3: plain Inductor's expert gradients 0.6x of their magnitude off), the
+# rewrite's error is that same flip and the bound with Inductor's term judges it.
 UNJUDGED_NOISE = 0.5  # a reference bf16 computation this far from fp32, relative to max|fp32|, has no signal
 
 
@@ -250,8 +253,8 @@ def _within_bound(compiled: Any, eager: Any, ref32: Any, inductor: Any = None
                   ) -> tuple[bool, tuple[str, float], list[str]]:
     """Per tensor ``|compiled - fp32| <= 4 |eager_bf16 - fp32| [+ |inductor - fp32|] + 2^-8 max|fp32|``.
 
-    With ``inductor``, tensors that bf16 eager or plain Inductor misses by ``UNJUDGED_NOISE`` of their
-    magnitude are left out and returned (NOTE [cancelling sums]).
+    With ``inductor``, a tensor beyond that bound that bf16 eager or plain Inductor misses by ``UNJUDGED_NOISE``
+    of its magnitude is left out and returned (NOTE [cancelling sums]).
     """
     worst, ok, unjudged = ("", 0.0), True, []
     tensors = [("loss", compiled[0], eager[0], ref32[0], inductor[0] if inductor else None)]
@@ -260,15 +263,13 @@ def _within_bound(compiled: Any, eager: Any, ref32: Any, inductor: Any = None
     for name, got, bf16, ref, ind in tensors:
         if got is None or bf16 is None:
             return False, (f"{name}: no gradient", float("inf")), unjudged
-        scale = ref.abs().max().item()
-        bound = 4 * (bf16 - ref).abs().max().item() + 2**-8 * scale
-        if ind is not None:
-            ind_err = (ind - ref).abs().max().item()
-            if name != "loss" and max(ind_err, (bf16 - ref).abs().max().item()) >= UNJUDGED_NOISE * scale:
-                unjudged.append(name)
-                continue
-            bound += ind_err
-        ratio = (got - ref).abs().max().item() / max(bound, 1e-30)
+        scale, eager_err = ref.abs().max().item(), (bf16 - ref).abs().max().item()
+        bound = 4 * eager_err + 2**-8 * scale
+        ind_err = (ind - ref).abs().max().item() if ind is not None else 0.0
+        ratio = (got - ref).abs().max().item() / max(bound + ind_err, 1e-30)
+        if ratio > 1.0 and ind is not None and name != "loss" and max(ind_err, eager_err) >= UNJUDGED_NOISE * scale:
+            unjudged.append(name)
+            continue
         if ratio > worst[1]:
             worst = (name, ratio)
         ok = ok and ratio <= 1.0
