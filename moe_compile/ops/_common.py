@@ -168,6 +168,14 @@ def eager_fast_path(*tensors: torch.Tensor | None) -> str | None:
 # same integers): up to this many compares replace one library call.
 SMALL_COMPARES = 1 << 16
 
+
+def count_at_most(sorted_values: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """int64: for each of ``queries``, how many of the ascending 1-D ``sorted_values`` are ``<=`` it
+    (``torch.searchsorted(..., right=True)``); by compares at small sizes (NOTE [few library calls])."""
+    if sorted_values.numel() * queries.numel() <= SMALL_COMPARES:
+        return (sorted_values[None, :] <= queries[:, None]).sum(1)
+    return torch.searchsorted(sorted_values, queries, right=True)
+
 # Devices on which a dispatch op decomposes into its body when AOTAutograd traces it (NOTE [device-
 # decomposed triton ops]).
 DECOMPOSE_ON_DEVICES = frozenset({"cuda", "cpu"})

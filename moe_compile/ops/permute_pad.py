@@ -95,14 +95,12 @@ def permute_pad_reference(
         order_N = (inverse_N[None, :] == j_N[:, None]).to(torch.int32).argmax(1)
     else:
         _, order_N = torch.sort(ids_N, stable=True)  # order_N[p] = flat index t*K + k
-    if N * num_experts <= _common.SMALL_COMPARES:  # one past each expert's last sorted position
-        ends_E = (ids_N[None, :] <= experts_E[:, None]).sum(1)
-    else:
-        ends_E = torch.searchsorted(ids_N.index_select(0, order_N), experts_E, right=True)
+    # one past each expert's last sorted position
+    ends_E = _common.count_at_most(ids_N.index_select(0, order_N), experts_E)
     starts_E = torch.cat([ends_E.new_zeros(1), ends_E[:-1]])  # (ids in [0, E): expert e starts where e-1 ends)
     counts_E = ends_E - starts_E
     padded_E = (counts_E + (align - 1)) // align * align
-    # NOTE [few library calls]: a cumsum over E here, a search over the M rows below
+    # NOTE [few library calls]: the cumsum over E by compares at small sizes
     small = num_experts * num_experts <= _common.SMALL_COMPARES
     offs_E = (
         (padded_E[None, :] * (experts_E[None, :] <= experts_E[:, None])).sum(1) if small else torch.cumsum(padded_E, 0)
@@ -113,10 +111,7 @@ def permute_pad_reference(
     # index_put), so a traced reference compiles without atomics. Row m belongs to the expert whose
     # segment holds it; it is real when it lies among the expert's first counts[e] rows.
     rows_M = torch.arange(M, device=device, dtype=i64)
-    if M * num_experts <= _common.SMALL_COMPARES:  # NOTE [few library calls]
-        owner_M = (offs_E[None, :] <= rows_M[:, None]).sum(1).clamp_max(num_experts - 1)
-    else:
-        owner_M = torch.searchsorted(offs_E, rows_M, right=True).clamp_max(num_experts - 1)
+    owner_M = _common.count_at_most(offs_E, rows_M).clamp_max(num_experts - 1)
     within_M = rows_M - seg_start_E.index_select(0, owner_M)
     is_real_M = within_M < counts_E.index_select(0, owner_M)  # (tail rows: within >= padded)
     sorted_pos_M = (starts_E.index_select(0, owner_M) + within_M).clamp(0, max(N - 1, 0))

@@ -250,3 +250,24 @@ def test_named_tuple_fields():
 @given(case=random_small_case())
 def test_property_random_shapes(case):
     _check_case(**case)
+
+
+@pytest.mark.parametrize("T,E,K,a", [(37, 8, 2, 16), (9, 5, 3, 32), (0, 4, 2, 16)])
+def test_reference_compares_and_library_calls_agree(T, E, K, a, monkeypatch):
+    """NOTE [few library calls]: the references' compare paths (small sizes) and their sort / search paths
+    give the same integers and rows, forward and backward, bitwise."""
+    from moe_compile.ops import _common
+    from moe_compile.ops.unpad_unpermute import unpad_unpermute_backward_reference
+
+    x, ids, probs = _inputs(T, 24, E, K, torch.float32, seed=torch.seed() % 2**31)
+    outs = []
+    for small in (1 << 62, 0):  # every compare path, then every library call
+        monkeypatch.setattr(_common, "SMALL_COMPARES", small)
+        out = permute_pad_reference(x, ids, probs, num_experts=E, align=a)
+        grad_y = torch.randn(T, 24, generator=torch.Generator().manual_seed(1))
+        grads = unpad_unpermute_backward_reference(grad_y, out.row_map, probs, out.rows_MH, out.rows_MH.shape[0])
+        outs.append([*out, *grads])
+    rows_ref, probs_ref, _ = naive_permute_pad(x, ids, probs, E, a)
+    assert torch.equal(outs[0][0], rows_ref) and torch.equal(outs[0][1], probs_ref)
+    for got, want in zip(outs[1], outs[0]):
+        assert torch.equal(got, want)
