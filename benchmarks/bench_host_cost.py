@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import math
 import pathlib
@@ -59,10 +58,12 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from _bench_env import sync, timed_calls  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "moe")
 CALLS = 200  # timed calls per measurement (one synchronisation at the end)
-REPEATS = 15  # interleaved rounds (every variant once per round); the median is reported (9 left T1 rows within noise on the H100 host)
+# interleaved rounds (every variant once per round); the median is reported (9 left T1 rows within noise on the H100)
+REPEATS = 15
 PROFILED_CALLS = 20
 SMOKE_CALLS = 3  # --cpu-smoke: the flow only
 
@@ -98,7 +99,7 @@ class Result:
     compile_s: float
     note: str = ""
     wall_min_us: float = math.nan  # the least disturbed of the interleaved rounds
-    host_cpu_us: float = math.nan  # process CPU time while issuing, per call (see _timed_run)
+    host_cpu_us: float = math.nan  # process CPU time while issuing, per call (see _bench_env.timed_calls)
     wall_rounds_us: tuple[float, ...] = ()  # wall per call in each interleaved round, in order
 
 
@@ -175,33 +176,6 @@ def _compile(variant: str, fn, fullgraph: bool = True, layer_kind: str = ""):
 # ===== timing =====
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timed_run(step: Callable[[], object], device: str, calls: int) -> tuple[float, float, float]:
-    """(wall, issue, host CPU) microseconds per call over ``calls`` back-to-back calls, one synchronisation at
-    the end. Host CPU is the process's CPU time while issuing (every thread: the autograd engine's included);
-    unlike wall time it does not grow when the shared machine takes the core away. The garbage collector is off
-    while timing, as in ``timeit``."""
-    _sync(device)
-    gc.collect()
-    gc.disable()
-    try:
-        cpu_start = time.process_time()
-        start = time.perf_counter()
-        for _ in range(calls):
-            step()
-        issued = time.perf_counter()
-        cpu = time.process_time() - cpu_start
-        _sync(device)
-        end = time.perf_counter()
-    finally:
-        gc.enable()
-    return (end - start) / calls * 1e6, (issued - start) / calls * 1e6, cpu / calls * 1e6
-
-
 def time_interleaved(steps: dict[str, Callable[[], object]], device: str) -> dict[str, tuple]:
     """``{variant: (median wall, median issue, min wall, median host CPU, wall of each round)}`` microseconds
     per call, the variants interleaved.
@@ -221,7 +195,7 @@ def time_interleaved(steps: dict[str, Callable[[], object]], device: str) -> dic
     cpus: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            wall, issue, cpu = _timed_run(steps[name], device, calls)
+            wall, issue, cpu = timed_calls(steps[name], device, calls)
             walls[name].append(wall)
             issues[name].append(issue)
             cpus[name].append(cpu)
@@ -237,11 +211,11 @@ def profile_calls(step: Callable[[], object], device: str) -> tuple[float, float
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    _sync(device)
+    sync(device)
     with profile(activities=activities) as prof:
         for _ in range(calls):
             step()
-        _sync(device)
+        sync(device)
     events = prof.events()
     kernel = sum(e.device_time_total for e in events if e.device_type == DeviceType.CUDA) if device == "cuda" else 0.0
     cpu = sum(e.self_cpu_time_total for e in events if e.device_type == DeviceType.CPU)
@@ -297,7 +271,7 @@ def run_layer(cfg: Config, device: str, deadline: float) -> list[Result]:
                 fn = _compile(variant, layer, fullgraph=False, layer_kind=cfg.layer)
                 step = _make_step(cfg, fn, layer, x, grad_out)
                 step()
-            _sync(device)
+            sync(device)
             steps[variant] = step
             info[variant] = (time.perf_counter() - start if variant != "eager" else 0.0, note)
         except Exception as exc:  # noqa: BLE001 - report the failure in the table, keep going
@@ -356,7 +330,7 @@ def run_permute_pad(cfg: Config, device: str, bw: float) -> list[Result]:
         fn = uncached if variant == "eager_uncached" else _compile(variant, op)
         start = time.perf_counter()
         fn(x, ids, probs)
-        _sync(device)
+        sync(device)
         compile_s[variant] = time.perf_counter() - start if variant == "inductor" else 0.0
         steps[variant] = lambda fn=fn: fn(x, ids, probs)
     timed = time_interleaved(steps, device)

@@ -45,7 +45,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _bench_env import device_env  # noqa: E402
+from _bench_env import device_env, timed_calls  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -190,24 +190,13 @@ PAIRED_ROUNDS = 7
 HOST_STEPS = 5  # calls issued back to back for the host time: few enough not to fill the launch queue
 
 
-def _host_ms(fn, sync) -> float:
-    """Host time per call: ``HOST_STEPS`` calls issued after a sync, timed before the next sync (the GPU runs
-    behind; where host time < wall time, the step is GPU-bound and the difference is the host's margin)."""
-    sync()
-    start = time.perf_counter()
-    for _ in range(HOST_STEPS):
-        fn()
-    host = (time.perf_counter() - start) / HOST_STEPS * 1e3
-    sync()
-    return host
-
-
-def time_paired(steps: dict[str, tuple], bench, sync=lambda: None) -> dict[str, dict[str, float]]:
+def time_paired(steps: dict[str, tuple], bench, device: str) -> dict[str, dict[str, float]]:
     """``{variant: {"fwd_ms", "fwd_bwd_ms", "host_fwd_ms", "host_fwd_bwd_ms"}}``: the median over
     ``PAIRED_ROUNDS`` rounds, each timing every variant once in alternating order (wall time, then host time per
-    call, :func:`_host_ms`). The loop's fwd+bwd hands out one gradient view per expert parameter (384 at E=128):
-    on a slow host that is host-bound, so the two are timed interleaved (drift moves both alike) and the host
-    time says how far from host-bound each is."""
+    call: the issue time of ``HOST_STEPS`` calls after a sync, ``_bench_env.timed_calls``; where it is below the
+    wall time the step is GPU-bound, and the difference is the host's margin). The loop's fwd+bwd hands out one
+    gradient view per expert parameter (384 at E=128): on a slow host that is host-bound, so the two are timed
+    interleaved (drift moves both alike) and the host time says how far from host-bound each is."""
     names = list(steps)
     fields = ("fwd_ms", "fwd_bwd_ms", "host_fwd_ms", "host_fwd_bwd_ms")
     times: dict[str, dict[str, list[float]]] = {n: {f: [] for f in fields} for n in names}
@@ -216,8 +205,8 @@ def time_paired(steps: dict[str, tuple], bench, sync=lambda: None) -> dict[str, 
             forward, step = steps[name]
             times[name]["fwd_ms"].append(bench(forward, warmup=3, rep=25))
             times[name]["fwd_bwd_ms"].append(bench(step, warmup=3, rep=25))
-            times[name]["host_fwd_ms"].append(_host_ms(forward, sync))
-            times[name]["host_fwd_bwd_ms"].append(_host_ms(step, sync))
+            times[name]["host_fwd_ms"].append(timed_calls(forward, device, HOST_STEPS)[1] / 1e3)
+            times[name]["host_fwd_bwd_ms"].append(timed_calls(step, device, HOST_STEPS)[1] / 1e3)
     return {n: {k: statistics.median(v) for k, v in fields.items()} for n, fields in times.items()}
 
 
@@ -297,8 +286,7 @@ def run_config(cfg: Config, deadline: float, quick: bool, device: str = "cuda") 
         else:
             del fn, forward, step
             cache.close()
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    paired = time_paired(kept, bench, sync) if len(kept) == len(PAIRED) else {}
+    paired = time_paired(kept, bench, device) if len(kept) == len(PAIRED) else {}
     kept.clear()
     caches.close()
     torch._dynamo.reset()
