@@ -64,6 +64,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
             ``"eager"`` (or unset) are set to the ``"moe_compile"`` experts implementation, and blocks that
             loop over an ``nn.ModuleList`` (or stacked weights) of experts get a fused forward
             (``moe_compile/swap.py``). ``explain`` lists what was swapped and what was left, with reasons.
+            Without CUDA graphs the per-expert gradient views of swapped ModuleList blocks are recycled from
+            step to step, and each call first frees the gradient memory that ``zero_grad`` let go of (NOTE
+            [recycled gradient views] in ``moe_compile/_grad_views.py``).
         **torch_compile_kwargs: ``mode``, ``options``, ``dynamic``, ``fullgraph``, ... as for
             ``torch.compile`` (``backend`` is set here and rejected).
 
@@ -78,17 +81,19 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if "backend" in torch_compile_kwargs:
         raise ValueError("moe_compile.compile sets backend= itself; call torch.compile for another backend")
     config = make_config(metrics=metrics, passes=passes or {}, debug=debug, strict=strict, deterministic=deterministic)
+    swapped: list[Any] = []
     if swap_expert_loops and isinstance(model, torch.nn.Module):
         prepare_expert_loops(model)
+        swapped = _recycle_expert_gradients(model, not _uses_cuda_graphs(torch_compile_kwargs))
     if metrics and isinstance(model, torch.nn.Module):
         from moe_compile import metrics as router_metrics
 
         # hooks cover frames Dynamo runs eagerly and checkpointed blocks; the pass never counts a layer twice
         router_metrics.attach(model)
     compiled = torch.compile(model, backend=ConfiguredBackend(config), **torch_compile_kwargs)
-    if not capture_host_syncs:
+    if not (capture_host_syncs or swapped):
         return compiled
-    return _with_capture_flags(compiled)
+    return _wrap_calls(compiled, capture_host_syncs, swapped)
 
 
 def prepare_expert_loops(model: torch.nn.Module) -> list[report.PassRecord]:
@@ -107,16 +112,39 @@ def prepare_expert_loops(model: torch.nn.Module) -> list[report.PassRecord]:
     return records
 
 
-def _with_capture_flags(compiled: Any) -> Any:
+def _uses_cuda_graphs(torch_compile_kwargs: dict[str, Any]) -> bool:
+    """Whether ``torch.compile(**torch_compile_kwargs)`` records CUDA graphs (``mode`` or ``options``)."""
+    options = torch_compile_kwargs.get("options") or {}
+    if "triton.cudagraphs" in options:
+        return bool(options["triton.cudagraphs"])
+    mode = torch_compile_kwargs.get("mode")
+    return mode in ("reduce-overhead", "max-autotune") or bool(torch._inductor.config.triton.cudagraphs)
+
+
+def _recycle_expert_gradients(model: torch.nn.Module, on: bool) -> list[Any]:
+    """Turn NOTE [recycled gradient views] (``_grad_views.py``) on or off for ``model``'s swapped ModuleList
+    blocks; returns their grouped views, whose gradient memory every call of the compiled model releases."""
+    grouped = [m._moe_compile_views for m in model.modules() if getattr(m, "_moe_compile_views", None) is not None]
+    for views in grouped:
+        views.recycle_gradients(on)
+    return grouped if on else []
+
+
+def _wrap_calls(compiled: Any, capture_flags: bool, swapped: list[Any]) -> Any:
+    """Each call of ``compiled`` first releases the swapped blocks' recycled gradient memory that the
+    parameters let go of (``zero_grad``), then runs under the capture flags if ``capture_flags``."""
     call = compiled.forward if isinstance(compiled, torch.nn.Module) else compiled
 
     config = torch._dynamo.config
+    flags = CAPTURE_FLAGS if capture_flags else {}
 
     @functools.wraps(call)
     def run(*args: Any, **kwargs: Any) -> Any:
+        for views in swapped:
+            views.release_gradients()
         # set and restore by hand: `config.patch` costs ~4x more per call, paid on every step
-        saved = {name: getattr(config, name) for name in CAPTURE_FLAGS}
-        for name, value in CAPTURE_FLAGS.items():
+        saved = {name: getattr(config, name) for name in flags}
+        for name, value in flags.items():
             setattr(config, name, value)
         try:
             return call(*args, **kwargs)

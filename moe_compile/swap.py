@@ -24,9 +24,10 @@ optimizers and their state stay valid; same ``state_dict`` keys and values). Eac
 once into one grouped ``[E, N, K]`` leaf tensor ``G`` (gate and up of a gated MLP into one ``[E, 2I, H]`` leaf, so
 that one grouped GEMM serves both) and every per-expert parameter's ``.data`` becomes the view ``G[e]`` (``G[e, :I]``,
 ``G[e, I:]``): in-place updates (optimizer steps, ``load_state_dict``) write into ``G``. The fused forward uses ``G``;
-hooks on ``G`` keep every ``p.grad`` a view of one gradient buffer (:class:`_GradViews`: accumulation over
-micro-batches adds into that buffer in place; ``zero_grad`` works either way). Trade-offs: ``torch.nn.utils.parametrize`` would rename the
-``state_dict`` keys; a grouped ``nn.Parameter`` (``quantize_experts``) replaces the per-expert parameters, which
+hooks on ``G`` keep every ``p.grad`` a view of one gradient buffer (``_grad_views.GradViews``: accumulation
+over micro-batches adds into that buffer in place; ``zero_grad`` works either way; under ``moe_compile.compile`` the
+view objects are recycled from step to step, NOTE [recycled gradient views]). Trade-offs:
+``torch.nn.utils.parametrize`` would rename the ``state_dict`` keys; a grouped ``nn.Parameter`` (``quantize_experts``) replaces the per-expert parameters, which
 breaks optimizers built before the swap; ``torch.stack`` per step copies every weight on every step. With views,
 anything that rebinds ``p.data`` out of place breaks the aliasing: ``module.to()`` / ``.half()`` are handled (the
 block regroups after ``_apply``), ``copy.deepcopy`` regroups the copy; a direct ``p.data = ...`` is not handled.
@@ -36,16 +37,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import math
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from moe_compile._grad_views import GradViews, per_expert_views
 from moe_compile.experts import ExpertGroup, ExpertLinear, find_expert_weights
 from moe_compile.experts_impl import SUPPORTED_DTYPES, Projection, fused_experts_forward
 
@@ -106,20 +106,6 @@ def _stacked_projections(group: ExpertGroup) -> dict[str, Projection]:
     return out
 
 
-def _per_expert_views(grouped: Tensor, halves: bool) -> list[Tensor]:
-    """The per-expert views of a grouped leaf, in the order of its parameters (NOTE [grouped views]).
-
-    ``halves``: ``grouped`` is ``[E, 2N, ...]``, gate then up (as transformers' ``gate_up_proj``); the views
-    are every expert's gate half, then every expert's up half. Built by ``unbind`` alone (no Python indexing
-    per expert): this runs once per projection on every backward.
-    """
-    if not halves:
-        return list(grouped.unbind(0))
-    E, two_n = grouped.shape[:2]
-    gate, up = grouped.view(E, 2, two_n // 2, *grouped.shape[2:]).unbind(1)
-    return [*gate.unbind(0), *up.unbind(0)]
-
-
 class _GroupedViews:
     """One grouped ``[E, ...]`` leaf per projection of a ModuleList's linears; see NOTE [grouped views].
 
@@ -127,16 +113,29 @@ class _GroupedViews:
     grouped GEMM for both, as transformers' grouped experts do (unless only one of the two has a bias).
     """
 
-    def __init__(self, experts: nn.ModuleList, paths: tuple[str, ...], gated: bool):
+    def __init__(self, experts: nn.ModuleList, paths: tuple[str, ...], gated: bool, recycle: bool = False):
         self.experts, self.paths, self.gated = experts, paths, gated
         gate_up = paths[:2] if gated else ()
         self.fused = bool(gate_up) and len({experts[0].get_submodule(p).bias is None for p in gate_up}) == 1
         self.grouped: dict[str, Tensor] = {}
+        self.grad_views: list[GradViews] = []
+        self._recycle = recycle
         self.regroup()
 
     def __deepcopy__(self, memo: dict) -> "_GroupedViews":
         # a deep copy of the block copies every parameter on its own: regroup the copies
-        return _GroupedViews(copy.deepcopy(self.experts, memo), self.paths, self.gated)
+        return _GroupedViews(copy.deepcopy(self.experts, memo), self.paths, self.gated, self._recycle)
+
+    def recycle_gradients(self, on: bool) -> None:
+        """Turn NOTE [recycled gradient views] on or off (off under CUDA graphs)."""
+        self._recycle = on
+        for views in self.grad_views:
+            views.recycle = on
+
+    def release_gradients(self) -> None:
+        """Free recycled gradient memory that every ``p.grad`` let go of (before a forward)."""
+        for views in self.grad_views:
+            views.release()
 
     def _leaves(self) -> dict[str, tuple[str, ...]]:
         """``{leaf name: projection paths it holds}``: ``gate_up`` for a fused gated MLP, else one per path."""
@@ -156,17 +155,17 @@ class _GroupedViews:
 
     def regroup(self) -> None:
         """Copy the per-expert weights into fresh grouped leaves and make every parameter a view of them."""
-        self.grouped = {}
+        self.grouped, self.grad_views = {}, []
         for key, (params, halves) in self._groups().items():
             stacked = torch.stack([p.detach() for p in params])
             if halves:  # [2E, N, ...] (gate experts, then up experts) -> [E, 2N, ...]
                 E = len(params) // 2
                 stacked = torch.cat([stacked[:E], stacked[E:]], dim=1)
             grouped = stacked.requires_grad_(params[0].requires_grad)
-            for p, view in zip(params, _per_expert_views(grouped.detach(), halves)):
+            for p, view in zip(params, per_expert_views(grouped.detach(), halves)):
                 p.data = view
             if grouped.requires_grad:
-                _GradViews(grouped, params, halves)
+                self.grad_views.append(GradViews(grouped, params, halves, self._recycle))
             self.grouped[key] = grouped
 
     def projections(self) -> tuple[tuple[Projection, ...], Projection]:
@@ -184,58 +183,10 @@ class _GroupedViews:
             grouped = self.grouped.get(key)
             if grouped is None:
                 return False
-            for p, view in zip(params, _per_expert_views(grouped.detach(), halves)):
+            for p, view in zip(params, per_expert_views(grouped.detach(), halves)):
                 if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
                     return False
         return True
-
-
-class _GradViews:
-    """Every per-expert ``p.grad`` is a view of the grouped leaf's gradient (see NOTE [grouped views]).
-
-    Before the grouped gradient accumulates (a tensor hook), ``G.grad`` is set to what the per-expert
-    grads hold: their common buffer when every ``p.grad`` is still the view it was given (autograd then
-    adds in place: gradient accumulation costs no copy), nothing when all were reset to ``None`` (the new
-    gradient is taken as is), else a buffer filled from them. After it accumulates, the views are handed
-    out again (``unbind`` only) unless they still are, and ``G.grad`` is dropped so that ``zero_grad`` frees
-    it. Per step this is one Python check and one assignment per expert, not one indexing op and one add.
-    """
-
-    def __init__(self, grouped: Tensor, params: list[nn.Parameter], halves: bool):
-        self.params, self.halves = params, halves
-        self.buffer: weakref.ref[Tensor] | None = None
-        self.reused = False  # set by _before: G.grad is the views' buffer, accumulated in place
-        grouped.register_hook(functools.partial(self._before, weakref.ref(grouped)))
-        grouped.register_post_accumulate_grad_hook(self._after)
-
-    def _views_intact(self) -> Tensor | None:
-        buffer = self.buffer() if self.buffer is not None else None
-        if buffer is None:
-            return None
-        return buffer if all(p.grad is not None and p.grad._base is buffer for p in self.params) else None
-
-    def _before(self, grouped_ref: weakref.ref[Tensor], grad: Tensor) -> None:
-        grouped = grouped_ref()
-        buffer = self._views_intact()
-        self.reused = buffer is not None
-        if self.reused:
-            grouped.grad = buffer
-        elif all(p.grad is None for p in self.params):
-            grouped.grad = None
-        else:
-            buffer = torch.zeros_like(grouped)
-            for p, view in zip(self.params, _per_expert_views(buffer, self.halves)):
-                if p.grad is not None:
-                    view.copy_(p.grad)
-            grouped.grad = buffer
-
-    def _after(self, grouped: Tensor) -> None:
-        grad, grouped.grad = grouped.grad, None
-        if self.reused:  # the views already are views of ``grad``
-            return
-        for p, view in zip(self.params, _per_expert_views(grad, self.halves)):
-            p.grad = view
-        self.buffer = weakref.ref(grad)
 
 
 # ===== routing and the swapped forward =====

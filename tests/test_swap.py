@@ -203,6 +203,40 @@ class SwapParametersTest(unittest.TestCase):
         x = torch.randn(4, 3, H)
         _assert_close(self, block(x).detach(), eager(x).detach(), "after optimizer steps")
 
+    def test_compiled_training_recycles_gradient_views(self):
+        """Under ``moe_compile.compile`` (no CUDA graphs) the per-expert gradients are the same view objects every
+        step, their memory is freed by the first call after ``zero_grad``, and training matches the loop's."""
+        torch._dynamo.reset()
+        block = make_loop_moe(seed=6, hidden=H)
+        eager = copy.deepcopy(block)
+        compiled = moe_compile.compile(block)
+        grad_views = block._moe_compile_views.grad_views
+        self.assertTrue(grad_views and all(v.recycle for v in grad_views))
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (block, eager)]
+        kept = None
+        with fresh_cache():
+            for step in range(3):
+                x = torch.randn(4, 3, H)
+                for fn, opt in zip((compiled, eager), opts):
+                    opt.zero_grad()
+                    fn(x).square().mean().backward()
+                    opt.step()
+                if kept is not None:
+                    self.assertTrue(all(v.views is k for v, k in zip(grad_views, kept)), step)
+                kept = [v.views for v in grad_views]
+                self.assertTrue(all(len(k) > 0 for k in kept), step)
+            opts[0].zero_grad()
+            compiled(torch.randn(2, 3, H))
+        self.assertTrue(all(v.carrier.untyped_storage().nbytes() == 0 for v in grad_views))
+        for (name, p), q in zip(block.named_parameters(), eager.parameters()):
+            _assert_close(self, p.detach(), q.detach(), name)
+
+    def test_no_gradient_recycling_under_cuda_graphs(self):
+        for kwargs in ({"mode": "reduce-overhead"}, {"options": {"triton.cudagraphs": True}}):
+            block = make_loop_moe(hidden=H)
+            moe_compile.compile(block, **kwargs)
+            self.assertFalse(any(v.recycle for v in block._moe_compile_views.grad_views), kwargs)
+
     def test_dtype_move_after_swap_regroups(self):
         block = make_loop_moe(hidden=H)
         eager = copy.deepcopy(block).to(torch.bfloat16)
@@ -265,53 +299,3 @@ class SwapExplainTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
-
-
-@pytest.mark.parametrize("halves", [False, True], ids=["stacked", "gate_up_halves"])
-def test_grad_views_accumulate_reset_and_mixed(halves):
-    """Per-expert grads stay views of one buffer: accumulation without zeroing sums, ``zero_grad`` in
-    either mode restarts, and grads the user replaced or reset one by one are respected. ``halves``: the
-    grouped leaf holds two parameters per expert (gate and up halves of ``[E, 2N, K]``)."""
-    from moe_compile.swap import _GradViews, _per_expert_views
-
-    E, N, K = 4, 3, 5
-    params = [nn.Parameter(torch.randn(N, K)) for _ in range(2 * E if halves else E)]
-    stacked = torch.stack([p.detach() for p in params])
-    grouped = (torch.cat([stacked[:E], stacked[E:]], dim=1) if halves else stacked).requires_grad_(True)
-    for p, view in zip(params, _per_expert_views(grouped.detach(), halves)):
-        assert torch.equal(view, p.detach())
-        p.data = view
-    _GradViews(grouped, params, halves)
-    E, N = grouped.shape[:2]
-
-    def backward() -> torch.Tensor:
-        c = torch.randn(E, N, K)
-        (grouped * c).sum().backward()
-        return c
-
-    def per_param(c: torch.Tensor) -> list[torch.Tensor]:
-        return _per_expert_views(c, halves)
-
-    c1 = backward()
-    for p, want in zip(params, per_param(c1)):
-        assert torch.equal(p.grad, want)
-        assert p.grad._base is params[0].grad._base
-    c2 = backward()  # accumulation: in place into the same buffer
-    buffer = params[0].grad._base
-    assert all(p.grad._base is buffer for p in params)
-    assert all(torch.equal(p.grad, a + b) for p, a, b in zip(params, per_param(c1), per_param(c2)))
-    for p in params:  # zero_grad(set_to_none=False)
-        p.grad.zero_()
-    c3 = backward()
-    assert all(torch.equal(p.grad, w) for p, w in zip(params, per_param(c3)))
-    for p in params:  # zero_grad(set_to_none=True)
-        p.grad = None
-    c4 = backward()
-    assert all(torch.equal(p.grad, w) for p, w in zip(params, per_param(c4)))
-    params[1].grad = None
-    params[2].grad = torch.full(params[2].shape, 2.0)
-    c5 = backward()
-    want = [a + b for a, b in zip(per_param(c4), per_param(c5))]
-    want[1], want[2] = per_param(c5)[1], 2.0 + per_param(c5)[2]
-    assert all(torch.equal(p.grad, w) for p, w in zip(params, want))
-    assert grouped.grad is None
