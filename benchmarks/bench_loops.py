@@ -87,6 +87,7 @@ class Result:
     grad_err: float
     swapped: int
     cuda_graph: str = ""
+    recycled_grads: bool = False  # NOTE [recycled gradient views] active (torch with _swap_data_ptr_, no graphs)
     note: str = ""
 
 
@@ -242,7 +243,10 @@ def run_config(cfg: Config, deadline: float, quick: bool, device: str = "cuda") 
             continue
         if not (variant in PAIRED and kept):  # a reset would recompile the kept variant on its next call
             torch._dynamo.reset()
-        block = {"eager": pristine, "inductor": pristine, "moe": loop, "moe_ro": loop}.get(variant)
+        # moe_ro gets its own copy: a block compiled with CUDA graphs no longer recycles its gradient views
+        block = {"eager": pristine, "inductor": pristine, "moe": loop}.get(variant)
+        if variant == "moe_ro":
+            block = copy.deepcopy(pristine)
         if variant == "grouped_mm_moe":
             block = build_grouped_mm_block(cfg, pristine, device)
         fn = {"eager": lambda: block,
@@ -278,8 +282,9 @@ def run_config(cfg: Config, deadline: float, quick: bool, device: str = "cuda") 
         out_err, grad_err = _max_rel(outs[0], ref[0]), _max_rel(outs[1], ref[1])
         swapped = sum(1 for r in report.module_records(block) if r.kind == "rewrite")
         graph = _strict_capture(fn, x) if device == "cuda" and variant == "moe" else ""
+        grad_views = getattr(getattr(block, "_moe_compile_views", None), "grad_views", [])
         results.append(Result(cfg.name, variant, fwd_ms, fwd_bwd_ms, compile_s, det_fwd, det_bwd, out_err,
-                              grad_err, swapped, graph))
+                              grad_err, swapped, graph, any(v.recycle for v in grad_views)))
         if variant in PAIRED:
             kept[variant] = (forward, step)
             caches.enter_context(cache)
@@ -351,7 +356,8 @@ def main() -> None:
     ratios = vs_grouped_mm(results, paired)
     summary = [{"model": r.model, "variant": r.variant, "fwd_ms": r.fwd_ms, "fwd_bwd_ms": r.fwd_bwd_ms,
                 "det_fwd": r.deterministic_fwd, "det_bwd": r.deterministic_bwd, "out_err": r.out_err,
-                "grad_err": r.grad_err, "swapped": r.swapped, "cuda_graph": r.cuda_graph} for r in results]
+                "grad_err": r.grad_err, "swapped": r.swapped, "cuda_graph": r.cuda_graph,
+                "recycled_grads": r.recycled_grads} for r in results]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"env": env, "summary": summary, "vs_grouped_mm": ratios, "paired": paired,

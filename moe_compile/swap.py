@@ -119,18 +119,21 @@ class _GroupedViews:
         self.fused = bool(gate_up) and len({experts[0].get_submodule(p).bias is None for p in gate_up}) == 1
         self.grouped: dict[str, Tensor] = {}
         self.grad_views: list[GradViews] = []
-        self._recycle = recycle
+        self._recycle, self._recycle_forbidden = recycle, False
         self.regroup()
 
     def __deepcopy__(self, memo: dict) -> "_GroupedViews":
-        # a deep copy of the block copies every parameter on its own: regroup the copies
-        return _GroupedViews(copy.deepcopy(self.experts, memo), self.paths, self.gated, self._recycle)
+        # a deep copy of the block copies every parameter on its own: regroup the copies (not recycled: the copy
+        # has no compiled model yet to release their memory)
+        return _GroupedViews(copy.deepcopy(self.experts, memo), self.paths, self.gated)
 
     def recycle_gradients(self, on: bool) -> None:
-        """Turn NOTE [recycled gradient views] on or off (off under CUDA graphs)."""
-        self._recycle = on
+        """Turn NOTE [recycled gradient views] on, or off for good: a block compiled once with CUDA graphs may
+        still run through that compiled model, whatever another compile of it asks for."""
+        self._recycle = on and not self._recycle_forbidden
+        self._recycle_forbidden = not self._recycle
         for views in self.grad_views:
-            views.recycle = on
+            views.recycle = self._recycle
 
     def release_gradients(self) -> None:
         """Free recycled gradient memory that every ``p.grad`` let go of (before a forward)."""

@@ -124,12 +124,12 @@ def test_recycling_leaves_held_gradients_alone(halves, hold, released, device):
     assert all(torch.equal(p.grad, w) for p, w in zip(params, want))
 
 
-@needs_swap
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_compiled_cuda_training_recycles_and_frees_gradients():
-    """A swapped bf16 loop block on CUDA under ``moe_compile.compile``: AdamW steps match the loop's, the same
-    gradient views come back every step, and the first call after ``zero_grad`` gives their memory back."""
+def test_compiled_cuda_training_hands_out_gradient_views():
+    """A swapped bf16 loop block on CUDA under ``moe_compile.compile``: AdamW steps match the loop's; where torch
+    can recycle gradient views, the same views come back every step and the first call after ``zero_grad`` gives
+    their memory back."""
     import copy
 
     import moe_compile
@@ -157,9 +157,12 @@ def test_compiled_cuda_training_recycles_and_frees_gradients():
             tol = 16 * torch.finfo(torch.bfloat16).eps * w.abs().max().clamp_min(1e-6)
             assert (g - w).abs().max() <= tol, step
         del grads, want
-        if kept is not None:
+        if kept is not None and _grad_python_refs() is not None:
             assert all(v.views is k for v, k in zip(grad_views, kept)), step
         kept = [v.views for v in grad_views]
+    if _grad_python_refs() is None:
+        assert not any(v.recycle for v in grad_views)
+        return
     held = sum(v.carrier.untyped_storage().nbytes() for v in grad_views)
     assert held > 0
     before = torch.cuda.memory_allocated()

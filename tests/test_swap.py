@@ -236,6 +236,8 @@ class SwapParametersTest(unittest.TestCase):
             block = make_loop_moe(hidden=H)
             moe_compile.compile(block, **kwargs)
             self.assertFalse(any(v.recycle for v in block._moe_compile_views.grad_views), kwargs)
+            moe_compile.compile(block)  # the graphed compile may still be called: recycling stays off
+            self.assertFalse(any(v.recycle for v in block._moe_compile_views.grad_views), kwargs)
 
     def test_dtype_move_after_swap_regroups(self):
         block = make_loop_moe(hidden=H)
