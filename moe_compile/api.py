@@ -114,11 +114,10 @@ def prepare_expert_loops(model: torch.nn.Module) -> list[report.PassRecord]:
 
 def _uses_cuda_graphs(torch_compile_kwargs: dict[str, Any]) -> bool:
     """Whether ``torch.compile(**torch_compile_kwargs)`` records CUDA graphs (``mode`` or ``options``)."""
-    options = torch_compile_kwargs.get("options") or {}
-    if "triton.cudagraphs" in options:
-        return bool(options["triton.cudagraphs"])
     mode = torch_compile_kwargs.get("mode")
-    return mode in ("reduce-overhead", "max-autotune") or bool(torch._inductor.config.triton.cudagraphs)
+    options = torch._inductor.list_mode_options(mode) if mode else {}
+    options = {**options, **(torch_compile_kwargs.get("options") or {})}
+    return bool(options.get("triton.cudagraphs", torch._inductor.config.triton.cudagraphs))
 
 
 def _recycle_expert_gradients(model: torch.nn.Module, on: bool) -> list[Any]:

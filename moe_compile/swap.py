@@ -25,12 +25,13 @@ once into one grouped ``[E, N, K]`` leaf tensor ``G`` (gate and up of a gated ML
 that one grouped GEMM serves both) and every per-expert parameter's ``.data`` becomes the view ``G[e]`` (``G[e, :I]``,
 ``G[e, I:]``): in-place updates (optimizer steps, ``load_state_dict``) write into ``G``. The fused forward uses ``G``;
 hooks on ``G`` keep every ``p.grad`` a view of one gradient buffer (``_grad_views.GradViews``: accumulation
-over micro-batches adds into that buffer in place; ``zero_grad`` works either way; under ``moe_compile.compile`` the
-view objects are recycled from step to step, NOTE [recycled gradient views]). Trade-offs:
-``torch.nn.utils.parametrize`` would rename the ``state_dict`` keys; a grouped ``nn.Parameter`` (``quantize_experts``) replaces the per-expert parameters, which
-breaks optimizers built before the swap; ``torch.stack`` per step copies every weight on every step. With views,
-anything that rebinds ``p.data`` out of place breaks the aliasing: ``module.to()`` / ``.half()`` are handled (the
-block regroups after ``_apply``), ``copy.deepcopy`` regroups the copy; a direct ``p.data = ...`` is not handled.
+over micro-batches adds into that buffer in place; ``zero_grad`` works either way; under ``moe_compile.compile``
+the view objects are recycled from step to step, NOTE [recycled gradient views]). Trade-offs:
+``torch.nn.utils.parametrize`` would rename the ``state_dict`` keys; a grouped ``nn.Parameter``
+(``quantize_experts``) replaces the per-expert parameters, which breaks optimizers built before the swap;
+``torch.stack`` per step copies every weight on every step. With views, anything that rebinds ``p.data`` out of
+place breaks the aliasing: ``module.to()`` / ``.half()`` are handled (the block regroups after ``_apply``),
+``copy.deepcopy`` regroups the copy; a direct ``p.data = ...`` is not handled.
 """
 
 from __future__ import annotations
@@ -113,13 +114,13 @@ class _GroupedViews:
     grouped GEMM for both, as transformers' grouped experts do (unless only one of the two has a bias).
     """
 
-    def __init__(self, experts: nn.ModuleList, paths: tuple[str, ...], gated: bool, recycle: bool = False):
+    def __init__(self, experts: nn.ModuleList, paths: tuple[str, ...], gated: bool):
         self.experts, self.paths, self.gated = experts, paths, gated
         gate_up = paths[:2] if gated else ()
         self.fused = bool(gate_up) and len({experts[0].get_submodule(p).bias is None for p in gate_up}) == 1
         self.grouped: dict[str, Tensor] = {}
         self.grad_views: list[GradViews] = []
-        self._recycle, self._recycle_forbidden = recycle, False
+        self._recycle: bool | None = None  # None until a compile asks; False for good once one says no
         self.regroup()
 
     def __deepcopy__(self, memo: dict) -> "_GroupedViews":
@@ -130,8 +131,7 @@ class _GroupedViews:
     def recycle_gradients(self, on: bool) -> None:
         """Turn NOTE [recycled gradient views] on, or off for good: a block compiled once with CUDA graphs may
         still run through that compiled model, whatever another compile of it asks for."""
-        self._recycle = on and not self._recycle_forbidden
-        self._recycle_forbidden = not self._recycle
+        self._recycle = on and self._recycle is not False
         for views in self.grad_views:
             views.recycle = self._recycle
 
@@ -168,7 +168,7 @@ class _GroupedViews:
             for p, view in zip(params, per_expert_views(grouped.detach(), halves)):
                 p.data = view
             if grouped.requires_grad:
-                self.grad_views.append(GradViews(grouped, params, halves, self._recycle))
+                self.grad_views.append(GradViews(grouped, params, halves, bool(self._recycle)))
             self.grouped[key] = grouped
 
     def projections(self) -> tuple[tuple[Projection, ...], Projection]:
