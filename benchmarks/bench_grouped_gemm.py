@@ -15,8 +15,9 @@ for both and left out):
   where CUTLASS runs, the epilogue is one Triton pass in eager (NOTE [standalone epilogues]).
 
 Per shape: ``block`` fwd and fwd+bwd (autograd w.r.t. x, both weights and the probs), and each GEMM alone
-(``gate_up``: gather + SwiGLU vs permuted copy + ``_grouped_mm``; ``down``: row weight vs
-``_grouped_mm``), forward, and the backward's four: ``*_dx`` (against the transposed weights) and
+(``gate_up``: gather + SwiGLU vs permuted copy + ``_grouped_mm`` + the standalone SwiGLU epilogue; ``down``: row
+weight in the epilogue vs ``_grouped_mm`` + the standalone row-weight epilogue: what the shipped CUTLASS path
+runs), forward, and the backward's four: ``*_dx`` (against the transposed weights) and
 ``*_wgrad`` (``gate_up_wgrad`` gathers ``x`` through the row map; CUTLASS's time includes the gather). Quantised (Qwen3-like, T in {1, 64, 4096}): forward block with MXFP8 / NVFP4
 weight-only ``expert_gemm`` vs the bf16 ``cutlass`` and ``triton`` blocks. ``--tma`` adds TMA weight
 loads (``MOE_COMPILE_TMA=1``) to the Triton forward.
@@ -31,7 +32,9 @@ choice] in ``moe_compile/ops/expert_gemm.py``). Targets (H100): Qwen3 block fwd+
 Mixtral no slower than CUTLASS; MXFP8 / NVFP4 at T 4096 no slower than bf16.
 
 Usage: ``python benchmarks/bench_grouped_gemm.py --json benchmarks/results/grouped_gemm.json [--quick]
-[--budget-s 170] [--tma]``. Whatever is left once the budget is spent is skipped (and listed).
+[--budget-s 170] [--tma]``. Whatever is left once the budget is spent is skipped (and listed). ``--sweep`` (with
+``--json benchmarks/results/grouped_gemm_sweep.json``) times instead every tile candidate of the Triton forward and
+dX GEMMs next to the shipped tiles and CUTLASS: the data behind NOTE [expert GEMM tiles].
 """
 
 from __future__ import annotations
@@ -161,6 +164,7 @@ def fwd_bwd(block, x, probs, wgu, wd, dy):
 
 def run_shape(s: Shape, T: int, gen, args) -> list[dict]:
     from moe_compile.ops import expert_gemm as eg
+    from moe_compile.ops.expert_epilogue import launch_epilogue
 
     x, ids, probs, wgu, wd, d = make_inputs(s, T, gen)
     M, rows = d.rows_MH.shape[0], T * s.K
@@ -208,9 +212,13 @@ def run_shape(s: Shape, T: int, gen, args) -> list[dict]:
         dz = torch.randn(M, 2 * s.I, generator=gen).to(torch.bfloat16).cuda()
         dy_rows = torch.randn(M, s.H, generator=gen).to(torch.bfloat16).cuda()
         gemms = {
-            ("gate_up", "cutlass"): lambda: torch._grouped_mm(eg.gather_rows(x, src), wgu.transpose(1, 2), offs=d.offs_E),
+            ("gate_up", "cutlass"): lambda: launch_epilogue(
+                torch._grouped_mm(eg.gather_rows(x, src), wgu.transpose(1, 2), offs=d.offs_E), s.I, "swiglu", None,
+                torch.bfloat16),
             ("gate_up", "triton"): lambda: eg.expert_gemm(x, wgu, d.offs_E, row_map=d.row_map, activation="swiglu", num_rows=M, store_preact=False),
-            ("down", "cutlass"): lambda: torch._grouped_mm(h, wd.transpose(1, 2), offs=d.offs_E),
+            # with the row weight, as the Triton GEMM: CUTLASS's epilogue pass (what the shipped CUTLASS path runs)
+            ("down", "cutlass"): lambda: launch_epilogue(torch._grouped_mm(h, wd.transpose(1, 2), offs=d.offs_E), s.H,
+                                                         "none", d.probs_M, torch.bfloat16),
             ("down", "triton"): lambda: eg.expert_gemm(h, wd, d.offs_E, row_weight_M=d.probs_M),
             # the backward's GEMMs: dX against the transposed weights, dW reduced over each expert's rows
             ("gate_up_dx", "cutlass"): lambda: torch._grouped_mm(dz, wgu, offs=d.offs_E),
@@ -258,12 +266,101 @@ def run_quant(T: int, gen, args) -> list[dict]:
     return res
 
 
+# --sweep: tile candidates of ``_expert_gemm_kernel`` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SWAP_AB), next to
+# the shipped ``pick_config`` choice and CUTLASS (NOTE [expert GEMM tiles] in moe_compile/ops/expert_gemm.py)
+SWEEP_CASES = (("qwen3_moe", 4096), ("qwen3_moe", 16384), ("deepseek_v3", 4096), ("mixtral", 4096), ("qwen3_moe", 1024))
+SWEEP_GATED = ((128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True), (256, 64, 64, 8, 3, True),
+               (256, 64, 64, 8, 3, False), (128, 64, 64, 8, 4, True), (128, 128, 128, 8, 3, True),
+               (128, 128, 128, 8, 3, False), (128, 128, 64, 8, 4, False), (64, 64, 64, 4, 4, False),
+               (256, 64, 128, 8, 3, True), (256, 64, 64, 8, 4, True))
+SWEEP_PLAIN = ((64, 128, 64, 4, 4, False), (64, 128, 64, 4, 4, True), (128, 128, 64, 8, 3, False),
+               (128, 128, 64, 8, 3, True), (128, 64, 128, 4, 3, True), (128, 128, 128, 8, 3, False),
+               (128, 256, 64, 8, 3, False), (128, 128, 64, 4, 4, False), (128, 256, 64, 8, 3, True),
+               (256, 128, 64, 8, 3, True))
+
+
+def run_sweep(name: str, T: int, gen) -> list[dict]:
+    """Every candidate tile per GEMM (gate_up with gather + SwiGLU, down with the row weight, both dX GEMMs; the
+    quantised forward GEMMs at T 4096 of Qwen3 / DeepSeek); ``cfg`` ``shipped`` is ``pick_config``'s choice,
+    ``cutlass`` the ``torch._grouped_mm`` GEMM alone (gathered rows for gate_up; no epilogue pass)."""
+    from moe_compile.grouped_weight import quantize_stored
+    from moe_compile.ops import expert_gemm as eg
+
+    s = next(x for x in SHAPES if x.name == name)
+    x, ids, probs, wgu, wd, d = make_inputs(s, T, gen)
+    M = d.rows_MH.shape[0]
+    src = eg.source_rows(d.row_map, M)
+    h = torch.randn(M, s.I, generator=gen).to(torch.bfloat16).cuda()
+    dz = torch.randn(M, 2 * s.I, generator=gen).to(torch.bfloat16).cuda()
+    dy_rows = torch.randn(M, s.H, generator=gen).to(torch.bfloat16).cuda()
+    res = []
+    fmts = ("plain", "mxfp8", "nvfp4") if T == 4096 and name != "mixtral" else ("plain",)
+    for fmt in fmts:
+        if fmt == "plain":
+            gu_w, d_w = (wgu, None, None), (wd, None, None)
+        else:
+            gu_w, d_w = quantize_stored(wgu, fmt), quantize_stored(wd, fmt)
+        # gemm: (x, row map, (w, scale, per-expert scale), activation, row weight, N, CUTLASS equivalent)
+        gemms = {
+            "gate_up": (x, src, gu_w, "swiglu", None, s.I,
+                        lambda: torch._grouped_mm(eg.gather_rows(x, src), wgu.transpose(1, 2), offs=d.offs_E)),
+            "down": (h, None, d_w, "none", d.probs_M, s.H,
+                     lambda: torch._grouped_mm(h, wd.transpose(1, 2), offs=d.offs_E)),
+        }
+        if fmt == "plain":
+            gemms["gate_up_dx"] = (dz, None, (wgu.transpose(1, 2), None, None), "none", None, s.H,
+                                   lambda: torch._grouped_mm(dz, wgu, offs=d.offs_E))
+            gemms["down_dx"] = (dy_rows, None, (wd.transpose(1, 2), None, None), "none", None, s.I,
+                                lambda: torch._grouped_mm(dy_rows, wd, offs=d.offs_E))
+        for g, (a, rmap, (w, ws, wg), act, rw, N, cutlass) in gemms.items():
+            y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            cands = {"shipped": {}}
+            for bm, bn, bk, warps, stages, swap in SWEEP_GATED if act != "none" else SWEEP_PLAIN:
+                cands[f"{bm}x{bn}x{bk} w{warps} s{stages}{' swap' if swap else ''}"] = dict(
+                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SWAP_AB=swap)
+            ref = None
+            for label, cfg in cands.items():
+                def fn(cfg=cfg):
+                    return eg.launch_expert_gemm(a, rmap, w, ws, wg if fmt == "nvfp4" else None, d.offs_E, rw, y, None,
+                                                 act, fmt, config=dict(cfg))
+                try:
+                    fn()
+                    ref = y.float().clone() if ref is None else ref
+                    err = f"{float((y.float() - ref).abs().max() / ref.abs().max()):.2g}"
+                    us, _ = bench_us(fn)
+                except Exception as exc:  # e.g. out of shared memory
+                    us, err = float("nan"), f"{type(exc).__name__}"
+                res.append(dict(shape=name, T=T, what=f"sweep_{g}", impl=fmt, cfg=label, us=round(us, 1), err=err))
+            if fmt == "plain":
+                us = round(bench_us(cutlass)[0], 1)
+                res.append(dict(shape=name, T=T, what=f"sweep_{g}", impl=fmt, cfg="cutlass", us=us))
+    return res
+
+
+def block_targets(get) -> dict[str, bool]:
+    """The issue's targets, read off the block rows (``get(shape, T, what, impl) -> us``)."""
+    targets = {}
+    q = [t for t in (get("qwen3_moe", 4096, "block_fwd_bwd", i) for i in ("triton", "auto")) if t is not None]
+    targets["qwen3_fwd_bwd_T4096_le_2200us"] = bool(q) and min(q) <= 2200
+    # the heuristic keeps CUTLASS where it wins: the shipped ops ("auto") no slower than CUTLASS (2% timing noise)
+    m_a, m_c = get("mixtral", 4096, "block_fwd_bwd", "auto"), get("mixtral", 4096, "block_fwd_bwd", "cutlass")
+    targets["mixtral_auto_not_slower_than_cutlass"] = m_a is not None and m_c is not None and m_a <= 1.02 * m_c
+    for fmt in ("mxfp8", "nvfp4"):  # against both bf16 blocks: CUTLASS and our Triton family
+        t = get("qwen3_moe_quant", 4096, "block_fwd", fmt)
+        for ref in ("cutlass_bf16", "triton_bf16"):
+            b = get("qwen3_moe_quant", 4096, "block_fwd", ref)
+            targets[f"{fmt}_T4096_not_slower_than_{ref}"] = t is not None and b is not None and t <= b
+    return targets
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--quick", action="store_true", help="T 4096 only (and quantised T 1, 4096)")
     parser.add_argument("--budget-s", type=float, default=170.0, help="skip what is left after this many seconds")
     parser.add_argument("--tma", action="store_true", help="also time the Triton forward with TMA weight loads")
+    parser.add_argument("--sweep", action="store_true", help="time the tile candidates per GEMM instead (NOTE [expert "
+                                                                 "GEMM tiles]); prints the best per GEMM")
     args, _ = parser.parse_known_args()
     if not torch.cuda.is_available():
         print("bench_grouped_gemm: no CUDA device, nothing to run")
@@ -272,16 +369,21 @@ def main() -> int:
 
     gen = torch.Generator().manual_seed(0)
     start, results, skipped = time.monotonic(), [], []
-    jobs = [("shape", s, T) for T in ((4096,) if args.quick else TOKENS) for s in SHAPES]
-    jobs.sort(key=lambda j: (j[2] != 4096, j[2]))  # the targets' T first
-    jobs += [("quant", None, T) for T in ((1, 4096) if args.quick else QUANT_TOKENS)]
+    if args.sweep:
+        jobs = [("sweep", next(s for s in SHAPES if s.name == name), T) for name, T in SWEEP_CASES]
+    else:
+        jobs = [("shape", s, T) for T in ((4096,) if args.quick else TOKENS) for s in SHAPES]
+        jobs.sort(key=lambda j: (j[2] != 4096, j[2]))  # the targets' T first
+        jobs += [("quant", None, T) for T in ((1, 4096) if args.quick else QUANT_TOKENS)]
+    runners = {"shape": lambda s, T: run_shape(s, T, gen, args), "quant": lambda s, T: run_quant(T, gen, args),
+               "sweep": lambda s, T: run_sweep(s.name, T, gen)}
     for kind, s, T in jobs:
         label = f"{kind}:{s.name if s else 'qwen3_moe'}:T{T}"
         if time.monotonic() - start > args.budget_s:
             skipped.append(label)
             continue
         try:
-            results.extend(run_shape(s, T, gen, args) if kind == "shape" else run_quant(T, gen, args))
+            results.extend(runners[kind](s, T))
         except Exception as exc:  # e.g. out of memory: report and go on
             results.append(dict(shape=label, what="error", impl=f"{type(exc).__name__}: {str(exc)[:300]}"))
         gc.collect()  # captured CUDA graphs (and their memory pools) sit in reference cycles until collected
@@ -291,18 +393,20 @@ def main() -> int:
     def get(shape, T, what, impl):
         return next((r["us"] for r in results if r.get("shape") == shape and r.get("T") == T and r.get("what") == what and r.get("impl") == impl), None)
 
-    targets = {}
-    q = [t for t in (get("qwen3_moe", 4096, "block_fwd_bwd", i) for i in ("triton", "auto")) if t is not None]
-    targets["qwen3_fwd_bwd_T4096_le_2200us"] = bool(q) and min(q) <= 2200
-    # the heuristic keeps CUTLASS where it wins: the shipped ops ("auto") no slower than CUTLASS (2% timing noise)
-    m_a, m_c = get("mixtral", 4096, "block_fwd_bwd", "auto"), get("mixtral", 4096, "block_fwd_bwd", "cutlass")
-    targets["mixtral_auto_not_slower_than_cutlass"] = m_a is not None and m_c is not None and m_a <= 1.02 * m_c
-    for fmt in ("mxfp8", "nvfp4"):
-        t, b = get("qwen3_moe_quant", 4096, "block_fwd", fmt), get("qwen3_moe_quant", 4096, "block_fwd", "cutlass_bf16")
-        targets[f"{fmt}_T4096_not_slower_than_bf16"] = t is not None and b is not None and t <= b
+    targets = {} if args.sweep else block_targets(get)
     env_info = device_env(shapes=[dataclasses.asdict(s) for s in SHAPES], targets_met=targets, skipped=skipped,
                           wall_s=round(time.monotonic() - start, 1))  # fmt: skip
-    summary = [{k: r.get(k, "") for k in ("shape", "T", "what", "impl", "us", "tflops", "err", "bitwise")} for r in results]
+    if args.sweep:  # the fastest candidate per GEMM, next to the shipped one and CUTLASS
+        summary = []
+        for key in dict.fromkeys((r["shape"], r["T"], r["what"], r["impl"]) for r in results if "cfg" in r):
+            rows = [r for r in results if (r.get("shape"), r.get("T"), r.get("what"), r.get("impl")) == key]
+            timed = [r for r in rows if r["us"] == r["us"] and r["cfg"] != "cutlass"]
+            best = min(timed, key=lambda r: r["us"]) if timed else {"cfg": "-", "us": ""}
+            us = {r["cfg"]: r["us"] for r in rows}
+            summary.append(dict(zip(("shape", "T", "gemm", "fmt"), key), shipped=us.get("shipped", ""),
+                                cutlass=us.get("cutlass", ""), best=best["us"], best_cfg=best["cfg"]))
+    else:
+        summary = [{k: r.get(k, "") for k in ("shape", "T", "what", "impl", "us", "tflops", "err", "bitwise")} for r in results]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env_info, "summary": summary, "results": results}, f, indent=1)

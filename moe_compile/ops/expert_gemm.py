@@ -99,21 +99,27 @@ def expert_gemm_reference(
 
 # NOTE [grouped GEMM choice]: per kind of GEMM, the rows per expert (M / E) up to which the Triton family beats
 # CUTLASS ``torch._grouped_mm`` for bf16 on sm90, keyed by the weight's size per expert (N * K). Fused gather /
-# activation savings are part of the measured Triton time, so the rule is per whole GEMM. Kinds: ``gated``
-# (gate_up with the gather prologue and the GLU epilogue), ``plain`` (down, any un-gated forward), ``dx`` (the
-# input gradient, against the transposed weights), ``wgrad`` (the weight gradient). Measured on the H100
-# (triton 3.6, ``benchmarks/bench_grouped_gemm.py``'s ``choice`` rows, CUDA graphs):
-# * gated: Qwen3-like wins at 16 / 256 / 1024 rows per expert (T4096: 636 vs 732 us in two runs, 636 vs 576 in a
-#   third; T16384: 1939 vs 2359);
-#   DeepSeek-V3-like (N*K 5.8M) wins at 24 rows and ties from 384; Mixtral-like (29M) wins only at 64 rows;
-# * plain: wins at 16-64 rows (T256: Qwen3 151 vs 163 us), loses from 256 (Qwen3 T4096 353 vs 286);
-# * dx: Qwen3-like T4096 (256 rows) 540-625 vs 497 us (gate_up), 289-483 vs 265 (down): CUTLASS;
-# * wgrad: Qwen3-like T4096 866 vs 545 + 78 us (gate_up, CUTLASS on gathered rows), 365 vs 282 (down): CUTLASS.
+# activation / row-weight savings are part of the measured Triton time, and the CUTLASS time counts the epilogue pass
+# the shipped CUTLASS path runs, so the rule is per whole GEMM. Kinds: ``gated`` (gate_up with the gather prologue
+# and the GLU epilogue), ``weighted`` (an un-gated GEMM with the row weight in its epilogue: the block's down),
+# ``plain`` (any other un-gated forward), ``dx`` (the input gradient, against the transposed weights), ``wgrad``
+# (the weight gradient). Measured on the H100 (triton 3.6, ``benchmarks/bench_grouped_gemm.py``'s ``choice`` rows,
+# CUDA graphs, us Triton vs CUTLASS), with the tiles of NOTE [expert GEMM tiles]:
+# * gated: Qwen3-like (N*K 3.1M) wins at 16 / 256 / 1024 rows per expert (T4096 548 vs 589 before CUTLASS's SwiGLU
+#   pass); DeepSeek-V3-like (5.8M) wins at 24 rows, within 2% at 384 before CUTLASS's SwiGLU pass; Mixtral-like (29M)
+#   wins only at 64 rows;
+# * weighted: Qwen3 T4096 307 vs 375, T16384 989 vs 1176; DeepSeek T4096 366 vs 412; Mixtral loses (T4096 549 vs
+#   477, T256 111 vs 104);
+# * plain (no row weight): Qwen3 T4096 297 vs 283 (``--sweep``), ties at 64 rows: CUTLASS above 64 rows;
+# * dx: Qwen3 T4096 531 vs 593 (gate_up), 281 vs 280 (down); DeepSeek T4096 619 vs 649, 367 vs 384; from 1024 rows
+#   per expert and at Mixtral's size CUTLASS (Qwen3 T16384 gate_up 1812 vs 1796, Mixtral T4096 936 vs 918);
+# * wgrad: Qwen3-like T4096 881 vs 669 us (gate_up, CUTLASS on gathered rows), 394 vs 330 (down): CUTLASS.
 TRITON_MAX_ROWS_PER_EXPERT: dict[str, tuple[tuple[float, int], ...]] = {
     # kind: ((max N*K of the weight per expert, max rows per expert where Triton wins), ...), smallest first
     "gated": ((2048 * 3072, 1 << 30), (2048 * 6144, 64), (float("inf"), 64)),
+    "weighted": ((2048 * 3072, 1 << 30), (float("inf"), 0)),
     "plain": ((float("inf"), 64),),
-    "dx": ((float("inf"), 0),),
+    "dx": ((2048 * 3072, 384), (float("inf"), 0)),
     "wgrad": ((float("inf"), 0),),
 }
 _ENV_CHOICE = "MOE_COMPILE_GROUPED_GEMM"  # "triton" / "cutlass" / unset (the table)
@@ -144,10 +150,13 @@ def use_triton_grouped_gemm(
     return False
 
 
-def _gemm_kind(w: torch.Tensor, activation: str) -> str:
-    """``gated`` / ``dx`` (a weight whose rows are not contiguous: the backward's ``w.transpose(1, 2)``) / ``plain``."""
+def _gemm_kind(w: torch.Tensor, activation: str, weighted: bool = False) -> str:
+    """``gated`` / ``weighted`` (un-gated with a row weight: CUTLASS then needs an epilogue pass) / ``dx`` (a weight
+    whose rows are not contiguous: the backward's ``w.transpose(1, 2)``) / ``plain``."""
     if activation != "none":
         return "gated"
+    if weighted:
+        return "weighted"
     return "dx" if w.stride(-1) != 1 else "plain"
 
 
@@ -162,16 +171,40 @@ def _num_sms(index: int) -> int:
 def pick_config(M: int, E: int, N: int, K: int, fmt: str, fp32: bool, gated: bool, cuda: bool) -> dict:
     """Tile config from shapes (no autotune: it would bench inside CUDA graphs / compile).
 
-    Row tiles of 64 when experts average <= 96 rows, else 128; gated tiles take half the N width
-    (two accumulators). ``benchmarks/bench_grouped_gemm.py`` times alternatives on the GPU.
+    NOTE [expert GEMM tiles]: H100 (triton 3.6), ``benchmarks/bench_grouped_gemm.py --sweep``; us per GEMM at
+    T4096 (Qwen3-like E128, 256 rows per expert / DeepSeek-V3-like E64, 384 / Mixtral-like E8, 1024), CUDA graphs:
+
+    * un-gated (down, and both dX GEMMs) with more than 96 rows per expert: ``[128, 256]`` tiles, 8 warps, 3
+      stages. Qwen3 down 350 -> 297 us, gate_up dX 621 -> 504, down dX 324 -> 270; DeepSeek down 394 -> 333,
+      gate_up dX 756 -> 559; Mixtral down 594 -> 476; NVFP4 down 478 -> 372. MXFP8 down swaps the operands
+      over ``[256, 128]`` tiles: 495 -> 366 (DeepSeek 594 -> 403).
+    * gated: two ``[128, 128]`` accumulators (gate, up), 8 warps, from 32 rows per expert: Qwen3 612 -> 517 us
+      (T1024, 64 rows: 345 -> 310), DeepSeek 764 -> 627, Mixtral 1130 -> 936. Quantised gate_up swaps the MMA
+      operands (``SWAP_AB``: the decoded weight tile is the register operand, NOTE [swapped operands] in the
+      kernels): MXFP8 ``[256, 64]`` tiles 974 -> 724 us, NVFP4 ``[128, 128]`` x 128-deep 1182 -> 682 (DeepSeek
+      1246 -> 894, 1478 -> 856).
+    * up to 96 rows per expert (un-gated) / 32 (gated): ``[64, 128]`` / ``[64, 64]`` tiles, as before.
     """
     if not cuda:  # interpreter: smallest legal tiles
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=max(32, gmm._MIN_BLOCK_K[fmt]), GROUP_M=4, num_warps=4, num_stages=1)
-    block_m = 64 if M / max(E, 1) <= 96 else 128
-    block_n = 64 if gated else 128
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, GROUP_M=8, num_warps=8 if block_m == 128 else 4, num_stages=4 if gated or block_m == 64 else 3)
-    if fp32:
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=max(32, gmm._MIN_BLOCK_K[fmt]), GROUP_M=4, SWAP_AB=False,
+                    num_warps=4, num_stages=1)
+    rows = M / max(E, 1)
+    cfg = dict(BLOCK_M=64, BLOCK_N=64 if gated else 128, BLOCK_K=64, GROUP_M=8, SWAP_AB=False, num_warps=4,
+               num_stages=4)
+    if fp32:  # fp32 data (no bf16 MMA): the tiles before the sweep, narrower K steps
+        if rows > 96:
+            cfg.update(BLOCK_M=128, num_warps=8, num_stages=4 if gated else 3)
         cfg["BLOCK_K"] = 32
+    elif gated and rows > 32:
+        cfg.update(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+        if fmt == "mxfp8":
+            cfg.update(BLOCK_M=256, BLOCK_N=64, SWAP_AB=True)
+        elif fmt == "nvfp4":
+            cfg.update(BLOCK_K=128, SWAP_AB=True)
+    elif not gated and rows > 96:
+        cfg.update(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3)
+        if fmt == "mxfp8":
+            cfg.update(BLOCK_M=256, BLOCK_N=128, SWAP_AB=True)
     cfg["BLOCK_K"] = max(min(cfg["BLOCK_K"], gmm._next_pow2(K)), gmm._MIN_BLOCK_K[fmt])
     cfg["BLOCK_N"] = max(min(cfg["BLOCK_N"], gmm._next_pow2(N)), 16)
     return cfg
@@ -357,7 +390,8 @@ def _expert_gemm_body(x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M,
         y, pre = expert_gemm_reference(x_SK, dense, offs_E, src, row_weight_M, activation)
         return y, (pre if store else x_SK.new_empty(0, N_w))
     K, E = x_SK.shape[1], offs_E.shape[0]
-    if not use_triton_grouped_gemm(num_rows, N_w, K, E, x_SK.dtype, x_SK.device, fmt, _gemm_kind(w, activation)):
+    if not use_triton_grouped_gemm(num_rows, N_w, K, E, x_SK.dtype, x_SK.device, fmt,
+                                   _gemm_kind(w, activation, row_weight_M is not None)):
         # CUTLASS grouped GEMM on the materialised rows, the epilogue in PyTorch (same semantics)
         a = gather_rows(x_SK, src)
         pre = gmm.grouped_mm(a, w, offs_E)

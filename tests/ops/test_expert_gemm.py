@@ -164,15 +164,19 @@ def test_heuristic_per_kind_of_gemm(monkeypatch):
     monkeypatch.delenv("MOE_COMPILE_GROUPED_GEMM", raising=False)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     use = eg.use_triton_grouped_gemm
-    # Qwen3-like at T4096 (256 rows per expert): the gated gate_up wins, down / dX / wgrad stay on CUTLASS
+    # Qwen3-like at T4096 (256 rows per expert): gate_up, the row-weighted down and dX win; an un-weighted down and
+    # the wgrad stay on CUTLASS
     assert use(32768, 1536, 2048, 128, bf16, cuda, kind="gated")
+    assert use(32768, 2048, 768, 128, bf16, cuda, kind="weighted")
     assert not use(32768, 2048, 768, 128, bf16, cuda, kind="plain")
     assert use(2048, 2048, 768, 128, bf16, cuda, kind="plain")  # T256: 16 rows per expert
-    assert not use(32768, 2048, 1536, 128, bf16, cuda, kind="dx")
+    assert use(32768, 2048, 1536, 128, bf16, cuda, kind="dx")
+    assert not use(131072, 2048, 1536, 128, bf16, cuda, kind="dx")  # T16384: 1024 rows per expert
     assert not use(32768, 1536, 2048, 128, bf16, cuda, kind="wgrad")
-    # Mixtral-like gate_up: Triton only at decode-like row counts
+    # Mixtral-like: gate_up on Triton only at decode-like row counts, its down on CUTLASS even with the row weight
     assert use(512, 7168, 4096, 8, bf16, cuda, kind="gated")
     assert not use(8192, 7168, 4096, 8, bf16, cuda, kind="gated")
+    assert not use(8192, 4096, 3584, 8, bf16, cuda, kind="weighted")
     monkeypatch.setenv("MOE_COMPILE_GROUPED_GEMM", "triton")
     assert use(32768, 1536, 2048, 128, bf16, cuda, kind="wgrad")
     with pytest.raises(ValueError, match="kind"):
@@ -183,4 +187,6 @@ def test_gemm_kind_reads_the_weight_layout():
     w = torch.randn(4, 8, 16)
     assert eg._gemm_kind(w, "swiglu") == "gated"
     assert eg._gemm_kind(w, "none") == "plain"
+    assert eg._gemm_kind(w, "none", weighted=True) == "weighted"
+    assert eg._gemm_kind(w, "swiglu", weighted=True) == "gated"
     assert eg._gemm_kind(w.transpose(1, 2), "none") == "dx"

@@ -136,3 +136,45 @@ def test_standalone_epilogues_with_row_weight(monkeypatch, activation):
     tol.assert_layer_close(got[3][valid], want[3][valid], [H, n_out], torch.bfloat16, backward=True, what="d row weight")
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run, got)), "not bitwise reproducible"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gate_up_swapped", "down_wide"])
+def test_quantised_forward_production_tiles(fmt, gated):
+    """Weight-only MXFP8 / NVFP4 at prefill rows with the shipped tiles (NOTE [expert GEMM tiles]: gate_up and the
+    MXFP8 down with swapped MMA operands, the NVFP4 down with ``[128, 256]`` tiles) against the fp64 reference on the dequantised weights
+    (computed in fp32, as the kernels scale), within the derived bound; bitwise over repeated runs."""
+    from moe_compile.grouped_weight import quantize_stored
+
+    x, d, gen = _dispatch(4)
+    M = d.rows_MH.shape[0]
+    src = eg.source_rows(d.row_map, M)
+    n_out = I if gated else 2 * I
+    w = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(torch.bfloat16).to(DEV)
+    qdata, scale, expert_scale = quantize_stored(w, fmt)
+    cfg = eg.pick_config(M, E, n_out, H, fmt, False, gated, True)
+    assert cfg["SWAP_AB"] == (gated or fmt == "mxfp8") and cfg["BLOCK_M"] * cfg["BLOCK_N"] >= 128 * 128, cfg
+    runs = []
+    for _ in range(2):
+        y = torch.full((M, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
+        pre = torch.full((M, 2 * I), float("nan"), dtype=torch.bfloat16, device=DEV) if gated else None
+        eg.launch_expert_gemm(x, src, qdata, scale, expert_scale, d.offs_E, None, y, pre,
+                              "swiglu" if gated else "none", fmt)
+        runs.append((y, pre))
+    assert torch.equal(runs[0][0], runs[1][0]), "not bitwise reproducible"
+    deq = eg._dense_weight(qdata, scale, expert_scale, fmt, torch.float32).double()
+    a = eg.gather_rows(x, src)
+    want_pre = gmm.grouped_mm_reference(a.double(), deq, d.offs_E)
+    # NVFP4: the block scale times the per-expert scale, and the accumulator times it, are fp32 roundings
+    operand_rel = 2 * tol.unit_roundoff(torch.float32) if fmt == "nvfp4" else 0.0
+    bound = tol.grouped_mm_bound(a, deq, d.offs_E, want_pre, got_dtype=torch.bfloat16, operand_rel=operand_rel)
+    if not gated:
+        tol.assert_within(runs[0][0], want_pre, bound, f"{fmt} y")
+        return
+    pre = runs[0][1]
+    tol.assert_within(pre, want_pre, bound, f"{fmt} gate_up pre-activations")
+    g, u = pre[:, :I].double(), pre[:, I:].double()
+    want_y = torch.nn.functional.silu(g) * u
+    # as in test_gated_forward_and_dx: the epilogue reads the fp32 accumulators, the reference the stored bf16 pre
+    slack = 2 * 2.1 * tol.unit_roundoff(torch.bfloat16) * g.abs() * u.abs()
+    tol.assert_within(runs[0][0], want_y, tol.rounding_bound(want_y, torch.bfloat16, inner=slack) + slack, f"{fmt} y")

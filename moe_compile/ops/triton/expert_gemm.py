@@ -29,6 +29,13 @@ through a device-side tensor descriptor (``tl.make_tensor_descriptor``) over ``[
 a tile past ``N`` read the next rows (their output columns are masked), columns past ``K`` are zero.
 Activations keep pointer loads (gathered rows have no TMA path on sm90).
 
+NOTE [swapped operands]
+With ``SWAP_AB`` each tile computes ``(W x^T)^T``: the accumulators are ``[BLOCK_N, BLOCK_M]`` and are
+transposed once before the epilogue. On sm90 the MMA's first operand may come from registers, the second
+only from shared memory: a weight tile decoded in registers (MXFP8, NVFP4) then feeds the MMA directly
+instead of being written back to shared memory first. Same products, same K steps (on the H100 sweep the
+outputs were bitwise those of the unswapped tiles of the same size).
+
 ``IEEE_DOT`` (fp32 data, and always under ``TRITON_INTERPRET=1``): see ``grouped_mm.py``'s kernels.
 
 """
@@ -65,7 +72,7 @@ def _expert_gemm_kernel(
     stride_pm, stride_pn,
     GATHER: tl.constexpr, ACT: tl.constexpr, ROW_SCALE: tl.constexpr, STORE_PRE: tl.constexpr,
     W_FORMAT: tl.constexpr, IEEE_DOT: tl.constexpr, PTX_DECODE: tl.constexpr, K_ALIGN: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -128,8 +135,12 @@ def _expert_gemm_kernel(
         s_base = w_scale_ptr + e.to(tl.int64) * stride_se + cols[:, None].to(tl.int64) * stride_sn
         up_off_w = N.to(tl.int64) * stride_wn
         up_off_s = N.to(tl.int64) * stride_sn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP_AB:  # NOTE [swapped operands]
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_end = tl.where(is_work, K, 0)  # tail tiles: no K steps, store zeros
         s = _load_scales(s_base, 0, K, col_mask, stride_sk, W_FORMAT, BLOCK_N, BLOCK_K)
         if ACT != ACT_NONE:
@@ -141,14 +152,14 @@ def _expert_gemm_kernel(
             x = tl.load(x_base + ks[None, :] * stride_xk, mask=a_mask[:, None] & (ks[None, :] < K), other=0.0)
             if USE_TMA:
                 w_row = e * N_W + pid_n * BLOCK_N
-                acc = _dot(acc, x, w_desc.load([w_row, k0]), IEEE_DOT, False)
+                acc = _dot(acc, x, w_desc.load([w_row, k0]), IEEE_DOT, SWAP_AB)
                 if ACT != ACT_NONE:
-                    acc_u = _dot(acc_u, x, w_desc.load([w_row + N, k0]), IEEE_DOT, False)
+                    acc_u = _dot(acc_u, x, w_desc.load([w_row + N, k0]), IEEE_DOT, SWAP_AB)
             else:
                 s_next = _load_scales(s_base, k0 + BLOCK_K, K, col_mask, stride_sk, W_FORMAT, BLOCK_N, BLOCK_K)
                 acc = _w_dot(
                     acc, x, w_base, s, k0, K, col_mask, stride_wk,
-                    W_FORMAT, IEEE_DOT, False, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
+                    W_FORMAT, IEEE_DOT, SWAP_AB, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
                 )  # fmt: skip
                 s = s_next  # NOTE [scale prefetch]
                 if ACT != ACT_NONE:
@@ -157,10 +168,13 @@ def _expert_gemm_kernel(
                     )  # fmt: skip
                     acc_u = _w_dot(
                         acc_u, x, w_base + up_off_w, s_u, k0, K, col_mask, stride_wk,
-                        W_FORMAT, IEEE_DOT, False, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
+                        W_FORMAT, IEEE_DOT, SWAP_AB, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
                     )  # fmt: skip
                     s_u = s_u_next
         # ---- epilogue (NOTE [gated epilogue])
+        if SWAP_AB:
+            acc = tl.trans(acc)
+            acc_u = tl.trans(acc_u)
         if W_FORMAT == W_NVFP4:
             g_scale = tl.load(w_gscale_ptr + e) * 128.0
             acc = acc * g_scale

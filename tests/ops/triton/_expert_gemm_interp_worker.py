@@ -12,7 +12,8 @@ from __future__ import annotations
 
 # name: (kind, counts per expert, extra tail rows, N (output), K, dtype, options)
 # options: g = gather through a row map, r = row weight, p = store pre-activations, t = TMA weight loads,
-# 1 = one persistent program, s = swiglu, e = geglu, v = the row weight a strided view
+# 1 = one persistent program, s = swiglu, e = geglu, v = the row weight a strided view, x = swapped MMA operands
+# (NOTE [swapped operands])
 CASES = {
     "plain_fp32_empty_experts_tail": ("plain", [3, 0, 5, 2], 3, 24, 40, "float32", ""),
     "plain_bf16_gather_swiglu_rw_pre": ("plain", [2, 0, 0, 1, 4, 0, 3], 2, 24, 40, "bfloat16", "grps"),
@@ -26,6 +27,10 @@ CASES = {
     "mxfp8_fp32_rw": ("mxfp8", [3, 0, 5, 2], 1, 24, 96, "float32", "r"),
     "nvfp4_fp32_gather_geglu": ("nvfp4", [3, 0, 5, 2], 2, 24, 96, "float32", "ge"),
     "nvfp4_bf16_rw": ("nvfp4", [2, 0, 0, 1, 4, 0, 3], 0, 24, 64, "bfloat16", "r"),
+    "swapped_bf16_gather_swiglu_rw_pre": ("plain", [2, 0, 0, 1, 4, 0, 3], 2, 24, 40, "bfloat16", "grpsx"),
+    "swapped_mxfp8_bf16_gather_geglu": ("mxfp8", [3, 0, 5, 2], 2, 24, 64, "bfloat16", "gex"),
+    "swapped_nvfp4_fp32_rw": ("nvfp4", [2, 0, 0, 1, 4, 0, 3], 1, 24, 96, "float32", "rx"),
+    "swapped_tma_fp32_gather_swiglu": ("plain", [3, 0, 5, 2], 2, 24, 40, "float32", "gstx"),
     "wgrad_fp32_gather_rw": ("wgrad", [3, 0, 5, 2], 2, 24, 40, "float32", "gr"),
     "wgrad_bf16_plain": ("wgrad", [2, 0, 0, 1, 4, 0, 3], 1, 16, 24, "bfloat16", ""),
     "wgrad_fp32_one_program_empty": ("wgrad", [0, 6, 0], 0, 16, 32, "float32", "g1"),
@@ -113,6 +118,8 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
     config = {"NUM_PROGS": 1} if "1" in opts else {}
     if "t" in opts:
         config["USE_TMA"] = True
+    if "x" in opts:
+        config["SWAP_AB"] = True
     if kind == "source_rows":
         x, offs, row_map, rw, M = _setup(torch, gen, counts, extra, K, dtype, "g")
         got = eg.source_rows(row_map, M)  # CPU: the reference; the kernel directly:
