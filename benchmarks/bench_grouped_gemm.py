@@ -33,8 +33,8 @@ Mixtral no slower than CUTLASS; MXFP8 / NVFP4 at T 4096 no slower than bf16.
 
 Usage: ``python benchmarks/bench_grouped_gemm.py --json benchmarks/results/grouped_gemm.json [--quick]
 [--budget-s 170] [--tma]``. Whatever is left once the budget is spent is skipped (and listed). ``--sweep`` (with
-``--json benchmarks/results/grouped_gemm_sweep.json``) times instead every tile candidate of the Triton forward and
-dX GEMMs next to the shipped tiles and CUTLASS: the data behind NOTE [expert GEMM tiles].
+``--json benchmarks/results/grouped_gemm_sweep.json``) times instead every tile candidate of the Triton forward, dX
+and wgrad GEMMs next to the shipped tiles and CUTLASS: the data behind NOTE [expert GEMM tiles] and ``wgrad_config``.
 """
 
 from __future__ import annotations
@@ -277,6 +277,9 @@ SWEEP_PLAIN = ((64, 128, 64, 4, 4, False), (64, 128, 64, 4, 4, True), (128, 128,
                (128, 128, 64, 8, 3, True), (128, 64, 128, 4, 3, True), (128, 128, 128, 8, 3, False),
                (128, 256, 64, 8, 3, False), (128, 128, 64, 4, 4, False), (128, 256, 64, 8, 3, True),
                (256, 128, 64, 8, 3, True))
+# wgrad (BLOCK_N, BLOCK_K, BLOCK_M rows a step, warps, stages, GROUP_N); ``wgrad_config``'s NOTE
+SWEEP_WGRAD = ((128, 256, 64, 8, 3, 4), (128, 256, 32, 8, 5, 4), (128, 256, 32, 8, 4, 4), (128, 256, 64, 8, 4, 4),
+               (128, 256, 64, 8, 3, 8), (256, 128, 64, 8, 3, 4), (128, 128, 64, 8, 3, 4))
 
 
 def run_sweep(name: str, T: int, gen) -> list[dict]:
@@ -334,6 +337,27 @@ def run_sweep(name: str, T: int, gen) -> list[dict]:
             if fmt == "plain":
                 us = round(bench_us(cutlass)[0], 1)
                 res.append(dict(shape=name, T=T, what=f"sweep_{g}", impl=fmt, cfg="cutlass", us=us))
+    # wgrad: (dy, x, row map of x) -> dW [E, N, K]; CUTLASS on the gathered rows
+    for g, (dy_, x_, rmap, N, K) in {"gate_up_wgrad": (dz, x, src, 2 * s.I, s.H),
+                                     "down_wgrad": (dy_rows, h, None, s.H, s.I)}.items():
+        out = torch.empty(s.E, N, K, device="cuda", dtype=torch.bfloat16)
+        cands = {"shipped": {}}
+        for bn, bk, bm, warps, stages, group in SWEEP_WGRAD:
+            cands[f"{bn}x{bk} m{bm} w{warps} s{stages} g{group}"] = dict(
+                BLOCK_N=bn, BLOCK_K=bk, BLOCK_M=bm, num_warps=warps, num_stages=stages, GROUP_N=group)
+        for label, cfg in cands.items():
+            def fn(cfg=cfg):
+                return eg.launch_expert_wgrad(dy_, x_, rmap, None, d.offs_E, out, config=dict(cfg))
+            try:
+                us, _ = bench_us(fn)
+                first = out.clone()
+                fn()
+                err = "" if torch.equal(first, out) else "not bitwise over runs"
+            except Exception as exc:
+                us, err = float("nan"), f"{type(exc).__name__}"
+            res.append(dict(shape=name, T=T, what=f"sweep_{g}", impl="plain", cfg=label, us=round(us, 1), err=err))
+        us = round(bench_us(lambda: torch._grouped_mm(dy_.t(), eg.gather_rows(x_, rmap), offs=d.offs_E))[0], 1)
+        res.append(dict(shape=name, T=T, what=f"sweep_{g}", impl="plain", cfg="cutlass", us=us))
     return res
 
 
