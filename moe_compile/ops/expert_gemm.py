@@ -105,15 +105,16 @@ def expert_gemm_reference(
 # ``plain`` (any other un-gated forward), ``dx`` (the input gradient, against the transposed weights), ``wgrad``
 # (the weight gradient). Measured on the H100 (triton 3.6, ``benchmarks/bench_grouped_gemm.py``'s ``choice`` rows,
 # CUDA graphs, us Triton vs CUTLASS), with the tiles of NOTE [expert GEMM tiles]:
-# * gated: Qwen3-like (N*K 3.1M) wins at 16 / 256 / 1024 rows per expert (T4096 548 vs 589 before CUTLASS's SwiGLU
-#   pass); DeepSeek-V3-like (5.8M) wins at 24 rows, within 2% at 384 before CUTLASS's SwiGLU pass; Mixtral-like (29M)
-#   wins only at 64 rows;
-# * weighted: Qwen3 T4096 307 vs 375, T16384 989 vs 1176; DeepSeek T4096 366 vs 412; Mixtral loses (T4096 549 vs
-#   477, T256 111 vs 104);
-# * plain (no row weight): Qwen3 T4096 297 vs 283 (``--sweep``), ties at 64 rows: CUTLASS above 64 rows;
-# * dx: Qwen3 T4096 531 vs 593 (gate_up), 281 vs 280 (down); DeepSeek T4096 619 vs 649, 367 vs 384; from 1024 rows
-#   per expert and at Mixtral's size CUTLASS (Qwen3 T16384 gate_up 1812 vs 1796, Mixtral T4096 936 vs 918);
-# * wgrad: Qwen3-like T4096 881 vs 669 us (gate_up, CUTLASS on gathered rows), 394 vs 330 (down): CUTLASS.
+# * gated: Qwen3-like (N*K 3.1M) and DeepSeek-V3-like (5.8M) win at every row count measured (Qwen3 T4096, 256 rows
+#   per expert: 534 vs 616 us; DeepSeek T4096 655 vs 704, T16384 2142 vs 2315); Mixtral-like (29M) wins only at 64
+#   rows (T256 193 vs 212; T4096 930 vs 827);
+# * weighted: Qwen3 T4096 300 vs 366, T16384 900 vs 1122; DeepSeek T4096 337 vs 370; Mixtral loses (T256 111 vs
+#   104, T4096 472 vs 441);
+# * plain (no row weight, so no epilogue on either side): Qwen3 T4096 297 vs 283 (``--sweep``), ties at 64 rows;
+# * dx: Qwen3 T4096 505 vs 573 (gate_up), 269 vs 260 (down); DeepSeek T4096 564 vs 638, 329 vs 332. Beyond 384 rows
+#   per expert and at Mixtral's size the two take turns from run to run (Qwen3 T16384 gate_up dX 1453 vs 1609 in
+#   ``grouped_gemm.json``, 1542 vs 1460 in ``grouped_gemm_sweep.json``): CUTLASS there;
+# * wgrad: Qwen3-like T4096 832 vs 647 us (gate_up, CUTLASS on gathered rows), 362 vs 293 (down): CUTLASS.
 TRITON_MAX_ROWS_PER_EXPERT: dict[str, tuple[tuple[float, int], ...]] = {
     # kind: ((max N*K of the weight per expert, max rows per expert where Triton wins), ...), smallest first
     "gated": ((2048 * 3072, 1 << 30), (2048 * 6144, 64), (float("inf"), 64)),
