@@ -28,7 +28,7 @@ says why), ``timing`` says which. TFLOP/s counts the real routed rows ``T*K``: `
 ``2*T*K*I*H`` (down) forward, 3x that forward+backward. ``err``: max |triton - cutlass| / max |cutlass| of
 the block output. ``bitwise``: the Triton block's output and gradients equal over two runs. ``choice``:
 which implementation is faster per GEMM: feed it to ``TRITON_MAX_ROWS_PER_EXPERT`` (NOTE [grouped GEMM
-choice] in ``moe_compile/ops/expert_gemm.py``). Targets (H100): Qwen3 block fwd+bwd <= 2.2 ms at T 4096;
+choice] in ``moe_compile/ops/_expert_gemm_tuning.py``). Targets (H100): Qwen3 block fwd+bwd <= 2.2 ms at T 4096;
 Mixtral no slower than CUTLASS; MXFP8 / NVFP4 at T 4096 no slower than bf16.
 
 Usage: ``python benchmarks/bench_grouped_gemm.py --json benchmarks/results/grouped_gemm.json [--quick]
@@ -267,7 +267,7 @@ def run_quant(T: int, gen, args) -> list[dict]:
 
 
 # --sweep: tile candidates of ``_expert_gemm_kernel`` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SWAP_AB), next to
-# the shipped ``pick_config`` choice and CUTLASS (NOTE [expert GEMM tiles] in moe_compile/ops/expert_gemm.py)
+# the shipped ``pick_config`` choice and CUTLASS (NOTE [expert GEMM tiles] in moe_compile/ops/_expert_gemm_tuning.py)
 SWEEP_CASES = (("qwen3_moe", 4096), ("qwen3_moe", 16384), ("deepseek_v3", 4096), ("mixtral", 4096), ("qwen3_moe", 1024))
 SWEEP_GATED = ((128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True), (256, 64, 64, 8, 3, True),
                (256, 64, 64, 8, 3, False), (128, 64, 64, 8, 4, True), (128, 128, 128, 8, 3, True),

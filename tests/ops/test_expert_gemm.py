@@ -185,8 +185,8 @@ def test_heuristic_per_kind_of_gemm(monkeypatch):
 
 def test_gemm_kind_reads_the_weight_layout():
     w = torch.randn(4, 8, 16)
-    assert eg._gemm_kind(w, "swiglu") == "gated"
-    assert eg._gemm_kind(w, "none") == "plain"
-    assert eg._gemm_kind(w, "none", weighted=True) == "weighted"
-    assert eg._gemm_kind(w, "swiglu", weighted=True) == "gated"
-    assert eg._gemm_kind(w.transpose(1, 2), "none") == "dx"
+    assert eg.gemm_kind(w, "swiglu") == "gated"
+    assert eg.gemm_kind(w, "none") == "plain"
+    assert eg.gemm_kind(w, "none", weighted=True) == "weighted"
+    assert eg.gemm_kind(w, "swiglu", weighted=True) == "gated"
+    assert eg.gemm_kind(w.transpose(1, 2), "none") == "dx"

@@ -1,0 +1,143 @@
+"""Measured decisions for ``moe::expert_gemm`` / ``moe::expert_wgrad`` on CUDA: Triton family or CUTLASS per GEMM
+(NOTE [grouped GEMM choice]) and the Triton kernels' tiles (NOTE [expert GEMM tiles], ``wgrad_config``).
+
+Everything here is a table read from ``benchmarks/bench_grouped_gemm.py`` runs on the H100 (its ``choice`` rows and
+``--sweep``); ``expert_gemm.py`` asks, nothing here launches.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moe_compile.ops import grouped_mm as gmm
+
+# NOTE [grouped GEMM choice]: per kind of GEMM, the rows per expert (M / E) up to which the Triton family beats
+# CUTLASS ``torch._grouped_mm`` for bf16 on sm90, keyed by the weight's size per expert (N * K). Fused gather /
+# activation / row-weight savings are part of the measured Triton time, and the CUTLASS time counts the epilogue pass
+# the shipped CUTLASS path runs, so the rule is per whole GEMM. Kinds: ``gated`` (gate_up with the gather prologue
+# and the GLU epilogue), ``weighted`` (an un-gated GEMM with the row weight in its epilogue: the block's down),
+# ``plain`` (any other un-gated forward), ``dx`` (the input gradient, against the transposed weights), ``wgrad``
+# (the weight gradient). Measured on the H100 (triton 3.6, ``benchmarks/bench_grouped_gemm.py``'s ``choice`` rows,
+# CUDA graphs, us Triton vs CUTLASS), with the tiles of NOTE [expert GEMM tiles]:
+# * gated: Qwen3-like (N*K 3.1M) and DeepSeek-V3-like (5.8M) win at every row count measured (Qwen3 T4096, 256 rows
+#   per expert: 534 vs 616 us; DeepSeek T4096 655 vs 704, T16384 2142 vs 2315); Mixtral-like (29M) wins only at 64
+#   rows (T256 193 vs 212; T4096 930 vs 827);
+# * weighted: Qwen3 T4096 300 vs 366, T16384 900 vs 1122; DeepSeek T4096 337 vs 370; Mixtral loses (T256 111 vs
+#   104, T4096 472 vs 441);
+# * plain (no row weight, so no epilogue on either side): Qwen3 T4096 297 vs 283 (``--sweep``), ties at 64 rows;
+# * dx: Qwen3 T4096 505 vs 573 (gate_up), 269 vs 260 (down); DeepSeek T4096 564 vs 638, 329 vs 332. Beyond 384 rows
+#   per expert and at Mixtral's size the two take turns from run to run (Qwen3 T16384 gate_up dX 1453 vs 1609 in
+#   ``grouped_gemm.json``, 1542 vs 1460 in ``grouped_gemm_sweep.json``): CUTLASS there;
+# * wgrad: Qwen3-like T4096 832 vs 647 us (gate_up, CUTLASS on gathered rows), 362 vs 293 (down): CUTLASS.
+TRITON_MAX_ROWS_PER_EXPERT: dict[str, tuple[tuple[float, int], ...]] = {
+    # kind: ((max N*K of the weight per expert, max rows per expert where Triton wins), ...), smallest first
+    "gated": ((2048 * 3072, 1 << 30), (2048 * 6144, 64), (float("inf"), 64)),
+    "weighted": ((2048 * 3072, 1 << 30), (float("inf"), 0)),
+    "plain": ((float("inf"), 64),),
+    "dx": ((2048 * 3072, 384), (float("inf"), 0)),
+    "wgrad": ((float("inf"), 0),),
+}
+_ENV_CHOICE = "MOE_COMPILE_GROUPED_GEMM"  # "triton" / "cutlass" / unset (the table)
+
+
+def use_triton_grouped_gemm(
+    M: int, N: int, K: int, E: int, dtype: torch.dtype, device: torch.device, fmt: str = "plain", kind: str = "plain"
+) -> bool:
+    """Whether ``moe::expert_gemm`` / ``moe::expert_wgrad`` run their Triton kernels (``True``) or CUTLASS.
+
+    Triton where CUTLASS cannot run (not CUDA, not bf16, not sm90/sm100, quantised weights) and where
+    the measured table for ``kind`` (NOTE [grouped GEMM choice]) says it wins; ``MOE_COMPILE_GROUPED_GEMM``
+    overrides.
+    """
+    if kind not in TRITON_MAX_ROWS_PER_EXPERT:
+        raise ValueError(f"kind={kind!r} is not one of {tuple(TRITON_MAX_ROWS_PER_EXPERT)}")
+    if device.type != "cuda" or fmt != "plain" or dtype != torch.bfloat16:
+        return True
+    if torch.cuda.get_device_capability(device)[0] not in (9, 10):
+        return True
+    choice = os.environ.get(_ENV_CHOICE, "")
+    if choice in ("triton", "cutlass"):
+        return choice == "triton"
+    rows = M / max(E, 1)
+    for max_weight, max_rows in TRITON_MAX_ROWS_PER_EXPERT[kind]:
+        if N * K <= max_weight:
+            return rows <= max_rows
+    return False
+
+
+def gemm_kind(w: torch.Tensor, activation: str, weighted: bool = False) -> str:
+    """``gated`` / ``weighted`` (un-gated with a row weight: CUTLASS then needs an epilogue pass) / ``dx`` (a weight
+    whose rows are not contiguous: the backward's ``w.transpose(1, 2)``) / ``plain``."""
+    if activation != "none":
+        return "gated"
+    if weighted:
+        return "weighted"
+    return "dx" if w.stride(-1) != 1 else "plain"
+
+
+
+def pick_config(M: int, E: int, N: int, K: int, fmt: str, fp32: bool, gated: bool, cuda: bool) -> dict:
+    """Tile config from shapes (no autotune: it would bench inside CUDA graphs / compile).
+
+    NOTE [expert GEMM tiles]: H100 (triton 3.6), ``benchmarks/bench_grouped_gemm.py --sweep``; us per GEMM at
+    T4096 (Qwen3-like E128, 256 rows per expert / DeepSeek-V3-like E64, 384 / Mixtral-like E8, 1024), CUDA graphs:
+
+    * un-gated (down, and both dX GEMMs) with more than 96 rows per expert: ``[128, 256]`` tiles, 8 warps, 3
+      stages. Qwen3 down 350 -> 297 us, gate_up dX 621 -> 504, down dX 324 -> 270; DeepSeek down 394 -> 333,
+      gate_up dX 756 -> 559; Mixtral down 594 -> 476; NVFP4 down 478 -> 372. MXFP8 down swaps the operands
+      over ``[256, 128]`` tiles: 495 -> 366 (DeepSeek 594 -> 403).
+    * gated: two ``[128, 128]`` accumulators (gate, up), 8 warps, from 32 rows per expert: Qwen3 612 -> 517 us
+      (T1024, 64 rows: 345 -> 310), DeepSeek 764 -> 627, Mixtral 1130 -> 936. Quantised gate_up swaps the MMA
+      operands (``SWAP_AB``: the decoded weight tile is the register operand, NOTE [swapped operands] in the
+      kernels): MXFP8 ``[256, 64]`` tiles 974 -> 724 us, NVFP4 ``[128, 128]`` x 128-deep 1182 -> 682 (DeepSeek
+      1246 -> 894, 1478 -> 856).
+    * up to 96 rows per expert (un-gated) / 32 (gated): ``[64, 128]`` / ``[64, 64]`` tiles, as before.
+    """
+    if not cuda:  # interpreter: smallest legal tiles
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=max(32, gmm._MIN_BLOCK_K[fmt]), GROUP_M=4, SWAP_AB=False,
+                    num_warps=4, num_stages=1)
+    rows = M / max(E, 1)
+    cfg = dict(BLOCK_M=64, BLOCK_N=64 if gated else 128, BLOCK_K=64, GROUP_M=8, SWAP_AB=False, num_warps=4,
+               num_stages=4)
+    if fp32:  # fp32 data (no bf16 MMA): the tiles before the sweep, narrower K steps
+        if rows > 96:
+            cfg.update(BLOCK_M=128, num_warps=8, num_stages=4 if gated else 3)
+        cfg["BLOCK_K"] = 32
+    elif gated and rows > 32:
+        cfg.update(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+        if fmt == "mxfp8":
+            cfg.update(BLOCK_M=256, BLOCK_N=64, SWAP_AB=True)
+        elif fmt == "nvfp4":
+            cfg.update(BLOCK_K=128, SWAP_AB=True)
+    elif not gated and rows > 96:
+        cfg.update(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3)
+        if fmt == "mxfp8":
+            cfg.update(BLOCK_M=256, BLOCK_N=128, SWAP_AB=True)
+    cfg["BLOCK_K"] = max(min(cfg["BLOCK_K"], gmm._next_pow2(K)), gmm._MIN_BLOCK_K[fmt])
+    cfg["BLOCK_N"] = max(min(cfg["BLOCK_N"], gmm._next_pow2(N)), 16)
+    return cfg
+
+
+def wgrad_config(N: int, K: int, fp32: bool, cuda: bool, row_scale: bool = False) -> dict:
+    """Tile config of ``_expert_wgrad_kernel`` (``[BLOCK_N, BLOCK_K]`` output tiles, ``BLOCK_M`` rows a step).
+
+    H100 (triton 3.6), Qwen3-like T4096 (E128, ~256 rows per expert): ``[128, 256]`` tiles in groups of 4
+    column tiles took the gate_up wgrad from 1137 to 866 us and the down wgrad from 470 to 365 us against
+    ``[128, 128]`` ungrouped; 256-wide N tiles and flattened / transposed-load variants were slower. 32-row steps
+    were slower with 3 stages, faster with 5: 872 -> 811 us (gate_up), 361 -> 355 (down); Triton 3.6's warp
+    specialisation of the row loop (``tl.range(..., warp_specialize=True)``) gave 870 us with 8 warps and failed to
+    compile with 4.
+    With ``row_scale`` (``dy`` scaled in registers before the MMA) the ``[128, 256]`` tile gave different bits
+    from run to run, and NaN, on triton 3.6 (Qwen3-like down wgrad, bf16 weights): that path keeps ``[128, 128]``
+    (bitwise stable over repeated runs in the same test).
+    """
+    if not cuda:  # interpreter: small tiles, groups of 2 (several column tiles per group in the tests)
+        bn, bk, bm, warps, stages, group = 16, 16, 16, 4, 1, 2
+    elif fp32:
+        bn, bk, bm, warps, stages, group = 64, 64, 32, 4, 3, 1
+    else:
+        bn, bk, bm, warps, stages, group = (128, 128, 64, 8, 3, 4) if row_scale else (128, 256, 32, 8, 5, 4)
+    return dict(BLOCK_M=bm, BLOCK_N=max(min(bn, gmm._next_pow2(N)), 16), BLOCK_K=max(min(bk, gmm._next_pow2(K)), 16),
+                GROUP_N=group, num_warps=warps, num_stages=stages)  # fmt: skip
