@@ -3,7 +3,8 @@
 # Usage on a CUDA machine, from the repo root:  bash benchmarks/run_gpu.sh [all|tests|bench] [--quick]
 # ("tests" / "bench" split the work in two when one call has less than ~15 minutes; BENCHES="moe_block loops"
 # runs only those benchmarks, BUDGET_S gives each a time budget; TEST_PATHS="tests/ops tests/passes" runs a part of
-# the GPU tests, which take ~8 minutes in all.)
+# the GPU tests, which take ~10 minutes in all on the H100 since the wider expert-GEMM tiles (their compiles): more
+# than one 600 s device call, so split them, e.g. TEST_PATHS="tests/models tests/ops tests/passes" then the rest.)
 # Optional wheels (torchao, expecttest, hypothesis) in .whl/ are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
