@@ -282,6 +282,27 @@ SWEEP_WGRAD = ((128, 256, 64, 8, 3, 4), (128, 256, 32, 8, 5, 4), (128, 256, 32, 
                (128, 256, 64, 8, 3, 8), (256, 128, 64, 8, 3, 4), (128, 128, 64, 8, 3, 4))
 
 
+def _time_candidates(cands: dict[str, dict], launch, out: torch.Tensor) -> list[tuple[str, float, str]]:
+    """``(label, us, err)`` per candidate config: ``launch(config)`` writes ``out``. ``err``: max |out - the first
+    candidate's out| / max |first|, plus ``not bitwise over runs`` if a second launch changes ``out``, or why the
+    candidate did not run (e.g. out of shared memory)."""
+    rows, ref = [], None
+    for label, cfg in cands.items():
+        try:
+            launch(cfg)
+            first = out.clone()
+            ref = first.float() if ref is None else ref
+            err = f"{float((first.float() - ref).abs().max() / ref.abs().max()):.2g}"
+            us, _ = bench_us(lambda cfg=cfg: launch(cfg))
+            launch(cfg)
+            if not torch.equal(first, out):
+                err += " not bitwise over runs"
+        except Exception as exc:
+            us, err = float("nan"), f"{type(exc).__name__}"
+        rows.append((label, round(us, 1), err))
+    return rows
+
+
 def run_sweep(name: str, T: int, gen) -> list[dict]:
     """Every candidate tile per GEMM (gate_up with gather + SwiGLU, down with the row weight, both dX GEMMs; the
     quantised forward GEMMs at T 4096 of Qwen3 / DeepSeek); ``cfg`` ``shipped`` is ``pick_config``'s choice,
@@ -321,19 +342,11 @@ def run_sweep(name: str, T: int, gen) -> list[dict]:
             for bm, bn, bk, warps, stages, swap in SWEEP_GATED if act != "none" else SWEEP_PLAIN:
                 cands[f"{bm}x{bn}x{bk} w{warps} s{stages}{' swap' if swap else ''}"] = dict(
                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SWAP_AB=swap)
-            ref = None
-            for label, cfg in cands.items():
-                def fn(cfg=cfg):
-                    return eg.launch_expert_gemm(a, rmap, w, ws, wg if fmt == "nvfp4" else None, d.offs_E, rw, y, None,
-                                                 act, fmt, config=dict(cfg))
-                try:
-                    fn()
-                    ref = y.float().clone() if ref is None else ref
-                    err = f"{float((y.float() - ref).abs().max() / ref.abs().max()):.2g}"
-                    us, _ = bench_us(fn)
-                except Exception as exc:  # e.g. out of shared memory
-                    us, err = float("nan"), f"{type(exc).__name__}"
-                res.append(dict(shape=name, T=T, what=f"sweep_{g}", impl=fmt, cfg=label, us=round(us, 1), err=err))
+            def launch(cfg, a=a, rmap=rmap, w=w, ws=ws, wg=wg, act=act, rw=rw, y=y):
+                eg.launch_expert_gemm(a, rmap, w, ws, wg if fmt == "nvfp4" else None, d.offs_E, rw, y, None, act, fmt,
+                                      config=dict(cfg))
+            for label, us, err in _time_candidates(cands, launch, y):
+                res.append(dict(shape=name, T=T, what=f"sweep_{g}", impl=fmt, cfg=label, us=us, err=err))
             if fmt == "plain":
                 us = round(bench_us(cutlass)[0], 1)
                 res.append(dict(shape=name, T=T, what=f"sweep_{g}", impl=fmt, cfg="cutlass", us=us))
@@ -345,17 +358,10 @@ def run_sweep(name: str, T: int, gen) -> list[dict]:
         for bn, bk, bm, warps, stages, group in SWEEP_WGRAD:
             cands[f"{bn}x{bk} m{bm} w{warps} s{stages} g{group}"] = dict(
                 BLOCK_N=bn, BLOCK_K=bk, BLOCK_M=bm, num_warps=warps, num_stages=stages, GROUP_N=group)
-        for label, cfg in cands.items():
-            def fn(cfg=cfg):
-                return eg.launch_expert_wgrad(dy_, x_, rmap, None, d.offs_E, out, config=dict(cfg))
-            try:
-                us, _ = bench_us(fn)
-                first = out.clone()
-                fn()
-                err = "" if torch.equal(first, out) else "not bitwise over runs"
-            except Exception as exc:
-                us, err = float("nan"), f"{type(exc).__name__}"
-            res.append(dict(shape=name, T=T, what=f"sweep_{g}", impl="plain", cfg=label, us=round(us, 1), err=err))
+        def launch(cfg, dy_=dy_, x_=x_, rmap=rmap, out=out):
+            eg.launch_expert_wgrad(dy_, x_, rmap, None, d.offs_E, out, config=dict(cfg))
+        for label, us, err in _time_candidates(cands, launch, out):
+            res.append(dict(shape=name, T=T, what=f"sweep_{g}", impl="plain", cfg=label, us=us, err=err))
         us = round(bench_us(lambda: torch._grouped_mm(dy_.t(), eg.gather_rows(x_, rmap), offs=d.offs_E))[0], 1)
         res.append(dict(shape=name, T=T, what=f"sweep_{g}", impl="plain", cfg="cutlass", us=us))
     return res
