@@ -277,6 +277,13 @@ SWEEP_PLAIN = ((64, 128, 64, 4, 4, False), (64, 128, 64, 4, 4, True), (128, 128,
                (128, 128, 64, 8, 3, True), (128, 64, 128, 4, 3, True), (128, 128, 128, 8, 3, False),
                (128, 256, 64, 8, 3, False), (128, 128, 64, 4, 4, False), (128, 256, 64, 8, 3, True),
                (256, 128, 64, 8, 3, True))
+
+
+def _sweep_label(bm, bn, bk, warps, stages, swap) -> tuple[str, dict]:
+    label = f"{bm}x{bn}x{bk} w{warps} s{stages}{' swap' if swap else ''}"
+    return label, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SWAP_AB=swap)
+
+
 # wgrad (BLOCK_N, BLOCK_K, BLOCK_M rows a step, warps, stages, GROUP_N); ``wgrad_config``'s NOTE
 SWEEP_WGRAD = ((128, 256, 64, 8, 3, 4), (128, 256, 32, 8, 5, 4), (128, 256, 32, 8, 4, 4), (128, 256, 64, 8, 4, 4),
                (128, 256, 64, 8, 3, 8), (256, 128, 64, 8, 3, 4), (128, 128, 64, 8, 3, 4))
@@ -303,7 +310,7 @@ def _time_candidates(cands: dict[str, dict], launch, out: torch.Tensor) -> list[
     return rows
 
 
-def run_sweep(name: str, T: int, gen) -> list[dict]:
+def run_sweep(name: str, T: int, gen, wgrad: bool = True) -> list[dict]:
     """Every candidate tile per GEMM (gate_up with gather + SwiGLU, down with the row weight, both dX GEMMs; the
     quantised forward GEMMs at T 4096 of Qwen3 / DeepSeek); ``cfg`` ``shipped`` is ``pick_config``'s choice,
     ``cutlass`` the ``torch._grouped_mm`` GEMM alone (gathered rows for gate_up; no epilogue pass)."""
@@ -338,10 +345,7 @@ def run_sweep(name: str, T: int, gen) -> list[dict]:
                                 lambda: torch._grouped_mm(dy_rows, wd, offs=d.offs_E))
         for g, (a, rmap, (w, ws, wg), act, rw, N, cutlass) in gemms.items():
             y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-            cands = {"shipped": {}}
-            for bm, bn, bk, warps, stages, swap in SWEEP_GATED if act != "none" else SWEEP_PLAIN:
-                cands[f"{bm}x{bn}x{bk} w{warps} s{stages}{' swap' if swap else ''}"] = dict(
-                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SWAP_AB=swap)
+            cands = {"shipped": {}, **dict(_sweep_label(*c) for c in (SWEEP_GATED if act != "none" else SWEEP_PLAIN))}
             def launch(cfg, a=a, rmap=rmap, w=w, ws=ws, wg=wg, act=act, rw=rw, y=y):
                 eg.launch_expert_gemm(a, rmap, w, ws, wg if fmt == "nvfp4" else None, d.offs_E, rw, y, None, act, fmt,
                                       config=dict(cfg))
@@ -351,8 +355,8 @@ def run_sweep(name: str, T: int, gen) -> list[dict]:
                 us = round(bench_us(cutlass)[0], 1)
                 res.append(dict(shape=name, T=T, what=f"sweep_{g}", impl=fmt, cfg="cutlass", us=us))
     # wgrad: (dy, x, row map of x) -> dW [E, N, K]; CUTLASS on the gathered rows
-    for g, (dy_, x_, rmap, N, K) in {"gate_up_wgrad": (dz, x, src, 2 * s.I, s.H),
-                                     "down_wgrad": (dy_rows, h, None, s.H, s.I)}.items():
+    wgrads = {"gate_up_wgrad": (dz, x, src, 2 * s.I, s.H), "down_wgrad": (dy_rows, h, None, s.H, s.I)}
+    for g, (dy_, x_, rmap, N, K) in wgrads.items() if wgrad else ():
         out = torch.empty(s.E, N, K, device="cuda", dtype=torch.bfloat16)
         cands = {"shipped": {}}
         for bn, bk, bm, warps, stages, group in SWEEP_WGRAD:
@@ -391,6 +395,8 @@ def main() -> int:
     parser.add_argument("--tma", action="store_true", help="also time the Triton forward with TMA weight loads")
     parser.add_argument("--sweep", action="store_true", help="time the tile candidates per GEMM instead (NOTE [expert "
                                                                  "GEMM tiles]); prints the best per GEMM")
+    parser.add_argument("--sweep-no-wgrad", action="store_true", help="with --sweep: skip the wgrad candidates")
+    parser.add_argument("--sweep-cases", default=None, help="with --sweep: only these, e.g. qwen3_moe:4096,mixtral:4096")
     args, _ = parser.parse_known_args()
     if not torch.cuda.is_available():
         print("bench_grouped_gemm: no CUDA device, nothing to run")
@@ -400,13 +406,16 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     start, results, skipped = time.monotonic(), [], []
     if args.sweep:
-        jobs = [("sweep", next(s for s in SHAPES if s.name == name), T) for name, T in SWEEP_CASES]
+        cases = SWEEP_CASES
+        if args.sweep_cases:
+            cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.sweep_cases.split(",")]
+        jobs = [("sweep", next(s for s in SHAPES if s.name == name), T) for name, T in cases]
     else:
         jobs = [("shape", s, T) for T in ((4096,) if args.quick else TOKENS) for s in SHAPES]
         jobs.sort(key=lambda j: (j[2] != 4096, j[2]))  # the targets' T first
         jobs += [("quant", None, T) for T in ((1, 4096) if args.quick else QUANT_TOKENS)]
     runners = {"shape": lambda s, T: run_shape(s, T, gen, args), "quant": lambda s, T: run_quant(T, gen, args),
-               "sweep": lambda s, T: run_sweep(s.name, T, gen)}
+               "sweep": lambda s, T: run_sweep(s.name, T, gen, not args.sweep_no_wgrad)}
     for kind, s, T in jobs:
         label = f"{kind}:{s.name if s else 'qwen3_moe'}:T{T}"
         if time.monotonic() - start > args.budget_s:

@@ -89,11 +89,19 @@ def pick_config(M: int, E: int, N: int, K: int, fmt: str, fp32: bool, gated: boo
       gate_up dX 756 -> 559; Mixtral down 594 -> 476; NVFP4 down 478 -> 372. MXFP8 down swaps the operands
       over ``[256, 128]`` tiles: 495 -> 366 (DeepSeek 594 -> 403).
     * gated: two ``[128, 128]`` accumulators (gate, up), 8 warps, from 32 rows per expert: Qwen3 612 -> 517 us
-      (T1024, 64 rows: 345 -> 310), DeepSeek 764 -> 627, Mixtral 1130 -> 936. Quantised gate_up swaps the MMA
+      (T1024, 64 rows: 345 -> 310), DeepSeek 764 -> 627, Mixtral 1130 -> 936; bf16 over 4 stages (3 in the
+      quantised formats, where 4 did not gain): Qwen3 512 -> 473, 517 -> 462, 527 -> 506 us in three runs
+      (DeepSeek 639 -> 631, T1024 312 -> 310; 5 stages run out of shared memory). Quantised gate_up swaps the MMA
       operands (``SWAP_AB``: the decoded weight tile is the register operand, NOTE [swapped operands] in the
       kernels): MXFP8 ``[256, 64]`` tiles 974 -> 724 us, NVFP4 ``[128, 128]`` x 128-deep 1182 -> 682 (DeepSeek
       1246 -> 894, 1478 -> 856).
     * up to 96 rows per expert (un-gated) / 32 (gated): ``[64, 128]`` / ``[64, 64]`` tiles, as before.
+    * Tried, not kept: short row tiles (an expert's rows past its last full tile in 64- or 32-row tiles, swapped or
+      not, both heights compiled into the kernel; ``grouped_gemm_sweep_short_tiles.json``). They cut the padded
+      MMA work (Qwen3 T4096: 1.24x -> 1.06-1.12x of the routed rows) but every row tile still streams its whole
+      weight tile, which is what these GEMMs are bound by: gate_up 506-514 -> 557-631 us, down 292-295 -> 280-286
+      (the branch alone, never taken, cost nothing: 506 vs 510). Larger row tiles are the lever, not smaller ones
+      (also why ``[128, *]`` beats ``[64, *]`` at 64 rows per expert).
     """
     if not cuda:  # interpreter: smallest legal tiles
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=max(32, gmm._MIN_BLOCK_K[fmt]), GROUP_M=4, SWAP_AB=False,
@@ -106,7 +114,7 @@ def pick_config(M: int, E: int, N: int, K: int, fmt: str, fp32: bool, gated: boo
             cfg.update(BLOCK_M=128, num_warps=8, num_stages=4 if gated else 3)
         cfg["BLOCK_K"] = 32
     elif gated and rows > 32:
-        cfg.update(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+        cfg.update(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4 if fmt == "plain" else 3)
         if fmt == "mxfp8":
             cfg.update(BLOCK_M=256, BLOCK_N=64, SWAP_AB=True)
         elif fmt == "nvfp4":
