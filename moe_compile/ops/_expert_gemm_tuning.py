@@ -78,7 +78,9 @@ def gemm_kind(w: torch.Tensor, activation: str, weighted: bool = False) -> str:
 
 
 
-def pick_config(M: int, E: int, N: int, K: int, fmt: str, fp32: bool, gated: bool, cuda: bool) -> dict:
+def pick_config(
+    M: int, E: int, N: int, K: int, fmt: str, fp32: bool, gated: bool, cuda: bool, tma_nk: bool = False
+) -> dict:
     """Tile config from shapes (no autotune: it would bench inside CUDA graphs / compile).
 
     NOTE [expert GEMM tiles]: H100 (triton 3.6), ``benchmarks/bench_grouped_gemm.py --sweep``; us per GEMM at
@@ -120,7 +122,7 @@ def pick_config(M: int, E: int, N: int, K: int, fmt: str, fp32: bool, gated: boo
         elif fmt == "nvfp4":
             cfg.update(BLOCK_K=128, SWAP_AB=True)
     elif not gated and rows > 96:
-        cfg.update(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3)
+        cfg.update(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=4 if tma_nk else 3)
         if fmt == "mxfp8":
             cfg.update(BLOCK_M=256, BLOCK_N=128, SWAP_AB=True)
     cfg["BLOCK_K"] = max(min(cfg["BLOCK_K"], gmm._next_pow2(K)), gmm._MIN_BLOCK_K[fmt])

@@ -104,14 +104,39 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _tma_ok(x: torch.Tensor, w: torch.Tensor, fmt: str) -> bool:
-    """TMA weight loads (NOTE in the kernels): opt-in via ``MOE_COMPILE_TMA=1``, plain contiguous
-    weights with 16-byte rows, sm90+, eager only (the descriptor's scratch needs Triton's allocator)."""
-    if os.environ.get("MOE_COMPILE_TMA") != "1" or fmt != "plain" or not x.is_cuda:
+def _tma_enabled(x: torch.Tensor, fmt: str) -> bool:
+    """TMA loads (NOTE [TMA loads] in the kernels) for plain 16-bit weights on sm90+; ``MOE_COMPILE_TMA=0`` turns
+    them off. The descriptors' scratch memory comes from Triton's allocator: ``_set_tma_allocator`` in eager, and
+    Inductor sets its own around the kernels it launches (torch 2.11 and 2.13 both do)."""
+    if os.environ.get("MOE_COMPILE_TMA", "1") == "0" or fmt != "plain" or not x.is_cuda or x.dtype == torch.float32:
         return False
-    if torch.compiler.is_compiling() or torch.cuda.get_device_capability(x.device)[0] < 9:
-        return False
-    return w.is_contiguous() and (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+    return hasattr(triton, "set_allocator") and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _tma_layout(x: torch.Tensor, src: torch.Tensor | None, w: torch.Tensor, gated: bool, enabled: bool) -> dict:
+    """``USE_TMA`` / ``W_KN`` / ``X_TMA``: which operands come through tensor descriptors. The weight when its
+    storage is ``[E, N, K]`` or (un-gated) ``[E, K, N]`` with 16-byte rows; the activations when, in addition,
+    they are not gathered and have 16-byte rows."""
+    off = dict(USE_TMA=False, W_KN=False, X_TMA=False)
+    if not enabled:
+        return off
+
+    def aligned(t: torch.Tensor, stride: int) -> bool:
+        # traced (fake tensors have no address): the storage's base is taken as aligned, as Inductor takes it
+        traced = torch.compiler.is_compiling() or type(t) is not torch.Tensor
+        base = t.storage_offset() * t.element_size() if traced else t.data_ptr()
+        return stride * t.element_size() % 16 == 0 and base % 16 == 0
+
+    if w.is_contiguous():
+        w_kn = False
+    elif not gated and w.transpose(1, 2).is_contiguous():
+        w_kn = True
+    else:
+        return off
+    if not (aligned(w, w.stride(2) if w_kn else w.stride(1)) and aligned(w, w.stride(0))):
+        return off
+    x_tma = src is None and x.stride(1) == 1 and aligned(x, x.stride(0))
+    return dict(USE_TMA=True, W_KN=w_kn, X_TMA=x_tma)
 
 
 def _set_tma_allocator() -> None:
@@ -136,7 +161,8 @@ def launch_expert_gemm(
     """Launch ``_expert_gemm_kernel`` into ``y_MN`` (and ``pre_MW``); ``kernels`` swaps in an interpreted module.
 
     ``w`` is ``[E, N_w, K]`` (``N_w = 2 N`` when gated; NVFP4: packed uint8 ``[E, N_w, K/2]``).
-    ``config`` adds ``USE_TMA`` / ``NUM_PROGS`` / tile keys over :func:`pick_config`'s choice.
+    ``config`` adds ``USE_TMA`` (the operands' layouts then say which come through descriptors; ``X_TMA`` /
+    ``W_KN`` override that) / ``NUM_PROGS`` / tile keys over :func:`pick_config`'s choice.
     """
     kernels = kernels or _kernels
     M, N = y_MN.shape
@@ -146,14 +172,17 @@ def launch_expert_gemm(
     fp32 = x_SK.dtype == torch.float32
     if x_SK.is_cuda and (torch.compiler.is_compiling() or type(offs_E) is not torch.Tensor):
         offs_E = offs_E.clone()  # NOTE [offs copy] in ops/grouped_mm.py
-    cfg = pick_config(M, E, N, K, fmt, fp32, gated, x_SK.is_cuda)
-    cfg.update(config or {})
+    config = dict(config or {})
+    want_tma = config.pop("USE_TMA", None)
+    tma = _tma_layout(x_SK, src_M, w, gated, _tma_enabled(x_SK, fmt) if want_tma is None else want_tma)
+    tma.update({k: config.pop(k) for k in ("W_KN", "X_TMA") if k in config})
+    cfg = pick_config(M, E, N, K, fmt, fp32, gated, x_SK.is_cuda, tma_nk=tma["USE_TMA"] and not tma["W_KN"])
+    cfg.update(config)
     if fmt == "nvfp4":  # int16 words of four codes (NOTE [NVFP4 decode])
         if w.stride(-1) != 1 or w.storage_offset() % 2:
             w = w.contiguous()
         w = w.view(torch.int16)
-    use_tma = cfg.pop("USE_TMA", _tma_ok(x_SK, w, fmt))
-    if use_tma and x_SK.is_cuda:
+    if (tma["USE_TMA"] or tma["X_TMA"]) and x_SK.is_cuda:
         _set_tma_allocator()
     num_progs = cfg.pop("NUM_PROGS", None)
     if num_progs is None:
@@ -169,7 +198,10 @@ def launch_expert_gemm(
     gscale = w_gscale if w_gscale is not None else offs_E
     src = src_M if src_M is not None else offs_E
     rw = _common.unit_last_stride(row_weight_M) if row_weight_M is not None else offs_E
-    pre = pre_MW if pre_MW is not None else y_MN
+    pre = pre_MW
+    if pre is None:  # an unused dummy; traced, not y itself: an output passed twice breaks a failed mutation analysis
+        traced = torch.compiler.is_compiling() or type(y_MN) is not torch.Tensor
+        pre = y_MN.new_empty(1, 1) if traced and x_SK.is_cuda else y_MN
     ptx = cfg.pop("PTX_DECODE", fmt == "nvfp4" and gmm._ptx_decode_supported(x_SK))
     wrap = wrap_triton if x_SK.is_cuda else (lambda k: k)
     wrap(kernels._expert_gemm_kernel)[(num_progs,)](
@@ -182,7 +214,7 @@ def launch_expert_gemm(
         pre.stride(0), pre.stride(1),
         GATHER=src_M is not None, ACT=ACTIVATIONS[activation], ROW_SCALE=row_weight_M is not None,
         STORE_PRE=pre_MW is not None, W_FORMAT=gmm._FORMATS[fmt], IEEE_DOT=fp32 or not x_SK.is_cuda,
-        PTX_DECODE=ptx, K_ALIGN=gmm.k_align(K), USE_TMA=use_tma, BLOCK_E=max(gmm._next_pow2(E), 16), **cfg,
+        PTX_DECODE=ptx, K_ALIGN=gmm.k_align(K), BLOCK_E=max(gmm._next_pow2(E), 16), **tma, **cfg,
     )  # fmt: skip
     return y_MN
 

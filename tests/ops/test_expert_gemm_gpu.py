@@ -178,3 +178,78 @@ def test_quantised_forward_production_tiles(fmt, gated):
     # as in test_gated_forward_and_dx: the epilogue reads the fp32 accumulators, the reference the stored bf16 pre
     slack = 2 * 2.1 * tol.unit_roundoff(torch.bfloat16) * g.abs() * u.abs()
     tol.assert_within(runs[0][0], want_y, tol.rounding_bound(want_y, torch.bfloat16, inner=slack) + slack, f"{fmt} y")
+
+
+
+def _block(xg, w1, w2, rw, offs, row_map, num_rows):
+    """Gate_up (gathered rows, SwiGLU) then down (row weight), as the rewritten MoE block runs them."""
+    h, _ = eg.expert_gemm(xg, w1, offs, row_map=row_map, activation="swiglu", num_rows=num_rows)
+    return eg.expert_gemm(h, w2, offs, row_weight_M=rw)[0]
+
+
+def _block_inputs(seed: int):
+    x, d, gen = _dispatch(seed)
+    M = d.rows_MH.shape[0]
+    w1 = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(torch.bfloat16).to(DEV)
+    w2 = (torch.randn(E, H, I, generator=gen) * I**-0.5).to(torch.bfloat16).to(DEV)
+    dy = torch.randn(M, H, generator=gen).to(torch.bfloat16).to(DEV)
+    return x, d, w1, w2, dy
+
+
+def _block_step(fn, x, d, w1, w2, dy):
+    """The block's output and the gradients of x, both weights and the row weight, through ``fn``."""
+    xg, w1g, w2g, rwg = (t.clone().requires_grad_() for t in (x, w1, w2, d.probs_M.float()))
+    y = fn(xg, w1g, w2g, rwg, d.offs_E, d.row_map, d.rows_MH.shape[0])
+    return (y, *torch.autograd.grad(y, (xg, w1g, w2g, rwg), dy))
+
+
+_GRADS = ("y", "dX", "dW gate_up", "dW down", "d row weight")
+
+
+def test_tma_loads_change_no_bits(forced_triton, monkeypatch):
+    """NOTE [TMA loads]: the forward (weights through descriptors, gathered rows through pointers), the down GEMM
+    (weights and rows through descriptors) and both dX GEMMs (``[E, K, N]`` weights) give the bits of pointer
+    loads, forward and backward; and the production launch picks the descriptors here."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm90+")
+    x, d, w1, w2, dy = _block_inputs(5)
+    picked = [eg._tma_layout(dy, None, w2, False, eg._tma_enabled(dy, "plain")),
+              eg._tma_layout(dy, None, w2.transpose(1, 2), False, eg._tma_enabled(dy, "plain")),
+              eg._tma_layout(x, d.row_map, w1, True, eg._tma_enabled(x, "plain"))]
+    assert picked == [dict(USE_TMA=True, W_KN=False, X_TMA=True), dict(USE_TMA=True, W_KN=True, X_TMA=True),
+                      dict(USE_TMA=True, W_KN=False, X_TMA=False)], picked
+    with_tma = _block_step(_block, x, d, w1, w2, dy)
+    monkeypatch.setenv("MOE_COMPILE_TMA", "0")
+    assert not eg._tma_enabled(dy, "plain")
+    without = _block_step(_block, x, d, w1, w2, dy)
+    for got, want, what in zip(with_tma, without, _GRADS):
+        assert torch.equal(got, want), f"{what} changed with TMA loads"
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_block_matches_eager(forced_triton, mode):
+    """The kernels traced into an Inductor graph (TMA descriptors' scratch from Inductor's allocator; CUDA graphs
+    with ``reduce-overhead``): the output and the down weight's gradient are the eager block's bits; every
+    gradient is within the layer bound of the fp64 reference. (The epilogue backward and the combine's gather-sum
+    are compiled by Inductor with fp contraction on, which may move them by a rounding: NOTE [expert-order
+    gather-sum].)"""
+    x, d, w1, w2, dy = _block_inputs(6)
+    M = d.rows_MH.shape[0]
+    want = _block_step(_block, x, d, w1, w2, dy)
+    torch._dynamo.reset()
+    compiled = torch.compile(_block, mode=mode, fullgraph=True)
+    for _ in range(3):  # warm-up and recording runs, then a replay
+        got = [t.clone() for t in _block_step(compiled, x, d, w1, w2, dy)]
+    assert torch.equal(got[0], want[0]), f"y: compiled ({mode}) differs from eager"
+    assert torch.equal(got[3], want[3]), f"dW down: compiled ({mode}) differs from eager"
+    src = eg.source_rows(d.row_map, M)
+    xd, w1d, w2d, rwd = (t.double().requires_grad_() for t in (x, w1, w2, d.probs_M.float()))
+    h = eg.expert_gemm_reference(xd, w1d, d.offs_E, src, None, "swiglu")[0]
+    y = eg.expert_gemm_reference(h, w2d, d.offs_E, None, rwd, "none")[0]
+    ref = (y, *torch.autograd.grad(y, (xd, w1d, w2d, rwd), dy.double()))
+    valid = src >= 0
+    rows = int(d.counts_E.max())
+    for g, r, what in zip(got, ref, _GRADS):
+        if what in ("y", "d row weight"):
+            g, r = g[valid], r[valid]
+        tol.assert_layer_close(g, r, [H, I], torch.bfloat16, backward=what != "y", rows=rows, what=f"{mode} {what}")

@@ -31,6 +31,10 @@ CASES = {
     "swapped_mxfp8_bf16_gather_geglu": ("mxfp8", [3, 0, 5, 2], 2, 24, 64, "bfloat16", "gex"),
     "swapped_nvfp4_fp32_rw": ("nvfp4", [2, 0, 0, 1, 4, 0, 3], 1, 24, 96, "float32", "rx"),
     "swapped_tma_fp32_gather_swiglu": ("plain", [3, 0, 5, 2], 2, 24, 40, "float32", "gstx"),
+    # TMA with the activations through a descriptor too (not gathered), and a [E, K, N] weight (the dX GEMM)
+    "tma_x_bf16_rw": ("plain", [2, 5, 0, 7], 3, 40, 48, "bfloat16", "rt"),
+    "tma_x_kn_weight_fp32": ("strided", [4, 0, 5, 3], 2, 24, 40, "float32", "t"),
+    "tma_x_kn_weight_bf16_swapped_rw": ("strided", [3, 6, 0], 1, 40, 48, "bfloat16", "rtx"),
     "wgrad_fp32_gather_rw": ("wgrad", [3, 0, 5, 2], 2, 24, 40, "float32", "gr"),
     "wgrad_bf16_plain": ("wgrad", [2, 0, 0, 1, 4, 0, 3], 1, 16, 24, "bfloat16", ""),
     "wgrad_fp32_one_program_empty": ("wgrad", [0, 6, 0], 0, 16, 32, "float32", "g1"),
@@ -314,17 +318,20 @@ def compile_sm90() -> dict:
     kernel, jobs = eg._kernels._expert_gemm_kernel, {}
     for M, E, N, K, act, gather, rw in SM90_SHAPES:
         for fmt, (x_t, w_t, s_t, g_t) in _SM90_TYPES.items():
-            for tma in (False, True) if fmt == "plain" else (False,):
-                cfg = eg.pick_config(M, E, N, K, fmt, False, act != "none", True)
+            # TMA: weights through descriptors, activations too when not gathered; un-gated also the dX layout
+            tmas = [(False, False)] + ([(True, False)] + ([(True, True)] if act == "none" else []) if fmt == "plain" else [])
+            for tma, w_kn in tmas:
+                cfg = eg.pick_config(M, E, N, K, fmt, False, act != "none", True, tma_nk=tma and not w_kn)
                 consts = dict(GATHER=gather, ACT=eg.ACTIVATIONS[act], ROW_SCALE=rw, STORE_PRE=act != "none",
                               W_FORMAT=gmm._FORMATS[fmt], IEEE_DOT=False, PTX_DECODE=fmt == "nvfp4", K_ALIGN=gmm.k_align(K),
-                              USE_TMA=tma, BLOCK_E=max(gmm._next_pow2(E), 16))  # fmt: skip
+                              USE_TMA=tma, W_KN=w_kn, X_TMA=tma and not gather,
+                              BLOCK_E=max(gmm._next_pow2(E), 16))  # fmt: skip
                 consts.update({k: v for k, v in cfg.items() if k.isupper()})
                 ptrs = dict(x_ptr=x_t, src_ptr="*i32", w_ptr=w_t, w_scale_ptr=s_t, w_gscale_ptr=g_t, offs_ptr="*i32",
                             rw_ptr="*fp32", y_ptr=x_t, pre_ptr=x_t)  # fmt: skip
                 sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in kernel.arg_names}
                 opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-                jobs[f"gemm_{fmt}_{M}_{E}_{N}_{K}_{act}_tma{tma}"] = (kernel, sig, consts, opts)
+                jobs[f"gemm_{fmt}_{M}_{E}_{N}_{K}_{act}_tma{tma}{'_kn' if w_kn else ''}"] = (kernel, sig, consts, opts)
     wgrad = eg._kernels._expert_wgrad_kernel
     for gather, rw in ((True, False), (False, True)):
         cfg = eg.wgrad_config(1536, 2048, False, True, rw)
