@@ -27,7 +27,7 @@ launch gaps), median; the forward+backward blocks: GPU kernel time from ``torch.
 says why), ``timing`` says which. TFLOP/s counts the real routed rows ``T*K``: ``2*T*K*H*2I`` (gate_up) +
 ``2*T*K*I*H`` (down) forward, 3x that forward+backward. ``err``: max |triton - cutlass| / max |cutlass| of
 the block output. ``bitwise``: the Triton block's output and gradients equal over two runs. ``choice``:
-which implementation is faster per GEMM: feed it to ``TRITON_MAX_ROWS_PER_EXPERT`` (NOTE [grouped GEMM
+which implementation is faster per GEMM: feed it to ``TRITON_ROWS_PER_EXPERT`` (NOTE [grouped GEMM
 choice] in ``moe_compile/ops/_expert_gemm_tuning.py``). Targets (H100): Qwen3 block fwd+bwd <= 2.2 ms at T 4096;
 Mixtral no slower than CUTLASS; MXFP8 / NVFP4 at T 4096 no slower than bf16.
 

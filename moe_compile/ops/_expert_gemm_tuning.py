@@ -13,31 +13,33 @@ import torch
 
 from moe_compile.ops import grouped_mm as gmm
 
-# NOTE [grouped GEMM choice]: per kind of GEMM, the rows per expert (M / E) up to which the Triton family beats
-# CUTLASS ``torch._grouped_mm`` for bf16 on sm90, keyed by the weight's size per expert (N * K). Fused gather /
-# activation / row-weight savings are part of the measured Triton time, and the CUTLASS time counts the epilogue pass
-# the shipped CUTLASS path runs, so the rule is per whole GEMM. Kinds: ``gated`` (gate_up with the gather prologue
-# and the GLU epilogue), ``weighted`` (an un-gated GEMM with the row weight in its epilogue: the block's down),
-# ``plain`` (any other un-gated forward), ``dx`` (the input gradient, against the transposed weights), ``wgrad``
-# (the weight gradient). Measured on the H100 (triton 3.6, ``benchmarks/bench_grouped_gemm.py``'s ``choice`` rows,
-# CUDA graphs, us Triton vs CUTLASS), with the tiles of NOTE [expert GEMM tiles]:
-# * gated: Qwen3-like (N*K 3.1M) and DeepSeek-V3-like (5.8M) win at every row count measured (Qwen3 T4096, 256 rows
-#   per expert: 534 vs 616 us; DeepSeek T4096 655 vs 704, T16384 2142 vs 2315); Mixtral-like (29M) wins only at 64
-#   rows (T256 193 vs 212; T4096 930 vs 827);
-# * weighted: Qwen3 T4096 300 vs 366, T16384 900 vs 1122; DeepSeek T4096 337 vs 370; Mixtral loses (T256 111 vs
-#   104, T4096 472 vs 441);
-# * plain (no row weight, so no epilogue on either side): Qwen3 T4096 297 vs 283 (``--sweep``), ties at 64 rows;
-# * dx: Qwen3 T4096 505 vs 573 (gate_up), 269 vs 260 (down); DeepSeek T4096 564 vs 638, 329 vs 332. Beyond 384 rows
-#   per expert and at Mixtral's size the two take turns from run to run (Qwen3 T16384 gate_up dX 1453 vs 1609 in
-#   ``grouped_gemm.json``, 1542 vs 1460 in ``grouped_gemm_sweep.json``): CUTLASS there;
-# * wgrad: Qwen3-like T4096 832 vs 647 us (gate_up, CUTLASS on gathered rows), 362 vs 293 (down): CUTLASS.
-TRITON_MAX_ROWS_PER_EXPERT: dict[str, tuple[tuple[float, int], ...]] = {
-    # kind: ((max N*K of the weight per expert, max rows per expert where Triton wins), ...), smallest first
-    "gated": ((2048 * 3072, 1 << 30), (2048 * 6144, 64), (float("inf"), 64)),
-    "weighted": ((2048 * 3072, 1 << 30), (float("inf"), 0)),
-    "plain": ((float("inf"), 64),),
-    "dx": ((2048 * 3072, 384), (float("inf"), 0)),
-    "wgrad": ((float("inf"), 0),),
+# NOTE [grouped GEMM choice]: per kind of GEMM, the rows per expert (M / E) at which the Triton family beats CUTLASS
+# ``torch._grouped_mm`` for bf16 on sm90, keyed by the weight's size per expert (N * K). Fused gather / activation /
+# row-weight savings are part of the measured Triton time, and the CUTLASS time counts the epilogue pass the shipped
+# CUTLASS path runs, so the rule is per whole GEMM. Kinds: ``gated`` (gate_up with the gather prologue and the GLU
+# epilogue), ``weighted`` (an un-gated GEMM with the row weight in its epilogue: the block's down), ``plain`` (any
+# other un-gated forward), ``dx`` (the input gradient, against the transposed weights), ``wgrad`` (the weight
+# gradient). Measured on the H100 (triton 3.6, ``benchmarks/bench_grouped_gemm.py``'s per-GEMM rows, CUDA graphs,
+# us Triton vs CUTLASS; ``grouped_gemm.json``), with the tiles of NOTE [expert GEMM tiles] and NOTE [TMA loads]:
+# * gated: Qwen3-like (N*K 3.1M) and DeepSeek-V3-like (5.8M) win at every row count measured (T4096: 474 vs 623,
+#   579 vs 705; T16384 1524 vs 1910, 1966 vs 2347); Mixtral-like (29M) wins at 64 rows (T256 188 vs 212) and
+#   ties above (T4096 877 vs 892, T16384 3197 vs 3170): CUTLASS there;
+# * weighted: Qwen3 T4096 275 vs 369, T16384 851 vs 1129; DeepSeek T4096 309 vs 379; Mixtral ties at 64 rows (T256
+#   110 vs 107) and wins above 512 (T4096 430 vs 446, T16384 1466 vs 1659);
+# * plain (no row weight, so no epilogue on either side; measured before the TMA loads): Qwen3 T4096 297 vs 283
+#   (``--sweep``), ties at 64 rows;
+# * dx (TMA reads the ``[E, K, N]`` weights): Qwen3 and DeepSeek win or tie at every row count (gate_up dX T4096 512
+#   vs 551, 568 vs 663; down dX T4096 267 vs 266, 333 vs 338; T16384 1518 vs 1656, 774 vs 813); Mixtral loses at 64
+#   rows (gate_up dX T256 202 vs 179), ties at 1024 (T4096 829 vs 860, 434 vs 427) and wins at 4096 (T16384 2801 vs
+#   3239, 1498 vs 1601): Triton above 2048 rows there;
+# * wgrad: Qwen3-like T4096 828 vs 650 us (gate_up, CUTLASS on gathered rows), 358 vs 299 (down): CUTLASS.
+TRITON_ROWS_PER_EXPERT: dict[str, tuple[tuple[float, int, int], ...]] = {
+    # kind: ((max N*K of the weight per expert, rows per expert from, to: where Triton wins), ...), smallest first
+    "gated": ((2048 * 3072, 0, 1 << 30), (float("inf"), 0, 64)),
+    "weighted": ((2048 * 3072, 0, 1 << 30), (float("inf"), 513, 1 << 30)),
+    "plain": ((float("inf"), 0, 64),),
+    "dx": ((2048 * 3072, 0, 1 << 30), (float("inf"), 2049, 1 << 30)),
+    "wgrad": ((float("inf"), 1, 0),),
 }
 _ENV_CHOICE = "MOE_COMPILE_GROUPED_GEMM"  # "triton" / "cutlass" / unset (the table)
 
@@ -51,8 +53,8 @@ def use_triton_grouped_gemm(
     the measured table for ``kind`` (NOTE [grouped GEMM choice]) says it wins; ``MOE_COMPILE_GROUPED_GEMM``
     overrides.
     """
-    if kind not in TRITON_MAX_ROWS_PER_EXPERT:
-        raise ValueError(f"kind={kind!r} is not one of {tuple(TRITON_MAX_ROWS_PER_EXPERT)}")
+    if kind not in TRITON_ROWS_PER_EXPERT:
+        raise ValueError(f"kind={kind!r} is not one of {tuple(TRITON_ROWS_PER_EXPERT)}")
     if device.type != "cuda" or fmt != "plain" or dtype != torch.bfloat16:
         return True
     if torch.cuda.get_device_capability(device)[0] not in (9, 10):
@@ -61,9 +63,9 @@ def use_triton_grouped_gemm(
     if choice in ("triton", "cutlass"):
         return choice == "triton"
     rows = M / max(E, 1)
-    for max_weight, max_rows in TRITON_MAX_ROWS_PER_EXPERT[kind]:
+    for max_weight, rows_from, rows_to in TRITON_ROWS_PER_EXPERT[kind]:
         if N * K <= max_weight:
-            return rows <= max_rows
+            return rows_from <= rows <= rows_to
     return False
 
 

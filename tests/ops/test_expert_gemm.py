@@ -171,12 +171,16 @@ def test_heuristic_per_kind_of_gemm(monkeypatch):
     assert not use(32768, 2048, 768, 128, bf16, cuda, kind="plain")
     assert use(2048, 2048, 768, 128, bf16, cuda, kind="plain")  # T256: 16 rows per expert
     assert use(32768, 2048, 1536, 128, bf16, cuda, kind="dx")
-    assert not use(131072, 2048, 1536, 128, bf16, cuda, kind="dx")  # T16384: 1024 rows per expert
+    assert use(131072, 2048, 1536, 128, bf16, cuda, kind="dx")  # T16384: 1024 rows per expert
     assert not use(32768, 1536, 2048, 128, bf16, cuda, kind="wgrad")
-    # Mixtral-like: gate_up on Triton only at decode-like row counts, its down on CUTLASS even with the row weight
+    # Mixtral-like: gate_up on Triton only at decode-like row counts; the row-weighted down and dX from
+    # prefill-sized row counts (T4096 and T16384 with K 2: 1024 and 4096 rows per expert)
     assert use(512, 7168, 4096, 8, bf16, cuda, kind="gated")
     assert not use(8192, 7168, 4096, 8, bf16, cuda, kind="gated")
-    assert not use(8192, 4096, 3584, 8, bf16, cuda, kind="weighted")
+    assert not use(512, 4096, 3584, 8, bf16, cuda, kind="weighted")
+    assert use(8192, 4096, 3584, 8, bf16, cuda, kind="weighted")
+    assert not use(8192, 4096, 7168, 8, bf16, cuda, kind="dx")
+    assert use(32768, 4096, 7168, 8, bf16, cuda, kind="dx")
     monkeypatch.setenv("MOE_COMPILE_GROUPED_GEMM", "triton")
     assert use(32768, 1536, 2048, 128, bf16, cuda, kind="wgrad")
     with pytest.raises(ValueError, match="kind"):
