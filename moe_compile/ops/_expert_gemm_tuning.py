@@ -124,7 +124,7 @@ def pick_config(
         elif fmt == "nvfp4":
             cfg.update(BLOCK_K=128, SWAP_AB=True)
     elif not gated and rows > 96:
-        cfg.update(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=4 if tma_nk and fmt == "plain" else 3)
+        cfg.update(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=4 if tma_nk else 3)
         if fmt == "mxfp8":
             cfg.update(BLOCK_M=256, BLOCK_N=128, SWAP_AB=True)
     cfg["BLOCK_K"] = max(min(cfg["BLOCK_K"], gmm._next_pow2(K)), gmm._MIN_BLOCK_K[fmt])

@@ -104,24 +104,19 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _tma_enabled(x: torch.Tensor, fmt: str, gated: bool) -> bool:
-    """TMA loads (NOTE [TMA loads] in the kernels) for plain 16-bit weights, and MXFP8 weights of un-gated GEMMs
-    (the gated MXFP8 tiles swap the MMA operands, where TMA was slower), on sm90+; ``MOE_COMPILE_TMA=0`` turns
-    them off. The descriptors' scratch memory comes from Triton's allocator: ``_set_tma_allocator`` in eager,
-    and Inductor sets its own around the kernels it launches (torch 2.11 and 2.13 both do)."""
-    if os.environ.get("MOE_COMPILE_TMA", "1") == "0" or not x.is_cuda or x.dtype == torch.float32:
-        return False
-    if not (fmt == "plain" or (fmt == "mxfp8" and not gated)):
+def _tma_enabled(x: torch.Tensor, fmt: str) -> bool:
+    """TMA loads (NOTE [TMA loads] in the kernels) for plain 16-bit weights on sm90+; ``MOE_COMPILE_TMA=0`` turns
+    them off. The descriptors' scratch memory comes from Triton's allocator: ``_set_tma_allocator`` in eager, and
+    Inductor sets its own around the kernels it launches (torch 2.11 and 2.13 both do)."""
+    if os.environ.get("MOE_COMPILE_TMA", "1") == "0" or fmt != "plain" or not x.is_cuda or x.dtype == torch.float32:
         return False
     return hasattr(triton, "set_allocator") and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-def _tma_layout(
-    x: torch.Tensor, src: torch.Tensor | None, w: torch.Tensor, gated: bool, enabled: bool, fmt: str = "plain"
-) -> dict:
+def _tma_layout(x: torch.Tensor, src: torch.Tensor | None, w: torch.Tensor, gated: bool, enabled: bool) -> dict:
     """``USE_TMA`` / ``W_KN`` / ``X_TMA``: which operands come through tensor descriptors. The weight when its
-    storage is ``[E, N, K]`` or (plain, un-gated) ``[E, K, N]`` with 16-byte rows; the activations when, in
-    addition, they are not gathered and have 16-byte rows."""
+    storage is ``[E, N, K]`` or (un-gated) ``[E, K, N]`` with 16-byte rows; the activations when, in addition,
+    they are not gathered and have 16-byte rows."""
     off = dict(USE_TMA=False, W_KN=False, X_TMA=False)
     if not enabled:
         return off
@@ -134,7 +129,7 @@ def _tma_layout(
 
     if w.is_contiguous():
         w_kn = False
-    elif not gated and fmt == "plain" and w.transpose(1, 2).is_contiguous():
+    elif not gated and w.transpose(1, 2).is_contiguous():
         w_kn = True
     else:
         return off
@@ -179,8 +174,8 @@ def launch_expert_gemm(
         offs_E = offs_E.clone()  # NOTE [offs copy] in ops/grouped_mm.py
     config = dict(config or {})
     want_tma = config.pop("USE_TMA", None)
-    enabled = _tma_enabled(x_SK, fmt, gated) if want_tma is None else want_tma
-    tma = _tma_layout(x_SK, src_M, w, gated, enabled and fmt != "nvfp4", fmt)
+    enabled = _tma_enabled(x_SK, fmt) if want_tma is None else want_tma
+    tma = _tma_layout(x_SK, src_M, w, gated, enabled and fmt == "plain")  # the kernel's TMA path is plain only
     tma.update({k: config.pop(k) for k in ("W_KN", "X_TMA") if k in config})
     cfg = pick_config(M, E, N, K, fmt, fp32, gated, x_SK.is_cuda, tma_nk=tma["USE_TMA"] and not tma["W_KN"])
     cfg.update(config)

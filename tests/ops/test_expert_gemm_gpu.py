@@ -215,39 +215,17 @@ def test_tma_loads_change_no_bits(forced_triton, monkeypatch):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs sm90+")
     x, d, w1, w2, dy = _block_inputs(5)
-    picked = [eg._tma_layout(dy, None, w2, False, eg._tma_enabled(dy, "plain", False)),
-              eg._tma_layout(dy, None, w2.transpose(1, 2), False, eg._tma_enabled(dy, "plain", False)),
-              eg._tma_layout(x, d.row_map, w1, True, eg._tma_enabled(x, "plain", True))]
+    picked = [eg._tma_layout(dy, None, w2, False, eg._tma_enabled(dy, "plain")),
+              eg._tma_layout(dy, None, w2.transpose(1, 2), False, eg._tma_enabled(dy, "plain")),
+              eg._tma_layout(x, d.row_map, w1, True, eg._tma_enabled(x, "plain"))]
     assert picked == [dict(USE_TMA=True, W_KN=False, X_TMA=True), dict(USE_TMA=True, W_KN=True, X_TMA=True),
                       dict(USE_TMA=True, W_KN=False, X_TMA=False)], picked
     with_tma = _block_step(_block, x, d, w1, w2, dy)
     monkeypatch.setenv("MOE_COMPILE_TMA", "0")
-    assert not eg._tma_enabled(dy, "plain", False)
+    assert not eg._tma_enabled(dy, "plain")
     without = _block_step(_block, x, d, w1, w2, dy)
     for got, want, what in zip(with_tma, without, _GRADS):
         assert torch.equal(got, want), f"{what} changed with TMA loads"
-
-
-def test_tma_mxfp8_down_changes_no_bits(monkeypatch):
-    """MXFP8 weights of the un-gated (down) GEMM through a descriptor, decoded in registers (NOTE [TMA loads]):
-    the production launch picks it (not for the gated GEMM) and it gives the bits of pointer loads."""
-    from moe_compile.grouped_weight import quantize_stored
-
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA needs sm90+")
-    x, d, w1, w2, dy = _block_inputs(7)
-    M = d.rows_MH.shape[0]
-    h = torch.randn(M, I, device=DEV).to(torch.bfloat16)
-    q, scale, _ = quantize_stored(w2, "mxfp8")
-    assert eg._tma_enabled(h, "mxfp8", False) and not eg._tma_enabled(h, "mxfp8", True)
-    assert eg._tma_layout(h, None, q, False, True, "mxfp8") == dict(USE_TMA=True, W_KN=False, X_TMA=True)
-    outs = []
-    for tma in ("1", "0"):
-        monkeypatch.setenv("MOE_COMPILE_TMA", tma)
-        y = torch.full((M, H), float("nan"), dtype=torch.bfloat16, device=DEV)
-        eg.launch_expert_gemm(h, None, q, scale, None, d.offs_E, d.probs_M, y, None, "none", "mxfp8")
-        outs.append(y)
-    assert torch.equal(outs[0], outs[1]), "MXFP8 down changed with TMA loads"
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])

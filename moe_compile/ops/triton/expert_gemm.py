@@ -25,8 +25,7 @@ two accumulators over one activation tile and stores ``act(gate) * up`` (times t
 backward. Everything in the epilogue is fp32; one cast per stored value.
 
 NOTE [TMA loads]
-``USE_TMA`` (plain 16-bit weights, and MXFP8 weights of un-gated GEMMs, sm90+; the launcher's ``_tma_enabled`` /
-``_tma_layout``): the weight tile comes through a
+``USE_TMA`` (plain 16-bit weights, sm90+; the launcher's ``_tma_layout``): the weight tile comes through a
 device-side tensor descriptor (``tl.make_tensor_descriptor``, made once per program). Weights stored
 ``[E, N, K]`` (the forward): a descriptor over ``[E * N_w, K]``; rows of a tile past ``N`` read the next rows
 (their output columns are masked), columns past ``K`` are zero. ``W_KN``, weights stored ``[E, K, N]`` (the
@@ -35,10 +34,11 @@ the expert's ``K`` and past ``N``, transposed in shared memory for the MMA. ``X_
 not gathered come through a ``[M, K]`` descriptor too; a tile's rows past its expert's end are read and
 multiplied, and only their output rows are masked (an output row depends on its own input row alone).
 Gathered rows keep pointer loads (sm90 has no TMA gather). No value changes: the loads bring the same
-elements to the same MMA. MXFP8 tiles come through the descriptor as e4m3 bytes and are decoded in registers
-as on the pointer path. H100, Qwen3-like T 4096 (us, pointer loads -> TMA): gate_up 522 -> 451, down
-300 -> 261, gate_up dX 496 -> 492, down dX 264 -> 258; DeepSeek-V3-like gate_up 639 -> 543, down 341 -> 288;
-MXFP8 down 365 -> 322, but MXFP8 gate_up (swapped operands) 720 -> 903: not used there.
+elements to the same MMA. H100, Qwen3-like T 4096 (us, pointer loads -> TMA): gate_up 522 -> 451, down
+300 -> 261, gate_up dX 496 -> 492, down dX 264 -> 258; DeepSeek-V3-like gate_up 639 -> 543, down 341 -> 288.
+Tried for MXFP8 (the e4m3 tile through the descriptor, decoded in registers): down 365 -> 322 us, gate_up
+(swapped operands) 720 -> 903; but one benchmark run returned NaN from the MXFP8 block with it, which a run of
+the same GEMMs alone did not reproduce: quantised weights keep pointer loads.
 
 NOTE [swapped operands]
 With ``SWAP_AB`` each tile computes ``(W x^T)^T``: the accumulators are ``[BLOCK_N, BLOCK_M]`` and are
@@ -56,7 +56,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moe_compile.ops.triton.grouped_mm import W_MXFP8, W_NVFP4, _dot, _load_scales, _mxfp8_decode, _w_dot
+from moe_compile.ops.triton.grouped_mm import W_NVFP4, _dot, _load_scales, _w_dot
 
 ACT_NONE: tl.constexpr = tl.constexpr(0)
 ACT_SWIGLU: tl.constexpr = tl.constexpr(1)
@@ -173,20 +173,7 @@ def _expert_gemm_kernel(
                 x = x_desc.load([row0, k0])
             else:
                 x = tl.load(x_base + ks[None, :] * stride_xk, mask=a_mask[:, None] & (ks[None, :] < K), other=0.0)
-            if USE_TMA and W_FORMAT == W_MXFP8:  # the e4m3 tile through the descriptor, decoded in registers
-                w_row = e * N_W + pid_n * BLOCK_N
-                s_next = _load_scales(s_base, k0 + BLOCK_K, K, col_mask, stride_sk, W_FORMAT, BLOCK_N, BLOCK_K)
-                w = _mxfp8_decode(w_desc.load([w_row, k0]), s, BLOCK_N, BLOCK_K, x.dtype)
-                acc = _dot(acc, x, w, IEEE_DOT, SWAP_AB)
-                s = s_next
-                if ACT != ACT_NONE:
-                    s_u_next = _load_scales(
-                        s_base + up_off_s, k0 + BLOCK_K, K, col_mask, stride_sk, W_FORMAT, BLOCK_N, BLOCK_K
-                    )  # fmt: skip
-                    w_u = _mxfp8_decode(w_desc.load([w_row + N, k0]), s_u, BLOCK_N, BLOCK_K, x.dtype)
-                    acc_u = _dot(acc_u, x, w_u, IEEE_DOT, SWAP_AB)
-                    s_u = s_u_next
-            elif USE_TMA:
+            if USE_TMA:
                 if W_KN:
                     w_t = w_desc.load([e, k0, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
                     acc = _dot(acc, x, tl.trans(w_t), IEEE_DOT, SWAP_AB)

@@ -193,15 +193,8 @@ def _dequant_tile(
     else:
         tl.static_assert(W_FORMAT == W_MXFP8, "NVFP4 tiles come from _nvfp4_tile")
         q = tl.load(w_base + ks[None, :] * stride_wk, mask=col_mask[:, None] & (ks[None, :] < K), other=0.0)
-        return _mxfp8_decode(q, s, BLOCK_N, BLOCK_K, OUT_DTYPE)
-
-
-@triton.jit
-def _mxfp8_decode(q, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """A loaded ``[BLOCK_N, BLOCK_K]`` e4m3 tile times its e8m0 block scales ``s`` (``_load_scales``), with the
-    reference's fp32 arithmetic (bitwise the reference), in ``OUT_DTYPE``."""
-    w = q.to(tl.float32).reshape(BLOCK_N, BLOCK_K // MX_BLOCK, MX_BLOCK) * _decode_e8m0(s)[:, :, None]
-    return w.reshape(BLOCK_N, BLOCK_K).to(OUT_DTYPE)
+        w = q.to(tl.float32).reshape(BLOCK_N, BLOCK_K // MX_BLOCK, MX_BLOCK) * _decode_e8m0(s)[:, :, None]
+        return w.reshape(BLOCK_N, BLOCK_K).to(OUT_DTYPE)
 
 
 @triton.jit

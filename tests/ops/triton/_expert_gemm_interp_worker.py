@@ -35,8 +35,6 @@ CASES = {
     "tma_x_bf16_rw": ("plain", [2, 5, 0, 7], 3, 40, 48, "bfloat16", "rt"),
     "tma_x_kn_weight_fp32": ("strided", [4, 0, 5, 3], 2, 24, 40, "float32", "t"),
     "tma_x_kn_weight_bf16_swapped_rw": ("strided", [3, 6, 0], 1, 40, 48, "bfloat16", "rtx"),
-    "tma_mxfp8_bf16_gather_swiglu": ("mxfp8", [3, 0, 5, 2], 2, 24, 64, "bfloat16", "gst"),
-    "tma_mxfp8_fp32_rw_swapped": ("mxfp8", [2, 5, 0], 1, 24, 96, "float32", "rtx"),
     "wgrad_fp32_gather_rw": ("wgrad", [3, 0, 5, 2], 2, 24, 40, "float32", "gr"),
     "wgrad_bf16_plain": ("wgrad", [2, 0, 0, 1, 4, 0, 3], 1, 16, 24, "bfloat16", ""),
     "wgrad_fp32_one_program_empty": ("wgrad", [0, 6, 0], 0, 16, 32, "float32", "g1"),
@@ -321,9 +319,7 @@ def compile_sm90() -> dict:
     for M, E, N, K, act, gather, rw in SM90_SHAPES:
         for fmt, (x_t, w_t, s_t, g_t) in _SM90_TYPES.items():
             # TMA: weights through descriptors, activations too when not gathered; un-gated also the dX layout
-            # (MXFP8: un-gated only, as the launcher picks it)
-            tmas = [(False, False)] + ([(True, False)] + ([(True, True)] if act == "none" else []) if fmt == "plain"
-                                       else [(True, False)] if fmt == "mxfp8" and act == "none" else [])
+            tmas = [(False, False)] + ([(True, False)] + ([(True, True)] if act == "none" else []) if fmt == "plain" else [])
             for tma, w_kn in tmas:
                 cfg = eg.pick_config(M, E, N, K, fmt, False, act != "none", True, tma_nk=tma and not w_kn)
                 consts = dict(GATHER=gather, ACT=eg.ACTIVATIONS[act], ROW_SCALE=rw, STORE_PRE=act != "none",
