@@ -19,8 +19,8 @@ Per shape: ``block`` fwd and fwd+bwd (autograd w.r.t. x, both weights and the pr
 weight in the epilogue vs ``_grouped_mm`` + the standalone row-weight epilogue: what the shipped CUTLASS path
 runs), forward, and the backward's four: ``*_dx`` (against the transposed weights) and
 ``*_wgrad`` (``gate_up_wgrad`` gathers ``x`` through the row map; CUTLASS's time includes the gather). Quantised (Qwen3-like, T in {1, 64, 4096}): forward block with MXFP8 / NVFP4
-weight-only ``expert_gemm`` vs the bf16 ``cutlass`` and ``triton`` blocks. ``--tma`` adds TMA weight
-loads (``MOE_COMPILE_TMA=1``) to the Triton forward.
+weight-only ``expert_gemm`` vs the bf16 ``cutlass`` and ``triton`` blocks. ``--tma`` adds a Triton forward row
+with pointer loads instead of the TMA loads it uses by default on sm90 (``MOE_COMPILE_TMA=0``, NOTE [TMA loads]).
 
 Timing: ``triton.testing.do_bench_cudagraph`` (GPU time of a CUDA-graph replay: kernel time without
 launch gaps), median; the forward+backward blocks: GPU kernel time from ``torch.profiler`` (:func:`kernel_us`
@@ -192,9 +192,9 @@ def run_shape(s: Shape, T: int, gen, args) -> list[dict]:
         ref = outs["cutlass"].float()
         err = float((outs["triton"].float() - ref).abs().max() / ref.abs().max())
         if args.tma:
-            with env(MOE_COMPILE_TMA="1"), torch.no_grad():
+            with env(MOE_COMPILE_TMA="0"), torch.no_grad():
                 us, how = bench_us(lambda: blocks["triton"](x, probs, wgu, wd))
-                add("block_fwd", "triton_tma", us, fl_block, how)
+                add("block_fwd", "triton_pointer_loads", us, fl_block, how)
         wgu.requires_grad_(), wd.requires_grad_()
         dy = torch.randn_like(ref).to(torch.bfloat16)
         for impl, block in blocks.items():
@@ -392,7 +392,8 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--quick", action="store_true", help="T 4096 only (and quantised T 1, 4096)")
     parser.add_argument("--budget-s", type=float, default=170.0, help="skip what is left after this many seconds")
-    parser.add_argument("--tma", action="store_true", help="also time the Triton forward with TMA weight loads")
+    parser.add_argument("--tma", action="store_true", help="also time the Triton forward with pointer loads "
+                                                               "(MOE_COMPILE_TMA=0) next to its default TMA loads")
     parser.add_argument("--sweep", action="store_true", help="time the tile candidates per GEMM instead (NOTE [expert "
                                                                  "GEMM tiles]); prints the best per GEMM")
     parser.add_argument("--sweep-no-wgrad", action="store_true", help="with --sweep: skip the wgrad candidates")
