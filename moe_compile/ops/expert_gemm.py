@@ -177,6 +177,7 @@ def launch_expert_gemm(
     enabled = _tma_enabled(x_SK, fmt) if want_tma is None else want_tma
     tma = _tma_layout(x_SK, src_M, w, gated, enabled and fmt == "plain")  # the kernel's TMA path is plain only
     tma.update({k: config.pop(k) for k in ("W_KN", "X_TMA") if k in config})
+    tma["X_TMA"] = tma["X_TMA"] and x_SK.shape[0] == M  # the rows' descriptor spans y's M rows
     cfg = pick_config(M, E, N, K, fmt, fp32, gated, x_SK.is_cuda, tma_nk=tma["USE_TMA"] and not tma["W_KN"])
     cfg.update(config)
     if fmt == "nvfp4":  # int16 words of four codes (NOTE [NVFP4 decode])
