@@ -194,3 +194,36 @@ def test_gemm_kind_reads_the_weight_layout():
     assert eg.gemm_kind(w, "none", weighted=True) == "weighted"
     assert eg.gemm_kind(w, "swiglu", weighted=True) == "gated"
     assert eg.gemm_kind(w.transpose(1, 2), "none") == "dx"
+
+
+
+def test_tma_layout_of_traced_tensors():
+    """NOTE [TMA loads]: which operands get tensor descriptors, decided from shapes, strides and storage offsets.
+    Traced tensors (fake, and functional as Dynamo hands them to the op) have no address: a traced launch once
+    called ``data_ptr`` on them and failed under ``torch.compile``. Fake CUDA tensors need no GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    off = dict(USE_TMA=False, W_KN=False, X_TMA=False)
+    with FakeTensorMode():
+        w = torch.empty(4, 48, 32, dtype=torch.bfloat16, device="cuda")
+        x = torch.empty(64, 32, dtype=torch.bfloat16, device="cuda")
+        src = torch.empty(64, dtype=torch.int32, device="cuda")
+        w33 = torch.empty(4, 48, 33, dtype=torch.bfloat16, device="cuda")  # 66-byte rows
+        odd_rows = torch.empty_strided((64, 32), (33, 1), dtype=torch.bfloat16, device="cuda")
+        shifted = torch.empty(65 * 32, dtype=torch.bfloat16, device="cuda").as_strided((64, 32), (32, 1), 1)
+        with FunctionalTensorMode():
+            for wrap in (lambda t: t, FunctionalTensor.to_functional):
+                w_, x_, src_, w33_, odd_, shifted_ = map(wrap, (w, x, src, w33, odd_rows, shifted))
+                assert eg._tma_layout(x_, None, w_, False, True) == dict(USE_TMA=True, W_KN=False, X_TMA=True)
+                assert eg._tma_layout(x_, src_, w_, True, True) == dict(USE_TMA=True, W_KN=False, X_TMA=False)
+                # the backward's w.transpose(1, 2): [E, K, N] storage, un-gated only
+                w_kn = w_.transpose(1, 2)
+                assert eg._tma_layout(x_, None, w_kn, False, True) == dict(USE_TMA=True, W_KN=True, X_TMA=True)
+                assert eg._tma_layout(x_, None, w_kn, True, True) == off
+                # rows that are not 16-byte multiples, or start off a 16-byte boundary, keep pointer loads
+                assert eg._tma_layout(x_, None, w33_, False, True) == off
+                assert eg._tma_layout(odd_, None, w_, False, True) == dict(USE_TMA=True, W_KN=False, X_TMA=False)
+                assert not eg._tma_layout(shifted_, None, w_, False, True)["X_TMA"]
+                assert eg._tma_layout(x_, None, w_, False, False) == off
+    assert not eg._tma_enabled(torch.empty(4, 4, dtype=torch.bfloat16), "plain")  # CPU tensors: never
