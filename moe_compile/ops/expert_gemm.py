@@ -113,18 +113,20 @@ def _tma_enabled(x: torch.Tensor, fmt: str) -> bool:
     return hasattr(triton, "set_allocator") and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-def _tma_layout(x: torch.Tensor, src: torch.Tensor | None, w: torch.Tensor, gated: bool, enabled: bool) -> dict:
+def _tma_layout(
+    x: torch.Tensor, src: torch.Tensor | None, w: torch.Tensor, gated: bool, enabled: bool, rows: int | None = None
+) -> dict:
     """``USE_TMA`` / ``W_KN`` / ``X_TMA``: which operands come through tensor descriptors. The weight when its
     storage is ``[E, N, K]`` or (un-gated) ``[E, K, N]`` with 16-byte rows; the activations when, in addition,
-    they are not gathered and have 16-byte rows."""
+    they are not gathered, have 16-byte rows and exactly the ``rows`` of the output (default: ``x``'s) that the
+    descriptor spans."""
     off = dict(USE_TMA=False, W_KN=False, X_TMA=False)
     if not enabled:
         return off
 
     def aligned(t: torch.Tensor, stride: int) -> bool:
         # traced (fake tensors have no address): the storage's base is taken as aligned, as Inductor takes it
-        traced = torch.compiler.is_compiling() or type(t) is not torch.Tensor
-        base = t.storage_offset() * t.element_size() if traced else t.data_ptr()
+        base = t.storage_offset() * t.element_size() if _common.is_traced(t) else t.data_ptr()
         return stride * t.element_size() % 16 == 0 and base % 16 == 0
 
     if w.is_contiguous():
@@ -135,7 +137,8 @@ def _tma_layout(x: torch.Tensor, src: torch.Tensor | None, w: torch.Tensor, gate
         return off
     if not (aligned(w, w.stride(2) if w_kn else w.stride(1)) and aligned(w, w.stride(0))):
         return off
-    x_tma = src is None and x.stride(1) == 1 and aligned(x, x.stride(0))
+    spans_rows = rows is None or x.shape[0] == rows
+    x_tma = src is None and spans_rows and x.stride(1) == 1 and aligned(x, x.stride(0))
     return dict(USE_TMA=True, W_KN=w_kn, X_TMA=x_tma)
 
 
@@ -170,14 +173,13 @@ def launch_expert_gemm(
     E = offs_E.shape[0]
     gated = activation != "none"
     fp32 = x_SK.dtype == torch.float32
-    if x_SK.is_cuda and (torch.compiler.is_compiling() or type(offs_E) is not torch.Tensor):
+    if x_SK.is_cuda and _common.is_traced(offs_E):
         offs_E = offs_E.clone()  # NOTE [offs copy] in ops/grouped_mm.py
     config = dict(config or {})
     want_tma = config.pop("USE_TMA", None)
     enabled = _tma_enabled(x_SK, fmt) if want_tma is None else want_tma
-    tma = _tma_layout(x_SK, src_M, w, gated, enabled and fmt == "plain")  # the kernel's TMA path is plain only
+    tma = _tma_layout(x_SK, src_M, w, gated, enabled and fmt == "plain", rows=M)  # the kernel's TMA path: plain
     tma.update({k: config.pop(k) for k in ("W_KN", "X_TMA") if k in config})
-    tma["X_TMA"] = tma["X_TMA"] and x_SK.shape[0] == M  # the rows' descriptor spans y's M rows
     cfg = pick_config(M, E, N, K, fmt, fp32, gated, x_SK.is_cuda, tma_nk=tma["USE_TMA"] and not tma["W_KN"])
     cfg.update(config)
     if fmt == "nvfp4":  # int16 words of four codes (NOTE [NVFP4 decode])
@@ -202,8 +204,7 @@ def launch_expert_gemm(
     rw = _common.unit_last_stride(row_weight_M) if row_weight_M is not None else offs_E
     pre = pre_MW
     if pre is None:  # an unused dummy; traced, not y itself: an output passed twice breaks a failed mutation analysis
-        traced = torch.compiler.is_compiling() or type(y_MN) is not torch.Tensor
-        pre = y_MN.new_empty(1, 1) if traced and x_SK.is_cuda else y_MN
+        pre = y_MN.new_empty(1, 1) if _common.is_traced(y_MN) and x_SK.is_cuda else y_MN
     ptx = cfg.pop("PTX_DECODE", fmt == "nvfp4" and gmm._ptx_decode_supported(x_SK))
     wrap = wrap_triton if x_SK.is_cuda else (lambda k: k)
     wrap(kernels._expert_gemm_kernel)[(num_progs,)](

@@ -30,6 +30,7 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
+from moe_compile.ops import _common
 from moe_compile.ops.triton import grouped_mm as _kernels
 
 MX_BLOCK = 32
@@ -220,7 +221,7 @@ def launch_grouped_mm(
     M, K = x_MK.shape
     E, N = offs_E.shape[0], out_MN.shape[1]
     fp32 = x_MK.dtype == torch.float32
-    traced = torch.compiler.is_compiling() or type(offs_E) is not torch.Tensor  # Fake/FunctionalTensor
+    traced = _common.is_traced(offs_E)
     if x_MK.is_cuda and traced:
         # NOTE [offs copy]: the store addresses depend on values loaded from offs, so Inductor's TTIR
         # analysis counts offs as written: a graph input would then be "mutated", which makes

@@ -196,7 +196,6 @@ def test_gemm_kind_reads_the_weight_layout():
     assert eg.gemm_kind(w.transpose(1, 2), "none") == "dx"
 
 
-
 def test_tma_layout_of_traced_tensors():
     """NOTE [TMA loads]: which operands get tensor descriptors, decided from shapes, strides and storage offsets.
     Traced tensors (fake, and functional as Dynamo hands them to the op) have no address: a traced launch once
@@ -225,5 +224,8 @@ def test_tma_layout_of_traced_tensors():
                 assert eg._tma_layout(x_, None, w33_, False, True) == off
                 assert eg._tma_layout(odd_, None, w_, False, True) == dict(USE_TMA=True, W_KN=False, X_TMA=False)
                 assert not eg._tma_layout(shifted_, None, w_, False, True)["X_TMA"]
+                # the rows' descriptor spans the output's rows: x must have exactly that many
+                assert eg._tma_layout(x_, None, w_, False, True, rows=64)["X_TMA"]
+                assert not eg._tma_layout(x_, None, w_, False, True, rows=65)["X_TMA"]
                 assert eg._tma_layout(x_, None, w_, False, False) == off
     assert not eg._tma_enabled(torch.empty(4, 4, dtype=torch.bfloat16), "plain")  # CPU tensors: never

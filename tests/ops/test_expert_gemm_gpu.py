@@ -182,7 +182,6 @@ def test_quantised_forward_production_tiles(fmt, gated):
     tol.assert_within(runs[0][0], want_y, tol.rounding_bound(want_y, torch.bfloat16, inner=slack) + slack, f"{fmt} y")
 
 
-
 def _block(xg, w1, w2, rw, offs, row_map, num_rows):
     """Gate_up (gathered rows, SwiGLU) then down (row weight), as the rewritten MoE block runs them."""
     h, _ = eg.expert_gemm(xg, w1, offs, row_map=row_map, activation="swiglu", num_rows=num_rows)
