@@ -10,7 +10,8 @@ NOTE [recycled gradient views]: the view objects are kept from step to step; the
 
 * ``_after`` (the gradient has accumulated) moves ``dG``'s memory under the kept views: the two storages swap
   their data pointers (``UntypedStorage._swap_data_ptr_``, what CUDA-graph trees and FSDP use to move memory
-  under live views); no copy, no new tensor. ``dG``'s storage leaves with the carrier's old memory and frees it.
+  under live views; on a torch without it, NOTE [storage swap shim] in ``_storage_swap.py``); no copy, no new
+  tensor. ``dG``'s storage leaves with the carrier's old memory and frees it.
 * ``release`` frees the memory (``storage.resize_(0)``) once every ``p.grad`` was reset to ``None`` and nothing
   else holds a view, as ``zero_grad(set_to_none=True)`` frees a plain gradient. ``moe_compile.compile`` calls it
   before every call of the compiled model, so gradients are not held through the next forward. A block called
@@ -19,8 +20,8 @@ NOTE [recycled gradient views]: the view objects are kept from step to step; the
   (Python reference counts) and no tensor was made from it (the storage's use count). Otherwise the kept views
   are left to whoever holds them, with their values, and fresh views are handed out.
 * Off under CUDA graphs (``recycle=False``): a graph's output memory belongs to its pool, which tracks it by
-  the storage it came out in. Off where torch has no ``_swap_data_ptr_`` (torch 2.13 has it, 2.11 has not):
-  fresh views every step, as before.
+  the storage it came out in. Off where storages cannot swap their memory (torch 2.11 without a C++ compiler
+  for the shim): fresh views every step, as before.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import weakref
 
 import torch
 from torch import Tensor, nn
+
+from moe_compile import _storage_swap
 
 _GRAD = operator.attrgetter("grad")
 
@@ -54,7 +57,7 @@ def per_expert_views(grouped: Tensor, halves: bool) -> list[Tensor]:
 def _grad_python_refs() -> int | None:
     """How much ``p.grad = t`` adds to ``t``'s Python reference count (0 or 1, by torch version); ``None`` when
     neither, or when storages cannot swap their data (recycling is then off)."""
-    if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+    if _storage_swap.storage_swapper() is None:
         return None
     p, t = torch.zeros(1, requires_grad=True), torch.zeros(1)
     before = sys.getrefcount(t)
@@ -179,7 +182,7 @@ class GradViews:
         if storage.nbytes() and not self._unshared(grads_hold=True):
             self.carrier, self.views = None, ()  # left to whoever holds them, with their values
             return False
-        storage._swap_data_ptr_(grad.untyped_storage())
+        _storage_swap.storage_swapper()(storage, grad.untyped_storage())
         return True
 
     def release(self) -> None:

@@ -6,12 +6,25 @@ import pytest
 import torch
 from torch import nn
 
+from moe_compile import _storage_swap
 from moe_compile._grad_views import GradViews, _grad_python_refs, per_expert_views
 
 E, N, K = 4, 3, 5
 LAYOUTS = pytest.mark.parametrize("halves", [False, True], ids=["stacked", "gate_up_halves"])
 MODES = pytest.mark.parametrize("recycle", [False, True], ids=["fresh", "recycled"])
 needs_swap = pytest.mark.skipif(_grad_python_refs() is None, reason="this torch cannot swap storage data pointers")
+
+
+@pytest.fixture(params=["torch", "shim"])
+def swapper(request, monkeypatch):
+    """Recycling through torch's ``_swap_data_ptr_`` and through NOTE [storage swap shim] (what torch 2.11 uses)."""
+    chosen = _storage_swap.torch_swapper() if request.param == "torch" else _storage_swap.shim_swapper()
+    if chosen is None:
+        pytest.skip(f"no {request.param} storage swap here")
+    monkeypatch.setattr(_storage_swap, "storage_swapper", lambda: chosen)
+    return request.param
+
+
 DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 
@@ -77,7 +90,7 @@ def test_accumulate_reset_and_mixed(halves, recycle):
 @needs_swap
 @DEVICES
 @LAYOUTS
-def test_recycled_views_are_kept_and_their_memory_released(halves, device):
+def test_recycled_views_are_kept_and_their_memory_released(halves, device, swapper):
     """With recycling the same view objects come back every step with the new values; the memory under them is
     freed once every ``p.grad`` was reset, and is not while one is still set."""
     params, grouped, views = _grouped_params(halves, recycle=True, device=device)
@@ -101,7 +114,7 @@ def test_recycled_views_are_kept_and_their_memory_released(halves, device):
 @LAYOUTS
 @pytest.mark.parametrize("hold", ["grad", "view_of_grad", "item_of_grad"])
 @pytest.mark.parametrize("released", [True, False], ids=["released", "not_released"])
-def test_recycling_leaves_held_gradients_alone(halves, hold, released, device):
+def test_recycling_leaves_held_gradients_alone(halves, hold, released, device, swapper):
     """A gradient the user still holds after ``zero_grad`` (the tensor, or one made from it) keeps its values
     through the next backward, as a fresh gradient would; the parameters get the new gradient."""
     params, grouped, views = _grouped_params(halves, recycle=True, device=device)
