@@ -87,7 +87,7 @@ class Result:
     grad_err: float
     swapped: int
     cuda_graph: str = ""
-    recycled_grads: bool = False  # NOTE [recycled gradient views] active (torch with _swap_data_ptr_, no graphs)
+    recycled_grads: bool = False  # NOTE [recycled gradient views] active (no CUDA graphs)
     note: str = ""
 
 
