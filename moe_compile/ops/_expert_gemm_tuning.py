@@ -144,6 +144,13 @@ def wgrad_config(N: int, K: int, fp32: bool, cuda: bool, row_scale: bool = False
     With ``row_scale`` (``dy`` scaled in registers before the MMA) the ``[128, 256]`` tile gave different bits
     from run to run, and NaN, on triton 3.6 (Qwen3-like down wgrad, bf16 weights): that path keeps ``[128, 128]``
     (bitwise stable over repeated runs in the same test).
+    Tried, not kept: TMA loads (``dy`` through a ``[M, N]`` descriptor, ``x`` too when not gathered; each expert's
+    partial last row step with masked pointer loads; ``grouped_gemm_wgrad_tma.json``, us pointer -> TMA vs CUTLASS).
+    Bitwise equal to the pointer loads where deterministic. Gathered ``x`` (gate_up): slower at every shape (Qwen3
+    T4096 813 -> 927, DeepSeek 943 -> 1027, Mixtral 1263 -> 1312). Un-gathered, un-scaled (down): DeepSeek 426 ->
+    375 (CUTLASS 351), Mixtral 532 -> 405 (414), Qwen3 T16384 915 -> 782 (781), but Qwen3 T4096 355 -> 372 (292).
+    Row-scaled: faster (Mixtral 974 -> 796) but different bits from launch to launch at DeepSeek and Mixtral sizes,
+    the row-scale instability above again. CUTLASS keeps the bf16 wgrad (NOTE [grouped GEMM choice]) either way.
     """
     if not cuda:  # interpreter: small tiles, groups of 2 (several column tiles per group in the tests)
         bn, bk, bm, warps, stages, group = 16, 16, 16, 4, 1, 2
