@@ -9,6 +9,11 @@ One place runs experts whose Python loop Dynamo cannot capture (``nonzero``-driv
   GEMM per projection (``torch.ops.moe.grouped_mm``: CUTLASS ``_grouped_mm`` for bf16 on sm90+, Triton
   otherwise, the PyTorch reference on CPU), the row-wise middle (GLU / activation), and the fp32
   gather-sum ``unpad_unpermute``. No host sync, no atomics, static shapes, deterministic autograd.
+  NOTE [expert MLP through expert_gemm]: a SwiGLU / GeGLU MLP over one gate-first ``gate_up`` weight, without
+  biases, routing weights after the MLP, runs instead as two ``moe.expert_gemm`` calls: the GLU in the first
+  GEMM's epilogue, the routing weight in the second's (the combine then sums weighted rows). Each GEMM picks the
+  Triton family or CUTLASS from the measured table (NOTE [grouped GEMM choice]); the callers say which GLU
+  ``middle`` is (:func:`glu_of`), checked once, outside tracing.
 * :func:`hf_experts_forward` is registered as transformers' ``"moe_compile"`` experts implementation
   (:func:`register_hf_experts`); it reads the decorated ``*Experts`` module's attributes.
 * ``moe_compile/swap.py`` calls :func:`fused_experts_forward` for ``nn.ModuleList`` experts.
@@ -25,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_compile.ops import grouped_mm as gmm
+from moe_compile.ops.expert_gemm import expert_gemm
 from moe_compile.ops.permute_pad import permute_pad
 from moe_compile.ops.unpad_unpermute import unpad_unpermute
 
@@ -43,6 +49,33 @@ class Projection:
 
     w_ENK: Tensor
     bias_EN: Tensor | None = None
+
+
+# the GLU activations ``moe.expert_gemm`` fuses, by the name it takes, with the function each stands for
+GLU_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "swiglu": torch.nn.functional.silu,
+    "geglu": torch.nn.functional.gelu,  # erf GELU; the tanh approximation is another function
+}
+
+
+def glu_of(middle: Callable[[Tensor], Tensor]) -> str | None:
+    """The name in :data:`GLU_ACTIVATIONS` of the GLU ``middle`` computes on one ``gate_up`` output (``act(gate) *
+    up``, gate columns first), or None. Probed on fixed fp32 inputs against each entry; call it eagerly (not while
+    Dynamo traces)."""
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(16, 64, generator=gen, dtype=torch.float32) * 4
+    try:
+        with torch.no_grad():
+            got = middle(gate_up.clone())
+    except Exception:  # noqa: BLE001 - a middle that does not take one plain tensor is not one of ours
+        return None
+    if not isinstance(got, Tensor) or got.shape != (16, 32) or got.dtype != torch.float32:
+        return None
+    gate, up = gate_up.chunk(2, dim=-1)
+    for name, act in GLU_ACTIVATIONS.items():
+        if torch.allclose(got, act(gate) * up, rtol=1e-6, atol=1e-6):
+            return name
+    return None
 
 
 def expert_of_rows(offs_E: Tensor, num_rows: int) -> Tensor:
@@ -78,6 +111,7 @@ def fused_experts_forward(
     weights_before: bool = False,
     post: Callable[[Tensor], Tensor] | None = None,
     align: int = 1,
+    glu: str | None = None,
 ) -> Tensor:
     """``sum_k w[t, k] * down(middle(up(x[t])))`` with expert ``ids[t, k]``, through the fused ops.
 
@@ -94,6 +128,8 @@ def fused_experts_forward(
         weights_before: scale the rows by their weight before ``up`` instead of in the combine.
         post: optional row-wise map after ``down`` (a post-expert norm).
         align: segment alignment of ``permute_pad``.
+        glu: a name in :data:`GLU_ACTIVATIONS` when ``middle`` is that GLU over one ``up`` projection (gate rows
+            first): NOTE [expert MLP through expert_gemm].
 
     Returns:
         ``[T, H]`` in ``x_TH.dtype``; the combine accumulates in fp32 in a fixed order.
@@ -103,22 +139,39 @@ def fused_experts_forward(
             f"expected x_TH [T, H], ids_TK and weights_TK [T, K]; got {tuple(x_TH.shape)}, "
             f"{tuple(ids_TK.shape)}, {tuple(weights_TK.shape)}"
         )
+    ups = up if isinstance(up, tuple) else (up,)
+    has_bias = any(p.bias_EN is not None for p in (*ups, down))
+    if glu is not None and not weights_before and not has_bias and len(ups) == 1:
+        return _expert_gemm_mlp(x_TH, ids_TK, weights_TK, ups[0], down, num_experts, post, align, glu)
     probs = weights_TK if weights_before else None
     out = permute_pad(x_TH, ids_TK, probs, num_experts=num_experts, align=align)
     rows_MH = out.rows_MH
     if weights_before:
         rows_MH = (rows_MH * out.probs_M.unsqueeze(-1)).to(x_TH.dtype)
-    has_bias = any(p.bias_EN is not None for p in (*(up if isinstance(up, tuple) else (up,)), down))
     onehot_ME = None
     if has_bias:
         expert_M = expert_of_rows(out.offs_E, rows_MH.shape[0])
         onehot_ME = (expert_M[:, None] == torch.arange(num_experts, device=expert_M.device)).to(x_TH.dtype)
-    ups = up if isinstance(up, tuple) else (up,)
     h_MI = middle(*(grouped_linear(rows_MH, proj, out.offs_E, onehot_ME) for proj in ups))
     y_MH = grouped_linear(h_MI.to(x_TH.dtype), down, out.offs_E, onehot_ME)
     if post is not None:
         y_MH = post(y_MH)
     return unpad_unpermute(y_MH, out.row_map, None if weights_before else weights_TK).to(x_TH.dtype)
+
+
+def _expert_gemm_mlp(
+    x_TH: Tensor, ids_TK: Tensor, weights_TK: Tensor, gate_up: Projection, down: Projection, num_experts: int,
+    post: Callable[[Tensor], Tensor] | None, align: int, glu: str,
+) -> Tensor:
+    """NOTE [expert MLP through expert_gemm]: the GLU and (without ``post``) the routing weight in the GEMMs'
+    epilogues."""
+    weight_in_gemm = post is None
+    out = permute_pad(x_TH, ids_TK, weights_TK if weight_in_gemm else None, num_experts=num_experts, align=align)
+    h_MI, _ = expert_gemm(out.rows_MH, gate_up.w_ENK, out.offs_E, activation=glu)
+    y_MH, _ = expert_gemm(h_MI, down.w_ENK, out.offs_E, row_weight_M=out.probs_M if weight_in_gemm else None)
+    if post is not None:
+        y_MH = post(y_MH)
+    return unpad_unpermute(y_MH, out.row_map, None if weight_in_gemm else weights_TK).to(x_TH.dtype)
 
 
 # ===== transformers' experts interface =====
@@ -169,7 +222,7 @@ def hf_experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Te
     post = module.post_expert_norm if getattr(module, "has_post_expert_norm", False) else None
     return fused_experts_forward(
         hidden_states, top_k_index, top_k_weights, up, middle, _hf_projection(module, "down_proj"),
-        num_experts=module.num_experts, post=post,
+        num_experts=module.num_experts, post=post, glu=getattr(module, "_moe_compile_glu", None),
     )
 
 
@@ -213,6 +266,7 @@ def use_fused_hf_experts(model: nn.Module) -> list[tuple[str, str, str, str]]:
             records.append((name, "skip", tag, f"eager experts loop kept: {detail}"))
             continue
         module.config._experts_implementation = IMPLEMENTATION_NAME
+        module._moe_compile_glu = glu_of(module._apply_gate) if module.has_gate else None
         records.append((name, "rewrite", f"experts_implementation={impl or 'unset'}",
                         "transformers experts interface 'moe_compile': permute_pad -> grouped GEMMs -> unpad_unpermute"))
     return records

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from moe_compile._grad_views import GradViews, per_expert_views
 from moe_compile.experts import ExpertGroup, ExpertLinear, find_expert_weights
-from moe_compile.experts_impl import SUPPORTED_DTYPES, Projection, fused_experts_forward
+from moe_compile.experts_impl import SUPPORTED_DTYPES, Projection, fused_experts_forward, glu_of
 
 _GATED = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 _PLAIN = (("fc1", "fc2"), ("up_proj", "down_proj"), ("w1", "w2"))
@@ -73,6 +73,7 @@ class _Plan:
     weights_before: bool = False
     renormalize: bool = False
     returns_logits: bool = False
+    glu: str | None = None  # the gated middle is this fused GLU (experts_impl.glu_of)
 
 
 # ===== expert layout =====
@@ -226,7 +227,7 @@ def _fused_block_forward(block: nn.Module, plan: _Plan, projections: Callable[[]
     ups, down = projections()
     middle = _gated_middle(plan.act, len(ups)) if plan.gated else plan.act
     y_TH = fused_experts_forward(x_TH, ids_TK, weights_TK, ups, middle, down, num_experts=plan.num_experts,
-                                 weights_before=plan.weights_before)
+                                 weights_before=plan.weights_before, glu=plan.glu)
     y = y_TH.reshape(hidden.shape)
     return (y, logits_TE) if plan.returns_logits else y
 
@@ -257,7 +258,8 @@ def _plan_block(block: nn.Module, group: ExpertGroup) -> _Plan:
     gate = getattr(block, "gate", None)
     if not has_route and not (isinstance(gate, nn.Linear) and gate.out_features == E and isinstance(top_k, int)):
         raise NotSwappable("no_router", "no route(x) method and no gate Linear(H, E) with top_k")
-    return _Plan(names, gated, act, E, None if has_route else top_k)
+    glu = glu_of(_gated_middle(act, 1)) if gated else None
+    return _Plan(names, gated, act, E, None if has_route else top_k, glu=glu)
 
 
 def swap_block(block: nn.Module, group: ExpertGroup) -> str:

@@ -23,7 +23,7 @@ from transformers.integrations.moe import (  # noqa: E402
 
 import moe_compile  # noqa: E402
 from moe_compile.api import prepare_expert_loops  # noqa: E402
-from moe_compile.experts_impl import hf_experts_forward, register_hf_experts  # noqa: E402
+from moe_compile.experts_impl import glu_of, hf_experts_forward, register_hf_experts  # noqa: E402
 from tests.models.hf_models import FAMILIES, block_output, build_sparse_moe_block  # noqa: E402
 from tests.passes._harness import fresh_cache, no_scatter_add  # noqa: E402
 
@@ -86,17 +86,39 @@ class InterfaceVariantsTest(unittest.TestCase):
                     x = torch.randn(T, H, requires_grad=True)
                     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
                     w = torch.rand(T, K, requires_grad=True)
+                    # the concatenated SiLU GLU is recognised (NOTE [expert MLP through expert_gemm]); the clamped
+                    # interleaved one is not
+                    glu = glu_of(module._apply_gate) if has_gate else None
+                    self.assertEqual(glu, "swiglu" if has_gate and not clamp else None)
                     outs, grads = [], []
-                    for fn in (batched_mm_experts_forward, hf_experts_forward):
+                    for fn in (batched_mm_experts_forward, hf_experts_forward, hf_experts_forward):
+                        module._moe_compile_glu = glu if len(outs) == 2 else None
                         module.zero_grad(set_to_none=True)
                         x.grad = w.grad = None
                         y = fn(module, x, ids, w)
                         y.square().sum().backward()
                         outs.append(y.detach())
                         grads.append([x.grad, w.grad] + [p.grad for p in module.parameters()])
-                    _close(self, outs[1], outs[0], "output")
-                    for i, (g, r) in enumerate(zip(grads[1], grads[0])):
-                        _close(self, g, r, f"grad {i}")
+                    for path, (out, grad) in enumerate(zip(outs[1:], grads[1:])):
+                        _close(self, out, outs[0], f"output (path {path})")
+                        for i, (g, r) in enumerate(zip(grad, grads[0])):
+                            _close(self, g, r, f"grad {i} (path {path})")
+
+    def test_glu_recognised_by_what_it_computes(self):
+        """SiLU / erf-GELU GLUs over a gate-first ``gate_up`` however written; other functions and layouts not."""
+        F = torch.nn.functional
+        halves = lambda z: z.chunk(2, dim=-1)  # noqa: E731
+        cases = {
+            "swiglu": [lambda z: F.silu(halves(z)[0]) * halves(z)[1], lambda z: nn.SiLU()(z[:, :32]) * z[:, 32:],
+                       lambda z: halves(z)[0] * torch.sigmoid(halves(z)[0]) * halves(z)[1]],
+            "geglu": [lambda z: F.gelu(halves(z)[0]) * halves(z)[1], lambda z: nn.GELU()(z[:, :32]) * z[:, 32:]],
+            None: [lambda z: F.gelu(halves(z)[0], approximate="tanh") * halves(z)[1],
+                   lambda z: F.silu(z[:, ::2]) * z[:, 1::2], lambda z: halves(z)[1] * F.silu(halves(z)[1]),
+                   lambda z: F.silu(halves(z)[0]) + halves(z)[1], lambda z: z.tolist()],
+        }
+        for want, middles in cases.items():
+            for i, middle in enumerate(middles):
+                self.assertEqual(glu_of(middle), want, f"{want} #{i}")
 
     def test_expert_parallel_falls_back_with_a_reason(self):
         module = _experts_class(True, False, False, False, False)(_Config())
