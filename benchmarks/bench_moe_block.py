@@ -8,17 +8,21 @@ shared expert) and ``GptOssMLP`` (H 2880, I 2880, E 32, K 4; per-expert biases),
 
 * ``eager``: the block as is;
 * ``inductor``: ``torch.compile(block)`` (default backend);
-* ``moe``: ``torch.compile(block, backend="moe_compile")`` (``fuse_dispatch`` rewrites the dispatch);
+* ``moe``: ``torch.compile(block, backend="moe_compile")`` (``fuse_dispatch`` rewrites the dispatch,
+  ``fuse_expert_mlp`` the gate_up GEMM + GLU into ``moe.expert_gemm``);
+* ``moe_unfused``: the same without ``fuse_expert_mlp`` (the grouped GEMMs as transformers calls them);
 * ``moe_ro`` / ``inductor_ro``: the same with ``mode="reduce-overhead"`` (CUDA graphs: no CPU launch
   overhead, which the custom ops' Python dispatch adds in default mode).
 
 ``fwd`` runs under ``no_grad``; ``fwd+bwd`` runs forward and ``backward(grad_out)`` w.r.t. the input and
-every parameter. ``floor``: FLOPs of the expert GEMMs (``6*T*K*H*I`` forward, 3x that forward+backward)
+every parameter; ``fwd+bwd kernel``: its GPU kernel time (``torch.profiler``, summed), for ``moe``,
+``moe_unfused`` and ``inductor``: what issue 16's targets are stated in. ``floor``: FLOPs of the expert GEMMs (``6*T*K*H*I`` forward, 3x that forward+backward)
 at the throughput a large bf16 ``mm`` reaches on this device. ``deterministic``: outputs and every
 gradient bitwise equal over 20 runs (forward and backward). ``err``: max |out - eager| / max |eager|
 and the same for the input gradient.
 
-Usage: ``python benchmarks/bench_moe_block.py --json benchmarks/results/moe_block.json [--quick]``.
+Usage: ``python benchmarks/bench_moe_block.py --json benchmarks/results/moe_block.json [--quick]
+[--models qwen3_moe,mixtral]``.
 A time budget (``--budget-s``, default 110) skips whatever is left once exceeded.
 """
 
@@ -39,7 +43,8 @@ from _bench_env import device_env  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-VARIANTS = ("eager", "moe", "inductor", "moe_ro", "inductor_ro")
+VARIANTS = ("eager", "moe", "moe_unfused", "inductor", "moe_ro", "inductor_ro")
+KERNEL_TIMED = ("moe", "moe_unfused", "inductor")
 DETERMINISM_RUNS = 20
 
 
@@ -79,6 +84,7 @@ class Result:
     grad_err: float
     rewrites: int
     note: str = ""
+    fwd_bwd_kernel_ms: float = float("nan")
 
 
 def build_block(cfg: Config, device: str = "cuda") -> torch.nn.Module:
@@ -183,6 +189,8 @@ def run_config(cfg: Config, tflops: float, deadline: float, quick: bool, device:
         fn = {"eager": lambda: block,
               "inductor": lambda: torch.compile(block),
               "moe": lambda: torch.compile(block, backend="moe_compile"),
+              "moe_unfused": lambda: torch.compile(block, backend="moe_compile",
+                                                   options={"moe.passes": {"fuse_expert_mlp": False}}),
               "moe_ro": lambda: torch.compile(block, backend="moe_compile", mode="reduce-overhead"),
               "inductor_ro": lambda: torch.compile(block, mode="reduce-overhead")}[variant]()
         # a fresh cache, kept until the variant is done: the passes run (and are counted) even when an
@@ -208,6 +216,11 @@ def run_config(cfg: Config, tflops: float, deadline: float, quick: bool, device:
         with torch.no_grad():
             fwd_ms = bench(forward, warmup=10, rep=rep_ms)
         fwd_bwd_ms = bench(step, warmup=5, rep=rep_ms)
+        kernel_ms = float("nan")
+        if device == "cuda" and variant in KERNEL_TIMED:
+            from bench_grouped_gemm import kernel_us
+
+            kernel_ms = kernel_us(step)[0] / 1e3
 
         def forward_only():
             with torch.no_grad():
@@ -224,7 +237,7 @@ def run_config(cfg: Config, tflops: float, deadline: float, quick: bool, device:
             ref = outs
         out_err, grad_err = _max_rel(outs[0], ref[0]), _max_rel(outs[1], ref[1])
         results.append(Result(cfg.name, variant, fwd_ms, fwd_bwd_ms, floor_fwd, 3 * floor_fwd, compile_s, det_fwd,
-                              det_bwd, out_err, grad_err, rep.count("fuse_dispatch")))
+                              det_bwd, out_err, grad_err, rep.count("fuse_dispatch"), fwd_bwd_kernel_ms=kernel_ms))
         del fn
         cache.close()
     torch._dynamo.reset()
@@ -236,6 +249,7 @@ def main() -> None:
     parser.add_argument("--json", type=pathlib.Path, default=None)
     parser.add_argument("--quick", action="store_true", help="shorter timing loops")
     parser.add_argument("--budget-s", type=float, default=110.0)
+    parser.add_argument("--models", default=None, help="comma-separated config names (default: all)")
     args, _ = parser.parse_known_args()
     if not torch.cuda.is_available():
         print("bench_moe_block: no CUDA device, nothing to measure (this benchmark needs a GPU)")
@@ -244,14 +258,16 @@ def main() -> None:
     deadline = start + args.budget_s
     tflops = measured_mm_tflops()
     results: list[Result] = []
-    for cfg in CONFIGS:
+    chosen = [c for c in CONFIGS if args.models is None or c.name in args.models.split(",")]
+    for cfg in chosen:
         results.extend(run_config(cfg, tflops, deadline, args.quick))
     env = device_env(mm_tflops=round(tflops, 1), wall_s=round(time.perf_counter() - start, 1))
     speedup_lines = speedups(results)
     summary = [
         {"model": r.model, "variant": r.variant, "fwd_ms": r.fwd_ms, "fwd_bwd_ms": r.fwd_bwd_ms,
          "floor_fwd_ms": r.fwd_floor_ms, "det_fwd": r.deterministic_fwd, "det_bwd": r.deterministic_bwd,
-         "out_err": r.out_err, "grad_err": r.grad_err, "rewrites": r.rewrites}
+         "out_err": r.out_err, "grad_err": r.grad_err, "rewrites": r.rewrites,
+         "fwd_bwd_kernel_ms": r.fwd_bwd_kernel_ms}
         for r in results
     ]
     if args.json:
@@ -260,9 +276,9 @@ def main() -> None:
                                          "results": [dataclasses.asdict(r) for r in results]}, indent=1))
     print(f"device={env['device']} torch={env['torch']} triton={env['triton']} mm={env['mm_tflops']} TFLOP/s "
           f"wall={env['wall_s']} s")
-    header = ("model", "variant", "fwd ms", "fwd+bwd ms", "floor f/fb", "det f/b", "out err", "grad err", "rewrites",
-              "compile s")
-    rows = [(r.model, r.variant, f"{r.fwd_ms:.3f}", f"{r.fwd_bwd_ms:.3f}",
+    header = ("model", "variant", "fwd ms", "fwd+bwd ms", "fb kernel ms", "floor f/fb", "det f/b", "out err",
+              "grad err", "rewrites", "compile s")
+    rows = [(r.model, r.variant, f"{r.fwd_ms:.3f}", f"{r.fwd_bwd_ms:.3f}", f"{r.fwd_bwd_kernel_ms:.3f}",
              f"{r.fwd_floor_ms:.3f}/{r.fwd_bwd_floor_ms:.3f}", f"{r.deterministic_fwd}/{r.deterministic_bwd}",
              f"{r.out_err:.2e}", f"{r.grad_err:.2e}", str(r.rewrites), f"{r.compile_s:.1f}" + (f" {r.note}" if r.note
                                                                                             else ""))
@@ -280,7 +296,8 @@ def speedups(results: list[Result]) -> list[str]:
     lines = []
     by = {(r.model, r.variant): r for r in results}
     for model in dict.fromkeys(r.model for r in results):
-        for ours, others in (("moe", ("eager", "inductor")), ("moe_ro", ("eager", "inductor_ro"))):
+        for ours, others in (("moe", ("eager", "inductor")), ("moe", ("moe_unfused",)),
+                             ("moe_ro", ("eager", "inductor_ro"))):
             if (model, ours) not in by:
                 continue
             for field in ("fwd_ms", "fwd_bwd_ms"):

@@ -142,7 +142,7 @@ class SwapBiasLayoutTest(unittest.TestCase):
 
 
 class SwapGraphTest(unittest.TestCase):
-    def _graph(self, **kwargs) -> torch.fx.GraphModule:
+    def _graph(self, inference: bool = False, **kwargs) -> torch.fx.GraphModule:
         torch._dynamo.reset()
         block = make_loop_moe(hidden=H, **kwargs)
         prepare_expert_loops(block)
@@ -152,14 +152,17 @@ class SwapGraphTest(unittest.TestCase):
             graphs.append(gm)
             return gm.forward
 
-        torch.compile(block, backend=capture, fullgraph=True)(torch.randn(2, 5, H))
+        with torch.set_grad_enabled(not inference):
+            torch.compile(block, backend=capture, fullgraph=True)(torch.randn(2, 5, H))
         self.assertEqual(len(graphs), 1)
         return graphs[0]
 
     def test_one_grouped_gemm_per_projection_no_host_sync(self):
         # a gated ModuleList MLP: gate and up share one grouped leaf, so two GEMMs (gate_up, down); SwiGLU without
-        # biases through moe.expert_gemm (NOTE [expert MLP through expert_gemm]), a biased GELU MLP through grouped_mm
-        for kwargs, gemm in ((dict(mlp="swiglu"), "expert_gemm.default"),
+        # biases in inference through moe.expert_gemm (NOTE [expert MLP through expert_gemm]), in training and a
+        # biased GELU MLP through grouped_mm
+        for kwargs, gemm in ((dict(mlp="swiglu", inference=True), "expert_gemm.default"),
+                             (dict(mlp="swiglu"), "grouped_mm.default"),
                              (dict(mlp="gelu_bias", layout="stacked"), "grouped_mm.default")):
             with self.subTest(**kwargs):
                 gm = self._graph(**kwargs)

@@ -60,6 +60,9 @@ PASSES: tuple[PassEntry, ...] = (
               doc="sort-based MoE dispatch -> moe.permute_pad + grouped GEMM + moe.unpad_unpermute"),
     PassEntry("replace_grouped_mm_fallback", "pre_grad", "moe_compile.passes.replace_grouped_mm_fallback:run",
               default=True, doc="transformers.grouped_mm_fallback (tolist host sync) -> moe.grouped_mm"),
+    PassEntry("fuse_expert_mlp", "pre_grad", "moe_compile.passes.fuse_expert_mlp:run", default=True,
+              doc="grouped GEMM + GLU (any spelling, checked on a probe) of a rewritten layer -> moe.expert_gemm "
+                  "with the GLU in its epilogue"),
     PassEntry("router_metrics", "pre_grad", "moe_compile.passes.router_metrics:run", default=True,
               doc="with metrics=True: on-device router statistics per MoE layer (moe_compile.metrics)"),
     PassEntry("causal_mask", "pre_grad", "moe_compile.passes.causal_mask:run", default=True,
