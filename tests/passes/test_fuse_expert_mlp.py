@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.passes._harness import check_rewrite
+from tests.passes._harness import check_rewrite, fresh_cache
 
 E, K = 4, 2
 
@@ -165,7 +165,7 @@ def test_cuda_inference_through_inductor():
     with torch.no_grad():
         want = fn(*args)
         compiled = torch.compile(fn, backend="moe_compile")
-        with report.collecting() as rep:
+        with fresh_cache(), report.collecting() as rep:
             got = compiled(*args)
         again = compiled(*args)
     assert rep.count("fuse_expert_mlp") == 1, rep.table()
@@ -176,3 +176,33 @@ def test_cuda_inference_through_inductor():
     scale = want.float().abs().max()
     assert (got.float() - want.float()).abs().max() <= 16 * torch.finfo(torch.bfloat16).eps * scale
     moe_compile  # noqa: B018 - imported for the backend registration
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_quantised_weights_left_alone(recipe):
+    """transformers' Qwen3-MoE block with grouped quantised experts (tensor subclasses), in inference: the pass
+    leaves the GEMMs to the subclass with a reason tag (no pass error, no warning): the output is bitwise that of
+    the same compile with the pass off."""
+    import copy
+    import warnings
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("torchao")
+    from moe_compile import report
+    from moe_compile.quantize import quantize_experts
+    from tests.models.hf_models import block_output, build_sparse_moe_block
+
+    torch._dynamo.reset()
+    block = quantize_experts(copy.deepcopy(build_sparse_moe_block("qwen3_moe", dtype=torch.bfloat16)), recipe)
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        off = {"moe.passes": {"fuse_expert_mlp": False}}
+        want = block_output(torch.compile(block, backend="moe_compile", fullgraph=True, options=off)(x))
+        torch._dynamo.reset()
+        with fresh_cache(), report.collecting() as rep:  # a cached graph would not run the passes
+            got = block_output(torch.compile(block, backend="moe_compile", fullgraph=True)(x))
+    assert not rep.errors, rep.table()
+    assert not [w for w in caught if "moe_compile pass" in str(w.message)]
+    assert sorted(r.what for r in rep.skips if r.pass_name == "fuse_expert_mlp") == ["weight_subclass"]
+    assert torch.equal(got, want)
