@@ -63,7 +63,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             continue
         layer = layer_name(gemm)
         try:
-            match = _match(graph, gemm)
+            match = _match(gemm)
         except NoMatch as exc:
             ctx.skip(layer, exc.reason, exc.detail)
             continue
@@ -100,7 +100,7 @@ def _operands(gemm: fx.Node) -> tuple[fx.Node, fx.Node, bool]:
     return x, w, ekn
 
 
-def _match(graph: fx.Graph, gemm: fx.Node) -> tuple[list[fx.Node], fx.Node, str] | None:
+def _match(gemm: fx.Node) -> tuple[list[fx.Node], fx.Node, str] | None:
     """The middle's nodes (topological order), its last node, and the GLU it computes; None when no row-wise
     result of ``gemm`` feeds a second grouped GEMM over the same offsets."""
     offs = arg(gemm, 2, "offs")
