@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_compile.ops import grouped_mm as gmm
-from moe_compile.ops.expert_gemm import expert_gemm
+from moe_compile.ops.expert_gemm import GLU_ACTIVATIONS, expert_gemm
 from moe_compile.ops.permute_pad import permute_pad
 from moe_compile.ops.unpad_unpermute import unpad_unpermute
 
@@ -54,17 +54,11 @@ class Projection:
     bias_EN: Tensor | None = None
 
 
-# the GLU activations ``moe.expert_gemm`` fuses, by the name it takes, with the function each stands for
-GLU_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
-    "swiglu": torch.nn.functional.silu,
-    "geglu": torch.nn.functional.gelu,  # erf GELU; the tanh approximation is another function
-}
-
-
 def glu_of(middle: Callable[[Tensor], Tensor], width: int = 64) -> str | None:
-    """The name in :data:`GLU_ACTIVATIONS` of the GLU ``middle`` computes on one ``[rows, width]`` ``gate_up``
-    output (``act(gate) * up``, gate columns first), or None. Probed on fixed fp32 inputs against each entry; call
-    it eagerly (not while Dynamo traces). Used by ``swap.py``, the experts interface and ``fuse_expert_mlp``."""
+    """The name in ``ops/expert_gemm.py``'s ``GLU_ACTIVATIONS`` (the GLUs the kernels fuse) of the GLU ``middle``
+    computes on one ``[rows, width]`` ``gate_up`` output (``act(gate) * up``, gate columns first), or None.
+    Probed on fixed fp32 inputs against each entry; call it eagerly (not while Dynamo traces). Used by
+    ``swap.py``, the experts interface and ``fuse_expert_mlp``."""
     if width < 2 or width % 2:
         return None
     gen = torch.Generator().manual_seed(0)
@@ -133,8 +127,8 @@ def fused_experts_forward(
         weights_before: scale the rows by their weight before ``up`` instead of in the combine.
         post: optional row-wise map after ``down`` (a post-expert norm).
         align: segment alignment of ``permute_pad``.
-        glu: a name in :data:`GLU_ACTIVATIONS` when ``middle`` is that GLU over one ``up`` projection (gate rows
-            first): NOTE [expert MLP through expert_gemm].
+        glu: a name in ``GLU_ACTIVATIONS`` (:func:`glu_of`) when ``middle`` is that GLU over one ``up``
+            projection (gate rows first): NOTE [expert MLP through expert_gemm].
 
     Returns:
         ``[T, H]`` in ``x_TH.dtype``; the combine accumulates in fp32 in a fixed order.

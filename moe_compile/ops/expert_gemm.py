@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -53,8 +54,15 @@ def source_rows_reference(row_map: torch.Tensor, num_rows: int) -> torch.Tensor:
     return src.index_put((row_map[:, :K].reshape(-1).long(),), tokens)  # rows are unique: no accumulation
 
 
+# the gated activations the kernels fuse (``activation`` names), each with the function of the gate it stands for
+GLU_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "swiglu": torch.nn.functional.silu,
+    "geglu": torch.nn.functional.gelu,  # erf GELU; the tanh approximation is another function
+}
+
+
 def _act_fp32(g: torch.Tensor, activation: str) -> torch.Tensor:
-    return torch.nn.functional.silu(g) if activation == "swiglu" else torch.nn.functional.gelu(g)
+    return GLU_ACTIVATIONS[activation](g)
 
 
 def _act_grad_fp32(g: torch.Tensor, activation: str) -> torch.Tensor:

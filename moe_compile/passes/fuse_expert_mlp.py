@@ -4,10 +4,10 @@ Matches (in a layer ``fuse_dispatch`` rewrote; ``offs_E`` is ``moe.permute_pad``
     ``gu = grouped_mm(x_MK, W, offs_E)``: ``torch._grouped_mm(x, W_EKN, offs=offs_E)`` or
     ``moe.grouped_mm(x, W_ENK, offs_E)``, no bias, no ``out_dtype``;
     ``h = middle(gu)``: any subgraph of ``gu`` alone (nothing else of the graph enters it) whose last node feeds a
-    second grouped GEMM over the same ``offs_E``, and which computes a GLU of :data:`GLU_ACTIVATIONS`
-    (``act(gate) * up``, gate columns first): checked by running it (float casts taken out) on a probe
-    (``experts_impl.glu_of``), not by its spelling, so ``chunk`` / slicing / ``nn.SiLU`` / ``x * sigmoid(x)``
-    all count.
+    second grouped GEMM over the same ``offs_E``, and which computes a GLU of ``ops/expert_gemm.py``'s
+    ``GLU_ACTIVATIONS`` (``act(gate) * up``, gate columns first): checked by running it (float casts taken out)
+    on a probe (``experts_impl.glu_of``), not by its spelling, so ``chunk`` / slicing / ``nn.SiLU`` /
+    ``x * sigmoid(x)`` all count.
 
 Rewrites to:
     ``h = moe.expert_gemm(x_MK, W_ENK, offs_E, None, None, glu, M, False)[0]`` (cast to ``h``'s dtype if
@@ -41,6 +41,7 @@ Seen in:
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -69,9 +70,9 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             continue
         if match is None:  # not the first GEMM of an MLP (nothing of its output reaches a second one)
             continue
-        middle, out, glu = match
-        _rewrite(graph, gemm, middle, out, glu)
-        ctx.rewrite(layer, f"grouped_mm + {glu} ({len(middle)} ops)", f"moe.expert_gemm(activation={glu!r})")
+        _rewrite(graph, gemm, match)
+        ctx.rewrite(layer, f"grouped_mm + {match.glu} ({len(match.middle)} ops)",
+                    f"moe.expert_gemm(activation={match.glu!r})")
 
 
 def _offs_from_permute_pad(gemm: fx.Node) -> bool:
@@ -100,9 +101,18 @@ def _operands(gemm: fx.Node) -> tuple[fx.Node, fx.Node, bool]:
     return x, w, ekn
 
 
-def _match(gemm: fx.Node) -> tuple[list[fx.Node], fx.Node, str] | None:
-    """The middle's nodes (topological order), its last node, and the GLU it computes; None when no row-wise
-    result of ``gemm`` feeds a second grouped GEMM over the same offsets."""
+class _Match(NamedTuple):
+    x: fx.Node
+    w: fx.Node
+    w_is_EKN: bool
+    middle: list[fx.Node]  # topological order
+    out: fx.Node  # the middle's last node (the second GEMM's input)
+    glu: str
+
+
+def _match(gemm: fx.Node) -> _Match | None:
+    """The GEMM's operands, the middle and the GLU it computes; None when no row-wise result of ``gemm`` feeds a
+    second grouped GEMM over the same offsets."""
     offs = arg(gemm, 2, "offs")
     # nodes computed from the GEMM's output alone (stopping at the next grouped GEMM)
     frontier = list(gemm.users)
@@ -119,7 +129,7 @@ def _match(gemm: fx.Node) -> tuple[list[fx.Node], fx.Node, str] | None:
             if op_name(u) in _GEMMS and u.args[0] is n and arg(u, 2, "offs") is offs]
     if not ends:
         return None
-    _operands(gemm)
+    x, w, w_is_EKN = _operands(gemm)
     if len(set(ends)) != 1:
         raise NoMatch("glu_not_recognised", f"{len(set(ends))} row-wise results of the GEMM feed a second grouped "
                       "GEMM over the same offsets (expected one)")
@@ -129,16 +139,16 @@ def _match(gemm: fx.Node) -> tuple[list[fx.Node], fx.Node, str] | None:
     for node in [gemm, *middle]:
         if node is not out and any(u not in inner for u in node.users):
             raise NoMatch("middle_not_isolated", f"{node.name} is used outside the GEMM -> GLU -> GEMM chain")
-    # a symbolic width (dynamic shapes): the middle's size arithmetic then reads the probe's own sizes
     if tensor_val(gemm).requires_grad:
         raise NoMatch("training", "the GEMM's output needs a gradient: un-fused is faster in training on the H100 "
                       "(NOTE [expert MLP fusion in training])")
+    # a symbolic width (dynamic shapes): the middle's size arithmetic then reads the probe's own sizes
     width = known_int(tensor_val(gemm).shape[1]) or 64
     glu = glu_of(_middle_module(gemm, middle, out), width)
     if glu is None:
         raise NoMatch("glu_not_recognised", f"the {len(middle)} ops after the GEMM compute no GLU of "
-                      "experts_impl.GLU_ACTIVATIONS on a probe (gate columns first)")
-    return middle, out, glu
+                      "expert_gemm.GLU_ACTIVATIONS on a probe (gate columns first)")
+    return _Match(x, w, w_is_EKN, middle, out, glu)
 
 
 def _ancestors_within(out: fx.Node, closure: set[fx.Node]) -> list[fx.Node]:
@@ -168,20 +178,20 @@ def _middle_module(gemm: fx.Node, middle: list[fx.Node], out: fx.Node) -> fx.Gra
     return fx.GraphModule(torch.nn.Module(), sub)
 
 
-def _rewrite(graph: fx.Graph, gemm: fx.Node, middle: list[fx.Node], out: fx.Node, glu: str) -> None:
-    x, w, ekn = _operands(gemm)
+def _rewrite(graph: fx.Graph, gemm: fx.Node, m: _Match) -> None:
+    x, out = m.x, m.out
     offs = arg(gemm, 2, "offs")
     rows = known_int(tensor_val(x).shape[0])
     with graph.inserting_before(gemm):
-        w_ENK = graph_call(graph, torch.transpose, w, -2, -1, meta_from=gemm) if ekn else w
+        w_ENK = graph_call(graph, torch.transpose, m.w, -2, -1, meta_from=gemm) if m.w_is_EKN else m.w
         if rows is None:
             rows = graph_call(graph, torch.ops.aten.sym_size.int, x, 0, meta_from=gemm)
-        fused = graph_call(graph, torch.ops.moe.expert_gemm.default, x, w_ENK, offs, None, None, glu, rows, False,
-                           meta_from=gemm, name="expert_gemm_glu")
+        fused = graph_call(graph, torch.ops.moe.expert_gemm.default, x, w_ENK, offs, None, None, m.glu, rows,
+                           False, meta_from=gemm, name="expert_gemm_glu")
         h = graph_call(graph, operator.getitem, fused, 0, meta_from=gemm)
         if tensor_val(out).dtype != tensor_val(h).dtype:
             h = graph_call(graph, torch.Tensor.to, h, tensor_val(out).dtype, meta_from=gemm)
     out.replace_all_uses_with(h)
-    for node in reversed([gemm, *middle]):
+    for node in reversed([gemm, *m.middle]):
         if not node.users:
             graph.erase_node(node)
