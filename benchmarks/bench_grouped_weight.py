@@ -9,6 +9,10 @@ down ``[M, 768] x [128, 2048, 768]^T``. Implementations:
 * ``<fmt>_dequant``: dequantise the whole weight, then ``torch._grouped_mm`` (what an emulated
   quantised path does; ``--inductor`` also times it under ``torch.compile``);
 * ``mxfp8`` / ``nvfp4``: our Triton weight-only kernels (``moe::grouped_mm_mxfp8/_nvfp4``);
+* ``<fmt>_family``: the persistent expert-GEMM family with the same weights (``moe::expert_gemm_mxfp8/_nvfp4``,
+  no epilogue);
+* ``<fmt>_shipped``: ``torch._grouped_mm`` on a ``GroupedQuantWeight``: what moe_compile runs (the subclass picks
+  one of the two per shape);
 * ``floor``: (weight bytes of the experts that received rows + activation bytes) / measured copy
   bandwidth, per format.
 
@@ -43,7 +47,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _bench_env import copy_bandwidth, device_env  # noqa: E402
 
 E, H, I, TOPK = 128, 2048, 768, 8
-TOKENS = (1, 16, 64, 256, 4096)
+TOKENS = (1, 16, 64, 256, 1024, 4096)
 TARGETS = {"mxfp8": 1.8, "nvfp4": 3.0}
 ROUTINGS = 8
 
@@ -108,6 +112,7 @@ def sweep_configs(M: int) -> list[dict]:
 def run_experiment(T: int, weights: dict, bw: float, args, gen: torch.Generator) -> list[Result]:
     from triton.testing import do_bench_cudagraph
 
+    from moe_compile.grouped_weight import GroupedQuantWeight
     from moe_compile.ops import grouped_mm as gmm
 
     routings = [routing(T, gen) for _ in range(ROUTINGS)]
@@ -128,7 +133,13 @@ def run_experiment(T: int, weights: dict, bw: float, args, gen: torch.Generator)
         fns["bf16"][g] = lambda o, x=x, w=w: torch._grouped_mm(x, w["bf16"][0].transpose(-2, -1), offs=o)
         fns["mxfp8"][g] = lambda o, x=x, w=w: torch.ops.moe.grouped_mm_mxfp8(x, *w["mxfp8"], o)
         fns["nvfp4"][g] = lambda o, x=x, w=w: torch.ops.moe.grouped_mm_nvfp4(x, *w["nvfp4"], o)
+        fns.setdefault("mxfp8_family", {})[g] = lambda o, x=x, w=w: torch.ops.moe.expert_gemm_mxfp8(
+            x, *w["mxfp8"], o, None, None, "none", x.shape[0], False)[0]
+        fns.setdefault("nvfp4_family", {})[g] = lambda o, x=x, w=w: torch.ops.moe.expert_gemm_nvfp4(
+            x, *w["nvfp4"], o, None, None, "none", x.shape[0], False)[0]
         for f in ("mxfp8", "nvfp4"):
+            sub = GroupedQuantWeight.from_qdata_and_scale(*w[f][:2], f, expert_scale=w[f][2] if f == "nvfp4" else None)
+            fns.setdefault(f"{f}_shipped", {})[g] = lambda o, x=x, sub=sub: torch._grouped_mm(x, sub.transpose(-2, -1), offs=o)
             fns[f"{f}_dequant"][g] = lambda o, x=x, w=w, f=f: dequant_then_mm(x, o, *w[f], f=f)
             if args.inductor:
                 fns.setdefault(f"{f}_dequant_inductor", {})[g] = lambda o, x=x, w=w, f=f: compiled_dequant[f](x, o, *w[f])

@@ -107,6 +107,8 @@ class GroupedQuantWeight(TorchAOBaseTensor):
         master: optional high-precision master ``[E, N, K]`` (stored layout), see NOTE [training ...].
     """
 
+    # runs ``moe::expert_gemm`` on its quantised op (``_gw_expert_gemm``): passes may hand it the fused GEMM
+    handles_expert_gemm = True
     tensor_data_names = ["qdata", "scale"]
     tensor_attribute_names = ["recipe", "orig_dtype", "is_transposed"]
     optional_tensor_data_names = ["expert_scale", "master"]
@@ -359,6 +361,21 @@ def _gw_mm(func, types, args, kwargs):
         y = quantized_grouped_mm_nt(x, w3, offs)
         return y if bias is None else y + bias
     return _gw_fallback(func, types, args, kwargs)
+
+
+@implements([torch.ops.moe.expert_gemm.default])
+def _gw_expert_gemm(func, types, args, kwargs):
+    """``moe::expert_gemm`` (gather / GLU / row weight fused) on the quantised weight: its MXFP8 / NVFP4 op, the
+    tiles decoded in registers; a transposed view (the backward's ``w.transpose(1, 2)``) runs dequantised."""
+    names = [a.name for a in func._schema.arguments]
+    bound = {**dict(zip(names, args)), **kwargs}
+    x, w = bound["x_SK"], bound["w_ENK"]
+    if not isinstance(w, GroupedQuantWeight) or isinstance(x, GroupedQuantWeight) or w.is_transposed or w.dim() != 3:
+        return _gw_fallback(func, types, args, kwargs)
+    rest = [bound[n] for n in names[2:]]  # offs_E, row_map, row_weight_M, activation, num_rows, store_preact
+    if w.recipe == "mxfp8":
+        return torch.ops.moe.expert_gemm_mxfp8(x, w.qdata, w.scale, *rest)
+    return torch.ops.moe.expert_gemm_nvfp4(x, w.qdata, w.scale, w.expert_scale, *rest)
 
 
 # ===== copies and dtype/device moves =====

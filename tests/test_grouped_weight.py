@@ -85,6 +85,36 @@ def test_grouped_mm_interception_equals_dequantized(recipe, api):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+def test_expert_gemm_runs_the_quantised_op(recipe, monkeypatch):
+    """``moe.expert_gemm`` on a quantised weight (what ``fuse_expert_mlp`` emits) runs the recipe's quantised op
+    (gather, GLU and row weight fused; no dequantised copy of the weight) and equals the op on the dequantised
+    weight bitwise; a transposed view (the backward's dX operand) runs dequantised."""
+    from moe_compile.ops.expert_gemm import expert_gemm
+
+    g = torch.Generator().manual_seed(1)
+    q = GroupedQuantWeight.from_hp(_weight(N=32, seed=2), recipe)
+    deq = q.dequantize()
+    T, K_top, offs = 5, 2, _offs([4, 0, 6])
+    M = 12  # 10 routed rows + 2 tail rows
+    row_map = torch.cat([torch.randperm(10, generator=g)[: T * K_top].view(T, K_top).int(),
+                         torch.zeros(T, K_top, dtype=torch.int32)], 1)
+    x, rw = torch.randn(T, 64, dtype=torch.bfloat16, generator=g), torch.rand(M, generator=g)
+    kwargs = dict(row_map=row_map, row_weight_M=rw, activation="swiglu", num_rows=M)
+    want = expert_gemm(x, deq, offs, **kwargs)[0]
+    quantised_ops = []
+    op_name = f"expert_gemm_{recipe}"
+    real = getattr(torch.ops.moe, op_name)
+    monkeypatch.setattr(gw.torch.ops.moe, op_name, lambda *a: quantised_ops.append(a) or real(*a), raising=False)
+    monkeypatch.setattr(GroupedQuantWeight, "dequantize_stored", lambda *a: pytest.fail("dequantised the weight"))
+    got = expert_gemm(x, q, offs, **kwargs)[0]
+    assert len(quantised_ops) == 1 and torch.equal(got, want)
+    monkeypatch.undo()
+    xt = torch.randn(M, 32, dtype=torch.bfloat16, generator=g)
+    want_t = expert_gemm(xt, deq.transpose(1, 2).contiguous(), offs, num_rows=M)[0]
+    assert torch.equal(expert_gemm(xt, q.transpose(1, 2), offs, num_rows=M)[0], want_t)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_views_stay_quantized(recipe):
     q = GroupedQuantWeight.from_hp(_weight(), recipe)
     deq = q.dequantize()

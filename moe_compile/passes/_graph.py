@@ -129,12 +129,26 @@ def _fake_mode(values: Iterable[Any]):
     """The fake mode that owns the example values (not the ambient one: AOTAutograd may run the
     pre-grad passes under a different mode than the one Dynamo traced with)."""
     from torch._guards import detect_fake_mode
+
+    values = list(values)
+    owner = _owning_fake_mode(values)
+    return owner if owner is not None else detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+
+
+def _owning_fake_mode(values: Iterable[Any]):
+    """The mode of the first FakeTensor among ``values``, looking inside tensor subclasses (a quantised weight is
+    no FakeTensor, its inner tensors are); None without one."""
     from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     for v in values:
         if isinstance(v, FakeTensor):
             return v.fake_mode
-    return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+        if is_traceable_wrapper_subclass(v):
+            inner = _owning_fake_mode(getattr(v, name) for name in v.__tensor_flatten__()[0])
+            if inner is not None:
+                return inner
+    return None
 
 
 def fake_eval(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -17,7 +17,8 @@ Rewrites to:
 
 Skips when (reason tags):
     ``training`` (the GEMM's output needs a gradient: NOTE [expert MLP fusion in training]), ``weight_subclass``
-    (quantised / sharded weights: a tensor subclass runs its own grouped GEMM),
+    (a tensor subclass that runs its own grouped GEMM, e.g. sharded weights; ``GroupedQuantWeight`` declares
+    ``handles_expert_gemm`` and gets the fused op on its MXFP8 / NVFP4 data),
     ``unexpected_signature`` (ranks, dtypes, a bias or ``out_dtype``), ``middle_not_isolated`` (the GEMM's output
     or an intermediate of the middle is used outside it), ``glu_not_recognised`` (the middle computes another
     function: interleaved gate/up, clamped or tanh-GELU GLUs, a non-gated activation).
@@ -91,9 +92,10 @@ def _operands(gemm: fx.Node) -> tuple[fx.Node, fx.Node, bool]:
     if len(gemm.args) > 3 and any(a is not None for a in gemm.args[3:]) and ekn:
         extra["positional"] = gemm.args[3:]
     xv, wv = tensor_val(x), tensor_val(w)
-    if any(is_traceable_wrapper_subclass(v) for v in (xv, wv)):
-        raise NoMatch("weight_subclass", f"{type(wv).__name__} operands (quantised or sharded weights) keep their own "
-                      "grouped GEMM")
+    if is_traceable_wrapper_subclass(xv) or is_traceable_wrapper_subclass(wv) and not getattr(
+            type(wv), "handles_expert_gemm", False):
+        raise NoMatch("weight_subclass", f"{type(wv).__name__} operands (sharded weights, ...) keep their own grouped "
+                      "GEMM")
     if extra or xv is None or wv is None or xv.dim() != 2 or wv.dim() != 3 or xv.dtype != wv.dtype \
             or xv.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise NoMatch("unexpected_signature", "expected grouped_mm(x[M, K], W[E, ...], offs) of one float dtype, "

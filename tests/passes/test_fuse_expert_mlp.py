@@ -179,10 +179,10 @@ def test_cuda_inference_through_inductor():
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
-def test_quantised_weights_left_alone(recipe):
-    """transformers' Qwen3-MoE block with grouped quantised experts (tensor subclasses), in inference: the pass
-    leaves the GEMMs to the subclass with a reason tag (no pass error, no warning): the output is bitwise that of
-    the same compile with the pass off."""
+def test_quantised_weights_fused(recipe):
+    """transformers' Qwen3-MoE block with grouped quantised experts (``GroupedQuantWeight``), in inference: the pass
+    fuses the GLU into the subclass's quantised ``moe.expert_gemm`` (no skip, no pass error or warning), and the
+    output is within the layer bound of the same compile with the pass off (one GLU rounding instead of three)."""
     import copy
     import warnings
 
@@ -190,6 +190,7 @@ def test_quantised_weights_left_alone(recipe):
     pytest.importorskip("torchao")
     from moe_compile import report
     from moe_compile.quantize import quantize_experts
+    from tests._tolerance import assert_layer_close, gemm_k_dims
     from tests.models.hf_models import block_output, build_sparse_moe_block
 
     torch._dynamo.reset()
@@ -204,5 +205,7 @@ def test_quantised_weights_left_alone(recipe):
             got = block_output(torch.compile(block, backend="moe_compile", fullgraph=True)(x))
     assert not rep.errors, rep.table()
     assert not [w for w in caught if "moe_compile pass" in str(w.message)]
-    assert sorted(r.what for r in rep.skips if r.pass_name == "fuse_expert_mlp") == ["weight_subclass"]
-    assert torch.equal(got, want)
+    assert rep.count("fuse_expert_mlp") == 1, rep.table()
+    assert not [r for r in rep.skips if r.pass_name == "fuse_expert_mlp"], rep.table()
+    experts = block.experts
+    assert_layer_close(got, want, gemm_k_dims([experts.gate_up_proj, experts.down_proj]), torch.bfloat16)
