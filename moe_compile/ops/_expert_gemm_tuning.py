@@ -41,28 +41,39 @@ TRITON_ROWS_PER_EXPERT: dict[str, tuple[tuple[float, int, int], ...]] = {
     "dx": ((2048 * 3072, 0, 1 << 30), (float("inf"), 2049, 1 << 30)),
     "wgrad": ((float("inf"), 1, 0),),
 }
-_ENV_CHOICE = "MOE_COMPILE_GROUPED_GEMM"  # "triton" / "cutlass" / unset (the table)
+# Quantised weights (MXFP8 / NVFP4) have no CUTLASS path on sm90: the alternative to the family is the weight-only
+# kernels of ``moe::grouped_mm_<fmt>`` (decode-tuned; the epilogue then runs as for CUTLASS). Rows per expert from
+# which the family wins, per kind (absent: never), measured on the H100 (``bench_quant_block.py`` and
+# ``bench_grouped_weight.py``, Qwen3-like E128, triton 3.6; ``quant_block.json``): the gated gate_up + SwiGLU in the
+# Qwen3-MoE block, kernel us per forward, family vs weight-only + Inductor GLU: T4096 (256 rows per expert) MXFP8 1231
+# vs 1233, NVFP4 1210 vs 1279; T1024 (64 rows) 665 vs 503, 503 vs 515; T64 (4 rows) 452 vs 293, 504 vs 230; T1 62 vs
+# 52, 65 vs 45. The un-gated GEMMs alone (both of the block, us): the weight-only kernels win at every T measured but
+# one (MXFP8 T1 25.6 vs 40.0, T64 242 vs 329, T1024 437 vs 466, T4096 1140 vs 1305; NVFP4 T4096 1142 vs 1092).
+QUANT_FAMILY_ROWS_FROM: dict[str, int] = {"gated": 256}
+_ENV_CHOICE = "MOE_COMPILE_GROUPED_GEMM"  # "triton" / "cutlass" (for quantised weights: weight-only) / unset (the table)
 
 
 def use_triton_grouped_gemm(
     M: int, N: int, K: int, E: int, dtype: torch.dtype, device: torch.device, fmt: str = "plain", kind: str = "plain"
 ) -> bool:
-    """Whether ``moe::expert_gemm`` / ``moe::expert_wgrad`` run their Triton kernels (``True``) or CUTLASS.
+    """Whether ``moe::expert_gemm`` / ``moe::expert_wgrad`` run their Triton kernels (``True``) or the library
+    alternative: CUTLASS for plain weights, the weight-only kernels for quantised ones.
 
-    Triton where CUTLASS cannot run (not CUDA, not bf16, not sm90/sm100, quantised weights) and where
-    the measured table for ``kind`` (NOTE [grouped GEMM choice]) says it wins; ``MOE_COMPILE_GROUPED_GEMM``
-    overrides.
+    Triton where there is no alternative (not CUDA; plain weights not bf16 or not on sm90/sm100) and where the
+    measured table for ``kind`` (NOTE [grouped GEMM choice]; ``QUANT_FAMILY_ROWS_FROM`` for quantised weights) says
+    it wins; ``MOE_COMPILE_GROUPED_GEMM`` overrides.
     """
     if kind not in TRITON_ROWS_PER_EXPERT:
         raise ValueError(f"kind={kind!r} is not one of {tuple(TRITON_ROWS_PER_EXPERT)}")
-    if device.type != "cuda" or fmt != "plain" or dtype != torch.bfloat16:
-        return True
-    if torch.cuda.get_device_capability(device)[0] not in (9, 10):
+    if device.type != "cuda" or fmt == "plain" and (
+            dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] not in (9, 10)):
         return True
     choice = os.environ.get(_ENV_CHOICE, "")
     if choice in ("triton", "cutlass"):
         return choice == "triton"
     rows = M / max(E, 1)
+    if fmt != "plain":
+        return kind in QUANT_FAMILY_ROWS_FROM and rows >= QUANT_FAMILY_ROWS_FROM[kind]
     for max_weight, rows_from, rows_to in TRITON_ROWS_PER_EXPERT[kind]:
         if N * K <= max_weight:
             return rows_from <= rows <= rows_to
@@ -100,6 +111,12 @@ def pick_config(
       kernels): MXFP8 ``[256, 64]`` tiles 974 -> 724 us, NVFP4 ``[128, 128]`` x 128-deep 1182 -> 682 (DeepSeek
       1246 -> 894, 1478 -> 856).
     * up to 96 rows per expert (un-gated) / 32 (gated): ``[64, 128]`` / ``[64, 64]`` tiles, as before.
+    * Tried, not kept, for MXFP8 (Qwen3 T4096, us, shipped decode 724 gate_up / 367 down; outputs bitwise equal):
+      ``tl.dot_scaled`` (``e4m3`` weight with its e8m0 scales, emulated on sm90 by Triton 3.6) 1098-3911 / 492-1893
+      over the same tile grid; the scales loaded per element (no ``[BLOCK_N, BLOCK_K/32, 32]`` reshape, hoping the
+      decoded tile would skip its trip through shared memory into the MMA's register layout) 1431-3054 / 451-610.
+      What bounds the decode path (its SASS on triton 3.6): per 64-deep K step the decoded bf16 tile is stored to
+      shared memory and read back with ``ldmatrix`` behind two barriers, about 400 instructions a warp.
     * Tried, not kept: short row tiles (an expert's rows past its last full tile in 64- or 32-row tiles, swapped or
       not, both heights compiled into the kernel; ``grouped_gemm_sweep_short_tiles.json``). They cut the padded
       MMA work (Qwen3 T4096: 1.24x -> 1.06-1.12x of the routed rows) but every row tile still streams its whole

@@ -15,9 +15,10 @@ For each expert ``e`` and row ``r`` in ``[offs[e-1], offs[e])``:
 never written (NOTE [gather prologue] in ``ops/triton/expert_gemm.py``).
 
 CUDA: the persistent Triton kernel family of ``ops/triton/expert_gemm.py``, unless
-:func:`use_triton_grouped_gemm` says CUTLASS wins for the shape (bf16 plain weights on sm90/sm100:
-then ``torch._grouped_mm`` plus a PyTorch gather and the epilogue: one Triton pass in eager, PyTorch
-expressions that Inductor fuses when traced, NOTE [standalone epilogues]; same semantics). CPU: the reference.
+:func:`use_triton_grouped_gemm` says the library wins for the shape (bf16 plain weights on sm90/sm100:
+``torch._grouped_mm``; quantised weights: the weight-only ``moe::grouped_mm_<fmt>`` kernels; either plus a
+PyTorch gather and the epilogue: one Triton pass in eager, PyTorch expressions that Inductor fuses when traced,
+NOTE [standalone epilogues]; same semantics). CPU: the reference.
 
 Autograd (plain weights; quantised ops differentiate w.r.t. ``x`` and ``row_weight``): the epilogue's
 backward is one Triton pass in eager on CUDA, elementwise PyTorch otherwise (Inductor fuses it), ``dX`` is
@@ -298,6 +299,15 @@ def _dense_weight(w, w_scale, w_gscale, fmt: str, dtype: torch.dtype) -> torch.T
     return w
 
 
+def _library_grouped_mm(a_MK, w, w_scale, w_gscale, offs_E, fmt: str) -> torch.Tensor:
+    """``a @ W[e]^T`` without the family: ``moe::grouped_mm`` (CUTLASS) or the weight-only ``grouped_mm_<fmt>``."""
+    if fmt == "mxfp8":
+        return torch.ops.moe.grouped_mm_mxfp8(a_MK, w, w_scale, offs_E)
+    if fmt == "nvfp4":
+        return torch.ops.moe.grouped_mm_nvfp4(a_MK, w, w_scale, w_gscale, offs_E)
+    return gmm.grouped_mm(a_MK, w, offs_E)
+
+
 def _expert_gemm_body(x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M, activation, num_rows, store_preact, fmt):
     N, N_w = _out_cols(w, activation, fmt)
     store = store_preact and activation != "none"
@@ -309,9 +319,9 @@ def _expert_gemm_body(x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M,
     K, E = x_SK.shape[1], offs_E.shape[0]
     if not use_triton_grouped_gemm(num_rows, N_w, K, E, x_SK.dtype, x_SK.device, fmt,
                                    gemm_kind(w, activation, row_weight_M is not None)):
-        # CUTLASS grouped GEMM on the materialised rows, the epilogue in PyTorch (same semantics)
+        # CUTLASS (quantised: the weight-only kernels) on the materialised rows, the epilogue after (same semantics)
         a = gather_rows(x_SK, src)
-        pre = gmm.grouped_mm(a, w, offs_E)
+        pre = _library_grouped_mm(a, w, w_scale, w_gscale, offs_E, fmt)
         if activation == "none" and row_weight_M is None:  # the GEMM's own output, no epilogue passes
             return pre, x_SK.new_empty(0, N_w)
         if _standalone_epilogue(x_SK):

@@ -181,6 +181,14 @@ def test_heuristic_per_kind_of_gemm(monkeypatch):
     assert use(8192, 4096, 3584, 8, bf16, cuda, kind="weighted")
     assert not use(8192, 4096, 7168, 8, bf16, cuda, kind="dx")
     assert use(32768, 4096, 7168, 8, bf16, cuda, kind="dx")
+    # quantised weights (no CUTLASS): the family for the gated GEMM from 256 rows per expert, the weight-only
+    # kernels otherwise (QUANT_FAMILY_ROWS_FROM)
+    for fmt in ("mxfp8", "nvfp4"):
+        assert use(32768, 1536, 2048, 128, bf16, cuda, fmt, kind="gated")
+        assert not use(512, 1536, 2048, 128, bf16, cuda, fmt, kind="gated")  # T64: 4 rows per expert
+        assert not use(32768, 2048, 768, 128, bf16, cuda, fmt, kind="weighted")
+    monkeypatch.setenv("MOE_COMPILE_GROUPED_GEMM", "cutlass")
+    assert not use(32768, 1536, 2048, 128, bf16, cuda, "mxfp8", kind="gated")
     monkeypatch.setenv("MOE_COMPILE_GROUPED_GEMM", "triton")
     assert use(32768, 1536, 2048, 128, bf16, cuda, kind="wgrad")
     with pytest.raises(ValueError, match="kind"):

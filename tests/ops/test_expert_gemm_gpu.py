@@ -109,6 +109,48 @@ def test_every_choice_trains_the_same_gated_gemm(monkeypatch):
             tol.assert_layer_close(g, ref, [H, 2 * I], torch.bfloat16, backward=True, rows=rows, what=f"{name} {what}")
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_quantised_choices_agree(monkeypatch, fmt):
+    """Quantised gate_up + SwiGLU and the row-weighted down through the public op on each path: the family
+    (``triton``), the weight-only kernels plus the standalone epilogue (``cutlass``) and the shipped choice, against
+    the fp64 reference on the dequantised weights within the derived layer bound; bitwise over runs."""
+    from moe_compile.grouped_weight import quantize_stored
+
+    x, d, gen = _dispatch(5)
+    M = d.rows_MH.shape[0]
+    w1 = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(torch.bfloat16).to(DEV)
+    w2 = (torch.randn(E, H, I, generator=gen) * I**-0.5).to(torch.bfloat16).to(DEV)
+    q1, q2 = quantize_stored(w1, fmt), quantize_stored(w2, fmt)
+    src = eg.source_rows(d.row_map, M)
+    valid = src >= 0
+    deq1, deq2 = (eg._dense_weight(*q, fmt, torch.float32).double() for q in (q1, q2))
+    rw = d.probs_M.float()
+    want_h = eg.expert_gemm_reference(x.double(), deq1, d.offs_E, src, None, "swiglu")[0]
+
+    def block():
+        kw = dict(fmt=fmt)
+        h, _ = eg.expert_gemm(x, q1[0], d.offs_E, row_map=d.row_map, activation="swiglu", num_rows=M,
+                              w_scale=q1[1], expert_scale_E=q1[2], **kw)
+        y, _ = eg.expert_gemm(h, q2[0], d.offs_E, row_weight_M=rw, w_scale=q2[1], expert_scale_E=q2[2], **kw)
+        return h, y
+
+    # NVFP4's block scale times the per-expert scale, and the accumulator times it, are fp32 roundings; the row
+    # weight's fp32 product one more (|rw| <= 1)
+    operand = (3 if fmt == "nvfp4" else 1) * tol.unit_roundoff(torch.float32)
+    for choice in ("triton", "cutlass", ""):
+        monkeypatch.setenv("MOE_COMPILE_GROUPED_GEMM", choice)
+        (h, y), (h2, y2) = block(), block()
+        assert torch.equal(h, h2) and torch.equal(y, y2), f"{choice or 'auto'}: not bitwise reproducible"
+        want_y = eg.expert_gemm_reference(h.double(), deq2, d.offs_E, None, rw.double(), "none")[0]
+        name = choice or "auto"
+        tol.assert_layer_close(h[valid], want_h[valid], [H], torch.bfloat16, what=f"{fmt} {name} h")
+        # the weight-only route stores the GEMM in bf16 before the row weight: one more rounding of |acc|
+        library = not eg.use_triton_grouped_gemm(M, H, I, E, torch.bfloat16, x.device, fmt, kind="weighted")
+        rel = operand + (tol.unit_roundoff(torch.bfloat16) if library else 0.0)
+        bound = tol.grouped_mm_bound(h, deq2, d.offs_E, want_y, got_dtype=torch.bfloat16, operand_rel=rel)
+        tol.assert_within(y, want_y, bound, f"{fmt} {name} y")
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "none"])
 def test_standalone_epilogues_with_row_weight(monkeypatch, activation):
     """NOTE [standalone epilogues]: the CUTLASS forward's epilogue kernel and the backward's, with a row weight:
