@@ -189,8 +189,9 @@ def hf_unsupported_reason(module: nn.Module) -> str | None:
     weights = [up, module.down_proj]
     if any(not isinstance(w, Tensor) or w.dim() != 3 for w in weights):
         return "weights_not_stacked: expected 3-D gate_up_proj/up_proj and down_proj"
-    if any(type(w) not in (Tensor, nn.Parameter) for w in weights):
-        return f"weight_subclass: {type(up).__name__} weights (quantised or sharded) keep their own implementation"
+    if any(type(w) not in (Tensor, nn.Parameter) and not getattr(type(w), "handles_expert_gemm", False)
+           for w in weights):
+        return f"weight_subclass: {type(up).__name__} weights (sharded, ...) keep their own implementation"
     if up.dtype not in SUPPORTED_DTYPES or module.down_proj.dtype != up.dtype:
         return f"dtype: {up.dtype} / {module.down_proj.dtype} (supported: bf16, fp16, fp32, one dtype)"
     return None

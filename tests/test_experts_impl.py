@@ -246,3 +246,36 @@ def _config_class(module, cls: type) -> type:
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_quantised_experts_take_the_fused_path(recipe):
+    """transformers' Qwen3-MoE block set to eager, its experts quantised (``GroupedQuantWeight``, which runs the
+    experts' GEMMs itself: ``handles_expert_gemm``): the experts interface takes it (a rewrite record, no
+    ``weight_subclass`` skip), and inference (the GLU fused into the quantised ``moe.expert_gemm``), training (the
+    grouped GEMMs; straight-through weight gradients) and ``moe_compile.compile`` match the class's eager loop on the
+    same quantised weights within the layer bound. Before, the eager loop ran, and compiling it crashed in Dynamo."""
+    pytest.importorskip("torchao")
+    from moe_compile.experts_impl import use_fused_hf_experts
+    from moe_compile.quantize import quantize_experts
+    from tests._tolerance import assert_layer_close, gemm_k_dims
+
+    block = build_sparse_moe_block("qwen3_moe", dtype=torch.bfloat16)
+    block.experts.config._experts_implementation = "eager"
+    eager = quantize_experts(copy.deepcopy(block), recipe)
+    fused = copy.deepcopy(eager)
+    records = use_fused_hf_experts(fused)
+    assert [r[1] for r in records] == ["rewrite"], records
+    k_dims = gemm_k_dims([fused.experts.gate_up_proj, fused.experts.down_proj])
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = block_output(eager(x))
+        assert_layer_close(block_output(fused(x)), want, k_dims, what="inference")
+        torch._dynamo.reset()
+        assert_layer_close(block_output(moe_compile.compile(fused)(x)), want, k_dims, what="compiled inference")
+    grads = []
+    for model in (eager, fused):
+        xg = x.clone().requires_grad_()
+        block_output(model(xg)).float().square().sum().backward()
+        grads.append(xg.grad)
+    assert_layer_close(grads[1], grads[0], k_dims, backward=True, rows=x.shape[0] * x.shape[1], what="dX")
