@@ -168,6 +168,11 @@ def wgrad_config(N: int, K: int, fp32: bool, cuda: bool, row_scale: bool = False
     375 (CUTLASS 351), Mixtral 532 -> 405 (414), Qwen3 T16384 915 -> 782 (781), but Qwen3 T4096 355 -> 372 (292).
     Row-scaled: faster (Mixtral 974 -> 796) but different bits from launch to launch at DeepSeek and Mixtral sizes,
     the row-scale instability above again. CUTLASS keeps the bf16 wgrad (NOTE [grouped GEMM choice]) either way.
+    Also tried, not kept: the persistent tile loop flattened into the row loop (``tl.range(..., flatten=True)``, so
+    the next tile's loads can overlap this tile's store; bitwise the same), T4096 us: Qwen3 gate_up wgrad 817 -> 802,
+    down 354 -> 354, row-scaled down 642 -> 609; DeepSeek 925 -> 909, 418 -> 416, 792 -> 743: still behind CUTLASS
+    (654 / 305 at Qwen3). The same flag on the forward kernel: gate_up 445 -> 482 (DeepSeek 517 -> 583), the rest
+    within 1%.
     """
     if not cuda:  # interpreter: small tiles, groups of 2 (several column tiles per group in the tests)
         bn, bk, bm, warps, stages, group = 16, 16, 16, 4, 1, 2
