@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_compile.ops import grouped_mm as gmm
-from moe_compile.ops.expert_gemm import GLU_ACTIVATIONS, expert_gemm
+from moe_compile.ops.expert_gemm import GLU_ACTIVATIONS, expert_gemm, runs_on_weight
 from moe_compile.ops.permute_pad import permute_pad
 from moe_compile.ops.unpad_unpermute import unpad_unpermute
 
@@ -189,8 +189,7 @@ def hf_unsupported_reason(module: nn.Module) -> str | None:
     weights = [up, module.down_proj]
     if any(not isinstance(w, Tensor) or w.dim() != 3 for w in weights):
         return "weights_not_stacked: expected 3-D gate_up_proj/up_proj and down_proj"
-    if any(type(w) not in (Tensor, nn.Parameter) and not getattr(type(w), "handles_expert_gemm", False)
-           for w in weights):
+    if not all(runs_on_weight(w) for w in weights):
         return f"weight_subclass: {type(up).__name__} weights (sharded, ...) keep their own implementation"
     if up.dtype not in SUPPORTED_DTYPES or module.down_proj.dtype != up.dtype:
         return f"dtype: {up.dtype} / {module.down_proj.dtype} (supported: bf16, fp16, fp32, one dtype)"

@@ -107,7 +107,7 @@ class GroupedQuantWeight(TorchAOBaseTensor):
         master: optional high-precision master ``[E, N, K]`` (stored layout), see NOTE [training ...].
     """
 
-    # runs ``moe::expert_gemm`` on its quantised op (``_gw_expert_gemm``): passes may hand it the fused GEMM
+    # runs ``moe::expert_gemm`` on its quantised op (``_gw_expert_gemm``); ``ops.expert_gemm.runs_on_weight`` reads it
     handles_expert_gemm = True
     tensor_data_names = ["qdata", "scale"]
     tensor_attribute_names = ["recipe", "orig_dtype", "is_transposed"]

@@ -114,6 +114,18 @@ def test_expert_gemm_runs_the_quantised_op(recipe, monkeypatch):
     assert torch.equal(expert_gemm(xt, q.transpose(1, 2), offs, num_rows=M)[0], want_t)
 
 
+def test_runs_on_weight():
+    """The fused expert GEMM runs on plain and quantised weights; another wrapper subclass keeps its own GEMM."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from moe_compile.ops.expert_gemm import runs_on_weight
+
+    w = _weight()
+    assert runs_on_weight(w) and runs_on_weight(nn.Parameter(w))
+    assert runs_on_weight(GroupedQuantWeight.from_hp(w, "mxfp8"))
+    assert not runs_on_weight(TwoTensor(w, w.clone()))
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_views_stay_quantized(recipe):
     q = GroupedQuantWeight.from_hp(_weight(), recipe)

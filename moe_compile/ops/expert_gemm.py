@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 import triton
 from torch.library import triton_op, wrap_triton
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from moe_compile.ops import _common
 from moe_compile.ops import grouped_mm as gmm
@@ -494,6 +495,13 @@ _expert_gemm_nvfp4_op.register_autograd(_expert_backward, setup_context=functool
 
 
 # ===== public wrapper =====
+
+
+def runs_on_weight(w: torch.Tensor) -> bool:
+    """Whether ``moe::expert_gemm`` runs on ``w`` itself: a plain tensor, or a tensor subclass that declares
+    ``handles_expert_gemm`` (``GroupedQuantWeight`` maps the op to its MXFP8 / NVFP4 op); another subclass (sharded
+    weights) would run it on a dense copy, so callers keep that weight's own GEMM."""
+    return not is_traceable_wrapper_subclass(w) or bool(getattr(type(w), "handles_expert_gemm", False))
 
 
 def expert_gemm(

@@ -49,6 +49,7 @@ import torch.fx as fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from moe_compile.experts_impl import glu_of
+from moe_compile.ops.expert_gemm import runs_on_weight
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._graph import arg, graph_call, known_int, layer_name, op_name, tensor_val, topo_index
 from moe_compile.passes._op_tables import CASTS
@@ -92,8 +93,7 @@ def _operands(gemm: fx.Node) -> tuple[fx.Node, fx.Node, bool]:
     if len(gemm.args) > 3 and any(a is not None for a in gemm.args[3:]) and ekn:
         extra["positional"] = gemm.args[3:]
     xv, wv = tensor_val(x), tensor_val(w)
-    if is_traceable_wrapper_subclass(xv) or is_traceable_wrapper_subclass(wv) and not getattr(
-            type(wv), "handles_expert_gemm", False):
+    if is_traceable_wrapper_subclass(xv) or not runs_on_weight(wv):
         raise NoMatch("weight_subclass", f"{type(wv).__name__} operands (sharded weights, ...) keep their own grouped "
                       "GEMM")
     if extra or xv is None or wv is None or xv.dim() != 2 or wv.dim() != 3 or xv.dtype != wv.dtype \
