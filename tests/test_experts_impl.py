@@ -249,7 +249,9 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
-def test_quantised_experts_take_the_fused_path(recipe):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_quantised_experts_take_the_fused_path(recipe, device):
     """transformers' Qwen3-MoE block set to eager, its experts quantised (``GroupedQuantWeight``, which runs the
     experts' GEMMs itself: ``handles_expert_gemm``): the experts interface takes it (a rewrite record, no
     ``weight_subclass`` skip), and inference (the GLU fused into the quantised ``moe.expert_gemm``), training (the
@@ -260,14 +262,14 @@ def test_quantised_experts_take_the_fused_path(recipe):
     from moe_compile.quantize import quantize_experts
     from tests._tolerance import assert_layer_close, gemm_k_dims
 
-    block = build_sparse_moe_block("qwen3_moe", dtype=torch.bfloat16)
+    block = build_sparse_moe_block("qwen3_moe", dtype=torch.bfloat16, device=device)
     block.experts.config._experts_implementation = "eager"
     eager = quantize_experts(copy.deepcopy(block), recipe)
     fused = copy.deepcopy(eager)
     records = use_fused_hf_experts(fused)
     assert [r[1] for r in records] == ["rewrite"], records
     k_dims = gemm_k_dims([fused.experts.gate_up_proj, fused.experts.down_proj])
-    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16).to(device)
     with torch.no_grad():
         want = block_output(eager(x))
         assert_layer_close(block_output(fused(x)), want, k_dims, what="inference")
