@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from moe_compile import report
 from moe_compile.backend import ConfiguredBackend
@@ -135,7 +137,7 @@ def _wrap_calls(compiled: Any, capture_flags: bool, swapped: list[Any]) -> Any:
     call = compiled.forward if isinstance(compiled, torch.nn.Module) else compiled
 
     config = torch._dynamo.config
-    flags = CAPTURE_FLAGS if capture_flags else {}
+    flags = dict(CAPTURE_FLAGS) if capture_flags else {}
 
     @functools.wraps(call)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -146,6 +148,19 @@ def _wrap_calls(compiled: Any, capture_flags: bool, swapped: list[Any]) -> Any:
         for name, value in flags.items():
             setattr(config, name, value)
         try:
+            return call(*args, **kwargs)
+        except GuardOnDataDependentSymNode as exc:
+            if not flags:
+                raise
+            # NOTE [capture fallback]: a loop over data-dependent values that nothing swapped (``for e in
+            # nonzero(...).tolist()``) cannot be traced with the host reads captured; without the flags Dynamo
+            # graph-breaks there and runs it, as plain torch.compile does
+            warnings.warn(f"moe_compile.compile: tracing with the host reads captured failed "
+                          f"({str(exc).splitlines()[0]}); this model now runs with Dynamo's default flags, "
+                          "graph-breaking at host reads", stacklevel=2)
+            flags.clear()
+            for name, value in saved.items():
+                setattr(config, name, value)
             return call(*args, **kwargs)
         finally:
             for name, value in saved.items():

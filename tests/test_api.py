@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import unittest
+import warnings
 
 import torch
 from torch._dynamo.utils import counters
@@ -74,6 +75,30 @@ class CompileApiTest(unittest.TestCase):
             x = torch.randn(6)
             torch.testing.assert_close(compiled(x, _counts(6)), scale_groups(x, _counts(6)))
         self.assertGreater(sum(counters["graph_break"].values()), 0)
+
+    def test_uncapturable_loop_falls_back_to_graph_breaks(self):
+        """NOTE [capture fallback]: a loop over ``nonzero(...).tolist()`` that nothing swapped fails to trace with
+        the host reads captured (a data-dependent guard); the call warns once and runs with Dynamo's default flags
+        (graph breaks, as plain torch.compile), and later calls stay on them."""
+
+        def loop(x_N: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros_like(x_N)
+            for i in torch.nonzero(x_N > 0).flatten().tolist():
+                out[i] = x_N[i] * (i + 1)
+            return out
+
+        compiled = moe_compile.compile(loop)
+        x = torch.randn(8)
+        with fresh_caches():
+            with self.assertWarnsRegex(UserWarning, "default flags"):
+                torch.testing.assert_close(compiled(x), loop(x))
+            self.assertGreater(sum(counters["graph_break"].values()), 0)
+            y = torch.randn(8)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.testing.assert_close(compiled(y), loop(y))
+            self.assertFalse([w for w in caught if "moe_compile.compile" in str(w.message)])
+        self.assertFalse(torch._dynamo.config.capture_scalar_outputs)
 
     def test_rejects_backend_and_unknown_options(self):
         with self.assertRaisesRegex(ValueError, "backend"):
