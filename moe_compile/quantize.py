@@ -193,6 +193,10 @@ class GroupedExpertList(nn.ModuleList):
         """The ``[E, N, K]`` weight of projection ``path`` (e.g. ``"w1"``; ``""`` when experts are linears)."""
         return getattr(self, _param_names(path)[0])
 
+    def grouped_bias(self, path: str) -> torch.Tensor | None:
+        """The ``[E, N]`` bias of projection ``path``, or None."""
+        return getattr(self, _param_names(path)[1], None)
+
 
 def _to_per_expert_keys(module: GroupedExpertList, state_dict: dict, prefix: str, local_metadata) -> None:
     """NOTE [checkpoint layout]: grouped keys -> the original per-expert keys."""

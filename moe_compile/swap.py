@@ -7,7 +7,8 @@ replaces the block's ``forward`` (on the instance) by one that routes, then runs
 What is recognised (``E`` experts, ``H`` hidden):
 
 * experts: an ``nn.ModuleList`` of identical MLPs (``experts.py``'s ``module_list`` layout) or stacked ``[E, N, K]``
-  parameters on an experts module, with projections named ``w1/w3/w2`` or ``gate_proj/up_proj/down_proj`` (gated:
+  parameters on an experts module (also a ``GroupedExpertList``: ModuleList experts after ``quantize_experts``, read
+  through its grouped weights), with projections named ``w1/w3/w2`` or ``gate_proj/up_proj/down_proj`` (gated:
   ``down(act(gate(x)) * up(x))``), or ``fc1/fc2``, ``up_proj/down_proj``, ``w1/w2`` (``down(act(up(x)))``); the
   activation is the expert's (or experts module's) ``act_fn`` / ``act`` / ``activation``;
 * routing: the block's ``route(x_TH) -> (ids_TK, weights_TK)`` if it has one, else ``gate`` (``nn.Linear`` H -> E)
@@ -99,7 +100,14 @@ def _projection_names(available: set[str]) -> tuple[tuple[str, ...], bool]:
 
 
 def _stacked_projections(group: ExpertGroup) -> dict[str, Projection]:
+    """``{projection name: Projection}`` of stacked experts: rank-3 parameters on the experts module, or the grouped
+    (quantised) weights of a ``GroupedExpertList`` (``quantize_experts`` of ModuleList experts), by their original
+    projection names (``w1``, not the parameter's ``w1_weight``)."""
+    from moe_compile.quantize import GroupedExpertList
+
     module = group.module
+    if isinstance(module, GroupedExpertList):
+        return {p: Projection(module.grouped_weight(p), module.grouped_bias(p)) for p in module.paths}
     out = {}
     for lin in group.linears:
         w = getattr(module, lin.path)
@@ -251,8 +259,11 @@ def _probe_error(block: nn.Module, plan: _Plan, projections: Callable[[], list[P
 
 def _plan_block(block: nn.Module, group: ExpertGroup) -> _Plan:
     E = group.linears[0].num_experts
-    names, gated = _projection_names({lin.path for lin in group.linears})
-    act = _act_of(group.module[0] if group.kind == "module_list" else group.module, block)
+    available = {lin.path for lin in group.linears} if group.kind == "module_list" else set(_stacked_projections(group))
+    names, gated = _projection_names(available)
+    # the activation lives on each expert of a list (also a GroupedExpertList, which is stacked), else on the module
+    owner = group.module[0] if isinstance(group.module, nn.ModuleList) and len(group.module) else group.module
+    act = _act_of(owner, block)
     has_route = callable(getattr(block, "route", None))
     top_k = getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok", None)
     gate = getattr(block, "gate", None)
@@ -323,6 +334,8 @@ def swap_block(block: nn.Module, group: ExpertGroup) -> str:
 
 
 def _hidden_size(group: ExpertGroup, plan: _Plan) -> int:
+    if group.kind != "module_list":
+        return _stacked_projections(group)[plan.paths[0]].w_ENK.shape[-1]
     first = next(lin for lin in group.linears if lin.path == plan.paths[0])
     return first.in_features
 

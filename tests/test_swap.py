@@ -313,3 +313,36 @@ class SwapExplainTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_quantised_module_list_loop_is_swapped(recipe):
+    """``quantize_experts`` turns ModuleList experts into a ``GroupedExpertList`` (grouped quantised weights, the
+    experts' linears views of them); its loop is swapped onto the grouped weights by their projection names
+    (``w1``, not ``w1_weight``). Inference, compiled inference (no capture fallback) and training dX match the
+    block's own quantised loop within the layer bound. Before, the swap skipped it (``unknown_expert_mlp``) and
+    ``moe_compile.compile`` crashed tracing the loop."""
+    import warnings
+
+    pytest.importorskip("torchao")
+    from moe_compile.quantize import quantize_experts
+    from tests._tolerance import assert_layer_close
+
+    block = make_loop_moe(dtype=torch.bfloat16, hidden=64, inter=64)
+    loop = quantize_experts(copy.deepcopy(block), recipe)
+    swapped = copy.deepcopy(loop)
+    records = swap_expert_loops(swapped)
+    assert [r[1:3] for r in records] == [("rewrite", "expert_loop_swapped")], records
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    k_dims = [64, 64]
+    with torch.no_grad():
+        want = loop(x)
+        assert_layer_close(swapped(x), want, k_dims, what="inference")
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = moe_compile.compile(copy.deepcopy(loop))(x)
+        assert not [w for w in caught if "moe_compile.compile" in str(w.message)]
+        assert_layer_close(got, want, k_dims, what="compiled inference")
+    grads = [_run(m, x, train=True)[1][0] for m in (loop, swapped)]
+    assert_layer_close(grads[1], grads[0], k_dims, backward=True, rows=16, what="dX")
