@@ -316,7 +316,9 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
-def test_quantised_module_list_loop_is_swapped(recipe):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_quantised_module_list_loop_is_swapped(recipe, device):
     """``quantize_experts`` turns ModuleList experts into a ``GroupedExpertList`` (grouped quantised weights, the
     experts' linears views of them); its loop is swapped onto the grouped weights by their projection names
     (``w1``, not ``w1_weight``). Inference, compiled inference (no capture fallback) and training dX match the
@@ -328,12 +330,12 @@ def test_quantised_module_list_loop_is_swapped(recipe):
     from moe_compile.quantize import quantize_experts
     from tests._tolerance import assert_layer_close
 
-    block = make_loop_moe(dtype=torch.bfloat16, hidden=64, inter=64)
+    block = make_loop_moe(dtype=torch.bfloat16, hidden=64, inter=64).to(device)
     loop = quantize_experts(copy.deepcopy(block), recipe)
     swapped = copy.deepcopy(loop)
     records = swap_expert_loops(swapped)
     assert [r[1:3] for r in records] == [("rewrite", "expert_loop_swapped")], records
-    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16).to(device)
     k_dims = [64, 64]
     with torch.no_grad():
         want = loop(x)
