@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from moe_compile._grad_views import GradViews, per_expert_views
 from moe_compile.experts import ExpertGroup, ExpertLinear, find_expert_weights
 from moe_compile.experts_impl import SUPPORTED_DTYPES, Projection, fused_experts_forward, glu_of
+from moe_compile.quantize import GroupedExpertList
 
 _GATED = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 _PLAIN = (("fc1", "fc2"), ("up_proj", "down_proj"), ("w1", "w2"))
@@ -103,8 +104,6 @@ def _stacked_projections(group: ExpertGroup) -> dict[str, Projection]:
     """``{projection name: Projection}`` of stacked experts: rank-3 parameters on the experts module, or the grouped
     (quantised) weights of a ``GroupedExpertList`` (``quantize_experts`` of ModuleList experts), by their original
     projection names (``w1``, not the parameter's ``w1_weight``)."""
-    from moe_compile.quantize import GroupedExpertList
-
     module = group.module
     if isinstance(module, GroupedExpertList):
         return {p: Projection(module.grouped_weight(p), module.grouped_bias(p)) for p in module.paths}
