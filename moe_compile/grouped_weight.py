@@ -308,9 +308,7 @@ def quantized_grouped_mm_nt(x_MK: torch.Tensor, w: GroupedQuantWeight, offs_E: t
     """``x_MK @ W[e]^T`` per expert on CUDA (weight-only Triton, or hardware FP4 when opted in)."""
     if _hw_fp4_enabled(x_MK, w):
         return _hw_fp4_grouped_mm(x_MK, w, offs_E)
-    if w.recipe == "mxfp8":
-        return torch.ops.moe.grouped_mm_mxfp8(x_MK, w.qdata, w.scale, offs_E)
-    return torch.ops.moe.grouped_mm_nvfp4(x_MK, w.qdata, w.scale, w.expert_scale, offs_E)
+    return gmm.weight_only_grouped_mm(x_MK, w.qdata, w.scale, w.expert_scale, offs_E, w.recipe)
 
 
 def _use_kernel(x: Any, w: Any, want_transposed: bool) -> bool:

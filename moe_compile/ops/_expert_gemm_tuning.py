@@ -65,8 +65,9 @@ def use_triton_grouped_gemm(
     """
     if kind not in TRITON_ROWS_PER_EXPERT:
         raise ValueError(f"kind={kind!r} is not one of {tuple(TRITON_ROWS_PER_EXPERT)}")
-    if device.type != "cuda" or fmt == "plain" and (
-            dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] not in (9, 10)):
+    if device.type != "cuda":
+        return True
+    if fmt == "plain" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] not in (9, 10)):
         return True
     choice = os.environ.get(_ENV_CHOICE, "")
     if choice in ("triton", "cutlass"):

@@ -300,15 +300,6 @@ def _dense_weight(w, w_scale, w_gscale, fmt: str, dtype: torch.dtype) -> torch.T
     return w
 
 
-def _library_grouped_mm(a_MK, w, w_scale, w_gscale, offs_E, fmt: str) -> torch.Tensor:
-    """``a @ W[e]^T`` without the family: ``moe::grouped_mm`` (CUTLASS) or the weight-only ``grouped_mm_<fmt>``."""
-    if fmt == "mxfp8":
-        return torch.ops.moe.grouped_mm_mxfp8(a_MK, w, w_scale, offs_E)
-    if fmt == "nvfp4":
-        return torch.ops.moe.grouped_mm_nvfp4(a_MK, w, w_scale, w_gscale, offs_E)
-    return gmm.grouped_mm(a_MK, w, offs_E)
-
-
 def _expert_gemm_body(x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M, activation, num_rows, store_preact, fmt):
     N, N_w = _out_cols(w, activation, fmt)
     store = store_preact and activation != "none"
@@ -322,7 +313,8 @@ def _expert_gemm_body(x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M,
                                    gemm_kind(w, activation, row_weight_M is not None)):
         # CUTLASS (quantised: the weight-only kernels) on the materialised rows, the epilogue after (same semantics)
         a = gather_rows(x_SK, src)
-        pre = _library_grouped_mm(a, w, w_scale, w_gscale, offs_E, fmt)
+        pre = (gmm.grouped_mm(a, w, offs_E) if fmt == "plain"
+               else gmm.weight_only_grouped_mm(a, w, w_scale, w_gscale, offs_E, fmt))
         if activation == "none" and row_weight_M is None:  # the GEMM's own output, no epilogue passes
             return pre, x_SK.new_empty(0, N_w)
         if _standalone_epilogue(x_SK):

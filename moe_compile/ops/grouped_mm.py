@@ -512,3 +512,20 @@ def grouped_mm_nvfp4(
     _check_common(x_MK, offs_E, E, K)
     return _grouped_mm_nvfp4_op(x_MK, qdata_ENP, scale_ENB, expert_scale_E.reshape(E), offs_E)
 
+
+def weight_only_grouped_mm(
+    x_MK: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    expert_scale_E: torch.Tensor | None,
+    offs_E: torch.Tensor,
+    fmt: str,
+) -> torch.Tensor:
+    """``x @ W[e]^T`` through the weight-only op of ``fmt`` (``moe::grouped_mm_mxfp8``, which takes no
+    ``expert_scale_E``, or ``moe::grouped_mm_nvfp4``), on operands the caller already holds in the ops' layouts."""
+    if fmt == "mxfp8":
+        return torch.ops.moe.grouped_mm_mxfp8(x_MK, qdata, scale, offs_E)
+    if fmt == "nvfp4":
+        return torch.ops.moe.grouped_mm_nvfp4(x_MK, qdata, scale, expert_scale_E, offs_E)
+    raise ValueError(f"fmt={fmt!r} is not a quantised format; use 'mxfp8' or 'nvfp4'")
+
