@@ -243,7 +243,7 @@ def run_shape(s: Shape, T: int, gen, args) -> list[dict]:
 
 
 def run_quant(T: int, gen, args) -> list[dict]:
-    from moe_compile.grouped_weight import quantize_stored
+    from moe_compile.experts.grouped_weight import quantize_stored
 
     s = SHAPES[0]
     x, ids, probs, wgu, wd, d = make_inputs(s, T, gen)
@@ -314,7 +314,7 @@ def run_sweep(name: str, T: int, gen, wgrad: bool = True) -> list[dict]:
     """Every candidate tile per GEMM (gate_up with gather + SwiGLU, down with the row weight, both dX GEMMs; the
     quantised forward GEMMs at T 4096 of Qwen3 / DeepSeek); ``cfg`` ``shipped`` is ``pick_config``'s choice,
     ``cutlass`` the ``torch._grouped_mm`` GEMM alone (gathered rows for gate_up; no epilogue pass)."""
-    from moe_compile.grouped_weight import quantize_stored
+    from moe_compile.experts.grouped_weight import quantize_stored
     from moe_compile.ops import expert_gemm as eg
 
     s = next(x for x in SHAPES if x.name == name)

@@ -79,7 +79,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor, rows: int) -> float:
 
 
 def make_weights(gen: torch.Generator):
-    from moe_compile.grouped_weight import quantize_stored
+    from moe_compile.experts.grouped_weight import quantize_stored
 
     weights = {}
     for name, (n, k) in {"gate_up": (2 * I, H), "down": (H, I)}.items():
@@ -112,7 +112,7 @@ def sweep_configs(M: int) -> list[dict]:
 def run_experiment(T: int, weights: dict, bw: float, args, gen: torch.Generator) -> list[Result]:
     from triton.testing import do_bench_cudagraph
 
-    from moe_compile.grouped_weight import GroupedQuantWeight
+    from moe_compile.experts.grouped_weight import GroupedQuantWeight
     from moe_compile.ops import grouped_mm as gmm
 
     routings = [routing(T, gen) for _ in range(ROUTINGS)]

@@ -8,7 +8,7 @@ Variants:
 * ``eager``: the loop as written;
 * ``inductor``: ``torch.compile(block)`` (graph-breaks around the loop; the loop runs eagerly);
 * ``moe``: ``moe_compile.compile(block)``: the block is swapped onto permute_pad -> grouped GEMMs ->
-  unpad_unpermute over grouped views of the expert weights (``moe_compile/swap.py``);
+  unpad_unpermute over grouped views of the expert weights (``moe_compile/experts/swap.py``);
 * ``moe_ro``: the same with ``mode="reduce-overhead"``;
 * ``grouped_mm_moe``: the target: the same weights in transformers' block with
   ``_experts_implementation="grouped_mm"`` under ``moe_compile.compile`` (``fuse_dispatch`` path).

@@ -103,7 +103,7 @@ def main() -> int:
         return 0
     import moe_compile  # noqa: F401 - registers the backend
     from bench_moe_block import CONFIGS, build_block
-    from moe_compile.quantize import quantize_experts
+    from moe_compile.experts.quantize import quantize_experts
 
     start = time.perf_counter()
     base = build_block(next(c for c in CONFIGS if c.name == "qwen3_moe"))

@@ -5,11 +5,11 @@ point does too, so ``torch.compile(model, backend="moe_compile")`` works without
 """
 
 from moe_compile import metrics, ops
-from moe_compile.api import compile
+from moe_compile.api import compile, explain
 from moe_compile.backend import moe_backend, register
 from moe_compile.config import MoECompileConfig
-from moe_compile.quantize import quantize_experts
-from moe_compile.report import Report, explain
+from moe_compile.experts.quantize import quantize_experts
+from moe_compile.report import Report
 
 register()
 

@@ -65,10 +65,10 @@ def compile(  # noqa: A001 - mirrors torch.compile
             fused ops (in place, parameters and ``state_dict`` unchanged): transformers experts set to
             ``"eager"`` (or unset) are set to the ``"moe_compile"`` experts implementation, and blocks that
             loop over an ``nn.ModuleList`` (or stacked weights) of experts get a fused forward
-            (``moe_compile/swap.py``). ``explain`` lists what was swapped and what was left, with reasons.
+            (``moe_compile/experts/swap.py``). ``explain`` lists what was swapped and what was left, with reasons.
             Without CUDA graphs the per-expert gradient views of swapped ModuleList blocks are recycled from
             step to step, and each call first frees the gradient memory that ``zero_grad`` let go of (NOTE
-            [recycled gradient views] in ``moe_compile/_grad_views.py``).
+            [recycled gradient views] in ``moe_compile/experts/_grad_views.py``).
         **torch_compile_kwargs: ``mode``, ``options``, ``dynamic``, ``fullgraph``, ... as for
             ``torch.compile`` (``backend`` is set here and rejected).
 
@@ -103,8 +103,8 @@ def prepare_expert_loops(model: torch.nn.Module) -> list[report.PassRecord]:
 
     Idempotent: already swapped modules are not swapped again. The records are kept for ``explain``.
     """
-    from moe_compile.experts_impl import use_fused_hf_experts
-    from moe_compile.swap import swap_expert_loops
+    from moe_compile.experts.interface import use_fused_hf_experts
+    from moe_compile.experts.swap import swap_expert_loops
 
     found = [("experts_impl", *r) for r in use_fused_hf_experts(model)]
     found += [("swap_expert_loops", *r) for r in swap_expert_loops(model)]
@@ -123,7 +123,7 @@ def _uses_cuda_graphs(torch_compile_kwargs: dict[str, Any]) -> bool:
 
 
 def _recycle_expert_gradients(model: torch.nn.Module, on: bool) -> list[Any]:
-    """Turn NOTE [recycled gradient views] (``_grad_views.py``) on or off for ``model``'s swapped ModuleList
+    """Turn NOTE [recycled gradient views] (``experts/_grad_views.py``) on or off for ``model``'s swapped ModuleList
     blocks; returns their grouped views, whose gradient memory every call of the compiled model releases."""
     grouped = [m._moe_compile_views for m in model.modules() if getattr(m, "_moe_compile_views", None) is not None]
     for views in grouped:
@@ -170,3 +170,72 @@ def _wrap_calls(compiled: Any, capture_flags: bool, swapped: list[Any]) -> Any:
         compiled.forward = run
         return compiled
     return run
+
+
+def explain(model: Any, *args: Any, backward: bool | None = None, compile_options: dict[str, Any] | None = None,
+            **kwargs: Any) -> report.Report:
+    """Compile ``model`` with moe_compile, run it on ``args``/``kwargs``, and report what each pass did.
+
+    Runs one forward (and one backward if the output requires grad, unless ``backward=False``) so that
+    both the forward and the joint graph are compiled. ``model`` is not modified (its ``.grad`` fields
+    are restored). Caches are bypassed, so every pass runs. Experts modules of ``model`` that no
+    compiled graph contained get a ``not_in_graph`` skip.
+    ``compile_options`` are keywords of ``moe_compile.compile`` (``{"deterministic": True}``: what is left
+    with the option on; :attr:`Report.nondeterministic` lists the sources per layer).
+    Returns a :class:`Report`: ``print(report)`` shows a table, ``report.to_dict()`` a dict.
+    """
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    saved_grads = [p.grad for p in params]
+    torch._dynamo.reset()
+    compiled = compile(model, **(compile_options or {}))
+    try:
+        with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True), \
+                warnings.catch_warnings():
+            # the caches are off on purpose (every pass must run); PGO warns that it is off with them
+            warnings.filterwarnings("ignore", message="dynamo_pgo force disabled", category=UserWarning)
+            out = compiled(*args, **kwargs)
+            if hasattr(out, "to_tuple"):  # transformers ModelOutput
+                out = out.to_tuple()
+            tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            grads = [t for t in tensors if t.requires_grad and t.is_floating_point()]
+            if grads and backward is not False:
+                sum(t.float().square().mean() for t in grads).backward()
+    finally:
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+        torch._dynamo.reset()
+    if isinstance(model, torch.nn.Module):
+        rep.records[:0] = report.module_records(model)
+        seen = {r.layer for r in rep.records}
+        for name, module in model.named_modules():
+            if not name or not _is_experts_module(module) or any(_same_module(name, layer) for layer in seen):
+                continue
+            rep.records.append(report.PassRecord(
+                "explain", "-", "skip", name, "not_in_graph",
+                f"{type(module).__name__} is in no compiled graph (graph break, or an eager per-expert loop that "
+                "Dynamo does not capture; transformers: set_experts_implementation('grouped_mm'))",
+            ))
+    return rep
+
+
+def _same_module(name: str, layer: str) -> bool:
+    """Whether record path ``layer`` is module ``name``, inside it or around it. Record paths are relative to
+    the module whose ``forward`` Dynamo compiled as a frame: transformers' ``*ForCausalLM`` compiles
+    ``model.model``'s forward on its own, so ``model.layers.0.mlp.experts`` is recorded as
+    ``layers.0.mlp.experts``."""
+    return any(
+        path == layer or layer.startswith(path + ".") or path.startswith(layer + ".")
+        for path in _suffixes(name)
+    )
+
+
+def _suffixes(name: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a.b.c", "b.c", "c"]``."""
+    parts = name.split(".")
+    return [".".join(parts[i:]) for i in range(len(parts))]
+
+
+def _is_experts_module(module: torch.nn.Module) -> bool:
+    """transformers' ``*Experts`` modules (stacked expert weights) and similar."""
+    name = type(module).__name__
+    return name.endswith("Experts") and any(p.dim() == 3 for p in module.parameters(recurse=False))

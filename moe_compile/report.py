@@ -1,7 +1,7 @@
-"""What the passes did: rewrite and skip records, and ``moe_compile.explain``.
+"""What the passes did: the record store behind ``moe_compile.explain`` (:func:`moe_compile.api.explain`).
 
-Every pass reports through its :class:`~moe_compile.passes.PassContext`; each record lands here.
-``explain(model, *args)`` compiles ``model`` with the backend and returns the records of that compile.
+Every pass reports through its :class:`~moe_compile.passes.PassContext`; each record lands here. This module
+imports nothing of moe_compile: passes, the backend and ``explain`` all write to it or read from it.
 
 Semantics of a :class:`Report`, per layer (module path from ``nn_module_stack``, e.g.
 ``model.layers.0.mlp.experts``; ``<graph>`` for code outside any module):
@@ -10,7 +10,7 @@ Semantics of a :class:`Report`, per layer (module path from ``nn_module_stack``,
 * ``skip``: ``what`` is a reason tag (``weights_before_gather``, ``region_not_rowwise``, ...), ``detail``
   a sentence ("combine not matched: weights applied before gather ...").
 * ``error``: a pass raised and the graph was restored (plain Inductor for that pass).
-* ``left``: the audit (:mod:`moe_compile.audit`) found an accumulating scatter, a non-deterministic library
+* ``left``: the audit (:mod:`moe_compile.passes.audit`) found an accumulating scatter, a non-deterministic library
   kernel or a host sync in a compiled graph; ``what`` is ``"<kind>: <op>"``, ``detail`` the model source
   line; :attr:`Report.clean`, :attr:`Report.deterministic`.
 * ``module`` stage records (passes ``experts_impl``, ``swap_expert_loops``): expert loops that Dynamo cannot
@@ -77,7 +77,7 @@ class Report:
 
     @property
     def left(self) -> list[PassRecord]:
-        """The audit's findings (:mod:`moe_compile.audit`): accumulating scatters and host syncs left in the
+        """The audit's findings (:mod:`moe_compile.passes.audit`): accumulating scatters and host syncs left in the
         compiled graphs, forward and backward, with the model source line."""
         return [r for r in self.records if r.kind == "left"]
 
@@ -293,74 +293,3 @@ def module_records(model: Any) -> list[PassRecord]:
 
 def last_report() -> Report:
     return _LAST
-
-
-def explain(model: Any, *args: Any, backward: bool | None = None, compile_options: dict[str, Any] | None = None,
-            **kwargs: Any) -> Report:
-    """Compile ``model`` with moe_compile, run it on ``args``/``kwargs``, and report what each pass did.
-
-    Runs one forward (and one backward if the output requires grad, unless ``backward=False``) so that
-    both the forward and the joint graph are compiled. ``model`` is not modified (its ``.grad`` fields
-    are restored). Caches are bypassed, so every pass runs. Experts modules of ``model`` that no
-    compiled graph contained get a ``not_in_graph`` skip.
-    ``compile_options`` are keywords of ``moe_compile.compile`` (``{"deterministic": True}``: what is left
-    with the option on; :attr:`Report.nondeterministic` lists the sources per layer).
-    Returns a :class:`Report`: ``print(report)`` shows a table, ``report.to_dict()`` a dict.
-    """
-    from moe_compile.api import compile as moe_compile_fn
-
-    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
-    saved_grads = [p.grad for p in params]
-    torch._dynamo.reset()
-    compiled = moe_compile_fn(model, **(compile_options or {}))
-    try:
-        with collecting() as report, torch._inductor.config.patch(force_disable_caches=True), \
-                warnings.catch_warnings():
-            # the caches are off on purpose (every pass must run); PGO warns that it is off with them
-            warnings.filterwarnings("ignore", message="dynamo_pgo force disabled", category=UserWarning)
-            out = compiled(*args, **kwargs)
-            if hasattr(out, "to_tuple"):  # transformers ModelOutput
-                out = out.to_tuple()
-            tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-            grads = [t for t in tensors if t.requires_grad and t.is_floating_point()]
-            if grads and backward is not False:
-                sum(t.float().square().mean() for t in grads).backward()
-    finally:
-        for p, g in zip(params, saved_grads):
-            p.grad = g
-        torch._dynamo.reset()
-    if isinstance(model, torch.nn.Module):
-        report.records[:0] = module_records(model)
-        seen = {r.layer for r in report.records}
-        for name, module in model.named_modules():
-            if not name or not _is_experts_module(module) or any(_same_module(name, layer) for layer in seen):
-                continue
-            report.records.append(PassRecord(
-                "explain", "-", "skip", name, "not_in_graph",
-                f"{type(module).__name__} is in no compiled graph (graph break, or an eager per-expert loop that "
-                "Dynamo does not capture; transformers: set_experts_implementation('grouped_mm'))",
-            ))
-    return report
-
-
-def _same_module(name: str, layer: str) -> bool:
-    """Whether record path ``layer`` is module ``name``, inside it or around it. Record paths are relative to
-    the module whose ``forward`` Dynamo compiled as a frame: transformers' ``*ForCausalLM`` compiles
-    ``model.model``'s forward on its own, so ``model.layers.0.mlp.experts`` is recorded as
-    ``layers.0.mlp.experts``."""
-    return any(
-        path == layer or layer.startswith(path + ".") or path.startswith(layer + ".")
-        for path in _suffixes(name)
-    )
-
-
-def _suffixes(name: str) -> list[str]:
-    """``"a.b.c"`` -> ``["a.b.c", "b.c", "c"]``."""
-    parts = name.split(".")
-    return [".".join(parts[i:]) for i in range(len(parts))]
-
-
-def _is_experts_module(module: torch.nn.Module) -> bool:
-    """transformers' ``*Experts`` modules (stacked expert weights) and similar."""
-    name = type(module).__name__
-    return name.endswith("Experts") and any(p.dim() == 3 for p in module.parameters(recurse=False))

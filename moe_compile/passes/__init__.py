@@ -76,7 +76,7 @@ PASSES: tuple[PassEntry, ...] = (
     PassEntry("deterministic_attention", "joint", "moe_compile.passes.deterministic_attention:run", default=True,
               doc="with deterministic=True: flash / memory-efficient attention backward called with torch's "
                   "deterministic flag on (fixed-order dQ)"),
-    PassEntry("audit", "post_grad", "moe_compile.audit:run", default=True,
+    PassEntry("audit", "post_grad", "moe_compile.passes.audit:run", default=True,
               doc="read-only: records accumulating scatters, non-deterministic library ops and host syncs left in "
                   "the final graphs (explain)"),
 )

@@ -6,7 +6,7 @@ the router's ``scores.gather(-1, topk_idx)`` (backward: ``scatter_add`` into zer
 indices), a gather by a sort permutation (``w[perm]``), a per-expert bias or scale gathered by expert
 id (``bias_EN[ids]``: ``index_put(accumulate=True)`` into ``[E, N]``).
 
-Matches (one :class:`~moe_compile.passes._accumulate.Accumulate` per node, into a fresh zero tensor):
+Matches (one :class:`~moe_compile.passes.forms.accumulate.Accumulate` per node, into a fresh zero tensor):
     (a) indices distinct along the scatter dim (``topk`` / ``sort`` indices; see ``distinct_along``)::
 
         z = full([T, E], 0); g = scatter_add(z, 1, topk_idx_TK, grad_TK)
@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes import PassContext
-from moe_compile.passes import _accumulate as acc
+from moe_compile.passes.forms import accumulate as acc
 from moe_compile.passes._graph import (
     erase_dead,
     graph_call,

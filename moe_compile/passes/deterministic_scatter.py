@@ -8,7 +8,7 @@ one deterministic op: ``moe.segment_sum(src_ND, idx_N, R, mask_N)`` (stable sort
 segment offsets, each output row sums its segment in order; ``moe_compile/ops/segment_sum.py``).
 Shapes: ``N`` entries, ``D`` columns per entry, ``R`` rows of the target.
 
-Matches (one node each; which ops accumulate is :func:`moe_compile.passes._accumulate.is_accumulating`)::
+Matches (one node each; which ops accumulate is :func:`moe_compile.passes.forms.accumulate.is_accumulating`)::
 
     (a) index_put(base_RD, [idx_S], values, True) / _unsafe_index_put(..., True)   (idx of any shape S)
     (b) _unsafe_masked_index_put_accumulate(base_RD, mask, [idx_S], values)       (Inductor's embedding
@@ -57,7 +57,7 @@ import torch.fx as fx
 
 import moe_compile.ops.segment_sum  # noqa: F401 - registers moe.segment_sum
 from moe_compile.passes import NoMatch, PassContext
-from moe_compile.passes import _accumulate as acc
+from moe_compile.passes.forms import accumulate as acc
 from moe_compile.passes._graph import arg, erase_dead, insert_traced, known_int, layer_name, op_name, tensor_val
 
 aten = torch.ops.aten

@@ -48,11 +48,11 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from moe_compile.experts_impl import glu_of
+from moe_compile.experts.interface import glu_of
 from moe_compile.ops.expert_gemm import runs_on_weight
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._graph import arg, graph_call, known_int, layer_name, op_name, tensor_val, topo_index
-from moe_compile.passes._op_tables import CASTS
+from moe_compile.passes.forms.ops import CASTS
 
 # the grouped GEMMs this pass rewrites, by op name: True when the weight operand is [E, K, N]
 _GEMMS = {"_grouped_mm": True, "aten._grouped_mm": True, "moe.grouped_mm": False}

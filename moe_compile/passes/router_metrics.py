@@ -41,9 +41,9 @@ import torch.fx as fx
 
 from moe_compile import metrics
 from moe_compile.passes import PassContext
-from moe_compile.passes._count_forms import ids_base
+from moe_compile.passes.forms.counts import ids_base
 from moe_compile.passes._graph import layer_name, op_name, val as _val
-from moe_compile.passes._op_tables import CASTS, FLAT_VIEWS
+from moe_compile.passes.forms.ops import CASTS, FLAT_VIEWS
 
 # A topk over more "experts" than this is not taken for a router unless a dispatch op anchors it
 # (it is most likely a vocabulary).

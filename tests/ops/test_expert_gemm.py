@@ -91,7 +91,7 @@ def test_backward_bitwise_reproducible_bf16():
 def test_quantised_equals_dequantised_plain(fmt):
     x, d = _dispatch(T=6, H=64, E=4, seed=4)
     M = d.rows_MH.shape[0]
-    from moe_compile.grouped_weight import quantize_stored
+    from moe_compile.experts.grouped_weight import quantize_stored
 
     w = torch.randn(4, 16, 64) * 0.1
     q = quantize_stored(w.to(torch.bfloat16), fmt)

@@ -114,7 +114,7 @@ def test_quantised_choices_agree(monkeypatch, fmt):
     """Quantised gate_up + SwiGLU and the row-weighted down through the public op on each path: the family
     (``triton``), the weight-only kernels plus the standalone epilogue (``cutlass``) and the shipped choice, against
     the fp64 reference on the dequantised weights within the derived layer bound; bitwise over runs."""
-    from moe_compile.grouped_weight import quantize_stored
+    from moe_compile.experts.grouped_weight import quantize_stored
 
     x, d, gen = _dispatch(5)
     M = d.rows_MH.shape[0]
@@ -188,7 +188,7 @@ def test_quantised_forward_production_tiles(fmt, gated):
     """Weight-only MXFP8 / NVFP4 at prefill rows with the shipped tiles (NOTE [expert GEMM tiles]: gate_up and the
     MXFP8 down with swapped MMA operands, the NVFP4 down with ``[128, 256]`` tiles) against the fp64 reference on the dequantised weights
     (computed in fp32, as the kernels scale), within the derived bound; bitwise over repeated runs."""
-    from moe_compile.grouped_weight import quantize_stored
+    from moe_compile.experts.grouped_weight import quantize_stored
 
     x, d, gen = _dispatch(4)
     M = d.rows_MH.shape[0]

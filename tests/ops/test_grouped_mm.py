@@ -93,7 +93,7 @@ def test_opcheck_plain_and_wgrad():
 
 
 def _quantized(recipe: str, E=3, N=16, K=64):
-    from moe_compile.grouped_weight import quantize_stored
+    from moe_compile.experts.grouped_weight import quantize_stored
 
     return quantize_stored(torch.randn(E, N, K, dtype=torch.bfloat16), recipe)
 

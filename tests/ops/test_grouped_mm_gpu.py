@@ -89,7 +89,7 @@ def test_plain_triton_fp16_fp32(shape, dtype, tol):
 
 def _stored(w: torch.Tensor, recipe: str):
     """``(qdata, scale, expert_scale or None, dequantised bf16 weight)``."""
-    from moe_compile.grouped_weight import quantize_stored
+    from moe_compile.experts.grouped_weight import quantize_stored
 
     qdata, scale, expert_scale = quantize_stored(w, recipe)
     if recipe == "mxfp8":
@@ -242,7 +242,7 @@ def test_cuda_graph_capture_is_sync_free():
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 def test_grouped_quant_weight_on_cuda(recipe):
-    from moe_compile.grouped_weight import GroupedQuantWeight
+    from moe_compile.experts.grouped_weight import GroupedQuantWeight
 
     x, w, offs, rows = _inputs("small_e64")
     q = GroupedQuantWeight.from_hp(w, recipe)
@@ -257,7 +257,7 @@ def test_grouped_quant_weight_on_cuda(recipe):
 def test_quantize_experts_hf_block_cuda(recipe):
     import copy
 
-    from moe_compile.quantize import quantize_experts
+    from moe_compile.experts.quantize import quantize_experts
     from tests.models.hf_models import block_output, build_sparse_moe_block
 
     original = build_sparse_moe_block("qwen3_moe", dtype=torch.bfloat16, device=DEV)
@@ -282,7 +282,7 @@ class _Experts(torch.nn.Module):
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 def test_compile_training_step_cuda(recipe):
-    from moe_compile.grouped_weight import GroupedQuantWeight
+    from moe_compile.experts.grouped_weight import GroupedQuantWeight
 
     torch._dynamo.reset()
     x, w, offs, rows = _inputs("small_e64")
@@ -303,7 +303,7 @@ def test_compile_reduce_overhead_no_cudagraph_skips():
     """Inference with quantised weights under cudagraph trees: no skipped graph (capture-safe)."""
     from torch._dynamo.utils import counters
 
-    from moe_compile.grouped_weight import GroupedQuantWeight
+    from moe_compile.experts.grouped_weight import GroupedQuantWeight
 
     torch._dynamo.reset()
     counters.clear()

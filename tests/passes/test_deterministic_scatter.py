@@ -160,7 +160,7 @@ def _graph_with(target, value: torch.Tensor) -> fx.Graph:
 
 
 def test_audit_names_nondeterministic_library_ops():
-    from moe_compile import audit
+    from moe_compile.passes import audit
 
     attn_bwd = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
     on_meta = audit.find(_graph_with(attn_bwd, torch.empty(2, device="meta")))  # device unknown: reported

@@ -196,7 +196,7 @@ def test_quantised_weights_fused(recipe, device, choice, monkeypatch):
     pytest.importorskip("transformers")
     pytest.importorskip("torchao")
     from moe_compile import report
-    from moe_compile.quantize import quantize_experts
+    from moe_compile.experts.quantize import quantize_experts
     from tests._tolerance import assert_layer_close, gemm_k_dims
     from tests.models.hf_models import block_output, build_sparse_moe_block
 

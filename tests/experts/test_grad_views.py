@@ -1,4 +1,4 @@
-"""Per-expert gradients as views of one grouped gradient (``moe_compile/_grad_views.py``), fresh or recycled."""
+"""Per-expert gradients as views of one grouped gradient (``moe_compile/experts/_grad_views.py``), fresh or recycled."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from moe_compile import _storage_swap
-from moe_compile._grad_views import GradViews, _grad_python_refs, per_expert_views
+from moe_compile.experts import _storage_swap
+from moe_compile.experts._grad_views import GradViews, _grad_python_refs, per_expert_views
 
 E, N, K = 4, 3, 5
 LAYOUTS = pytest.mark.parametrize("halves", [False, True], ids=["stacked", "gate_up_halves"])
@@ -31,7 +31,7 @@ DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
 
 def _grouped_params(halves: bool, recycle: bool, device: str = "cpu") -> tuple[list[nn.Parameter], torch.Tensor,
                                                                              GradViews]:
-    """Per-expert parameters made views of one grouped leaf with :class:`GradViews` hooks, as ``swap.py`` does."""
+    """Per-expert parameters made views of one grouped leaf with :class:`GradViews` hooks, as ``experts/swap.py`` does."""
     params = [nn.Parameter(torch.randn(N, K, device=device)) for _ in range(2 * E if halves else E)]
     stacked = torch.stack([p.detach() for p in params])
     grouped = (torch.cat([stacked[:E], stacked[E:]], dim=1) if halves else stacked).requires_grad_(True)

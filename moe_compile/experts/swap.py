@@ -2,7 +2,7 @@
 
 Dynamo cannot capture such a loop (its trip count is data dependent), so no FX pass sees it. ``swap_expert_loops``
 replaces the block's ``forward`` (on the instance) by one that routes, then runs the experts through
-:func:`moe_compile.experts_impl.fused_experts_forward` (one grouped GEMM per projection, no host sync).
+:func:`moe_compile.experts.interface.fused_experts_forward` (one grouped GEMM per projection, no host sync).
 
 What is recognised (``E`` experts, ``H`` hidden):
 
@@ -47,10 +47,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from moe_compile._grad_views import GradViews, per_expert_views
-from moe_compile.experts import ExpertGroup, ExpertLinear, find_expert_weights
-from moe_compile.experts_impl import SUPPORTED_DTYPES, Projection, fused_experts_forward, glu_of
-from moe_compile.quantize import GroupedExpertList
+from moe_compile.experts._grad_views import GradViews, per_expert_views
+from moe_compile.experts.discovery import ExpertGroup, ExpertLinear, find_expert_weights
+from moe_compile.experts.interface import SUPPORTED_DTYPES, Projection, fused_experts_forward, glu_of
+from moe_compile.experts.quantize import GroupedExpertList
 
 _GATED = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 _PLAIN = (("fc1", "fc2"), ("up_proj", "down_proj"), ("w1", "w2"))
@@ -378,7 +378,7 @@ def swap_expert_loops(model: nn.Module) -> list[tuple[str, str, str, str]]:
     transformers ``*Experts`` modules (interface-decorated) are skipped here: ``experts_impl`` covers them.
     Records are ``(block name, "rewrite" | "skip", tag, detail)``.
     """
-    from moe_compile.experts_impl import is_hf_experts
+    from moe_compile.experts.interface import is_hf_experts
 
     records = []
     modules = dict(model.named_modules())

@@ -46,8 +46,8 @@ from moe_compile.passes._host_sync import (
     tensor_value,
     transitive_users,
 )
-from moe_compile.passes._padding_forms import match_pad
-from moe_compile.passes._rowwise_region import rowwise_region
+from moe_compile.passes.forms.rowwise import rowwise_region
+from moe_compile.passes.strip_host_padding.padding import match_pad
 
 
 def _permute_pad_leaves(pp: fx.Node) -> tuple[Any, list[sympy.Expr], int]:

@@ -8,7 +8,7 @@ flattened integer expert ids whose permutation gathers token rows. The proof, st
 2. **Gathers.** Token rows ``x_TH[perm // K]`` (``getitem`` / ``index_select`` / ``gather``),
    optionally weights ``w_S[perm]`` and ids ``ids_S[perm]``.
 3. **Counts and offsets.** Every grouped GEMM's ``offs`` is, as a linear form
-   (:mod:`~moe_compile.passes._index_algebra`), ``cumsum(counts)`` or ``cumsum(ceil(counts/a)*a)``,
+   (:mod:`~moe_compile.passes.forms.index_algebra`), ``cumsum(counts)`` or ``cumsum(ceil(counts/a)*a)``,
    where ``counts`` is ``histc``/``bincount``/``one_hot.sum``/``(ids == arange(E)).sum`` of the ids.
 4. **Padding** (optional). The sorted rows are written to padded rows ``dest_S`` of a zero
    ``[M, H]`` buffer (``index_put``), or a zero sentinel row is gathered through a ``full(M, T)`` index
@@ -25,8 +25,8 @@ Ids in ``[0, E)`` (``permute_pad``'s contract) are assumed, except where the gra
 parallelism): then the ids must be a router's top-k over ``E`` scores.
 
 Anything unproven raises :class:`NoMatch` with a reason tag (see ``fuse_dispatch``'s docstring). Step 4 is
-:mod:`moe_compile.passes._device_padding`; steps 5 and 6 (and the row gathers every step reads) are
-:mod:`moe_compile.passes._dispatch_region`.
+:mod:`moe_compile.passes.fuse_dispatch.device_padding`; steps 5 and 6 (and the row gathers every step reads) are
+:mod:`moe_compile.passes.fuse_dispatch.region`.
 """
 
 from __future__ import annotations
@@ -38,18 +38,6 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes import NoMatch
-from moe_compile.passes import _index_algebra as ia
-from moe_compile.passes._op_tables import CASTS, FLAT_VIEWS
-from moe_compile.passes._count_forms import expert_counts, ids_base
-from moe_compile.passes._device_padding import DevicePaddingProof, sentinel_base
-from moe_compile.passes._dispatch_region import (
-    Combine,
-    Padding,
-    RegionProof,
-    gather_parts,
-    index_of_floordiv,
-    is_int_tensor,
-)
 from moe_compile.passes._graph import (
     arg,
     is_inplace,
@@ -59,6 +47,21 @@ from moe_compile.passes._graph import (
     same_int,
     tensor_val,
     val,
+)
+from moe_compile.passes.forms import index_algebra as ia
+from moe_compile.passes.forms.counts import expert_counts, ids_base
+from moe_compile.passes.forms.ops import CASTS, FLAT_VIEWS
+from moe_compile.passes.fuse_dispatch.device_padding import (
+    DevicePaddingProof,
+    sentinel_base,
+)
+from moe_compile.passes.fuse_dispatch.region import (
+    Combine,
+    Padding,
+    RegionProof,
+    gather_parts,
+    index_of_floordiv,
+    is_int_tensor,
 )
 
 

@@ -2,7 +2,7 @@
 
 Row ``r`` of the output may depend only on row ``r`` of the input (and on weights): elementwise ops, casts,
 last-dim splits and reductions, and grouped GEMMs over offsets. Shared by ``strip_host_padding`` and
-``fuse_expert_loop``; the op tables are :mod:`moe_compile.passes._op_tables`.
+``fuse_expert_loop``; the op tables are :mod:`moe_compile.passes.forms.ops`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.fx as fx
 from moe_compile.passes import NoMatch
 from moe_compile.passes._graph import arg, op_name, outside_users, topo_index
 from moe_compile.passes._host_sync import has_unbacked_shape, kwarg, sym_expr, tensor_value, transitive_users
-from moe_compile.passes._op_tables import BINARY, CASTS, GROUPED_MM, LAST_DIM_SPLITS, UNARY
+from moe_compile.passes.forms.ops import BINARY, CASTS, GROUPED_MM, LAST_DIM_SPLITS, UNARY
 
 UNARY_ROWWISE = UNARY | CASTS
 BINARY_ROWWISE = BINARY | {"clamp"}

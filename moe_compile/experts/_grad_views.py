@@ -1,4 +1,4 @@
-"""Per-expert ``p.grad`` as views of one grouped gradient (NOTE [grouped views] in ``swap.py``).
+"""Per-expert ``p.grad`` as views of one grouped gradient (NOTE [grouped views] in ``experts/swap.py``).
 
 A swapped ``nn.ModuleList`` block computes one gradient ``dG`` per grouped ``[E, ...]`` leaf ``G``; every
 per-expert parameter gets its slice of it as ``p.grad``. Handing out ``E`` (or ``2E``) fresh views per step, and
@@ -10,7 +10,7 @@ NOTE [recycled gradient views]: the view objects are kept from step to step; the
 
 * ``_after`` (the gradient has accumulated) moves ``dG``'s memory under the kept views: the two storages swap
   their data pointers (``UntypedStorage._swap_data_ptr_``, what CUDA-graph trees and FSDP use to move memory
-  under live views; on a torch without it, NOTE [storage swap shim] in ``_storage_swap.py``); no copy, no new
+  under live views; on a torch without it, NOTE [storage swap shim] in ``experts/_storage_swap.py``); no copy, no new
   tensor. ``dG``'s storage leaves with the carrier's old memory and frees it.
 * ``release`` frees the memory (``storage.resize_(0)``) once every ``p.grad`` was reset to ``None`` and nothing
   else holds a view, as ``zero_grad(set_to_none=True)`` frees a plain gradient. ``moe_compile.compile`` calls it
@@ -34,7 +34,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from moe_compile import _storage_swap
+from moe_compile.experts import _storage_swap
 
 _GRAD = operator.attrgetter("grad")
 

@@ -19,7 +19,7 @@ One place runs experts whose Python loop Dynamo cannot capture (``nonzero``-driv
   ``fuse_expert_mlp`` does (NOTE [expert MLP fusion in training] there).
 * :func:`hf_experts_forward` is registered as transformers' ``"moe_compile"`` experts implementation
   (:func:`register_hf_experts`); it reads the decorated ``*Experts`` module's attributes.
-* ``moe_compile/swap.py`` calls :func:`fused_experts_forward` for ``nn.ModuleList`` experts.
+* ``moe_compile/experts/swap.py`` calls :func:`fused_experts_forward` for ``nn.ModuleList`` experts.
 
 Routing weights are applied where the model applies them: after the MLP (in the combine, the default)
 or before it (``weights_before=True``: the permuted rows are scaled first).
@@ -58,7 +58,7 @@ def glu_of(middle: Callable[[Tensor], Tensor], width: int = 64) -> str | None:
     """The name in ``ops/expert_gemm.py``'s ``GLU_ACTIVATIONS`` (the GLUs the kernels fuse) of the GLU ``middle``
     computes on one ``[rows, width]`` ``gate_up`` output (``act(gate) * up``, gate columns first), or None.
     Probed on fixed fp32 inputs against each entry; call it eagerly (not while Dynamo traces). Used by
-    ``swap.py``, the experts interface and ``fuse_expert_mlp``."""
+    ``experts/swap.py``, the experts interface and ``fuse_expert_mlp``."""
     if width < 2 or width % 2:
         return None
     gen = torch.Generator().manual_seed(0)

@@ -1,11 +1,11 @@
-"""Storages exchanging their memory in place (``moe_compile/_storage_swap.py``): the shim against torch's own."""
+"""Storages exchanging their memory in place (``moe_compile/experts/_storage_swap.py``): the shim against torch's own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_compile import _storage_swap
+from moe_compile.experts import _storage_swap
 
 DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])

@@ -4,7 +4,7 @@ One place for the permute forms a pass proves before it replaces them with ``moe
 
     argsort        x_NH = x_TH[order // K]  (or index_select(0, order // K)),
                    order = argsort(idx_TK.flatten()) | sort(idx_TK.flatten())[1], ascending
-                   (:func:`~moe_compile.passes._count_forms.permutation_of` knows the sort)
+                   (:func:`~moe_compile.passes.forms.counts.permutation_of` knows the sort)
     masked_select  x_NH = x_TH.index_select(0, arange(T).expand(E, T).masked_select(map_ET)),
                    map_ET = map_TE.T, a routing map scattered from top-k ids (``_count_forms.routing_map_ids``)
 
@@ -24,11 +24,11 @@ from typing import Any
 import torch.fx as fx
 
 from moe_compile.passes import NoMatch
-from moe_compile.passes._count_forms import peel, permutation_of, routing_map_ids
 from moe_compile.passes._graph import arg, op_name
 from moe_compile.passes._host_sync import is_call, kwarg, tensor_value
-from moe_compile.passes._op_tables import CASTS
-from moe_compile.passes._padding_forms import is_zeros
+from moe_compile.passes.forms.counts import peel, permutation_of, routing_map_ids
+from moe_compile.passes.forms.ops import CASTS
+from moe_compile.passes.strip_host_padding.padding import is_zeros
 
 
 @dataclasses.dataclass

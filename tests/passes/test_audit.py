@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import moe_compile
-from moe_compile import audit, report
+from moe_compile import report
+from moe_compile.passes import audit
 from tests.models import handwritten as hw
 from tests.models.host_padded import make_layer
 

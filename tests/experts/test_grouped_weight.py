@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_compile import grouped_weight as gw
-from moe_compile.grouped_weight import GroupedQuantWeight
+from moe_compile.experts import grouped_weight as gw
+from moe_compile.experts.grouped_weight import GroupedQuantWeight
 from moe_compile.ops import grouped_mm as gmm
 
 RECIPES = ("mxfp8", "nvfp4")

@@ -1,4 +1,4 @@
-"""Step 4 of the dispatch proof (:mod:`moe_compile.passes._dispatch_match`): a device-padded layout.
+"""Step 4 of the dispatch proof (:mod:`moe_compile.passes.fuse_dispatch.match`): a device-padded layout.
 
 The sorted token rows reach a padded ``[M, H]`` buffer on the device in one of two forms (``perm`` the
 sort's permutation, ``dest_S`` each sorted row's padded row, ``K`` top-k, ``T`` tokens):
@@ -9,7 +9,7 @@ sort's permutation, ``dest_S`` each sorted row's padded row, ``K`` top-k, ``T`` 
 
 and the probs may be written the same way into a zero ``[M]`` buffer. :meth:`DevicePaddingProof._padding`
 finds the form; :meth:`DevicePaddingProof._check_destination` proves ``dest_S`` is the canonical
-``align``-aligned destination (as a linear form, :func:`moe_compile.passes._index_algebra.expected_destination`)
+``align``-aligned destination (as a linear form, :func:`moe_compile.passes.forms.index_algebra.expected_destination`)
 and ``M`` at least the static worst case. After the rewrite ``permute_pad`` writes the same rows.
 """
 
@@ -20,9 +20,13 @@ from typing import Any
 import torch.fx as fx
 
 from moe_compile.passes import NoMatch
-from moe_compile.passes import _index_algebra as ia
-from moe_compile.passes._dispatch_region import Padding, gather_parts, index_of_floordiv
 from moe_compile.passes._graph import arg, known_int, op_name, same_int, tensor_val
+from moe_compile.passes.forms import index_algebra as ia
+from moe_compile.passes.fuse_dispatch.region import (
+    Padding,
+    gather_parts,
+    index_of_floordiv,
+)
 
 
 def sentinel_base(node: Any) -> fx.Node | None:
@@ -50,7 +54,7 @@ def sentinel_base(node: Any) -> fx.Node | None:
 
 
 class DevicePaddingProof:
-    """Mixin of :class:`~moe_compile.passes._dispatch_match.Matcher`: step 4. Reads the matcher's ``perm``,
+    """Mixin of :class:`~moe_compile.passes.fuse_dispatch.match.Matcher`: step 4. Reads the matcher's ``perm``,
     ``x_TH``, ``S`` (routed rows), ``matched`` (the proof's log), ``_forms`` (the offsets' linear forms, set by
     its offset check) and ``_num_tokens()``."""
 

@@ -14,9 +14,9 @@ from torch._inductor.utils import run_and_get_code
 
 import moe_compile
 from moe_compile import report
-from moe_compile._grad_views import _grad_python_refs
+from moe_compile.experts._grad_views import _grad_python_refs
 from moe_compile.api import prepare_expert_loops
-from moe_compile.swap import swap_expert_loops
+from moe_compile.experts.swap import swap_expert_loops
 from tests.models.loop_models import LogitsLoopMoE, SigmoidRoutedLoopMoE, make_loop_moe
 from tests.passes._harness import fresh_cache, no_scatter_add
 
@@ -327,7 +327,7 @@ def test_quantised_module_list_loop_is_swapped(recipe, device):
     import warnings
 
     pytest.importorskip("torchao")
-    from moe_compile.quantize import quantize_experts
+    from moe_compile.experts.quantize import quantize_experts
     from tests._tolerance import assert_layer_close
 
     block = make_loop_moe(dtype=torch.bfloat16, hidden=64, inter=64).to(device)

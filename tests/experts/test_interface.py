@@ -23,7 +23,7 @@ from transformers.integrations.moe import (  # noqa: E402
 
 import moe_compile  # noqa: E402
 from moe_compile.api import prepare_expert_loops  # noqa: E402
-from moe_compile.experts_impl import glu_of, hf_experts_forward, register_hf_experts  # noqa: E402
+from moe_compile.experts.interface import glu_of, hf_experts_forward, register_hf_experts  # noqa: E402
 from tests.models.hf_models import FAMILIES, block_output, build_sparse_moe_block  # noqa: E402
 from tests.passes._harness import fresh_cache, no_scatter_add  # noqa: E402
 
@@ -258,8 +258,8 @@ def test_quantised_experts_take_the_fused_path(recipe, device):
     grouped GEMMs; straight-through weight gradients) and ``moe_compile.compile`` match the class's eager loop on the
     same quantised weights within the layer bound. Before, the eager loop ran, and compiling it crashed in Dynamo."""
     pytest.importorskip("torchao")
-    from moe_compile.experts_impl import use_fused_hf_experts
-    from moe_compile.quantize import quantize_experts
+    from moe_compile.experts.interface import use_fused_hf_experts
+    from moe_compile.experts.quantize import quantize_experts
     from tests._tolerance import assert_layer_close, gemm_k_dims
 
     block = build_sparse_moe_block("qwen3_moe", dtype=torch.bfloat16, device=device)

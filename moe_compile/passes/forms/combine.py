@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from moe_compile.passes import _index_algebra as ia
+from moe_compile.passes.forms import index_algebra as ia
 from moe_compile.passes._graph import arg, known_int, op_name, same_int, same_shape, tensor_val
 
 _VIEWS_TKH = ("view", "reshape", "unflatten")

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_compile.experts import ExpertGroup, ExpertLinear, find_expert_weights
+from moe_compile.experts.discovery import ExpertGroup, ExpertLinear, find_expert_weights
 
 log = logging.getLogger(__name__)
 RECIPES = ("bf16", "mxfp8", "nvfp4")
@@ -67,7 +67,7 @@ def quantize_experts(
         raise ValueError(f"recipe={recipe!r} is not supported; use one of {RECIPES}")
     groups = find_expert_weights(model, filter_fn)
     if not groups:
-        raise ValueError(f"no expert weights found in {type(model).__name__} (see moe_compile.experts)")
+        raise ValueError(f"no expert weights found in {type(model).__name__} (see moe_compile.experts.discovery)")
     for group in groups:
         if group.kind == "stacked":
             _convert_stacked(group, recipe, master_weights)
@@ -93,7 +93,7 @@ def make_grouped_weight(
             w = w.master.transpose(-2, -1) if w.is_transposed else w.master
     if recipe == "bf16":
         return w.detach().to(torch.bfloat16).clone()
-    from moe_compile.grouped_weight import GroupedQuantWeight
+    from moe_compile.experts.grouped_weight import GroupedQuantWeight
 
     try:
         return GroupedQuantWeight.from_hp(w.detach(), recipe, keep_master=master_weights, is_transposed=is_transposed)

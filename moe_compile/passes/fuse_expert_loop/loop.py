@@ -1,42 +1,10 @@
-"""Fuse a Python loop over per-expert chunks into grouped GEMMs over all rows.
+"""One unrolled per-expert loop -> grouped GEMMs: the rewrite both loop forms share.
 
-Shape suffixes: ``N`` routed rows (expert-major), ``n_e`` rows of expert ``e``, ``H`` hidden, ``I``
-intermediate, ``E`` experts.
-
-Matches (Dynamo Torch IR; the loop is unrolled, one copy of the expert MLP per chunk)::
-
-    c_0, ..., c_{E-1} = torch.split(x_NH, sizes)          sizes = C.tolist() (host) or static ints
-    y_e = MLP_e(c_e)       for every e: the same ops, node by node, with expert e's weights
-                           (``experts[e]`` of a ModuleList -> F.linear(c, W_e); or ``c @ w[e].T`` slices)
-    y_NH = torch.cat([y_0, ..., y_{E-1}])
-
-Rewrites to::
-
-    offs_E = cumsum(C, 0).to(int32)          (on the device; a constant tensor for static sizes)
-    W_ENK = torch.stack([W_0, ..., W_{E-1}])  (or the stacked parameter ``w`` itself for ``w[e]`` slices)
-    y_NH = MLP(x_NH) with each per-expert GEMM -> torch._grouped_mm(h, W_ENK.mT, offs=offs_E) (bf16)
-                                              or torch.ops.moe.grouped_mm(h, W_ENK, offs_E) (fp32/fp16)
-
-The split, the E copies and the cat are erased, and so are the host reads that only sized the split
-(with their ``_assert_scalar`` checks). A later pass (``strip_host_padding`` or ``fuse_dispatch``)
-then sees a grouped-GEMM dispatch with device offsets.
-
-Fires when: the E per-chunk subgraphs are identical node by node (same targets, same constants, same
-wiring), every input that differs between experts is a weight of the same shape consumed as the
-weight of ``linear`` / ``matmul``, and the sizes are the elements of one device tensor in order.
-
-Skips when (reason tags): ``loop_not_matched`` (chunks do not meet in one cat in order),
-``experts_not_identical`` (structure differs between experts), ``per_expert_op_unsupported`` (a
-per-expert input used by another op than a GEMM, or a per-expert bias), ``weights_not_stackable``,
-``expert_region_escapes`` (a per-chunk value is used outside its copy), ``sizes_not_device_counts``,
-``no_grouped_mm_for_dtype`` (fp32/fp16 without ``torch.ops.moe.grouped_mm``, or strides not 16-byte
-aligned).
-
-Stage: pre-grad, before ``strip_host_padding``: the unrolled loop only exists in Dynamo's graph, and
-AOTAutograd then differentiates the grouped GEMMs (the weight stack becomes a copy per step).
-
-Seen in: Megatron-LM ``SequentialMLP``, DeepSeek-V3 reference ``MoE.forward``, torchtitan's
-``_run_experts_for_loop``, older Hugging Face MoE blocks rewritten with ``split`` (``tests/models/host_padded.py``).
+A :class:`Loop` holds E copies of one expert MLP (the bodies) over E row chunks. :func:`signatures` proves the
+copies identical node by node and finds the per-expert weights (:class:`Slot`); :func:`rewrite_loop` stacks them
+and replaces the copies by one body whose GEMMs are grouped GEMMs over all rows with device offsets. The
+host-split loop (:mod:`.rewrite`) and the selection loop (:mod:`.selection_loop`) each build a :class:`Loop`
+and call these two.
 """
 
 from __future__ import annotations
@@ -48,23 +16,23 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from moe_compile.passes import NoMatch, PassContext
-from moe_compile.passes._graph import erase_dead, layer_name, op_name, outside_users, topo_index
+from moe_compile.passes import NoMatch
+from moe_compile.passes._graph import (
+    erase_dead,
+    op_name,
+    topo_index,
+)
 from moe_compile.passes._host_sync import (
     call,
-    erase_dead_host_reads,
     host_reads,
-    is_call,
     kwarg,
     refresh_example_values,
     sym_expr,
     tensor_value,
     transitive_users,
 )
-from moe_compile.passes._selection_loop import canonicalize, find_selection_loops
-from moe_compile.passes._op_tables import LAST_DIM_SPLITS
-from moe_compile.passes._rowwise_region import BINARY_ROWWISE, UNARY_ROWWISE
-
+from moe_compile.passes.forms.ops import LAST_DIM_SPLITS
+from moe_compile.passes.forms.rowwise import BINARY_ROWWISE, UNARY_ROWWISE
 
 GEMMS = {"linear", "matmul", "__matmul__"}
 
@@ -108,58 +76,6 @@ class Loop:
     outputs: list[fx.Node]
 
 
-def _chunks(split: fx.Node) -> list[fx.Node] | None:
-    sizes = split.args[1] if len(split.args) > 1 else kwarg(split, "split_size_or_sections")
-    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    if not isinstance(sizes, (list, tuple)) or len(sizes) < 2 or dim != 0:
-        return None
-    chunks: dict[int, fx.Node] = {}
-    for u in split.users:
-        if not (is_call(u, "getitem") and isinstance(u.args[1], int)) or u.args[1] in chunks:
-            return None
-        chunks[u.args[1]] = u
-    if sorted(chunks) != list(range(len(sizes))):
-        return None
-    return [chunks[i] for i in range(len(sizes))]
-
-
-def _match_loop(split: fx.Node) -> Loop:
-    chunks = _chunks(split)
-    if chunks is None:
-        raise NoMatch("loop_not_matched", f"{split.name}: not a split into indexed chunks")
-    reach = transitive_users(chunks[0])
-    cats = [n for n in reach if is_call(n, "cat") and kwarg(n, "dim", 0) == 0]
-    order = topo_index(split.graph)
-    if not cats:
-        raise NoMatch("loop_not_matched", f"{split.name}: the chunks do not meet in a cat")
-    cat = min(cats, key=order.__getitem__)
-    outputs = list(cat.args[0])
-    if len(outputs) != len(chunks) or not all(isinstance(o, fx.Node) for o in outputs):
-        raise NoMatch("loop_not_matched", f"{cat.name}: {len(outputs)} pieces for {len(chunks)} chunks")
-    bodies = []
-    for e, (chunk, out) in enumerate(zip(chunks, outputs)):
-        forward = transitive_users(chunk) | {chunk}
-        if out not in forward:
-            raise NoMatch("loop_not_matched", f"{cat.name}: piece {e} is not computed from chunk {e}")
-        body, stack = set(), [out]
-        while stack:
-            n = stack.pop()
-            if n in body or n is chunk:
-                continue
-            body.add(n)
-            stack.extend(a for a in n.all_input_nodes if a in forward)
-        for other, other_chunk in enumerate(chunks):
-            if other != e and other_chunk in body:
-                raise NoMatch("loop_not_matched", f"expert {e}'s output depends on chunk {other}")
-        ordered = sorted(body, key=order.__getitem__)
-        for n in ordered + [chunk]:
-            allowed = body | ({cat} if n is out else set())
-            bad = outside_users([n], allowed)
-            if bad:
-                raise NoMatch("expert_region_escapes", f"{n.name} (expert {e}) is also used by {bad[0].name}")
-        bodies.append(ordered)
-    return Loop(split, split.args[0], cat, bodies, chunks, outputs)
-
 
 # ---------------------------------------------------------------------------------------------------
 # structural comparison
@@ -177,7 +93,7 @@ class Slot:
         return all(n is self.nodes[0] for n in self.nodes)
 
 
-def _signatures(loop: Loop) -> tuple[list[tuple], list[Slot]]:
+def signatures(loop: Loop) -> tuple[list[tuple], list[Slot]]:
     """Per-node signatures of expert 0's body, checked equal for every expert, and the outside slots."""
     E = len(loop.bodies)
     sigs_by_expert = []
@@ -369,7 +285,7 @@ def _plan(loop: Loop, slots: list[Slot], row_inputs: dict[fx.Node, fx.Node] | No
     return weights, gemms
 
 
-def _rewrite(graph: fx.Graph, loop: Loop, slots: list[Slot], offs: fx.Node | None = None,
+def rewrite_loop(graph: fx.Graph, loop: Loop, slots: list[Slot], offs: fx.Node | None = None,
              row_inputs: dict[fx.Node, fx.Node] | None = None, row_expert: fx.Node | None = None) -> str:
     """Build one copy of the body over all rows; returns a description. Raises NoMatch before any edit.
 
@@ -437,50 +353,4 @@ def _rewrite(graph: fx.Graph, loop: Loop, slots: list[Slot], offs: fx.Node | Non
     gemm = "torch._grouped_mm" if kinds == {"aten"} else "moe.grouped_mm" if kinds == {"moe"} else "grouped GEMMs"
     return f"{len(gemms)} x {gemm} over all rows with device offs_E (E={E})"
 
-
-def _host_sized(split: fx.Node) -> bool:
-    sizes = split.args[1] if len(split.args) > 1 else kwarg(split, "split_size_or_sections")
-    return isinstance(sizes, (list, tuple)) and any(isinstance(s, fx.Node) for s in sizes)
-
-
-def run(graph: fx.Graph, ctx: PassContext) -> None:
-    """Fuse every provable per-expert loop of ``graph`` (see the module docstring)."""
-    splits = [n for n in graph.nodes if op_name(n) in ("split", "split_with_sizes") and _host_sized(n)]
-    fused = False
-    for split in splits:
-        if split.graph is not graph:
-            continue
-        layer = layer_name(split)
-        try:
-            loop = _match_loop(split)
-        except NoMatch as skip:
-            if skip.reason != "loop_not_matched" or _has_gemm_per_chunk(split):
-                ctx.skip(layer, skip.reason, skip.detail)
-            continue
-        if not any(op_name(n) in GEMMS for n in loop.bodies[0]):
-            continue  # e.g. a per-group pad: not an expert loop (strip_host_padding's business)
-        try:
-            _, slots = _signatures(loop)
-            replaced_by = _rewrite(graph, loop, slots)
-        except NoMatch as skip:
-            ctx.skip(layer, skip.reason, skip.detail)
-            continue
-        ctx.rewrite(layer, f"split -> {len(loop.chunks)} expert copies -> cat", replaced_by)
-        fused = True
-    for out, selections in find_selection_loops(graph):
-        layer = layer_name(selections[0].acc)
-        try:
-            replaced_by = canonicalize(graph, out, selections)
-        except NoMatch as skip:
-            ctx.skip(layer, skip.reason, skip.detail)
-            continue
-        ctx.rewrite(layer, f"{len(selections)} x (where(expert mask) -> expert copy -> index_add_)", replaced_by)
-    if fused:
-        erase_dead_host_reads(graph)
-
-
-def _has_gemm_per_chunk(split: fx.Node) -> bool:
-    """True when the chunks of ``split`` feed GEMMs (an expert loop we could not match): worth a record."""
-    chunks = _chunks(split) or []
-    return bool(chunks) and all(any(op_name(n) in GEMMS for n in transitive_users(c)) for c in chunks[:2])
 

@@ -1,6 +1,6 @@
 """Swap the memory of two storages in place: ``UntypedStorage._swap_data_ptr_`` where torch has it.
 
-Used by NOTE [recycled gradient views] (``_grad_views.py``). Torch 2.13 binds ``c10::StorageImpl::swap_data_ptr``
+Used by NOTE [recycled gradient views] (``experts/_grad_views.py``). Torch 2.13 binds ``c10::StorageImpl::swap_data_ptr``
 to Python; torch 2.11 does not, but its ``StorageImpl`` has the public ``set_data_ptr`` / ``set_nbytes`` the swap
 is made of.
 

@@ -26,8 +26,7 @@ one-hot form), which the row-wise body and the summing combine make irrelevant (
 order of the combine, which ``unpad_unpermute`` fixes in fp32).
 
 Identical bodies, per-expert weights (stacked ``[E, ...]`` slices or an ``nn.ModuleList`` of MLPs) and
-the GEMM plan are ``fuse_expert_loop``'s (:func:`~moe_compile.passes.fuse_expert_loop._signatures`,
-``_plan``, ``_rewrite``).
+the GEMM plan are ``fuse_expert_loop``'s (:mod:`~moe_compile.passes.fuse_expert_loop.loop`).
 """
 
 from __future__ import annotations
@@ -40,9 +39,16 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes import NoMatch
-from moe_compile.passes._combine_forms import read_accumulate
-from moe_compile.passes._graph import erase_dead, known_int, op_name, outside_users, topo_index
+from moe_compile.passes._graph import (
+    erase_dead,
+    known_int,
+    op_name,
+    outside_users,
+    topo_index,
+)
 from moe_compile.passes._host_sync import call, tensor_value, transitive_users
+from moe_compile.passes.forms.combine import read_accumulate
+from moe_compile.passes.fuse_expert_loop.loop import Loop, rewrite_loop, signatures
 
 
 @dataclasses.dataclass
@@ -151,7 +157,6 @@ def _weight_gather(s: Selection) -> tuple[fx.Node, fx.Node, bool] | None:
 
 def canonicalize(graph: fx.Graph, out: fx.Node, sels: list[Selection]) -> str:
     """Rewrite one selection loop (see the module docstring); raises NoMatch before any edit."""
-    from moe_compile.passes.fuse_expert_loop import Loop, _rewrite, _signatures
 
     sels = sorted(sels, key=lambda s: s.expert)
     E = len(sels)
@@ -224,8 +229,8 @@ def canonicalize(graph: fx.Graph, out: fx.Node, sels: list[Selection]) -> str:
         combined = call(graph, torch.Tensor.index_add, out, 0, tok_S, values_cat, meta_from=meta)
     loop = Loop(split=x_SH, x_NH=x_SH, cat=values_cat, bodies=bodies, chunks=chunks, outputs=[s.value for s in sels])
     try:
-        _, slots = _signatures(loop)
-        replaced_by = _rewrite(graph, loop, slots, offs=offs_E, row_inputs=row_inputs, row_expert=ids_sorted_S)
+        _, slots = signatures(loop)
+        replaced_by = rewrite_loop(graph, loop, slots, offs=offs_E, row_inputs=row_inputs, row_expert=ids_sorted_S)
     except NoMatch:
         graph.erase_node(combined)
         graph.erase_node(values_cat)

@@ -1,11 +1,11 @@
-"""Steps 5 and 6 of the dispatch proof (:mod:`moe_compile.passes._dispatch_match`): the row-wise region between
+"""Steps 5 and 6 of the dispatch proof (:mod:`moe_compile.passes.fuse_dispatch.match`): the row-wise region between
 the gathers and the combine, and the combine.
 
 Every node reachable from the permuted rows (row space ``S``, the sorted order) or from the padded buffers (row
 space ``M``) up to the combine must map row ``r`` of its region operands to row ``r`` of its result; operands
 from outside the region may only broadcast along rows or depend on the sorted ids alone. The combine is an
 un-permute + top-k sum, or an accumulate (``index_add_`` / ``scatter_add_`` / ``index_put_(accumulate=True)``)
-into zeros at ``perm // K`` (:mod:`moe_compile.passes._combine_forms` reads its spellings). Also here: the row
+into zeros at ``perm // K`` (:mod:`moe_compile.passes.forms.combine` reads its spellings). Also here: the row
 gathers and buffers both steps recognise, which the matcher imports.
 """
 
@@ -18,10 +18,31 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes import NoMatch
-from moe_compile.passes import _index_algebra as ia
-from moe_compile.passes._combine_forms import expanded_index, match_unpermute_sum, read_accumulate
-from moe_compile.passes._graph import arg, is_inplace, known_int, op_name, same_int, same_shape, tensor_val, val
-from moe_compile.passes._op_tables import ALONG_DIM, BINARY, CASTS, GROUPED_MM, REDUCTIONS, SPLITS, UNARY
+from moe_compile.passes._graph import (
+    arg,
+    is_inplace,
+    known_int,
+    op_name,
+    same_int,
+    same_shape,
+    tensor_val,
+    val,
+)
+from moe_compile.passes.forms import index_algebra as ia
+from moe_compile.passes.forms.combine import (
+    expanded_index,
+    match_unpermute_sum,
+    read_accumulate,
+)
+from moe_compile.passes.forms.ops import (
+    ALONG_DIM,
+    BINARY,
+    CASTS,
+    GROUPED_MM,
+    REDUCTIONS,
+    SPLITS,
+    UNARY,
+)
 
 
 @dataclasses.dataclass
@@ -127,7 +148,7 @@ def unpermute_sum_candidate(u: fx.Node, y: fx.Node) -> fx.Node | None:
 
 
 class RegionProof:
-    """The region and combine steps of :class:`~moe_compile.passes._dispatch_match.Matcher` (a mixin).
+    """The region and combine steps of :class:`~moe_compile.passes.fuse_dispatch.match.Matcher` (a mixin).
 
     Reads what the matcher's earlier steps set: ``order`` (node -> topological index), ``perm``, ``S`` (sorted
     rows), ``top_k``, ``sorted_ids``, ``matched`` (the proof's log) and ``_num_tokens()``.

@@ -4,10 +4,10 @@ Matches (each finding becomes a ``left`` record of the :class:`~moe_compile.repo
 
 * ``accumulate``: an accumulating scatter (``index_put(accumulate=True)``, ``scatter_add``,
   ``index_add``, ``scatter_reduce``, ``embedding_dense_backward``; the table is
-  :func:`moe_compile.passes._accumulate.is_accumulating`): Inductor lowers it to atomic adds on the GPU,
+  :func:`moe_compile.passes.forms.accumulate.is_accumulating`): Inductor lowers it to atomic adds on the GPU,
   so results can differ run to run;
 * ``nondeterministic``: a library kernel that is not reproducible run to run on its device (attention
-  backward on CUDA, ...; the table is :data:`moe_compile.passes._accumulate.NONDETERMINISTIC_OPS`);
+  backward on CUDA, ...; the table is :data:`moe_compile.passes.forms.accumulate.NONDETERMINISTIC_OPS`);
 * ``host_sync``: a value read to the host or a data-dependent shape (``_local_scalar_dense``,
   ``nonzero``, a node with unbacked symbols): a device sync, and CUDA graphs cannot capture it.
 
@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes import PassContext
-from moe_compile.passes._accumulate import is_accumulating, nondeterministic_reason
+from moe_compile.passes.forms.accumulate import is_accumulating, nondeterministic_reason
 from moe_compile.passes._graph import layer_name
 
 aten = torch.ops.aten

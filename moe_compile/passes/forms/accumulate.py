@@ -2,7 +2,7 @@
 which library ops are non-deterministic (:data:`NONDETERMINISTIC_OPS`).
 
 One table for every pass and check that needs it (:mod:`~moe_compile.passes.deterministic_accumulate`
-rewrites these nodes; :mod:`moe_compile.audit` reports the ones left). Each row of
+rewrites these nodes; :mod:`moe_compile.passes.audit` reports the ones left). Each row of
 :data:`ACCUMULATING_FORMS` reads one op's ``(base, dim, index, src)``; extend the table to teach every
 user a new spelling.
 

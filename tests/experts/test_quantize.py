@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import moe_compile  # noqa: F401  (registers the "moe_compile" backend)
-from moe_compile.experts import find_expert_weights
-from moe_compile.quantize import GroupedExpertList, GroupedLinear, quantize_experts
+from moe_compile.experts.discovery import find_expert_weights
+from moe_compile.experts.quantize import GroupedExpertList, GroupedLinear, quantize_experts
 from tests import _tolerance as tol
 
 H, I, E, TOPK, T = 64, 32, 4, 2, 6
@@ -265,7 +265,7 @@ def test_checkpoint_quantized_round_trip_does_not_requantize(recipe, kind, monke
     buf = io.BytesIO()
     torch.save(source.state_dict(), buf)
     target = quantize_experts(make_block(kind, seed=7), recipe)
-    from moe_compile import grouped_weight
+    from moe_compile.experts import grouped_weight
 
     def no_requant(*args, **kwargs):
         raise AssertionError("loading quantised weights must not re-quantise")
