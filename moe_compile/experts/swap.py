@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from moe_compile.experts._grad_views import GradViews, per_expert_views
 from moe_compile.experts.discovery import ExpertGroup, ExpertLinear, find_expert_weights
-from moe_compile.experts.interface import SUPPORTED_DTYPES, Projection, fused_experts_forward, glu_of
+from moe_compile.experts.interface import SUPPORTED_DTYPES, Projection, fused_experts_forward, glu_of, is_hf_experts
 from moe_compile.experts.quantize import GroupedExpertList
 
 _GATED = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
@@ -378,8 +378,6 @@ def swap_expert_loops(model: nn.Module) -> list[tuple[str, str, str, str]]:
     transformers ``*Experts`` modules (interface-decorated) are skipped here: ``experts_impl`` covers them.
     Records are ``(block name, "rewrite" | "skip", tag, detail)``.
     """
-    from moe_compile.experts.interface import is_hf_experts
-
     records = []
     modules = dict(model.named_modules())
     for group in [*find_expert_weights(model), *_single_expert_lists(model)]:

@@ -43,6 +43,7 @@ from moe_compile.ops import grouped_mm as gmm
 from moe_compile.ops._expert_gemm_tuning import gemm_kind, pick_config, use_triton_grouped_gemm, wgrad_config
 from moe_compile.ops.expert_epilogue import ACTIVATIONS, launch_epilogue, launch_epilogue_backward, launch_row_scale_backward
 from moe_compile.ops.triton import expert_gemm as _kernels
+from moe_compile.ops.unpad_unpermute import unpad_unpermute
 
 
 # ===== references (pure PyTorch, sync-free) =====
@@ -472,8 +473,6 @@ def _expert_backward(ctx, dy, dpre):
         else:
             dx_perm = _expert_gemm_op(dz, dense.transpose(1, 2), offs_E, None, dz_rw, "none", M, False)[0]
         if need_x:
-            from moe_compile.ops.unpad_unpermute import unpad_unpermute
-
             dx = unpad_unpermute(dx_perm, row_map) if row_map is not None else dx_perm
     dw = _expert_wgrad_op(dz, x_SK, offs_E, row_map, dz_rw) if need_w else None
     d_rw = d_rw.to(rw.dtype) if d_rw is not None else None

@@ -31,6 +31,7 @@ import re
 import torch
 import torch.fx as fx
 
+from moe_compile import report
 from moe_compile.passes import PassContext
 from moe_compile.passes.forms.accumulate import is_accumulating, nondeterministic_reason
 from moe_compile.passes._graph import layer_name
@@ -95,8 +96,6 @@ def find(graph: fx.Graph) -> list[Finding]:
 
 def run(graph: fx.Graph, ctx: PassContext) -> None:
     """The post-grad audit pass: records what is left; never changes the graph."""
-    from moe_compile import report
-
     seen = set()
     for f in find(graph):
         if f in seen:
