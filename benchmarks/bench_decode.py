@@ -15,10 +15,11 @@ because ``strip_host_padding`` removed the host syncs). ``floor``: bytes of the 
 step must read (experts hit by this routing) / measured copy bandwidth. Each variant is compiled
 once per T (``dynamic=False``); the compile time is reported separately.
 
-Usage: ``python benchmarks/bench_decode.py --json benchmarks/results/decode.json [--quick] [--small]
-[--models qwen3] [--variants inductor]``. A time budget (``--budget-s``, default 80) skips what is left
-once exceeded (reported as skipped), and ``--compile-timeout-s`` gives up on a compile that runs longer.
-An existing ``--json`` file from the same setup (device, torch, triton, Mixtral size) is merged into:
+Usage, from the repository root: ``python -m benchmarks.bench_decode --save [--quick] [--small]
+[--models qwen3] [--variants inductor]`` (``--save`` writes ``benchmarks/results/decode.json``). A time budget
+(``--budget-s``, default 80) skips what is left once exceeded (reported as skipped), and ``--compile-timeout-s``
+gives up on a compile that runs longer.
+An existing results file from the same setup (device, torch, triton, Mixtral size) is merged into:
 rows measured now replace the rows of the same (model, T, variant), except that a row skipped now
 never replaces a measured one, so one table can be filled over several runs (plain Inductor's
 compile of the E=128 host-padded graph alone takes minutes).
@@ -29,19 +30,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
-import pathlib
 import signal
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _bench_env import copy_bandwidth, device_env  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks._bench_env import add_results_args, copy_bandwidth, device_env, read_rows, results_path, write_results
 
 # plain Inductor last: its compile of the unbacked host-padded graph is the slowest
 VARIANTS = ("eager", "moe", "moe_ro", "inductor")
@@ -178,7 +173,7 @@ def summarize(results: list[Result]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default=None, help="write results here")
+    add_results_args(parser)
     parser.add_argument("--quick", action="store_true", help="T in {1, 8} only, fewer repetitions")
     parser.add_argument("--small", action="store_true", help="Mixtral-like with I=3584 instead of 14336")
     parser.add_argument("--budget-s", type=float, default=80.0, help="skip what is left after this many seconds")
@@ -207,20 +202,20 @@ def main() -> None:
         print(f"{cfg.name}: done at {time.perf_counter() - start:.0f} s", flush=True)
     env = device_env(copy_bandwidth_GBps=round(bw / 1e9, 1), mixtral_I=get_configs(args.small)[0].I,
                      wall_s=round(time.perf_counter() - start, 1))
-    earlier_file = json.loads(pathlib.Path(args.json).read_text()) if args.json and pathlib.Path(args.json).exists() else {}
+    path = results_path(args, "decode")
+    earlier_env, earlier_rows = read_rows(path) if args.save else ({}, [])
     same_setup = ("device", "torch", "triton", "mixtral_I")
-    if all(earlier_file.get("env", {}).get(k) == env[k] for k in same_setup):
+    if all(earlier_env.get(k) == env[k] for k in same_setup):
         # a row skipped now (time budget) never replaces a row measured earlier on the same setup
-        earlier = {(r.model, r.T, r.variant): r for r in (Result(**d) for d in earlier_file.get("results", []))}
+        earlier = {(r.model, r.T, r.variant): r for r in (Result(**d) for d in earlier_rows)}
         for r in results:
             key = (r.model, r.T, r.variant)
             if key not in earlier or not r.note.startswith("skipped") or earlier[key].note.startswith("skipped"):
                 earlier[key] = r
         results = list(earlier.values())
     summary = summarize(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "summary": summary, "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
+    if args.save:
+        write_results(path, [dataclasses.asdict(r) for r in results], env)
     print(f"device={env['device']} torch={env['torch']} triton={env['triton']} copy={env['copy_bandwidth_GBps']} GB/s "
           f"mixtral I={env['mixtral_I']} wall={env['wall_s']} s")
     keys = list(summary[0].keys())

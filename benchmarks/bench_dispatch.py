@@ -18,23 +18,21 @@ Compares, per shape (bf16, align 32, uniform top-k routing):
 Backward rows time the ``moe::*_backward`` ops directly. Every time is the median of
 ``triton.testing.do_bench`` (L2 flushed between repetitions).
 
-Usage: ``python benchmarks/bench_dispatch.py --json benchmarks/results/dispatch.json [--quick]``.
+Usage, from the repository root: ``python -m benchmarks.bench_dispatch [--save] [--quick]`` (``--save`` writes
+``benchmarks/results/dispatch.json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import pathlib
 import math
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _bench_env import copy_bandwidth, device_env  # noqa: E402
+from benchmarks._bench_env import add_results_args, copy_bandwidth, device_env, results_path, write_results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +219,7 @@ def summarize(results: list[Result]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default=None, help="write results here")
+    add_results_args(parser)
     parser.add_argument("--quick", action="store_true", help="first shape only, fewer repetitions")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -237,13 +235,8 @@ def main() -> None:
         print(f"{cfg.name}: done at {time.perf_counter() - start:.0f} s", flush=True)
     summary = summarize(results)
     env = device_env(copy_bandwidth_GBps=round(bw / 1e9, 1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"env": env, "legend": LEGEND, "summary": summary, "results": [dataclasses.asdict(r) for r in results]},
-                f,
-                indent=1,
-            )
+    if args.save:
+        write_results(results_path(args, "dispatch"), [dataclasses.asdict(r) for r in results], env)
     print(
         f"device={env['device']} torch={env['torch']} triton={env['triton']} "
         f"copy={env['copy_bandwidth_GBps']} GB/s"

@@ -31,9 +31,9 @@ which implementation is faster per GEMM: feed it to ``TRITON_ROWS_PER_EXPERT`` (
 choice] in ``moe_compile/ops/_expert_gemm_tuning.py``). Targets (H100): Qwen3 block fwd+bwd <= 2.2 ms at T 4096;
 Mixtral no slower than CUTLASS; MXFP8 / NVFP4 at T 4096 no slower than bf16.
 
-Usage: ``python benchmarks/bench_grouped_gemm.py --json benchmarks/results/grouped_gemm.json [--quick]
-[--budget-s 170] [--tma]``. Whatever is left once the budget is spent is skipped (and listed). ``--sweep`` (with
-``--json benchmarks/results/grouped_gemm_sweep.json``) times instead every tile candidate of the Triton forward, dX
+Usage, from the repository root: ``python -m benchmarks.bench_grouped_gemm [--save] [--quick] [--budget-s 170]
+[--tma]`` (``--save`` writes ``benchmarks/results/grouped_gemm.json``). Whatever is left once the budget is spent is
+skipped (and listed). ``--sweep`` (saved as ``grouped_gemm_sweep.json``) times instead every tile candidate of the Triton forward, dX
 and wgrad GEMMs next to the shipped tiles and CUTLASS: the data behind NOTE [expert GEMM tiles] and ``wgrad_config``.
 """
 
@@ -45,16 +45,12 @@ import dataclasses
 import gc
 import json
 import os
-import pathlib
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _bench_env import device_env  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks._bench_env import add_results_args, device_env, results_path, write_results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,7 +385,7 @@ def block_targets(get) -> dict[str, bool]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default=None, help="write results here")
+    add_results_args(parser)
     parser.add_argument("--quick", action="store_true", help="T 4096 only (and quantised T 1, 4096)")
     parser.add_argument("--budget-s", type=float, default=170.0, help="skip what is left after this many seconds")
     parser.add_argument("--tma", action="store_true", help="also time the Triton forward with pointer loads "
@@ -447,9 +443,8 @@ def main() -> int:
                                 cutlass=us.get("cutlass", ""), best=best["us"], best_cfg=best["cfg"]))
     else:
         summary = [{k: r.get(k, "") for k in ("shape", "T", "what", "impl", "us", "tflops", "err", "bitwise")} for r in results]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"env": env_info, "summary": summary, "results": results}, f, indent=1)
+    if args.save:
+        write_results(results_path(args, "grouped_gemm", "sweep" if args.sweep else None), results, env_info)
     print(f"device={env_info['device']} torch={env_info['torch']} triton={env_info['triton']} targets={targets} skipped={skipped}")
     keys = list(summary[0].keys()) if summary else []
     widths = [max(len(k), *(len(str(r[k])) for r in summary)) for k in keys]

@@ -27,8 +27,8 @@ weights (quantisation error) and vs dequantise-then-bf16 (kernel error: for NVFP
 of each weight, which the kernel does not do; NOTE [NVFP4 decode]), time / floor.
 Targets at T <= 64: mxfp8 >= 1.8x and nvfp4 >= 3x faster than bf16.
 
-Usage: ``python benchmarks/bench_grouped_weight.py --json benchmarks/results/grouped_weight.json
-[--quick] [--sweep] [--inductor]``. ``--sweep`` also times a grid of tile configs per shape and
+Usage, from the repository root: ``python -m benchmarks.bench_grouped_weight [--save] [--quick] [--sweep]
+[--inductor]`` (``--save`` writes ``benchmarks/results/grouped_weight.json``). ``--sweep`` also times a grid of tile configs per shape and
 prints the best (slow: one Triton compile per config).
 """
 
@@ -37,14 +37,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
-import pathlib
 import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _bench_env import copy_bandwidth, device_env  # noqa: E402
+from benchmarks._bench_env import add_results_args, copy_bandwidth, device_env, results_path, write_results
 
 E, H, I, TOPK = 128, 2048, 768, 8
 TOKENS = (1, 16, 64, 256, 1024, 4096)
@@ -203,7 +200,7 @@ def sweep(T, fmt, xs, weights, offs, bf16_time, results, bw) -> Result | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default=None, help="write results here")
+    add_results_args(parser)
     parser.add_argument("--quick", action="store_true", help="T in {1, 64, 4096}, fewer repetitions")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tile configs (slow)")
     parser.add_argument("--inductor", action="store_true", help="also time torch.compile(dequant + grouped mm)")
@@ -232,10 +229,8 @@ def main() -> int:
     }
     env = device_env(copy_bandwidth_GBps=round(bw / 1e9, 1), shape=dict(E=E, H=H, I=I, top_k=TOPK),
                      targets_met=targets)
-    if args.json:
-        with open(args.json, "w") as f:
-            rows = [dataclasses.asdict(r) for r in results]
-            json.dump({"env": env, "summary": summary, "results": rows}, f, indent=1)
+    if args.save:
+        write_results(results_path(args, "grouped_weight"), [dataclasses.asdict(r) for r in results], env)
     for r in results:
         if r.config:
             print(f"T={r.T} {r.impl}: {r.config}")

@@ -37,8 +37,8 @@ Variants: ``eager``; ``inductor`` (default backend); ``moe`` (``backend="moe_com
 (issue 14): ``moe`` wall time <= ``inductor``'s on every row (within 10% at T <= 64), and
 ``permute_pad`` eager within 1.3x of its floor at T8192 E8 K2.
 
-Usage: ``python benchmarks/bench_host_cost.py --json benchmarks/results/host_cost.json [--quick]
-[--budget-s 200]``; ``--cpu-smoke`` runs every variant at tiny shapes on CPU (checks the flow; the
+Usage, from the repository root: ``python -m benchmarks.bench_host_cost [--save] [--quick] [--budget-s 200]``
+(``--save`` writes ``benchmarks/results/host_cost.json``); ``--cpu-smoke`` runs every variant at tiny shapes on CPU (checks the flow; the
 times mean nothing there).
 """
 
@@ -46,19 +46,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import pathlib
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from _bench_env import sync, timed_calls  # noqa: E402
+from benchmarks._bench_env import add_results_args, device_env, results_path, sync, timed_calls, write_results
 
 VARIANTS = ("eager", "inductor", "moe")
 CALLS = 200  # timed calls per measurement (one synchronisation at the end)
@@ -145,7 +140,7 @@ def build_layer(cfg: Config, device: str) -> torch.nn.Module:
 
         return SplitPadGroupedMoE(cfg.H, cfg.I, cfg.E, cfg.K, cfg.align, torch.bfloat16).to(device)
     if cfg.layer in ("qwen3", "mixtral"):  # transformers' own block, as bench_moe_block.py builds it
-        import bench_moe_block
+        from benchmarks import bench_moe_block
 
         family = "qwen3_moe" if cfg.layer == "qwen3" else "mixtral"
         return bench_moe_block.build_block(bench_moe_block.Config(family, cfg.T, cfg.H, cfg.I, cfg.E, cfg.K), device)
@@ -387,7 +382,7 @@ def summarize(results: list[Result]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default=None, help="write results here")
+    add_results_args(parser)
     parser.add_argument("--quick", action="store_true", help="decode rows and permute_pad only")
     parser.add_argument("--budget-s", type=float, default=200.0, help="skip what is left after this many seconds")
     parser.add_argument("--layers", nargs="+", default=None,
@@ -404,15 +399,13 @@ def main() -> None:
     start = time.perf_counter()
     deadline = start + args.budget_s
     if device == "cuda":
-        from _bench_env import copy_bandwidth, device_env
+        from benchmarks._bench_env import copy_bandwidth
 
         bw = copy_bandwidth()
         env = device_env(copy_bandwidth_GBps=round(bw / 1e9, 1))
     else:
-        import triton
-
         bw = math.nan
-        env = {"device": "cpu (smoke)", "torch": torch.__version__, "triton": triton.__version__}
+        env = device_env(device="cpu (smoke)")
     configs = [c for c in get_configs(args.quick, args.cpu_smoke) if args.layers is None or c.layer in args.layers]
     results: list[Result] = []
     for cfg in configs:
@@ -422,9 +415,9 @@ def main() -> None:
             results += run_layer(cfg, device, deadline)
     env["wall_s"] = round(time.perf_counter() - start, 1)
     summary = summarize(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "summary": summary, "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
+    if args.save:
+        write_results(results_path(args, "host_cost", "cpu_smoke" if args.cpu_smoke else None),
+                      [dataclasses.asdict(r) for r in results], env)
     print(f"device={env['device']} torch={env['torch']} triton={env['triton']} wall={env['wall_s']} s")
     keys = list(summary[0])
     widths = [max(len(k), *(len(str(r.get(k))) for r in summary)) for k in keys]

@@ -23,7 +23,8 @@ replayed bitwise equal to the uncaptured call. ``vs_grouped_mm``: ``moe`` time /
 call next to the wall time (:func:`time_paired`; at E=128 the loop's fwd+bwd does more host work per step, one
 gradient view per expert parameter, and the variants' own rows are timed minutes apart).
 
-Usage: ``python benchmarks/bench_loops.py --json benchmarks/results/loops.json [--quick]``;
+Usage, from the repository root: ``python -m benchmarks.bench_loops [--save] [--quick]`` (``--save`` writes
+``benchmarks/results/loops.json``; the rows of ``PAIRED`` carry the interleaved timings as ``paired_*``);
 ``--cpu-smoke`` runs the whole flow on CPU at tiny shapes (no timing worth reading, no CUDA graphs).
 A time budget (``--budget-s``, default 150, shared equally by the configs; ``run_gpu.sh`` kills a benchmark at
 240 s) skips the variants left once exceeded, least important last; run it alone with ``--budget-s 600`` for
@@ -36,18 +37,12 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import json
-import pathlib
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _bench_env import device_env, timed_calls  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks._bench_env import add_results_args, device_env, results_path, timed_calls, write_results
 
 # most important first: a variant started after the time budget is skipped
 VARIANTS = ("eager", "moe", "grouped_mm_moe", "inductor", "moe_ro")
@@ -325,9 +320,20 @@ def vs_grouped_mm(results: list[Result], paired: dict[str, dict]) -> list[str]:
     return lines
 
 
+def rows_with_paired(results: list[Result], paired: dict[str, dict]) -> list[dict]:
+    """One row per (model, variant); the rows of ``PAIRED`` carry their interleaved timings as ``paired_<field>``
+    (:func:`time_paired`), the other rows ``None`` there."""
+    fields = ("fwd_ms", "fwd_bwd_ms", "host_fwd_ms", "host_fwd_bwd_ms")
+    rows = []
+    for r in results:
+        pair = paired.get(r.model, {}).get(r.variant, {})
+        rows.append({**dataclasses.asdict(r), **{f"paired_{f}": pair.get(f) for f in fields}})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=pathlib.Path, default=None)
+    add_results_args(parser)
     parser.add_argument("--quick", action="store_true", help="shorter timing loops")
     # run_gpu.sh kills a benchmark at 240 s: each config gets its share of the budget
     parser.add_argument("--budget-s", type=float, default=150.0)
@@ -347,21 +353,11 @@ def main() -> None:
         deadline = start + args.budget_s * (i + 1) / len(configs)
         config_results, paired[cfg.name] = run_config(cfg, deadline, args.quick, device)
         results.extend(config_results)
-    if device == "cuda":
-        env = device_env(wall_s=round(time.perf_counter() - start, 1))
-    else:
-        import triton
-
-        env = {"device": "cpu (smoke)", "torch": torch.__version__, "triton": triton.__version__}
+    env = device_env(device=None if device == "cuda" else "cpu (smoke)", wall_s=round(time.perf_counter() - start, 1))
     ratios = vs_grouped_mm(results, paired)
-    summary = [{"model": r.model, "variant": r.variant, "fwd_ms": r.fwd_ms, "fwd_bwd_ms": r.fwd_bwd_ms,
-                "det_fwd": r.deterministic_fwd, "det_bwd": r.deterministic_bwd, "out_err": r.out_err,
-                "grad_err": r.grad_err, "swapped": r.swapped, "cuda_graph": r.cuda_graph,
-                "recycled_grads": r.recycled_grads} for r in results]
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"env": env, "summary": summary, "vs_grouped_mm": ratios, "paired": paired,
-                                         "results": [dataclasses.asdict(r) for r in results]}, indent=1))
+    if args.save:
+        write_results(results_path(args, "loops", "cpu_smoke" if args.cpu_smoke else None), rows_with_paired(results, paired),
+                      env)
     print(f"device={env['device']} torch={env['torch']} triton={env['triton']}")
     header = ("model", "variant", "fwd ms", "fwd+bwd ms", "det f/b", "out err", "grad err", "swapped", "cuda graph",
               "compile s")

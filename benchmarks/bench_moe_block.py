@@ -21,8 +21,9 @@ at the throughput a large bf16 ``mm`` reaches on this device. ``deterministic``:
 gradient bitwise equal over 20 runs (forward and backward). ``err``: max |out - eager| / max |eager|
 and the same for the input gradient.
 
-Usage: ``python benchmarks/bench_moe_block.py --json benchmarks/results/moe_block.json [--quick]
-[--models qwen3_moe,mixtral]``.
+Usage, from the repository root: ``python -m benchmarks.bench_moe_block [--save] [--quick]
+[--models qwen3_moe,mixtral]`` (``--save`` writes ``benchmarks/results/moe_block.json``; ``--tag NAME`` writes
+``moe_block_NAME.json`` instead, for a run that is not the default one).
 A time budget (``--budget-s``, default 110) skips whatever is left once exceeded.
 """
 
@@ -31,17 +32,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
-import pathlib
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _bench_env import device_env  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks._bench_env import add_results_args, device_env, results_path, write_results
 
 VARIANTS = ("eager", "moe", "moe_unfused", "inductor", "moe_ro", "inductor_ro")
 KERNEL_TIMED = ("moe", "moe_unfused", "inductor")
@@ -218,7 +213,7 @@ def run_config(cfg: Config, tflops: float, deadline: float, quick: bool, device:
         fwd_bwd_ms = bench(step, warmup=5, rep=rep_ms)
         kernel_ms = float("nan")
         if device == "cuda" and variant in KERNEL_TIMED:
-            from bench_grouped_gemm import kernel_us
+            from benchmarks.bench_grouped_gemm import kernel_us
 
             kernel_ms = kernel_us(step)[0] / 1e3
 
@@ -246,7 +241,7 @@ def run_config(cfg: Config, tflops: float, deadline: float, quick: bool, device:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=pathlib.Path, default=None)
+    add_results_args(parser)
     parser.add_argument("--quick", action="store_true", help="shorter timing loops")
     parser.add_argument("--budget-s", type=float, default=110.0)
     parser.add_argument("--models", default=None, help="comma-separated config names (default: all)")
@@ -262,18 +257,8 @@ def main() -> None:
     for cfg in chosen:
         results.extend(run_config(cfg, tflops, deadline, args.quick))
     env = device_env(mm_tflops=round(tflops, 1), wall_s=round(time.perf_counter() - start, 1))
-    speedup_lines = speedups(results)
-    summary = [
-        {"model": r.model, "variant": r.variant, "fwd_ms": r.fwd_ms, "fwd_bwd_ms": r.fwd_bwd_ms,
-         "floor_fwd_ms": r.fwd_floor_ms, "det_fwd": r.deterministic_fwd, "det_bwd": r.deterministic_bwd,
-         "out_err": r.out_err, "grad_err": r.grad_err, "rewrites": r.rewrites,
-         "fwd_bwd_kernel_ms": r.fwd_bwd_kernel_ms}
-        for r in results
-    ]
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"env": env, "summary": summary, "speedups": speedup_lines,
-                                         "results": [dataclasses.asdict(r) for r in results]}, indent=1))
+    if args.save:
+        write_results(results_path(args, "moe_block"), [dataclasses.asdict(r) for r in results], env)
     print(f"device={env['device']} torch={env['torch']} triton={env['triton']} mm={env['mm_tflops']} TFLOP/s "
           f"wall={env['wall_s']} s")
     header = ("model", "variant", "fwd ms", "fwd+bwd ms", "fb kernel ms", "floor f/fb", "det f/b", "out err",

@@ -17,25 +17,21 @@ Decode (T 1, 64) runs with ``mode="reduce-overhead"`` (CUDA graphs, as decode se
 in default mode. ``wall``: ``triton.testing.do_bench`` of one forward; ``kernel``: its GPU kernel time
 (``torch.profiler``, summed). ``err``: max |out - bf16 out| / max |bf16 out| (quantisation error included).
 
-Usage: ``python benchmarks/bench_quant_block.py --json benchmarks/results/quant_block.json [--quick]``.
+Usage, from the repository root: ``python -m benchmarks.bench_quant_block [--save] [--quick]`` (``--save`` writes
+``benchmarks/results/quant_block.json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import pathlib
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _bench_env import device_env  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks._bench_env import add_results_args, device_env, results_path, write_results
 
 TOKENS = (1, 64, 1024, 4096)
 MODE = {1: "reduce-overhead", 64: "reduce-overhead", 1024: "default", 4096: "default"}
@@ -44,7 +40,7 @@ ENV_CHOICE = "MOE_COMPILE_GROUPED_GEMM"
 
 
 def _kernel_us(fn, iters: int = 10) -> float:
-    from bench_grouped_gemm import kernel_us
+    from benchmarks.bench_grouped_gemm import kernel_us
 
     return kernel_us(fn, iters)[0]
 
@@ -95,14 +91,14 @@ def run(T: int, blocks: dict, quick: bool) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default=None)
+    add_results_args(parser)
     parser.add_argument("--quick", action="store_true", help="shorter timing loops")
     args, _ = parser.parse_known_args()
     if not torch.cuda.is_available():
         print("bench_quant_block: no CUDA device, nothing to measure (this benchmark needs a GPU)")
         return 0
     import moe_compile  # noqa: F401 - registers the backend
-    from bench_moe_block import CONFIGS, build_block
+    from benchmarks.bench_moe_block import CONFIGS, build_block
     from moe_compile.experts.quantize import quantize_experts
 
     start = time.perf_counter()
@@ -117,8 +113,8 @@ def main() -> int:
     for T in TOKENS:
         rows += run(T, blocks, args.quick)
     env = device_env(wall_s=round(time.perf_counter() - start, 1))
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"env": env, "results": rows}, indent=1))
+    if args.save:
+        write_results(results_path(args, "quant_block"), rows, env)
     print(f"device={env['device']} torch={env['torch']} triton={env['triton']}")
     print("T      mode             impl           wall us   kernel us  fused GLU  err")
     for r in rows:

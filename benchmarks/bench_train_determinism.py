@@ -15,7 +15,8 @@ Columns: ``step_ms`` (median over ``--steps`` timed steps), ``atomic_kernels`` (
 is not bitwise equal over ``--repeats`` steps at the same inputs), ``loss_differs``, and with ``--bisect``
 the names of those parameters (the first to differ, in backward order, is nearest the source).
 
-Usage: ``python benchmarks/bench_train_determinism.py --json benchmarks/results/train_determinism.json``.
+Usage, from the repository root: ``python -m benchmarks.bench_train_determinism [--save]`` (``--save`` writes
+``benchmarks/results/train_determinism.json``).
 """
 
 from __future__ import annotations
@@ -23,18 +24,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
-import pathlib
 import re
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _bench_env import device_env  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks._bench_env import add_results_args, device_env, results_path, write_results
 
 VARIANTS = ("inductor", "inductor_det", "moe", "moe_det_algos", "moe_deterministic")
 
@@ -136,7 +131,7 @@ def run_variant(variant: str, args) -> Result:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=pathlib.Path)
+    add_results_args(parser)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=2)
@@ -166,9 +161,9 @@ def main() -> None:
               f"{r.grads_differ}/{r.params}  loss differs {r.loss_differs}  compile {r.compile_s:.0f}s", flush=True)
         if args.bisect and r.differing:
             print("   differ:", ", ".join(r.differing))
-    if args.json:
-        args.json.write_text(json.dumps({"env": device_env(layers=args.layers, batch=args.batch, seq=args.seq),
-                                         "results": [dataclasses.asdict(r) for r in results]}, indent=1))
+    if args.save:
+        write_results(results_path(args, "train_determinism"), [dataclasses.asdict(r) for r in results],
+                      device_env(layers=args.layers, batch=args.batch, seq=args.seq))
 
 
 if __name__ == "__main__":

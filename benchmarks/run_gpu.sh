@@ -6,6 +6,10 @@
 # the GPU tests, which take ~10 minutes in all on the H100 since the wider expert-GEMM tiles (their compiles): more
 # than one 600 s device call, so split them, e.g. TEST_PATHS="tests/models tests/ops tests/passes" then the rest.)
 # Optional wheels (torchao, expecttest, hypothesis) in .whl/ are installed into /tmp/site first.
+# Each benchmark runs as a module (python -m benchmarks.bench_<stem> --save) and writes
+# benchmarks/results/<benchmark>[_<configuration>].json ({"env", "rows"}; env records the commit: on a copy of the
+# tree without .git, pass BENCH_COMMIT=<hash>); the files this run wrote are copied to $OUT (when set) and
+# summarised last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
@@ -20,6 +24,7 @@ OUT_DIR=${OUT:-benchmarks/results}
 mkdir -p benchmarks/results "$OUT_DIR"
 python3 -c "import torch, triton; print(f'device={torch.cuda.get_device_name()} torch={torch.__version__} triton={triton.__version__}')"
 status=0
+started=$(mktemp); trap 'rm -f "$started"' EXIT  # results files newer than this one are this run's
 if [ "$what" != bench ]; then
   timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -ra -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} 2>&1 | tee "$OUT_DIR/gpu_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed|skipped" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -37,10 +42,14 @@ if [ "$what" != tests ]; then
     [ "$stem" = host_cost ] && { extra=(--budget-s 420); limit=510; }
     if [ -n "${BUDGET_S:-}" ] && grep -q -- "--budget-s" "$bench"; then extra=(--budget-s "$BUDGET_S"); limit=$((BUDGET_S + 90)); fi
     echo "=== $bench"
-    timeout $limit python3 "$bench" --json "benchmarks/results/$stem.json" "${extra[@]}" "$@" > "/tmp/bench_$stem.log" 2>&1 || status=1
+    timeout $limit python3 -m "benchmarks.bench_$stem" --save "${extra[@]}" "$@" > "/tmp/bench_$stem.log" 2>&1 || status=1
     grep -v Warning "/tmp/bench_$stem.log" | tail -4
-    [ -f "benchmarks/results/$stem.json" ] && cp "benchmarks/results/$stem.json" "$OUT_DIR/" 2>/dev/null
   done
-  python3 benchmarks/summarize.py benchmarks/results/*.json
+  written=$(find benchmarks/results -maxdepth 1 -name '*.json' -newer "$started" | sort)
+  if [ -n "$written" ]; then
+    # one path per word: results file names have no spaces
+    [ "$OUT_DIR" != benchmarks/results ] && cp $written "$OUT_DIR/"
+    python3 -m benchmarks.summarize $written
+  fi
 fi
 exit $status

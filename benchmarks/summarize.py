@@ -1,37 +1,313 @@
-"""Print one short table from the benchmark JSON files (the last thing run_gpu.sh prints)."""
+"""The README's performance table, written from the results files (``benchmarks/results/*.json``).
+
+One row per results file: what it measures, its headline numbers (picked from its rows by the function for its
+benchmark in :data:`FORMATTERS`), and where they come from (file, device, versions, commit, date of the run).
+
+Usage, from the repository root:
+
+* ``python -m benchmarks.summarize [FILE ...]`` prints the table (``run_gpu.sh`` prints it last, for the files
+  that run wrote); without files, for every file in ``benchmarks/results/``.
+* ``python -m benchmarks.summarize --readme`` rewrites the block between :data:`BEGIN` and :data:`END` in
+  ``README.md``; ``--check`` fails when that block is not what the files give.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import pathlib
+import re
 import sys
+from collections.abc import Callable
+from typing import Any
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+README = REPO_ROOT / "README.md"
+BEGIN = "<!-- results:begin (python -m benchmarks.summarize --readme writes this table) -->"
+END = "<!-- results:end -->"
+
+Row = dict[str, Any]
+
+MODELS = {"mixtral": "Mixtral-like", "qwen3_moe": "Qwen3-MoE-like", "qwen3": "Qwen3-MoE-like",
+          "deepseek_v3": "DeepSeek-V3-like", "gpt_oss": "GPT-OSS-like", "mixtral_loop": "Mixtral-like ModuleList loop",
+          "qwen3_moe_loop": "Qwen3-MoE-like loop"}
 
 
-def main(paths: list[str]) -> None:
-    print("\n==== summary ====")
-    for path in paths:
+def _num(value: Any, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def _find(rows: list[Row], **match: Any) -> Row | None:
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def _get(rows: list[Row], field: str, **match: Any) -> Any:
+    row = _find(rows, **match)
+    return None if row is None else row.get(field)
+
+
+def _ordered(rows: list[Row], key: str) -> list[Any]:
+    return list(dict.fromkeys(r[key] for r in rows if key in r))
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    if a is None or b is None or not b or any(isinstance(v, float) and math.isnan(v) for v in (a, b)):
+        return None
+    return a / b
+
+
+def _span(values: list[float | None], digits: int = 2) -> str:
+    kept = [v for v in values if v is not None and not math.isnan(v)]
+    if not kept:
+        return "-"
+    low, high = _num(min(kept), digits), _num(max(kept), digits)
+    return low if low == high else f"{low}-{high}"
+
+
+def moe_block(rows: list[Row]) -> tuple[str, str]:
+    parts = []
+    for model in _ordered(rows, "model"):
+        mine = {v: _find(rows, model=model, variant=v) for v in ("moe", "inductor", "moe_unfused")}
+        if mine["moe"] is None:
+            continue
+        text = f"{MODELS.get(model, model)} {_num(mine['moe']['fwd_ms'])} / {_num(mine['moe']['fwd_bwd_ms'])}"
+        if mine["inductor"]:
+            text += f" vs Inductor {_num(mine['inductor']['fwd_ms'])} / {_num(mine['inductor']['fwd_bwd_ms'])}"
+        if mine["moe_unfused"]:
+            text += (f", without `fuse_expert_mlp` {_num(mine['moe_unfused']['fwd_ms'])} / "
+                     f"{_num(mine['moe_unfused']['fwd_bwd_ms'])}")
+        parts.append(text)
+    ours = [r for r in rows if r.get("variant") == "moe"]
+    deterministic = all(r.get("deterministic_fwd") and r.get("deterministic_bwd") for r in ours)
+    return ("HF MoE blocks, bf16, T 4096, fwd / fwd+bwd ms, moe_compile vs plain Inductor",
+            "; ".join(parts) + f". moe_compile bitwise deterministic fwd and bwd: {'yes' if deterministic else 'no'}")
+
+
+def loops(rows: list[Row]) -> tuple[str, str]:
+    parts = []
+    for model in _ordered(rows, "model"):
+        moe, ref = _find(rows, model=model, variant="moe"), _find(rows, model=model, variant="grouped_mm_moe")
+        if moe is None or ref is None:
+            continue
+        if moe.get("paired_fwd_ms") is not None and ref.get("paired_fwd_ms") is not None:
+            prefix, how = "paired_", "interleaved"
+        else:
+            prefix, how = "", "separately"
+        fwd, fb = moe[f"{prefix}fwd_ms"], moe[f"{prefix}fwd_bwd_ms"]
+        rfwd, rfb = ref[f"{prefix}fwd_ms"], ref[f"{prefix}fwd_bwd_ms"]
+        text = (f"{MODELS.get(model, model)} {_num(fwd, 3)} / {_num(fb, 3)} vs {_num(rfwd, 3)} / {_num(rfb, 3)} "
+                f"({_num(_ratio(fwd, rfwd))}x / {_num(_ratio(fb, rfb))}x, timed {how})")
+        if moe.get("paired_host_fwd_bwd_ms") is not None:
+            text += (f", host time per fwd+bwd {_num(moe['paired_host_fwd_bwd_ms'])} vs "
+                     f"{_num(ref.get('paired_host_fwd_bwd_ms'))}")
+        text += (f", deterministic {moe.get('deterministic_fwd')}/{moe.get('deterministic_bwd')}, strict CUDA-graph "
+                 f"capture {moe.get('cuda_graph') or '-'}")
+        parts.append(text)
+    what = "expert loops, T 4096, fwd / fwd+bwd ms: moe_compile vs the same block on transformers' grouped_mm path"
+    return (what + " under moe_compile", "; ".join(parts))
+
+
+def host_cost(rows: list[Row]) -> tuple[str, str]:
+    parts = []
+    for layer in _ordered(rows, "layer"):
+        mine = [r for r in rows if r.get("layer") == layer]
+        if layer == "permute_pad":
+            for config in _ordered(mine, "config"):
+                eager = next((r for r in mine if r["config"] == config and r["variant"].startswith("eager (")), None)
+                if eager:
+                    parts.append(f"{config}: eager {_num(eager['wall_us'], 1)} us vs a copy floor of "
+                                 f"{_num(eager['floor_us'], 1)} ({_num(_ratio(eager['wall_us'], eager['floor_us']))}x)")
+            continue
+        ratios = []
+        for config in _ordered(mine, "config"):
+            ratio = _ratio(_get(mine, "wall_us", config=config, variant="moe"),
+                           _get(mine, "wall_us", config=config, variant="inductor"))
+            if ratio is not None:
+                ratios.append(f"{config.removeprefix(layer + ' ')} {_num(ratio)}")
+        if ratios:
+            parts.append(f"{layer}: " + ", ".join(ratios))
+    return ("host cost, default mode, wall per call: moe_compile / plain Inductor (median of interleaved rounds)",
+            "; ".join(parts))
+
+
+def dispatch(rows: list[Row]) -> tuple[str, str]:
+    parts = []
+    for op in _ordered(rows, "op"):
+        for direction in _ordered([r for r in rows if r["op"] == op], "direction"):
+            mine = [r for r in rows if r["op"] == op and r["direction"] == direction]
+            floors = [r["x_floor"] for r in mine if r["impl"] == "ours_graph"]
+            speedups = [_ratio(_get(mine, "time_us", config=c, impl="inductor"),
+                               _get(mine, "time_us", config=c, impl="ours_graph")) for c in _ordered(mine, "config")]
+            text = f"`{op}` {direction} {_span(floors)}x of the copy floor"
+            if any(s is not None for s in speedups):
+                text += f", {_span(speedups, 1)}x faster than plain Inductor"
+            parts.append(text)
+    configs = ", ".join(_ordered(rows, "config"))
+    return (f"dispatch ops under CUDA graphs ({configs})", "; ".join(parts))
+
+
+def decode(rows: list[Row]) -> tuple[str, str]:
+    parts = []
+    for model in _ordered(rows, "model"):
+        for T in _ordered([r for r in rows if r["model"] == model], "T"):
+            times = {v: _get(rows, "time_us", model=model, T=T, variant=v) for v in ("moe_ro", "eager", "inductor")}
+            shown = [f"{name} {_num(times[v], 0)}" for v, name in (("eager", "eager"), ("inductor", "Inductor"))
+                     if times[v] is not None and not math.isnan(times[v])]
+            parts.append(f"{MODELS.get(model, model)} T{T} {_num(times['moe_ro'], 0)} us vs " + ", ".join(shown))
+    return ("host-padded decode step, `mode=\"reduce-overhead\"`, us", "; ".join(parts))
+
+
+def grouped_gemm(rows: list[Row]) -> tuple[str, str]:
+    parts = []
+    for shape in [s for s in _ordered(rows, "shape") if s in MODELS]:
+        times = []
+        for T in sorted({r["T"] for r in rows if r.get("shape") == shape and r.get("what") == "block_fwd_bwd"}):
+            us = [_get(rows, "us", shape=shape, T=T, what="block_fwd_bwd", impl=i) for i in ("cutlass", "triton", "auto")]
+            times.append(f"T{T} " + " / ".join(_num(u / 1e3 if u is not None else None) for u in us))
+        if times:
+            parts.append(f"{MODELS[shape]} " + ", ".join(times))
+    text = "fwd+bwd ms, CUTLASS block / forced Triton / `auto`: " + "; ".join(parts)
+    quant = [r for r in rows if r.get("shape") == "qwen3_moe_quant"]
+    if quant:
+        per_T = []
+        for T in _ordered(quant, "T"):
+            us = [_get(quant, "us", T=T, impl=i) for i in ("cutlass_bf16", "triton_bf16", "mxfp8", "nvfp4")]
+            per_T.append(f"T{T} " + " / ".join(_num(u, 0) for u in us))
+        text += ". Quantised Qwen3-like block forward, us, CUTLASS bf16 / Triton bf16 / MXFP8 / NVFP4: " + ", ".join(per_T)
+    return ("expert-GEMM blocks (`ops/expert_gemm.py`) vs a CUTLASS `_grouped_mm` block, eager ops", text)
+
+
+def grouped_gemm_sweep(rows: list[Row]) -> tuple[str, str]:
+    parts = []
+    first = rows[0]["shape"]  # the shape the sweep is about (the table's Qwen3-like block): the others are many
+    for key in dict.fromkeys((r["shape"], r["T"], r["what"], r["impl"]) for r in rows
+                             if r.get("T") == 4096 and r.get("shape") == first):
+        mine = [r for r in rows if (r["shape"], r["T"], r["what"], r["impl"]) == key]
+        tried = [r for r in mine if r["cfg"] not in ("shipped", "cutlass") and not math.isnan(r["us"])]
+        if not tried:
+            continue
+        best = min(tried, key=lambda r: r["us"])
+        what, impl = key[2:]
+        parts.append(f"{what.removeprefix('sweep_')}{'' if impl == 'plain' else ' ' + impl}: shipped "
+                     f"{_num(_get(mine, 'us', cfg='shipped'), 0)}, best {_num(best['us'], 0)} ({best['cfg']}), CUTLASS "
+                     f"{_num(_get(mine, 'us', cfg='cutlass'), 0)}")
+    return (f"expert-GEMM tile sweep (`--sweep`), {MODELS.get(first, first)} T 4096, us", "; ".join(parts))
+
+
+def grouped_weight(rows: list[Row]) -> tuple[str, str]:
+    parts = []
+    for impl in ("mxfp8", "nvfp4"):
+        speedups = [f"T{T} {_num(_get(rows, 'speedup_vs_bf16', T=T, impl=impl))}x" for T in _ordered(rows, "T")]
+        parts.append(f"{impl.upper()} " + ", ".join(speedups))
+    return ("weight-only grouped GEMM, E128 H2048 I768, both expert GEMMs, vs bf16 `_grouped_mm`", "; ".join(parts))
+
+
+def quant_block(rows: list[Row]) -> tuple[str, str]:
+    impls = ("bf16", "mxfp8", "mxfp8_unfused", "nvfp4", "nvfp4_unfused")
+    per_T = []
+    for T in _ordered(rows, "T"):
+        per_T.append(f"T{T} " + " / ".join(_num(_get(rows, "kernel_us", T=T, impl=i), 0) for i in impls))
+    modes = ", ".join(f"T{T} {_get(rows, 'mode', T=T)}" for T in _ordered(rows, "T"))
+    return ("quantised Qwen3-MoE block in inference, kernel us per forward",
+            f"{' / '.join(impls)}: " + "; ".join(per_T) + f" (mode: {modes})")
+
+
+def train_determinism(rows: list[Row]) -> tuple[str, str]:
+    parts = [f"{r['variant']} {_num(r['step_ms'])} ms, atomic kernels {r['atomic_kernels']}, gradients differing "
+             f"{r['grads_differ']} / {r['params']}" for r in rows]
+    return ("Qwen3-MoE CausalLM training step: step time, and what differs from run to run", "; ".join(parts))
+
+
+FORMATTERS: dict[str, Callable[[list[Row]], tuple[str, str]]] = {
+    "moe_block": moe_block, "loops": loops, "host_cost": host_cost, "dispatch": dispatch, "decode": decode,
+    "grouped_gemm": grouped_gemm, "grouped_gemm_sweep": grouped_gemm_sweep, "grouped_weight": grouped_weight,
+    "quant_block": quant_block, "train_determinism": train_determinism,
+}
+
+
+def split_stem(stem: str) -> tuple[str | None, str]:
+    """``(benchmark, configuration)`` of a results file's stem ``<benchmark>[_<configuration>]``: the longest name
+    in :data:`FORMATTERS` it starts with (``None`` when there is none), and the rest."""
+    names = [n for n in FORMATTERS if stem == n or stem.startswith(n + "_")]
+    if not names:
+        return None, stem
+    name = max(names, key=len)
+    return name, stem[len(name) + 1 :]
+
+
+def _device(name: str | None) -> str:
+    found = re.search(r"\b([A-Z]+\d{2,4})\b", name or "")
+    return found.group(1) if found else (name or "?")
+
+
+def source(path: pathlib.Path, env: dict[str, Any]) -> str:
+    """``file, device, torch, triton, commit, date`` of one results file."""
+    commit = (env.get("commit") or "?")[:7] + ("+dirty" if env.get("dirty") else "")
+    date = (env.get("date") or "?")[:10]
+    return (f"`{path.name}`, {_device(env.get('device'))}, torch {env.get('torch')}, triton {env.get('triton')}, "
+            f"{commit}, {date}")
+
+
+def table(paths: list[pathlib.Path]) -> list[str]:
+    lines = ["| what | result | file, device, versions, commit, date |", "| --- | --- | --- |"]
+    order = list(FORMATTERS)
+
+    def key(path: pathlib.Path) -> tuple[int, str]:
+        benchmark = split_stem(path.stem)[0]
+        return (order.index(benchmark) if benchmark else len(order), path.stem)
+
+    for path in sorted(paths, key=key):
         try:
-            with open(path) as f:
-                data = json.load(f)
+            data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            print(f"{path}: unreadable ({exc})")
+            lines.append(f"| {path.name} | unreadable: {exc} | |")
             continue
-        env = data.get("env", {})
-        print(f"\n# {path}  [{env.get('device')}, torch {env.get('torch')}, triton {env.get('triton')}]")
-        rows = data.get("summary") or data.get("results") or []
-        if not rows:
-            continue
-        keys = list(rows[0].keys())
-        widths = [max(len(k), *(len(_fmt(r.get(k))) for r in rows)) for k in keys]
-        print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
-        for r in rows:
-            print("  ".join(_fmt(r.get(k)).ljust(w) for k, w in zip(keys, widths)))
+        benchmark, configuration = split_stem(path.stem)
+        rows = data.get("rows") or []
+        if benchmark is None or not rows:
+            what, result = path.stem, f"{len(rows)} rows"
+        else:
+            what, result = FORMATTERS[benchmark](rows)
+            if configuration:
+                what += f" (configuration `{configuration}`)"
+        lines.append(f"| {what} | {result} | {source(path, data.get('env', {}))} |")
+    return lines
 
 
-def _fmt(v: object) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+def rewrite_readme(readme: pathlib.Path, lines: list[str]) -> str:
+    text = readme.read_text()
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{readme}: no {BEGIN} ... {END} block")
+    return text[: start + len(BEGIN)] + "\n" + "\n".join(lines) + "\n" + text[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="*", type=pathlib.Path, help="results files (default: benchmarks/results)")
+    parser.add_argument("--readme", action="store_true", help="rewrite README.md's results block")
+    parser.add_argument("--check", action="store_true", help="fail when README.md's results block is stale")
+    args = parser.parse_args(argv)
+    paths = args.files or sorted(RESULTS_DIR.glob("*.json"))
+    lines = table(paths)
+    if args.readme or args.check:
+        new = rewrite_readme(README, lines)
+        if args.check:
+            if new != README.read_text():
+                print("README.md's results block is stale: run python -m benchmarks.summarize --readme")
+                return 1
+            return 0
+        README.write_text(new)
+        print(f"rewrote the results block of {README}")
+        return 0
+    print("\n==== summary ====")
+    print("\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

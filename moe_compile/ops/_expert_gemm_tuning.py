@@ -119,7 +119,7 @@ def pick_config(
       What bounds the decode path (its SASS on triton 3.6): per 64-deep K step the decoded bf16 tile is stored to
       shared memory and read back with ``ldmatrix`` behind two barriers, about 400 instructions a warp.
     * Tried, not kept: short row tiles (an expert's rows past its last full tile in 64- or 32-row tiles, swapped or
-      not, both heights compiled into the kernel; ``grouped_gemm_sweep_short_tiles.json``). They cut the padded
+      not, both heights compiled into the kernel; a ``--sweep`` run at commit fe0baee). They cut the padded
       MMA work (Qwen3 T4096: 1.24x -> 1.06-1.12x of the routed rows) but every row tile still streams its whole
       weight tile, which is what these GEMMs are bound by: gate_up 506-514 -> 557-631 us, down 292-295 -> 280-286
       (the branch alone, never taken, cost nothing: 506 vs 510). Larger row tiles are the lever, not smaller ones
@@ -163,7 +163,7 @@ def wgrad_config(N: int, K: int, fp32: bool, cuda: bool, row_scale: bool = False
     from run to run, and NaN, on triton 3.6 (Qwen3-like down wgrad, bf16 weights): that path keeps ``[128, 128]``
     (bitwise stable over repeated runs in the same test).
     Tried, not kept: TMA loads (``dy`` through a ``[M, N]`` descriptor, ``x`` too when not gathered; each expert's
-    partial last row step with masked pointer loads; ``grouped_gemm_wgrad_tma.json``, us pointer -> TMA vs CUTLASS).
+    partial last row step with masked pointer loads; measured at commit 9b6ae09, us pointer -> TMA vs CUTLASS).
     Bitwise equal to the pointer loads where deterministic. Gathered ``x`` (gate_up): slower at every shape (Qwen3
     T4096 813 -> 927, DeepSeek 943 -> 1027, Mixtral 1263 -> 1312). Un-gathered, un-scaled (down): DeepSeek 426 ->
     375 (CUTLASS 351), Mixtral 532 -> 405 (414), Qwen3 T16384 915 -> 782 (781), but Qwen3 T4096 355 -> 372 (292).

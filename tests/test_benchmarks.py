@@ -1,0 +1,95 @@
+"""The benchmarks' results files and scripts (CPU, no benchmark is run): one schema for every results file, no
+run-ordinal file names, no ``sys.path`` edits, and a README table that matches the files."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+RESULTS = sorted((BENCHMARKS / "results").glob("*.json"))
+ENV_KEYS = ("device", "torch", "triton", "commit", "dirty", "date", "command")
+ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth",
+            "eleventh", "twelfth", "thirteenth", "fourteenth", "fifteenth", "sixteenth", "seventeenth", "eighteenth",
+            "nineteenth", "twentieth", "repeat")
+SCALAR = (str, int, float, bool, type(None))
+
+
+def test_there_are_results():
+    assert RESULTS, "benchmarks/results/ holds no results file"
+
+
+def test_env_keys_match_the_writer():
+    from benchmarks._bench_env import ENV_KEYS as written
+
+    assert tuple(written) == ENV_KEYS
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=lambda p: p.name)
+def test_results_file_schema(path):
+    data = json.loads(path.read_text())
+    assert set(data) == {"env", "rows"}, f"{path.name}: top-level keys {sorted(data)}"
+    env, rows = data["env"], data["rows"]
+    assert isinstance(env, dict)
+    assert [k for k in ENV_KEYS if k not in env] == [], f"{path.name}: env lacks keys"
+    assert isinstance(env["device"], str) and env["device"]
+    if env["commit"] is not None:
+        assert re.fullmatch(r"[0-9a-f]{40}", env["commit"]), env["commit"]
+    if env["date"] is not None:
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}[+-]\d{2}:\d{2}", env["date"]), env["date"]
+    assert isinstance(rows, list) and rows, f"{path.name}: rows must be a non-empty list"
+    for row in rows:
+        assert isinstance(row, dict) and row
+        for key, value in row.items():
+            values = value if isinstance(value, list) else [value]
+            assert all(isinstance(v, SCALAR) for v in values), f"{path.name}: {key} is not flat"
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=lambda p: p.name)
+def test_results_file_name_has_no_run_ordinal(path):
+    words = path.stem.split("_")
+    assert not set(words) & set(ORDINALS), f"{path.name}: name the configuration, not the run (git keeps history)"
+    assert len(words[-1]) > 1, f"{path.name}: a one-letter suffix (_b) names a run, not a configuration"
+    assert not re.search(r"\d+(st|nd|rd|th)$", path.stem)
+
+
+@pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.py")), ids=lambda p: p.name)
+def test_benchmark_scripts_do_not_edit_sys_path(path):
+    edits = re.findall(r"sys\.path\s*(?:\.\w+\(|\[|\+?=)", path.read_text())
+    assert not edits, f"{path.name}: import through the benchmarks package instead of editing sys.path"
+
+
+def test_readme_cites_only_current_results_files():
+    readme = (ROOT / "README.md").read_text()
+    cited = set(re.findall(r"`([\w]+\.json)`", readme))
+    names = {p.name for p in RESULTS}
+    assert cited <= names, f"README cites results files that do not exist: {sorted(cited - names)}"
+
+
+def test_readme_table_is_current():
+    from benchmarks import summarize
+
+    assert summarize.main(["--check"]) == 0
+
+
+def test_write_results_round_trip(tmp_path):
+    import argparse
+
+    from benchmarks import _bench_env
+
+    parser = argparse.ArgumentParser()
+    _bench_env.add_results_args(parser)
+    args = parser.parse_args(["--save", "--results-dir", str(tmp_path), "--tag", "small"])
+    path = _bench_env.results_path(args, "loops", "cpu_smoke")
+    assert path == tmp_path / "loops_cpu_smoke_small.json"
+    env = _bench_env.device_env(device="cpu (test)", wall_s=1.0)
+    _bench_env.write_results(path, [{"model": "m", "fwd_ms": math.nan, "rounds": [1.0, 2.0]}], env)
+    data = json.loads(path.read_text())
+    assert data["env"]["wall_s"] == 1.0 and data["env"]["command"]
+    with pytest.raises(TypeError):
+        _bench_env.write_results(path, [{"nested": {"a": 1}}], env)
