@@ -23,6 +23,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "moe_compile"))
 _SESSION_SEED: list[int] = []
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--family-records", default=None, metavar="PATH",
+                     help="write the passes' records of every family the family matrix runs to PATH (JSON), to "
+                          "compare two commits with `python -m tests.models.family_records --compare`")
+
+
 def pytest_configure(config) -> None:
     if config.getoption("hypothesis_seed", None) is None and not settings.default.derandomize:
         seed = random.SystemRandom().randrange(2**32)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
 import torch
 
-from tests.models.hf_families import Unbuildable, build, moe_families
+from tests.models.hf_families import Unbuildable, build, moe_families, records_of
 
 
 def family_records(family: str) -> dict[str, Any]:
@@ -38,8 +39,15 @@ def family_records(family: str) -> dict[str, Any]:
         return {"status": f"fails: {type(exc).__name__}"}
     finally:
         torch._dynamo.reset()
-    rows = sorted({(r.pass_name, r.stage, r.kind, r.layer, r.what) for r in rep.records})
-    return {"status": "ok", "records": [list(r) for r in rows]}
+    return {"status": "ok", "records": records_of(rep)}
+
+
+def add_to_file(path: str, family: str, entry: dict[str, Any]) -> None:
+    """Merge one family's entry into the record file at ``path`` (created when missing)."""
+    table = json.load(open(path)) if os.path.exists(path) else {}
+    table[family] = entry
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
 
 
 def compare(before: dict[str, Any], after: dict[str, Any]) -> list[str]:

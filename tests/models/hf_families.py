@@ -182,6 +182,11 @@ def _loss_and_grads(model: torch.nn.Module, inputs: dict[str, Any], fn: Any = No
     return loss.detach().float(), grads
 
 
+def records_of(rep: Any) -> list[list[str]]:
+    """The distinct ``[pass, stage, kind, layer, what]`` of a report, sorted: what two commits must agree on."""
+    return [list(r) for r in sorted({(r.pass_name, r.stage, r.kind, r.layer, r.what) for r in rep.records})]
+
+
 def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
     """One training step of ``family`` through ``torch.compile(backend=backend, fullgraph=True)``.
 
@@ -235,7 +240,8 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
         ok, worst, unjudged = _within_bound(compiled, eager, ref32, inductor)
         noise = "bf16 eager + plain Inductor"
     return {"family": family, "status": "ok", "rewritten": rewritten, "left": left, "numerics": ok,
-            "worst": f"{worst[0]} ({worst[1]:.2f} of bound)", "noise": noise, "unjudged": unjudged}
+            "worst": f"{worst[0]} ({worst[1]:.2f} of bound)", "noise": noise, "unjudged": unjudged,
+            "records": records_of(rep)}
 
 
 # NOTE [cancelling sums]: some gradients are sums whose terms cancel to far below bf16's rounding of the

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.models.family_records import add_to_file
 from tests.models.hf_families import check_family, moe_families
 
 pytest.importorskip("transformers")
@@ -23,8 +24,11 @@ pytest.importorskip("transformers")
 DEFAULT_FAMILIES = ("deepseek_v3", "gpt_oss")
 
 
-def _check(family: str) -> None:
+def _check(family: str, records_path: str | None = None) -> None:
     row = check_family(family)
+    if records_path:
+        entry = {"status": row["status"]} if row["status"] != "ok" else {"status": "ok", "records": row["records"]}
+        add_to_file(records_path, family, entry)
     if row["status"].startswith("skip"):
         pytest.skip(row["status"])
     assert row["status"] == "ok", row["status"]
@@ -37,14 +41,14 @@ def _check(family: str) -> None:
 
 
 @pytest.mark.parametrize("family", [f for f in DEFAULT_FAMILIES if f in moe_families()])
-def test_family_training_step(family):
-    _check(family)
+def test_family_training_step(family, request):
+    _check(family, request.config.getoption("family_records"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", [f for f in moe_families() if f not in DEFAULT_FAMILIES])
-def test_every_family_training_step(family):
-    _check(family)
+def test_every_family_training_step(family, request):
+    _check(family, request.config.getoption("family_records"))
 
 
 def test_families_are_found():
