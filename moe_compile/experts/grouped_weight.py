@@ -104,7 +104,8 @@ class GroupedQuantWeight(TorchAOBaseTensor):
         orig_dtype: the logical dtype (what ``dequantize()`` returns).
         is_transposed: present as ``[E, K, N]`` (a transposed view of the stored layout).
         expert_scale: nvfp4 per-expert fp32 scale ``[E]``.
-        master: optional high-precision master ``[E, N, K]`` (stored layout), see NOTE [training ...].
+        master: optional high-precision master ``[E, N, K]`` (stored layout); see
+            NOTE [training with quantised weights].
     """
 
     # runs ``moe::expert_gemm`` on its quantised op (``_gw_expert_gemm``); ``ops.expert_gemm.runs_on_weight`` reads it

@@ -164,8 +164,8 @@ def _expert_gemm_mlp(
     x_TH: Tensor, ids_TK: Tensor, weights_TK: Tensor, gate_up: Projection, down: Projection, num_experts: int,
     post: Callable[[Tensor], Tensor] | None, align: int, glu: str,
 ) -> Tensor:
-    """NOTE [expert MLP through expert_gemm]: the GLU and (without ``post``) the routing weight in the GEMMs'
-    epilogues."""
+    """The GLU and (without ``post``) the routing weight in the GEMMs' epilogues
+    (NOTE [expert MLP through expert_gemm])."""
     weight_in_gemm = post is None
     out = permute_pad(x_TH, ids_TK, weights_TK if weight_in_gemm else None, num_experts=num_experts, align=align)
     h_MI, _ = expert_gemm(out.rows_MH, gate_up.w_ENK, out.offs_E, activation=glu)

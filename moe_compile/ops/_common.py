@@ -238,7 +238,8 @@ def dispatch_triton_op(name: str, fn, *, schema: str, fake):
 
 
 def _export_keeps_triton_ops() -> bool:
-    """``torch.export`` keeps custom triton ops as ops (``triton_op``'s NOTE [Export custom triton op])."""
+    """``torch.export`` keeps custom triton ops as ops (PyTorch's note "Export custom triton op", in
+    ``torch/_library/triton.py``)."""
     try:
         from torch.export._trace import custom_triton_ops_decomposition_disabled
     except ImportError:  # pragma: no cover - older torch
