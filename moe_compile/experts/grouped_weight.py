@@ -26,7 +26,7 @@ AOTAutograd trace it as an ordinary subclass and flatten it into its inner tenso
 | other in-place ops (optimizer updates) | see NOTE [training with quantised weights] |
 | anything else | runs on the dequantised tensor and returns a plain tensor |
 
-NOTE [training with quantised weights]
+NOTE [training with quantised weights]:
 Gradients are straight-through: autograd sees the weight as ``W = dequantize(Q)``, so ``dL/dW`` is the
 bf16 gradient a bf16 model with weights ``dequantize(Q)`` would get (``dX`` uses the quantised weight).
 Two ways to hold the parameter:

@@ -20,7 +20,7 @@ keys; ``param.copy_`` does the same conversions.
 
 Recipes: ``"bf16"`` regroups into plain bf16 parameters (casting if needed), ``"mxfp8"`` and
 ``"nvfp4"`` quantise with torchao. ``master_weights=True`` keeps a bf16 master inside each quantised
-parameter (NOTE [training with quantised weights] in ``grouped_weight``). torchao is imported only
+parameter (NOTE [training with quantised weights] (moe_compile/experts/grouped_weight.py)). torchao is imported only
 when a quantised recipe is used.
 """
 

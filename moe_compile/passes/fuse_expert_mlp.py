@@ -12,8 +12,9 @@ Matches (in a layer ``fuse_dispatch`` rewrote; ``offs_E`` is ``moe.permute_pad``
 Rewrites to:
     ``h = moe.expert_gemm(x_MK, W_ENK, offs_E, None, None, glu, M, False)[0]`` (cast to ``h``'s dtype if
     the middle ended in another); the second GEMM and the combine stay as they are. The Triton family or CUTLASS
-    runs per GEMM from the measured table (NOTE [grouped GEMM choice]); the GLU is computed in fp32 and cast
-    once (the middle may have rounded in bf16 between its ops: within the op's documented tolerance).
+    runs per GEMM from the measured table (NOTE [grouped GEMM choice] (moe_compile/ops/_expert_gemm_tuning.py)); the GLU
+    is computed in fp32 and cast once (the middle may have rounded in bf16 between its ops: within the op's documented
+    tolerance).
 
 Skips when (reason tags):
     ``training`` (the GEMM's output needs a gradient: NOTE [expert MLP fusion in training]), ``weight_subclass``

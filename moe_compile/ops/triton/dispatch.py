@@ -33,7 +33,7 @@ index kernel only scans them (``FROM_TABLE``): three launches. Worked example, `
                                        row_map[3] = [5, 11 | 1, 0]. All dests: [8, 0, 4, 9 | 1, 10, 11, 5].
                                        Zero programs fill the M - N = 8 non-real rows 2, 3, 6, 7, 12..15
 
-NOTE [overlapping the launches]
+NOTE [overlapping the launches]:
 With ``USE_PDL`` (Hopper and newer, eager launches with ``launch_pdl=True``), the permute kernel is
 started before the index kernel has finished (programmatic dependent launch): the index kernel
 signals ``gdc_launch_dependents`` at once, and the permute kernel does the work that needs only the
@@ -46,14 +46,14 @@ it reads the table, as the three-launch version of 2026-11-21 did (without that 
 was up to 3% slower in CUDA graphs). Launches from Inductor's generated code (the traced path) do not
 use PDL.
 
-NOTE [one table]
+NOTE [one table]:
 The index kernels write one int32 buffer, rows of ``E_PAD``: row 0 ``counts``, rows ``1 .. NB``
-``before_blocks``, row ``NB + 1`` ``seg_start``, then (traced launches) the int32 copy of the ids (NOTE [no
-load-derived store addresses on graph inputs]). The op's ``counts`` output is ``table[:E]``, a view at storage
+``before_blocks``, row ``NB + 1`` ``seg_start``, then (traced launches) the int32 copy of the ids
+(NOTE [no load-derived store addresses on graph inputs]). The op's ``counts`` output is ``table[:E]``, a view at storage
 offset 0 (the fake's layout), so a decode step allocates one buffer where it allocated three (each allocation in
 Inductor's generated code costs host time, issue 14).
 
-NOTE [no load-derived store addresses on graph inputs]
+NOTE [no load-derived store addresses on graph inputs]:
 When Inductor traces a ``wrap_triton`` launch it finds the written tensors by walking back from each
 store's address; torch 2.11 walks through loads too, so a tensor whose *values* feed a store address
 counts as written. A graph input counted as written is an input mutation (a copy back into it, and
@@ -64,7 +64,7 @@ into the table (an intermediate; ``counts`` is a view of it taken after the last
 prob gradients are stored at ``t*K + k`` after an in-register reorder (``_to_slot_order``); only the
 unpad backward's row scatter reads addresses from ``row_map``, and its launcher passes a copy there.
 
-NOTE [zero rows without a memset]
+NOTE [zero rows without a memset]:
 The rows that hold no token are exactly ``M - N`` (a static count): pad rows, expert by expert, then
 the tail. The ``j``-th of them is row ``j + sum(counts[e] for e with pad_before[e] <= j)`` where
 ``pad_before`` is the exclusive prefix sum of per-expert pad lengths; so the zero programs find their
