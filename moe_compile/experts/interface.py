@@ -14,9 +14,9 @@ One place runs experts whose Python loop Dynamo cannot capture (``nonzero``-driv
   calls: the GLU in the first GEMM's epilogue, the routing weight in the second's (the combine then sums weighted
   rows). Each GEMM picks the Triton family or CUTLASS from the measured table
   (NOTE [grouped GEMM choice] (moe_compile/ops/_expert_gemm_tuning.py)); the callers say which GLU ``middle`` is
-  (:func:`glu_of`), checked once, outside tracing. H100, torch 2.11 (``loops_fourteenth.json``, the Qwen3-MoE-like loop
-  block, T 4096): forward 0.884 ms against 0.976 through the grouped GEMMs, but forward+backward 2.929 against 2.880:
-  training keeps the grouped GEMMs, as ``fuse_expert_mlp`` does
+  (:func:`glu_of`), checked once, outside tracing. The forward is faster than through the grouped GEMMs,
+  forward+backward is not (the Qwen3-MoE-like loop block, benchmarks/results/loops.json): training keeps the grouped
+  GEMMs, as ``fuse_expert_mlp`` does
   (NOTE [expert MLP fusion in training] (moe_compile/passes/fuse_expert_mlp.py)).
 * :func:`hf_experts_forward` is registered as transformers' ``"moe_compile"`` experts implementation
   (:func:`register_hf_experts`); it reads the decorated ``*Experts`` module's attributes.

@@ -196,7 +196,7 @@ def dispatch_triton_op(name: str, fn, *, schema: str, fake):
     ``wrap_triton`` switched off, so kernels launch directly in eager; (ii) registers ``fn`` as the
     fake; (iii) under ``FunctionalTensorMode`` (AOTAutograd) replaces the op by ``fn``'s body, so that
     on CUDA Inductor sees ``triton_kernel_wrapper_functional`` nodes and launches the kernels from its
-    own generated code, with no Python custom-op dispatch (issue 14). We do the same three things, with
+    own generated code, with no Python custom-op dispatch (host time per call). We do the same three things, with
     three differences:
 
     * the schema is the one given (``triton_op`` infers it from annotations, turning ``int`` into
@@ -204,9 +204,9 @@ def dispatch_triton_op(name: str, fn, *, schema: str, fake):
     * the fake is ``fake`` (static shapes, no host reads; ``fn``'s CPU branch checks ids on the host);
     * the body is traced only for tensors on ``DECOMPOSE_ON_DEVICES``. On CPU that is the gather-only
       reference (no scatter, no atomic), which Inductor compiles with the rest of the graph: when the op
-      stayed one node, Inductor called its Python kernel, 1.7-2.3x of plain Inductor's time per call at
-      T16 (issue 14). Elsewhere the op stays one node. ``torch._functorch.config.decompose_custom_triton_ops
-      = False`` (torch.export sets it) keeps every dispatch op one node; the tests that read a rewrite's
+      stayed one node, Inductor called its Python kernel, about twice plain Inductor's time per call at
+      T16 (benchmarks/results/host_cost.json). Elsewhere the op stays one node.
+      ``torch._functorch.config.decompose_custom_triton_ops = False`` (torch.export sets it) keeps every dispatch op one node; the tests that read a rewrite's
       post-grad graph use it.
 
     ``fn`` branches on the device (static under fake tensors); its CUDA branch launches Triton through

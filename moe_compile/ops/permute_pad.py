@@ -224,9 +224,8 @@ def _check_args_detailed(x: Tensor, expert_idx: Tensor, probs: Tensor | None, nu
 MAX_TRITON_EXPERTS = 8192
 # The index kernel is one program, so its time is serial: it histograms BLOCK_N ids per iteration
 # (``tl.histogram`` over E_PAD bins, each lane of a warp visiting bins / 32 of them per id) and scans.
-# Measured on an H100 (triton 3.6, 16 warps): one block per iteration (SUB 1) of 1024 ids is the fastest
-# at every size tried (T8192 E8 K2: 7.8 us vs 25.9 us for 32 blocks of 128; T4096 E128 K8: 18 vs ~50 us;
-# T16384 E64 K8: 59 vs 135 us); more bins per iteration cost more than the trips they save.
+# One block per iteration (SUB 1) of 1024 ids is the fastest at every size tried: more bins per iteration cost
+# more than the trips they save (benchmarks/results/dispatch.json).
 INDEX_BLOCK_N = 1024
 # Entries of the [NB, E_PAD] block table (8K int32 = 32 KiB): past it BLOCK_N grows, up to MAX_BLOCK_N
 # (then the table grows instead).
@@ -235,24 +234,18 @@ MIN_BLOCK_N = 16
 MAX_BLOCK_N = 2048  # each token program compares its ids with up to BLOCK_N + K - 1 earlier ids
 INDEX_NUM_WARPS = 16
 # From this many blocks on, the histograms are computed by one program per block (a third launch) and the
-# index kernel scans them (NOTE [destination rows in two launches] (moe_compile/ops/triton/dispatch.py)). Measured on an
-# H100 (triton 3.6), kernel time per call, serial index kernel vs histograms + scan: T8192 E8 K2 (16 blocks) 90.5 vs
-# 78.3 us; T4096 E128 K8 (32) 82.4 vs 70.2; T16384 E64 K8 (128) 343.6 vs 238.9. Below it the extra launch's host time
-# matters more.
+# index kernel scans them (NOTE [destination rows in two launches] (moe_compile/ops/triton/dispatch.py)): the serial
+# index kernel is slower from 16 blocks on, and below it the extra launch's host time matters more
+# (benchmarks/results/dispatch.json).
 PARALLEL_HISTOGRAM_BLOCKS = 8
-# Table entries the scan reads per trip when the histograms are in the table, and its warps. H200 (triton 3.6),
-# scan kernel time, 16 / 4 warps: T16384 E64 K8 8.0 / 4.8 us, T4096 E256 K8 8.8 / 4.0 (tiles of 8192: the same);
-# permute_pad in a CUDA graph 178.2 / 174.0 and 179.4 / 175.9 us (the 3-launch version of 2026-11-21: 174.0, 174.8)
+# Table entries the scan reads per trip when the histograms are in the table, and its warps: 4 warps scan faster than
+# 16, tiles of 8192 entries gain nothing over 4096 (benchmarks/results/dispatch.json).
 SCAN_TILE_ENTRIES = 4096
 SCAN_NUM_WARPS = 4
 # With the histograms in parallel and few experts (E_PAD <= 32), blocks of 256 ids: each token program then
-# compares its ids with at most 255 earlier ones. H100 kernel time per call (before the overlapped launches),
-# blocks of 1024 / 512 / 256: T8192 E8 K2 78.3 / 74.4 / 74.8 us, T16384 H4096 E8 K2 152.0 / 146.3 / 146.7; with
-# many experts the longer table costs the scan more than it saves (T4096 E128 K8 70.2 / 72.6 / 80.8). In CUDA
-# graphs with the overlapped launches (H100, 10 calls per graph, us per call), blocks of 512 / 256 / 128 against
-# the 3-launch version of 2026-11-21: T4096 H2048 E16 K4 35.50 / 34.82 / 34.87 vs 34.53 (33.57 / - / 33.51 vs
-# 33.51 measured first in its process), T8192 H4096 E8 K2 72.8-73.2 / 73.37 / 73.48 vs 73.38, T16384 H4096 E8 K2
-# 143.1 for all three vs 143.3.
+# compares its ids with at most 255 earlier ones. Smaller blocks help with few experts; with many experts the
+# longer table costs the scan more than it saves; in CUDA graphs, with the overlapped launches, 512 / 256 / 128
+# are within noise of each other (benchmarks/results/dispatch.json, benchmarks/results/host_cost.json).
 FEW_EXPERTS_PAD = 32
 FEW_EXPERTS_BLOCK_N = 256
 

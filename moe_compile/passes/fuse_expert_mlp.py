@@ -24,12 +24,11 @@ Skips when (reason tags):
     or an intermediate of the middle is used outside it), ``glu_not_recognised`` (the middle computes another
     function: interleaved gate/up, clamped or tanh-GELU GLUs, a non-gated activation).
 
-NOTE [expert MLP fusion in training]: measured on the H100 (torch 2.11, ``bench_moe_block.py``, T 4096, transformers'
-grouped_mm blocks under ``moe_compile``, fused / not fused): forward 0.912 / 0.953 ms (Qwen3-MoE-like), 1.223 / 1.306
-(DeepSeek-V3-like), 1.250 / 1.241 (Mixtral-like: CUTLASS keeps its gated GEMM); forward+backward kernel time 2.870 /
-2.788 ms (Qwen3), 3.712 / 3.741 (DeepSeek). In training the un-fused graph already has the permuted rows (from
-``permute_pad``) and one Inductor kernel for the GLU each way, and CUTLASS ran the gate_up forward and dX in 896 us
-against the Triton pair's 984 in the same profile: the fusion saves a 45 us GLU kernel and loses more in the GEMMs.
+NOTE [expert MLP fusion in training]: fused, the forward is faster (Qwen3-MoE-like, DeepSeek-V3-like; Mixtral-like
+ties, CUTLASS keeps its gated GEMM there), but forward+backward is not. In training the un-fused graph already has the
+permuted rows (from ``permute_pad``) and one Inductor kernel for the GLU each way, and CUTLASS runs the gate_up forward
+and dX faster than the Triton pair: the fusion saves a small GLU kernel and loses more in the GEMMs
+(``bench_moe_block.py``: benchmarks/results/moe_block_expert_mlp.json, moe_block_expert_mlp_training_fused.json).
 So the pass fuses inference graphs only (no gradient through the GEMM); training keeps the grouped GEMMs.
 
 Stage:

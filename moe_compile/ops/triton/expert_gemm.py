@@ -34,11 +34,11 @@ the expert's ``K`` and past ``N``, transposed in shared memory for the MMA. ``X_
 not gathered come through a ``[M, K]`` descriptor too; a tile's rows past its expert's end are read and
 multiplied, and only their output rows are masked (an output row depends on its own input row alone).
 Gathered rows keep pointer loads (sm90 has no TMA gather). No value changes: the loads bring the same
-elements to the same MMA. H100, Qwen3-like T 4096 (us, pointer loads -> TMA): gate_up 522 -> 451, down
-300 -> 261, gate_up dX 496 -> 492, down dX 264 -> 258; DeepSeek-V3-like gate_up 639 -> 543, down 341 -> 288.
-Tried for MXFP8 (the e4m3 tile through the descriptor, decoded in registers): down 365 -> 322 us, gate_up
-(swapped operands) 720 -> 903; but one benchmark run returned NaN from the MXFP8 block with it, which a run of
-the same GEMMs alone did not reproduce: quantised weights keep pointer loads.
+elements to the same MMA. TMA is faster than pointer loads for every forward GEMM tried and no slower for
+dX (benchmarks/results/grouped_gemm.json). Tried for MXFP8 (the e4m3 tile through the descriptor, decoded in
+registers): faster for down, slower for the swapped-operand gate_up, and one benchmark run returned NaN from the
+MXFP8 block with it, which a run of the same GEMMs alone did not reproduce
+(benchmarks/results/grouped_gemm_mxfp8_tma_nan.json): quantised weights keep pointer loads.
 
 NOTE [swapped operands]:
 With ``SWAP_AB`` each tile computes ``(W x^T)^T``: the accumulators are ``[BLOCK_N, BLOCK_M]`` and are
