@@ -206,8 +206,8 @@ def dispatch_triton_op(name: str, fn, *, schema: str, fake):
       reference (no scatter, no atomic), which Inductor compiles with the rest of the graph: when the op
       stayed one node, Inductor called its Python kernel, about twice plain Inductor's time per call at
       T16 (benchmarks/results/host_cost.json). Elsewhere the op stays one node.
-      ``torch._functorch.config.decompose_custom_triton_ops = False`` (torch.export sets it) keeps every dispatch op one node; the tests that read a rewrite's
-      post-grad graph use it.
+      ``torch._functorch.config.decompose_custom_triton_ops = False`` (torch.export sets it) keeps every dispatch op
+      one node; the tests that read a rewrite's post-grad graph use it.
 
     ``fn`` branches on the device (static under fake tensors); its CUDA branch launches Triton through
     the launchers, which call ``wrap_triton`` when :func:`is_traced`.
