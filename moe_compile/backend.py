@@ -105,7 +105,7 @@ def compile_with_config(
     hits, graphs = report.cache_hits(), report.last_report().graphs
     with deterministic_sdpa() if config.deterministic else contextlib.nullcontext():
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
-    if report.cache_hits() > hits:  # NOTE [cached compiles] (report.py)
+    if report.cache_hits() > hits:  # NOTE [cached compiles] (moe_compile/report.py)
         if report.last_report().graphs == graphs:  # not counted by the pre-grad passes: they did not run
             report.graph_compiled()
         report.graph_from_cache()

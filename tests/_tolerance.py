@@ -1,6 +1,6 @@
 """Tolerances derived from the computation, one module for the whole suite.
 
-NOTE [derived tolerances]
+NOTE [derived tolerances]:
 A tolerance that is picked (``atol=1e-4``) passes on the machine it was picked on and fails on the next
 one, whose BLAS sums in another order. Here every bound says where the error comes from:
 

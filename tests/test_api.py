@@ -77,9 +77,9 @@ class CompileApiTest(unittest.TestCase):
         self.assertGreater(sum(counters["graph_break"].values()), 0)
 
     def test_uncapturable_loop_falls_back_to_graph_breaks(self):
-        """NOTE [capture fallback]: a loop over ``nonzero(...).tolist()`` that nothing swapped fails to trace with
-        the host reads captured (a data-dependent guard); the call warns once and runs with Dynamo's default flags
-        (graph breaks, as plain torch.compile), and later calls stay on them."""
+        """NOTE [capture fallback] (moe_compile/api.py): a loop over ``nonzero(...).tolist()`` that nothing swapped
+        fails to trace with the host reads captured (a data-dependent guard); the call warns once and runs with Dynamo's
+        default flags (graph breaks, as plain torch.compile), and later calls stay on them."""
 
         def loop(x_N: torch.Tensor) -> torch.Tensor:
             out = torch.zeros_like(x_N)

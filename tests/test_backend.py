@@ -227,8 +227,8 @@ def _python(body: str, env_update: dict[str, str | None]) -> str:
 
 @pytest.mark.parametrize("user_value", (None, "0"), ids=("unset", "user_says_0"))
 def test_compile_workers_see_the_static_launch_option(user_value):
-    """NOTE [static launch in compile workers]: a process started after ``import moe_compile`` (as Inductor's
-    compile workers are) reads static launch of user kernels as on; a value the user set is kept."""
+    """NOTE [static launch in compile workers] (moe_compile/backend.py): a process started after ``import moe_compile``
+    (as Inductor's compile workers are) reads static launch of user kernels as on; a value the user set is kept."""
     from moe_compile.backend import STATIC_LAUNCH_ENV
 
     out = _python(f"""

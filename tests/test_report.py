@@ -83,7 +83,8 @@ def test_records_from_another_thread_reach_the_open_report():
 
 
 def test_a_compile_served_from_inductors_caches_says_its_report_is_incomplete():
-    """NOTE [cached compiles]: on a cache hit the joint and post-grad passes do not run; the report says so."""
+    """NOTE [cached compiles] (moe_compile/report.py): on a cache hit the joint and post-grad passes do not run; the
+    report says so."""
     import torch
     from torch._inductor.utils import fresh_cache
 

@@ -1,4 +1,4 @@
-"""Per-expert ``p.grad`` as views of one grouped gradient (NOTE [grouped views] in ``experts/swap.py``).
+"""Per-expert ``p.grad`` as views of one grouped gradient (NOTE [grouped views] (moe_compile/experts/swap.py)).
 
 A swapped ``nn.ModuleList`` block computes one gradient ``dG`` per grouped ``[E, ...]`` leaf ``G``; every
 per-expert parameter gets its slice of it as ``p.grad``. Handing out ``E`` (or ``2E``) fresh views per step, and
@@ -10,8 +10,8 @@ NOTE [recycled gradient views]: the view objects are kept from step to step; the
 
 * ``_after`` (the gradient has accumulated) moves ``dG``'s memory under the kept views: the two storages swap
   their data pointers (``UntypedStorage._swap_data_ptr_``, what CUDA-graph trees and FSDP use to move memory
-  under live views; on a torch without it, NOTE [storage swap shim] in ``experts/_storage_swap.py``); no copy, no new
-  tensor. ``dG``'s storage leaves with the carrier's old memory and frees it.
+  under live views; on a torch without it, NOTE [storage swap shim] (moe_compile/experts/_storage_swap.py)); no copy, no
+  new tensor. ``dG``'s storage leaves with the carrier's old memory and frees it.
 * ``release`` frees the memory (``storage.resize_(0)``) once every ``p.grad`` was reset to ``None`` and nothing
   else holds a view, as ``zero_grad(set_to_none=True)`` frees a plain gradient. ``moe_compile.compile`` calls it
   before every call of the compiled model, so gradients are not held through the next forward. A block called
@@ -40,7 +40,8 @@ _GRAD = operator.attrgetter("grad")
 
 
 def per_expert_views(grouped: Tensor, halves: bool) -> list[Tensor]:
-    """The per-expert views of a grouped leaf, in the order of its parameters (NOTE [grouped views]).
+    """The per-expert views of a grouped leaf, in the order of its parameters
+    (NOTE [grouped views] (moe_compile/experts/swap.py)).
 
     ``halves``: ``grouped`` is ``[E, 2N, ...]``, gate then up (as transformers' ``gate_up_proj``); the views
     are every expert's gate half, then every expert's up half. Built by ``unbind`` alone (no Python indexing
@@ -72,7 +73,8 @@ def _storage_refs(t: Tensor) -> int:
 
 
 class GradViews:
-    """Every per-expert ``p.grad`` is a view of the grouped leaf's gradient (NOTE [grouped views]).
+    """Every per-expert ``p.grad`` is a view of the grouped leaf's gradient
+    (NOTE [grouped views] (moe_compile/experts/swap.py)).
 
     Before the grouped gradient accumulates (a tensor hook), ``G.grad`` is set to what the per-expert grads
     hold: their common buffer when every ``p.grad`` is still the view it was given (autograd then adds in

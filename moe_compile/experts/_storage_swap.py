@@ -1,8 +1,8 @@
 """Swap the memory of two storages in place: ``UntypedStorage._swap_data_ptr_`` where torch has it.
 
-Used by NOTE [recycled gradient views] (``experts/_grad_views.py``). Torch 2.13 binds ``c10::StorageImpl::swap_data_ptr``
-to Python; torch 2.11 does not, but its ``StorageImpl`` has the public ``set_data_ptr`` / ``set_nbytes`` the swap
-is made of.
+Used by NOTE [recycled gradient views] (moe_compile/experts/_grad_views.py). Torch 2.13 binds
+``c10::StorageImpl::swap_data_ptr`` to Python; torch 2.11 does not, but its ``StorageImpl`` has the public
+``set_data_ptr`` / ``set_nbytes`` the swap is made of.
 
 NOTE [storage swap shim]: on a torch without the binding, the function below (C++, a dozen lines, only c10
 headers) is compiled once with the host's C++ compiler against the installed torch's headers, as Triton and

@@ -26,7 +26,7 @@ AOTAutograd trace it as an ordinary subclass and flatten it into its inner tenso
 | other in-place ops (optimizer updates) | see NOTE [training with quantised weights] |
 | anything else | runs on the dequantised tensor and returns a plain tensor |
 
-NOTE [training with quantised weights]
+NOTE [training with quantised weights]:
 Gradients are straight-through: autograd sees the weight as ``W = dequantize(Q)``, so ``dL/dW`` is the
 bf16 gradient a bf16 model with weights ``dequantize(Q)`` would get (``dX`` uses the quantised weight).
 Two ways to hold the parameter:
@@ -104,7 +104,8 @@ class GroupedQuantWeight(TorchAOBaseTensor):
         orig_dtype: the logical dtype (what ``dequantize()`` returns).
         is_transposed: present as ``[E, K, N]`` (a transposed view of the stored layout).
         expert_scale: nvfp4 per-expert fp32 scale ``[E]``.
-        master: optional high-precision master ``[E, N, K]`` (stored layout), see NOTE [training ...].
+        master: optional high-precision master ``[E, N, K]`` (stored layout); see
+            NOTE [training with quantised weights].
     """
 
     # runs ``moe::expert_gemm`` on its quantised op (``_gw_expert_gemm``); ``ops.expert_gemm.runs_on_weight`` reads it

@@ -12,11 +12,12 @@ One place runs experts whose Python loop Dynamo cannot capture (``nonzero``-driv
   NOTE [expert MLP through expert_gemm]: without a gradient (inference), a SwiGLU / GeGLU MLP over one gate-first
   ``gate_up`` weight, without biases, routing weights after the MLP, runs instead as two ``moe.expert_gemm``
   calls: the GLU in the first GEMM's epilogue, the routing weight in the second's (the combine then sums weighted
-  rows). Each GEMM picks the Triton family or CUTLASS from the measured table (NOTE [grouped GEMM choice]); the
-  callers say which GLU ``middle`` is (:func:`glu_of`), checked once, outside tracing. H100, torch 2.11
-  (bench_loops at commit c5e95e5, the Qwen3-MoE-like loop block, T 4096): forward 0.884 ms against 0.976 through the
-  grouped GEMMs, but forward+backward 2.929 against 2.880: training keeps the grouped GEMMs, as
-  ``fuse_expert_mlp`` does (NOTE [expert MLP fusion in training] there).
+  rows). Each GEMM picks the Triton family or CUTLASS from the measured table
+  (NOTE [grouped GEMM choice] (moe_compile/ops/_expert_gemm_tuning.py)); the callers say which GLU ``middle`` is
+  (:func:`glu_of`), checked once, outside tracing. The forward is faster than through the grouped GEMMs,
+  forward+backward is not (the Qwen3-MoE-like loop block, bench_loops at commit c5e95e5): training keeps the
+  grouped GEMMs, as ``fuse_expert_mlp`` does
+  (NOTE [expert MLP fusion in training] (moe_compile/passes/fuse_expert_mlp.py)).
 * :func:`hf_experts_forward` is registered as transformers' ``"moe_compile"`` experts implementation
   (:func:`register_hf_experts`); it reads the decorated ``*Experts`` module's attributes.
 * ``moe_compile/experts/swap.py`` calls :func:`fused_experts_forward` for ``nn.ModuleList`` experts.
@@ -164,8 +165,8 @@ def _expert_gemm_mlp(
     x_TH: Tensor, ids_TK: Tensor, weights_TK: Tensor, gate_up: Projection, down: Projection, num_experts: int,
     post: Callable[[Tensor], Tensor] | None, align: int, glu: str,
 ) -> Tensor:
-    """NOTE [expert MLP through expert_gemm]: the GLU and (without ``post``) the routing weight in the GEMMs'
-    epilogues."""
+    """The GLU and (without ``post``) the routing weight in the GEMMs' epilogues
+    (NOTE [expert MLP through expert_gemm])."""
     weight_in_gemm = post is None
     out = permute_pad(x_TH, ids_TK, weights_TK if weight_in_gemm else None, num_experts=num_experts, align=align)
     h_MI, _ = expert_gemm(out.rows_MH, gate_up.w_ENK, out.offs_E, activation=glu)

@@ -11,8 +11,7 @@
   call; see ``grouped_weight``), so the parent's routing loop runs unchanged. For a grouped forward,
   ``GroupedExpertList.grouped_weight(path)`` is the ``[E, N, K]`` operand of ``torch.ops.moe.grouped_mm``.
 
-NOTE [checkpoint layout]
-A ``GroupedExpertList`` saves **per-expert keys** (``experts.3.w1.weight``), the layout of the original
+NOTE [checkpoint layout]: a ``GroupedExpertList`` saves **per-expert keys** (``experts.3.w1.weight``), the layout of the original
 model, so its state dict loads into the unconverted model; quantised values are saved as 2-D
 ``GroupedQuantWeight`` slices and dequantised (or their bf16 master copied) by ``copy_`` when loaded
 into a plain model. It loads per-expert keys (plain or quantised) and grouped keys: quantised inputs
@@ -21,7 +20,7 @@ keys; ``param.copy_`` does the same conversions.
 
 Recipes: ``"bf16"`` regroups into plain bf16 parameters (casting if needed), ``"mxfp8"`` and
 ``"nvfp4"`` quantise with torchao. ``master_weights=True`` keeps a bf16 master inside each quantised
-parameter (NOTE [training with quantised weights] in ``grouped_weight``). torchao is imported only
+parameter (NOTE [training with quantised weights] (moe_compile/experts/grouped_weight.py)). torchao is imported only
 when a quantised recipe is used.
 """
 
@@ -199,7 +198,7 @@ class GroupedExpertList(nn.ModuleList):
 
 
 def _to_per_expert_keys(module: GroupedExpertList, state_dict: dict, prefix: str, local_metadata) -> None:
-    """NOTE [checkpoint layout]: grouped keys -> the original per-expert keys."""
+    """Grouped keys -> the original per-expert keys (NOTE [checkpoint layout])."""
     for path in module.paths:
         for kind, pname in zip(("weight", "bias"), _param_names(path)):
             grouped = state_dict.pop(prefix + pname, None)
@@ -212,7 +211,7 @@ def _to_per_expert_keys(module: GroupedExpertList, state_dict: dict, prefix: str
 def _from_per_expert_keys(
     module: GroupedExpertList, state_dict: dict, prefix: str, local_metadata, strict, missing, unexpected, errors
 ) -> None:
-    """NOTE [checkpoint layout]: per-expert keys (all ``E`` of them) -> one stacked grouped entry."""
+    """Per-expert keys (all ``E`` of them) -> one stacked grouped entry (NOTE [checkpoint layout])."""
     num_experts = len(module)
     for path in module.paths:
         for kind, pname in zip(("weight", "bias"), _param_names(path)):

@@ -27,8 +27,8 @@ that one grouped GEMM serves both) and every per-expert parameter's ``.data`` be
 ``G[e, I:]``): in-place updates (optimizer steps, ``load_state_dict``) write into ``G``. The fused forward uses ``G``;
 hooks on ``G`` keep every ``p.grad`` a view of one gradient buffer (``_grad_views.GradViews``: accumulation
 over micro-batches adds into that buffer in place; ``zero_grad`` works either way; under ``moe_compile.compile``
-the view objects are recycled from step to step, NOTE [recycled gradient views]). Trade-offs:
-``torch.nn.utils.parametrize`` would rename the ``state_dict`` keys; a grouped ``nn.Parameter``
+the view objects are recycled from step to step, NOTE [recycled gradient views] (moe_compile/experts/_grad_views.py)).
+Trade-offs: ``torch.nn.utils.parametrize`` would rename the ``state_dict`` keys; a grouped ``nn.Parameter``
 (``quantize_experts``) replaces the per-expert parameters, which breaks optimizers built before the swap;
 ``torch.stack`` per step copies every weight on every step. With views, anything that rebinds ``p.data`` out of
 place breaks the aliasing: ``module.to()`` / ``.half()`` are handled (the block regroups after ``_apply``),
@@ -137,8 +137,9 @@ class _GroupedViews:
         return _GroupedViews(copy.deepcopy(self.experts, memo), self.paths, self.gated)
 
     def recycle_gradients(self, on: bool) -> None:
-        """Turn NOTE [recycled gradient views] on, or off for good: a block compiled once with CUDA graphs may
-        still run through that compiled model, whatever another compile of it asks for."""
+        """Turn NOTE [recycled gradient views] (moe_compile/experts/_grad_views.py) on, or off for good: a block
+        compiled once with CUDA graphs may still run through that compiled model, whatever another compile of it asks
+        for."""
         self._recycle = on and self._recycle is not False
         for views in self.grad_views:
             views.recycle = self._recycle

@@ -162,10 +162,10 @@ def eager_fast_path(*tensors: torch.Tensor | None) -> str | None:
 
 # ===== op construction =====
 
-# NOTE [few library calls]: on CPU the references are traced into the compiled graph (NOTE [device-decomposed
-# triton ops]), where each sort, search or scan is a library call with its own host cost (several us), while
-# elementwise work fuses into one loop. So at small sizes the references use compares and sums instead (the
-# same integers): up to this many compares replace one library call.
+# NOTE [few library calls]: on CPU the references are traced into the compiled graph
+# (NOTE [device-decomposed triton ops]), where each sort, search or scan is a library call with its own host cost
+# (several us), while elementwise work fuses into one loop. So at small sizes the references use compares and sums
+# instead (the same integers): up to this many compares replace one library call.
 SMALL_COMPARES = 1 << 16
 
 
@@ -176,8 +176,8 @@ def count_at_most(sorted_values: torch.Tensor, queries: torch.Tensor) -> torch.T
         return (sorted_values[None, :] <= queries[:, None]).sum(1)
     return torch.searchsorted(sorted_values, queries, right=True)
 
-# Devices on which a dispatch op decomposes into its body when AOTAutograd traces it (NOTE [device-
-# decomposed triton ops]).
+# Devices on which a dispatch op decomposes into its body when AOTAutograd traces it
+# (NOTE [device-decomposed triton ops]).
 DECOMPOSE_ON_DEVICES = frozenset({"cuda", "cpu"})
 
 
@@ -191,12 +191,12 @@ def dispatch_triton_op(name: str, fn, *, schema: str, fake):
     """Define ``name`` like ``torch.library.triton_op(name, mutates_args=())(fn)``, with an explicit schema
     and fake, and the body visible to the compiler only on ``DECOMPOSE_ON_DEVICES``.
 
-    NOTE [device-decomposed triton ops]
+    NOTE [device-decomposed triton ops]:
     ``torch.library.triton_op`` (i) runs ``fn`` as the op's kernel for every device with
     ``wrap_triton`` switched off, so kernels launch directly in eager; (ii) registers ``fn`` as the
     fake; (iii) under ``FunctionalTensorMode`` (AOTAutograd) replaces the op by ``fn``'s body, so that
     on CUDA Inductor sees ``triton_kernel_wrapper_functional`` nodes and launches the kernels from its
-    own generated code, with no Python custom-op dispatch (issue 14). We do the same three things, with
+    own generated code, with no Python custom-op dispatch (host time per call). We do the same three things, with
     three differences:
 
     * the schema is the one given (``triton_op`` infers it from annotations, turning ``int`` into
@@ -204,10 +204,10 @@ def dispatch_triton_op(name: str, fn, *, schema: str, fake):
     * the fake is ``fake`` (static shapes, no host reads; ``fn``'s CPU branch checks ids on the host);
     * the body is traced only for tensors on ``DECOMPOSE_ON_DEVICES``. On CPU that is the gather-only
       reference (no scatter, no atomic), which Inductor compiles with the rest of the graph: when the op
-      stayed one node, Inductor called its Python kernel, 1.7-2.3x of plain Inductor's time per call at
-      T16 (issue 14). Elsewhere the op stays one node. ``torch._functorch.config.decompose_custom_triton_ops
-      = False`` (torch.export sets it) keeps every dispatch op one node; the tests that read a rewrite's
-      post-grad graph use it.
+      stayed one node, Inductor called its Python kernel, about twice plain Inductor's time per call at
+      T16 (benchmarks/results/host_cost.json). Elsewhere the op stays one node.
+      ``torch._functorch.config.decompose_custom_triton_ops = False`` (torch.export sets it) keeps every dispatch op
+      one node; the tests that read a rewrite's post-grad graph use it.
 
     ``fn`` branches on the device (static under fake tensors); its CUDA branch launches Triton through
     the launchers, which call ``wrap_triton`` when :func:`is_traced`.
@@ -238,7 +238,8 @@ def dispatch_triton_op(name: str, fn, *, schema: str, fake):
 
 
 def _export_keeps_triton_ops() -> bool:
-    """``torch.export`` keeps custom triton ops as ops (``triton_op``'s NOTE [Export custom triton op])."""
+    """``torch.export`` keeps custom triton ops as ops (PyTorch's note "Export custom triton op", in
+    ``torch/_library/triton.py``)."""
     try:
         from torch.export._trace import custom_triton_ops_decomposition_disabled
     except ImportError:  # pragma: no cover - older torch
@@ -249,8 +250,9 @@ def _export_keeps_triton_ops() -> bool:
 @functools.lru_cache(maxsize=None)
 def ttir_writes_follow_loads() -> bool:
     """Whether Inductor's ``wrap_triton`` mutation analysis counts a tensor as written when its loaded
-    values feed a store address (torch 2.11; 2.13 stops at loads). NOTE [no load-derived store addresses
-    on graph inputs] in ``ops/triton/dispatch.py``. Unknown versions: assume it does (the safe side)."""
+    values feed a store address (torch 2.11; 2.13 stops at loads).
+    NOTE [no load-derived store addresses on graph inputs] (moe_compile/ops/triton/dispatch.py). Unknown versions:
+    assume it does (the safe side)."""
     import inspect
 
     try:
@@ -308,9 +310,10 @@ def launch_kernel(kernel, grid, *args, traced: bool, options: dict, record: list
     ``launch_pdl``). Inductor compiles a wrapped kernel with its own options and takes only
     ``num_warps`` from the call, so a traced launch passes just that: device asserts stay on because
     Inductor compiles user kernels with ``debug`` set (the kernels gate them on a ``DEBUG`` constexpr),
-    and fp contraction follows Inductor's default (see NOTE [expert-order gather-sum]). Eager CUDA launches
-    reuse the compiled kernel without re-binding the arguments (NOTE [cached eager launch] in ``_eager_launch``)
-    and append it to ``record`` (NOTE [replayed eager launches]); other launches append ``None``.
+    and fp contraction follows Inductor's default (see
+    NOTE [expert-order gather-sum] (moe_compile/ops/unpad_unpermute.py)). Eager CUDA launches reuse the compiled kernel
+    without re-binding the arguments (NOTE [cached eager launch] (moe_compile/ops/_eager_launch.py)) and append it to
+    ``record`` (NOTE [replayed eager launches] (moe_compile/ops/_eager_launch.py)); other launches append ``None``.
     """
     if traced:
         from torch.library import wrap_triton

@@ -20,7 +20,8 @@ from moe_compile.ops import grouped_mm as gmm
 # epilogue), ``weighted`` (an un-gated GEMM with the row weight in its epilogue: the block's down), ``plain`` (any
 # other un-gated forward), ``dx`` (the input gradient, against the transposed weights), ``wgrad`` (the weight
 # gradient). Measured on the H100 (triton 3.6, ``benchmarks/bench_grouped_gemm.py``'s per-GEMM rows, CUDA graphs,
-# us Triton vs CUTLASS; ``grouped_gemm.json``), with the tiles of NOTE [expert GEMM tiles] and NOTE [TMA loads]:
+# us Triton vs CUTLASS; ``grouped_gemm.json``), with the tiles of NOTE [expert GEMM tiles] and
+# NOTE [TMA loads] (moe_compile/ops/triton/expert_gemm.py):
 # * gated: Qwen3-like (N*K 3.1M) and DeepSeek-V3-like (5.8M) win at every row count measured (T4096: 474 vs 623,
 #   579 vs 705; T16384 1524 vs 1910, 1966 vs 2347); Mixtral-like (29M) wins at 64 rows (T256 188 vs 212) and
 #   ties above (T4096 877 vs 892, T16384 3197 vs 3170): CUTLASS there;
@@ -108,9 +109,9 @@ def pick_config(
       (T1024, 64 rows: 345 -> 310), DeepSeek 764 -> 627, Mixtral 1130 -> 936; bf16 over 4 stages (3 in the
       quantised formats, where 4 did not gain): Qwen3 512 -> 473, 517 -> 462, 527 -> 506 us in three runs
       (DeepSeek 639 -> 631, T1024 312 -> 310; 5 stages run out of shared memory). Quantised gate_up swaps the MMA
-      operands (``SWAP_AB``: the decoded weight tile is the register operand, NOTE [swapped operands] in the
-      kernels): MXFP8 ``[256, 64]`` tiles 974 -> 724 us, NVFP4 ``[128, 128]`` x 128-deep 1182 -> 682 (DeepSeek
-      1246 -> 894, 1478 -> 856).
+      operands (``SWAP_AB``: the decoded weight tile is the register operand,
+      NOTE [swapped operands] (moe_compile/ops/triton/expert_gemm.py)): MXFP8 ``[256, 64]`` tiles 974 ->
+      724 us, NVFP4 ``[128, 128]`` x 128-deep 1182 -> 682 (DeepSeek 1246 -> 894, 1478 -> 856).
     * up to 96 rows per expert (un-gated) / 32 (gated): ``[64, 128]`` / ``[64, 64]`` tiles, as before.
     * Tried, not kept, for MXFP8 (Qwen3 T4096, us, shipped decode 724 gate_up / 367 down; outputs bitwise equal):
       ``tl.dot_scaled`` (``e4m3`` weight with its e8m0 scales, emulated on sm90 by Triton 3.6) 1098-3911 / 492-1893

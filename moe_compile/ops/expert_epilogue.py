@@ -1,5 +1,5 @@
 """Standalone expert-MLP epilogues: the gated activation / row weight of a GEMM output, and their backward,
-one Triton pass each (NOTE [standalone epilogues] in ``ops/triton/expert_epilogue.py``).
+one Triton pass each (NOTE [standalone epilogues] (moe_compile/ops/triton/expert_epilogue.py)).
 
 :mod:`moe_compile.ops.expert_gemm` calls them in eager on CUDA where ``torch._grouped_mm`` (CUTLASS) runs the
 GEMM, and for the backward of every gated epilogue; traced calls keep PyTorch expressions that Inductor fuses.
@@ -29,8 +29,9 @@ def launch_epilogue(
     pre_MW: torch.Tensor, N: int, activation: str, row_weight_M: torch.Tensor | None, out_dtype: torch.dtype,
     kernels=None, block_n: int | None = None,
 ) -> torch.Tensor:
-    """NOTE [standalone epilogues]: ``rw * act(pre[:, :N]) * pre[:, N:]`` (``activation="none"``: ``rw * pre``)
-    in ``out_dtype``, one pass, fp32 math; the eager CUTLASS path of :func:`expert_gemm`."""
+    """NOTE [standalone epilogues] (moe_compile/ops/triton/expert_epilogue.py): ``rw * act(pre[:, :N]) * pre[:, N:]``
+    (``activation="none"``: ``rw * pre``) in ``out_dtype``, one pass, fp32 math; the eager CUTLASS path of
+    :func:`expert_gemm`."""
     kernels = kernels or _kernels
     pre_MW, row_weight_M = map(_common.unit_last_stride, (pre_MW, row_weight_M))
     M = pre_MW.shape[0]
@@ -51,7 +52,8 @@ def launch_epilogue_backward(
     pre_MW: torch.Tensor, dy_MN: torch.Tensor, row_weight_M: torch.Tensor | None, dpre_MW: torch.Tensor | None,
     activation: str, need_row_weight_grad: bool, kernels=None, block_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """NOTE [standalone epilogues]: ``(dz [M, 2N] in pre's dtype, d rw [M] fp32 or None)`` for a gated epilogue:
+    """NOTE [standalone epilogues] (moe_compile/ops/triton/expert_epilogue.py):
+    ``(dz [M, 2N] in pre's dtype, d rw [M] fp32 or None)`` for a gated epilogue:
     ``dz = [dh * u * act'(g) | dh * act(g)] + dpre`` with ``dh = dy * rw``, ``d rw = sum(act(g) * u * dy)``."""
     kernels = kernels or _kernels
     pre_MW, dy_MN, dpre_MW, row_weight_M = map(_common.unit_last_stride, (pre_MW, dy_MN, dpre_MW, row_weight_M))
@@ -74,8 +76,9 @@ def launch_epilogue_backward(
 def launch_row_scale_backward(
     a_MK: torch.Tensor, dx_unscaled_MK: torch.Tensor, row_weight_M: torch.Tensor, kernels=None, block_n: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NOTE [standalone epilogues]: ``(rw * dxu in dxu's dtype, sum(a * dxu, 1) in fp32)``, one pass: the
-    row weight's share of the backward of ``y = rw * (a @ W)``."""
+    """NOTE [standalone epilogues] (moe_compile/ops/triton/expert_epilogue.py):
+    ``(rw * dxu in dxu's dtype, sum(a * dxu, 1) in fp32)``, one pass: the row weight's share of the backward of
+    ``y = rw * (a @ W)``."""
     kernels = kernels or _kernels
     a_MK, dxu, row_weight_M = map(_common.unit_last_stride, (a_MK, dx_unscaled_MK, row_weight_M))
     M, K = dxu.shape

@@ -12,13 +12,13 @@ For each expert ``e`` and row ``r`` in ``[offs[e-1], offs[e])``:
 ``rw`` (``row_weight``, ``[M]``) is optional (1); rows ``>= offs[-1]`` of ``y`` are zero. ``pre`` (in
 ``x``'s dtype) is returned when ``store_preact`` (the gated backward reads it), else an empty tensor.
 ``row_map`` is ``permute_pad``'s ``[T, 2K]`` map (dispatch contract), so the permuted copy of ``x`` is
-never written (NOTE [gather prologue] in ``ops/triton/expert_gemm.py``).
+never written (NOTE [gather prologue] (moe_compile/ops/triton/expert_gemm.py)).
 
 CUDA: the persistent Triton kernel family of ``ops/triton/expert_gemm.py``, unless
 :func:`use_triton_grouped_gemm` says the library wins for the shape (bf16 plain weights on sm90/sm100:
 ``torch._grouped_mm``; quantised weights: the weight-only ``moe::grouped_mm_<fmt>`` kernels; either plus a
 PyTorch gather and the epilogue: one Triton pass in eager, PyTorch expressions that Inductor fuses when traced,
-NOTE [standalone epilogues]; same semantics). CPU: the reference.
+NOTE [standalone epilogues] (moe_compile/ops/triton/expert_epilogue.py); same semantics). CPU: the reference.
 
 Autograd (plain weights; quantised ops differentiate w.r.t. ``x`` and ``row_weight``): the epilogue's
 backward is one Triton pass in eager on CUDA, elementwise PyTorch otherwise (Inductor fuses it), ``dX`` is
@@ -116,7 +116,7 @@ def _num_sms(index: int) -> int:
 
 
 def _tma_enabled(x: torch.Tensor, fmt: str) -> bool:
-    """TMA loads (NOTE [TMA loads] in the kernels) for plain 16-bit weights on sm90+; ``MOE_COMPILE_TMA=0`` turns
+    """TMA loads (NOTE [TMA loads] (moe_compile/ops/triton/expert_gemm.py)) on sm90+; ``MOE_COMPILE_TMA=0`` turns
     them off. The descriptors' scratch memory comes from Triton's allocator: ``_set_tma_allocator`` in eager, and
     Inductor sets its own around the kernels it launches (torch 2.11 and 2.13 both do)."""
     if os.environ.get("MOE_COMPILE_TMA", "1") == "0" or fmt != "plain" or not x.is_cuda or x.dtype == torch.float32:
@@ -185,7 +185,7 @@ def launch_expert_gemm(
     gated = activation != "none"
     fp32 = x_SK.dtype == torch.float32
     if x_SK.is_cuda and _common.is_traced(offs_E):
-        offs_E = offs_E.clone()  # NOTE [offs copy] in ops/grouped_mm.py
+        offs_E = offs_E.clone()  # NOTE [offs copy] (moe_compile/ops/grouped_mm.py)
     config = dict(config or {})
     want_tma = config.pop("USE_TMA", None)
     enabled = _tma_enabled(x_SK, fmt) if want_tma is None else want_tma
@@ -193,7 +193,7 @@ def launch_expert_gemm(
     tma.update({k: config.pop(k) for k in ("W_KN", "X_TMA") if k in config})
     cfg = pick_config(M, E, N, K, fmt, fp32, gated, x_SK.is_cuda, tma_nk=tma["USE_TMA"] and not tma["W_KN"])
     cfg.update(config)
-    if fmt == "nvfp4":  # int16 words of four codes (NOTE [NVFP4 decode])
+    if fmt == "nvfp4":  # int16 words of four codes (NOTE [NVFP4 decode] (moe_compile/ops/triton/grouped_mm.py))
         if w.stride(-1) != 1 or w.storage_offset() % 2:
             w = w.contiguous()
         w = w.view(torch.int16)
@@ -380,8 +380,9 @@ def _expert_gemm_nvfp4_op(
 
 
 def _standalone_epilogue(t: torch.Tensor) -> bool:
-    """Whether the epilogue math on ``t`` runs as one Triton pass (NOTE [standalone epilogues]): eager on CUDA,
-    fp32 math (not fp64). Traced, the PyTorch expressions stay for Inductor to fuse."""
+    """Whether the epilogue math on ``t`` runs as one Triton pass
+    (NOTE [standalone epilogues] (moe_compile/ops/triton/expert_epilogue.py)): eager on CUDA, fp32 math (not fp64).
+    Traced, the PyTorch expressions stay for Inductor to fuse."""
     return t.is_cuda and t.dtype != torch.float64 and not _common.is_traced(t)
 
 

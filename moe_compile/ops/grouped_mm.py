@@ -106,7 +106,8 @@ def grouped_mm_wgrad_reference(dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_E: 
 
 _FORMATS = {"plain": 0, "mxfp8": 1, "nvfp4": 2}
 # smallest BLOCK_K: one MMA K step (16) per operand; MXFP8 one scale block; NVFP4 splits the tile
-# into its 4 k-mod-4 column sets (NOTE [NVFP4 decode]), each a 16-deep MMA at least
+# into its 4 k-mod-4 column sets (NOTE [NVFP4 decode] (moe_compile/ops/triton/grouped_mm.py)), each a 16-deep MMA at
+# least
 _MIN_BLOCK_K = {"plain": 16, "mxfp8": MX_BLOCK, "nvfp4": 64}
 
 
@@ -181,12 +182,14 @@ def _pick_decode_config(M: int, E: int, N: int, K: int, fmt: str, num_sms: int, 
 
 
 def _ptx_decode_supported(x_MK: torch.Tensor) -> bool:
-    """NOTE [NVFP4 decode]: the inline-PTX path needs bf16 activations and ``fma.rn.bf16x2`` (sm80+)."""
+    """NOTE [NVFP4 decode] (moe_compile/ops/triton/grouped_mm.py): the inline-PTX path needs bf16 activations and
+    ``fma.rn.bf16x2`` (sm80+)."""
     return x_MK.is_cuda and x_MK.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_MK.device) >= (8, 0)
 
 
 def grid_m_slots(M: int, E: int, block_m: int) -> int:
-    """NOTE [static grid over M tiles]: a static bound on the row tiles, tail tiles included."""
+    """NOTE [static grid over M tiles] (moe_compile/ops/triton/grouped_mm.py): a static bound on the row tiles, tail
+    tiles included."""
     return triton.cdiv(M, block_m) + min(E, M) + 1
 
 
@@ -232,15 +235,16 @@ def launch_grouped_mm(
         num_sms = torch.cuda.get_device_properties(x_MK.device).multi_processor_count
         config = _pick_decode_config(M, E, N, K, fmt, num_sms, fp32) or _pick_config(M, E, N, K, fmt, num_sms, fp32)
     cfg = dict(config or _pick_config(M, E, N, K, fmt, None, fp32))
-    if fmt == "nvfp4":  # the kernels read int16 words of four codes (NOTE [NVFP4 decode])
+    if fmt == "nvfp4":
+        # the kernels read int16 words of four codes (NOTE [NVFP4 decode] (moe_compile/ops/triton/grouped_mm.py))
         if w.stride(-1) != 1 or w.storage_offset() % 2:
             w = w.contiguous()
         w = w.view(torch.int16)
     scale = w_scale if w_scale is not None else w
     gscale = w_gscale if w_gscale is not None else offs_E
     ieee = fp32 or not x_MK.is_cuda
-    # NOTE [NVFP4 decode]: inline-PTX bit moves for bf16 on sm80+ (fma.rn.bf16x2); elsewhere Triton ops.
-    # Only NVFP4 reads it: the other formats skip the device-capability query.
+    # NOTE [NVFP4 decode] (moe_compile/ops/triton/grouped_mm.py): inline-PTX bit moves for bf16 on sm80+
+    # (fma.rn.bf16x2); elsewhere Triton ops. Only NVFP4 reads it: the other formats skip the device-capability query.
     ptx = cfg.pop("PTX_DECODE", fmt == "nvfp4" and _ptx_decode_supported(x_MK))
     wrap = wrap_triton if x_MK.is_cuda else (lambda k: k)
     m_slots = grid_m_slots(M, E, cfg["BLOCK_M"])

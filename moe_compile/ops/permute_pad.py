@@ -28,7 +28,7 @@ CPU (and any non-CUDA device): :func:`permute_pad_reference`, pure PyTorch, sync
 (NOTE [gather-only reference]), plus a host check that ``expert_idx`` is in ``[0, E)``. CUDA: two
 Triton launches (``moe_compile/ops/triton/dispatch.py``: the index kernel, then the permute);
 ``debug=True`` adds device-side range asserts on ``expert_idx``. The op is built like a
-``torch.library.triton_op`` (NOTE [device-decomposed triton ops] in ``ops/_common.py``): under
+``torch.library.triton_op`` (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)): under
 ``torch.compile`` on CUDA it dissolves into its kernel launches, which Inductor emits in its own code.
 Backward: ``moe::permute_pad_backward``, a gather (``dx[t] = sum_k g[row(t,k)]`` in fp32, ascending rows;
 ``dprobs[t,k] = g_probs[row(t,k)]``); never a scatter-add.
@@ -88,7 +88,8 @@ def permute_pad_reference(
     ids_N = expert_idx_TK.reshape(N).to(i64)
     experts_E = torch.arange(num_experts, device=device, dtype=i64)
     inverse_N = None  # inverse_N[i]: the sorted position of flat entry i
-    if 0 < N * N <= _common.SMALL_COMPARES:  # NOTE [few library calls] (ops/_common.py): a stable sort by compares
+    if 0 < N * N <= _common.SMALL_COMPARES:
+        # NOTE [few library calls] (moe_compile/ops/_common.py): a stable sort by compares
         j_N = torch.arange(N, device=device)
         same_NN = ids_N[None, :] == ids_N[:, None]
         inverse_N = ((ids_N[None, :] < ids_N[:, None]) | (same_NN & (j_N[None, :] < j_N[:, None]))).sum(1)
@@ -100,7 +101,7 @@ def permute_pad_reference(
     starts_E = torch.cat([ends_E.new_zeros(1), ends_E[:-1]])  # (ids in [0, E): expert e starts where e-1 ends)
     counts_E = ends_E - starts_E
     padded_E = (counts_E + (align - 1)) // align * align
-    # NOTE [few library calls]: the cumsum over E by compares at small sizes
+    # NOTE [few library calls] (moe_compile/ops/_common.py): the cumsum over E by compares at small sizes
     small = num_experts * num_experts <= _common.SMALL_COMPARES
     offs_E = (
         (padded_E[None, :] * (experts_E[None, :] <= experts_E[:, None])).sum(1) if small else torch.cumsum(padded_E, 0)
@@ -129,7 +130,8 @@ def permute_pad_reference(
     if inverse_N is None:
         inverse_N = torch.argsort(order_N)
     dest_TK = (inverse_N + (seg_start_E - starts_E).index_select(0, ids_N)).reshape(T, K)
-    if T * K * K <= _common.SMALL_COMPARES:  # NOTE [few library calls]: a token's rows are distinct, rank them
+    if T * K * K <= _common.SMALL_COMPARES:
+        # NOTE [few library calls] (moe_compile/ops/_common.py): a token's rows are distinct, rank them
         rank_TK = (dest_TK[:, None, :] < dest_TK[:, :, None]).sum(2)  # rank_TK[t, k]: k's place in t's order
         slots_TK = place_of_slot(rank_TK)  # the slot at each place: the inverse permutation
         sorted_rows_TK = dest_TK.gather(1, slots_TK)
@@ -222,9 +224,8 @@ def _check_args_detailed(x: Tensor, expert_idx: Tensor, probs: Tensor | None, nu
 MAX_TRITON_EXPERTS = 8192
 # The index kernel is one program, so its time is serial: it histograms BLOCK_N ids per iteration
 # (``tl.histogram`` over E_PAD bins, each lane of a warp visiting bins / 32 of them per id) and scans.
-# Measured on an H100 (triton 3.6, 16 warps): one block per iteration (SUB 1) of 1024 ids is the fastest
-# at every size tried (T8192 E8 K2: 7.8 us vs 25.9 us for 32 blocks of 128; T4096 E128 K8: 18 vs ~50 us;
-# T16384 E64 K8: 59 vs 135 us); more bins per iteration cost more than the trips they save.
+# One block per iteration (SUB 1) of 1024 ids is the fastest at every size tried: more bins per iteration cost
+# more than the trips they save (benchmarks/results/dispatch.json).
 INDEX_BLOCK_N = 1024
 # Entries of the [NB, E_PAD] block table (8K int32 = 32 KiB): past it BLOCK_N grows, up to MAX_BLOCK_N
 # (then the table grows instead).
@@ -233,23 +234,18 @@ MIN_BLOCK_N = 16
 MAX_BLOCK_N = 2048  # each token program compares its ids with up to BLOCK_N + K - 1 earlier ids
 INDEX_NUM_WARPS = 16
 # From this many blocks on, the histograms are computed by one program per block (a third launch) and the
-# index kernel scans them (NOTE [destination rows in two launches]). Measured on an H100 (triton 3.6), kernel
-# time per call, serial index kernel vs histograms + scan: T8192 E8 K2 (16 blocks) 90.5 vs 78.3 us; T4096 E128
-# K8 (32) 82.4 vs 70.2; T16384 E64 K8 (128) 343.6 vs 238.9. Below it the extra launch's host time matters more.
+# index kernel scans them (NOTE [destination rows in two launches] (moe_compile/ops/triton/dispatch.py)): the serial
+# index kernel is slower from 16 blocks on, and below it the extra launch's host time matters more
+# (benchmarks/results/dispatch.json).
 PARALLEL_HISTOGRAM_BLOCKS = 8
-# Table entries the scan reads per trip when the histograms are in the table, and its warps. H200 (triton 3.6),
-# scan kernel time, 16 / 4 warps: T16384 E64 K8 8.0 / 4.8 us, T4096 E256 K8 8.8 / 4.0 (tiles of 8192: the same);
-# permute_pad in a CUDA graph 178.2 / 174.0 and 179.4 / 175.9 us (the 3-launch version of 2026-11-21: 174.0, 174.8)
+# Table entries the scan reads per trip when the histograms are in the table, and its warps: 4 warps scan faster than
+# 16, tiles of 8192 entries gain nothing over 4096 (benchmarks/results/dispatch.json).
 SCAN_TILE_ENTRIES = 4096
 SCAN_NUM_WARPS = 4
 # With the histograms in parallel and few experts (E_PAD <= 32), blocks of 256 ids: each token program then
-# compares its ids with at most 255 earlier ones. H100 kernel time per call (before the overlapped launches),
-# blocks of 1024 / 512 / 256: T8192 E8 K2 78.3 / 74.4 / 74.8 us, T16384 H4096 E8 K2 152.0 / 146.3 / 146.7; with
-# many experts the longer table costs the scan more than it saves (T4096 E128 K8 70.2 / 72.6 / 80.8). In CUDA
-# graphs with the overlapped launches (H100, 10 calls per graph, us per call), blocks of 512 / 256 / 128 against
-# the 3-launch version of 2026-11-21: T4096 H2048 E16 K4 35.50 / 34.82 / 34.87 vs 34.53 (33.57 / - / 33.51 vs
-# 33.51 measured first in its process), T8192 H4096 E8 K2 72.8-73.2 / 73.37 / 73.48 vs 73.38, T16384 H4096 E8 K2
-# 143.1 for all three vs 143.3.
+# compares its ids with at most 255 earlier ones. Smaller blocks help with few experts; with many experts the
+# longer table costs the scan more than it saves; in CUDA graphs, with the overlapped launches, 512 / 256 / 128
+# are within noise of each other (benchmarks/results/dispatch.json, benchmarks/results/host_cost.json).
 FEW_EXPERTS_PAD = 32
 FEW_EXPERTS_BLOCK_N = 256
 
@@ -330,11 +326,11 @@ def _launch_triton(
     """Two launches, no host sync: the index kernel (histogram + scan), then the permute (+ zero rows); at large
     ``N`` three (``parallel_histogram``: the histograms first, one program per block).
 
-    See ``moe_compile/ops/triton/dispatch.py`` NOTE [destination rows in two launches] and NOTE
-    [overlapping the launches] (``use_pdl``: default on for eager CUDA launches where supported).
-    Under a trace (fake/functional tensors) the kernels go through ``wrap_triton``, so Inductor launches
-    them from its generated code. ``block_n`` / ``block_h`` / ``num_warps`` / ``sub`` (table blocks per
-    index-kernel iteration, a power of two) and ``parallel_histogram`` override the plan (tests use small blocks
+    See NOTE [destination rows in two launches] (moe_compile/ops/triton/dispatch.py) and
+    NOTE [overlapping the launches] (moe_compile/ops/triton/dispatch.py) (``use_pdl``: default on for eager CUDA
+    launches where supported). Under a trace (fake/functional tensors) the kernels go through ``wrap_triton``, so
+    Inductor launches them from its generated code. ``block_n`` / ``block_h`` / ``num_warps`` / ``sub`` (table blocks
+    per index-kernel iteration, a power of two) and ``parallel_histogram`` override the plan (tests use small blocks
     to cover several).
     """
     from moe_compile.ops.triton import dispatch as kernels
@@ -353,15 +349,17 @@ def _launch_triton(
     if probs is not None and not probs.is_contiguous():
         probs = probs.contiguous()
     replay_key = replayed = None
-    if not traced:  # NOTE [replayed eager launches] (ops/_eager_launch.py)
+    if not traced:  # NOTE [replayed eager launches] (moe_compile/ops/_eager_launch.py)
         replay_key = _eager_launch.replay_key((plan_args, debug, use_pdl, x.stride(0)), x, expert_idx, probs)
         replayed = _REPLAYS.get(replay_key, x.get_device())
     empty = _common.eager_cuda_allocator(x, traced)
     i32 = torch.int32
     e_pad = plan.e_pad
 
-    # NOTE [one table] (ops/triton/dispatch.py): counts, before_blocks, seg_start, then the ids copy if traced
-    copy_ids = traced and _common.ttir_writes_follow_loads()  # NOTE [no load-derived store addresses on graph inputs]
+    # NOTE [one table] (moe_compile/ops/triton/dispatch.py): counts, before_blocks, seg_start, then the ids copy if
+    # traced
+    # NOTE [no load-derived store addresses on graph inputs] (moe_compile/ops/triton/dispatch.py)
+    copy_ids = traced and _common.ttir_writes_follow_loads()
     ids_offset = (plan.num_blocks + 2) * e_pad
     table = empty((ids_offset + (plan.N if copy_ids else 0),), i32)
     offs = empty((num_experts,), i32)
@@ -392,7 +390,8 @@ def _launch_triton(
         COPY_IDS=copy_ids and not plan.parallel_histogram, DEBUG=debug and not plan.parallel_histogram,
         USE_PDL=use_pdl, traced=traced, record=record,
         options=dict(num_warps=SCAN_NUM_WARPS if plan.parallel_histogram else INDEX_NUM_WARPS, debug=debug,
-                     **(pdl if plan.parallel_histogram else {})),  # NOTE [overlapping the launches]
+                     # NOTE [overlapping the launches] (moe_compile/ops/triton/dispatch.py)
+                     **(pdl if plan.parallel_histogram else {})),
     )  # fmt: skip
     _common.launch_kernel(
         kernels._permute_rows_kernel, plan.rows_grid, *rows_args,
@@ -402,8 +401,8 @@ def _launch_triton(
     )  # fmt: skip
     if record is not None:
         _REPLAYS.keep(replay_key, record, 3 if plan.parallel_histogram else 2)
-    # counts: a view of the table (NOTE [one table]), taken after the launches (traced, a view taken before a
-    # kernel writes its base would make functionalization copy the table)
+    # counts: a view of the table (NOTE [one table] (moe_compile/ops/triton/dispatch.py)), taken after the launches
+    # (traced, a view taken before a kernel writes its base would make functionalization copy the table)
     return rows, probs_M, offs, row_map, table.narrow(0, 0, num_experts)
 
 
@@ -438,7 +437,7 @@ def _permute_pad_backward_default(grad_rows, grad_probs, row_map):
     return grad_x, (grad_probs_TK if grad_probs_TK is not None else grad_rows.new_empty(0))
 
 
-# ===== ops (NOTE [device-decomposed triton ops] in ops/_common.py) =====
+# ===== ops (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)) =====
 
 
 def _permute_pad_body(
@@ -450,7 +449,9 @@ def _permute_pad_body(
     _check_args(x, expert_idx, probs, num_experts, align)
     if not _common.is_traced(x):  # eager CPU: the ids are on the host anyway
         _common.check_ids_in_range(expert_idx, 0, num_experts, "expert_idx")
-    else:  # traced into a CPU graph (NOTE [device-decomposed triton ops]): checked there, on every call
+    else:
+        # traced into a CPU graph (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)): checked there, on
+        # every call
         torch._assert_async(((expert_idx >= 0) & (expert_idx < num_experts)).all(),
                             "expert_idx values must be in [0, num_experts)")
     return _reference_tuple(x, expert_idx, probs, num_experts, align)
@@ -526,7 +527,8 @@ _permute_pad_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _EagerPermutePad(torch.autograd.Function):
-    """NOTE [eager fast path] when a gradient is needed: the op's autograd formula around its CUDA kernels."""
+    """NOTE [eager fast path] (moe_compile/ops/_common.py) when a gradient is needed: the op's autograd formula around
+    its CUDA kernels."""
 
     @staticmethod
     def forward(ctx, x, expert_idx, probs, num_experts, align, debug):
@@ -582,7 +584,7 @@ def permute_pad(
     # the op's kernels (and its fake, when traced) validate the arguments: checked once per call
     fast = _common.eager_fast_path(x_TH, expert_idx_TK, probs_TK)
     if fast and "cuda" not in _CUDA_KERNEL_DISABLED:
-        # NOTE [eager fast path] (ops/_common.py): same kernels, without the dispatcher's Python layers
+        # NOTE [eager fast path] (moe_compile/ops/_common.py): same kernels, without the dispatcher's Python layers
         launch = _EagerPermutePad.apply if fast is _common.FAST_WITH_GRAD else _permute_pad_cuda
         rows_MH, probs_M, offs_E, row_map, counts_E = launch(x_TH, expert_idx_TK, probs_TK, num_experts, align, debug)
     else:

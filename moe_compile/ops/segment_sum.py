@@ -11,8 +11,8 @@ Contract:
 * It is the deterministic form of ``index_put(zeros, [idx], src, accumulate=True)`` /
   ``index_add`` / ``scatter_add`` / the embedding backward (``moe_compile.passes.deterministic_scatter``
   lowers those to it): no atomics, every output element has one writer and a fixed order of adds, so
-  results are bitwise reproducible run to run (NOTE [segment sum in a fixed order] in
-  ``ops/triton/segment_sum.py``).
+  results are bitwise reproducible run to run
+  (NOTE [segment sum in a fixed order] (moe_compile/ops/triton/segment_sum.py)).
 * Entries with ``mask_N[i] == False`` are skipped whatever their index (the masked index_put of
   Inductor's embedding backward). Other entries must have ``0 <= idx < R``: on CPU that is checked on the
   host (``ValueError`` naming ``idx``); on CUDA ``debug=True`` adds a device-side assert, and without it
@@ -23,7 +23,7 @@ CPU (and any non-CUDA device): :func:`segment_sum_reference`, a stable sort of t
 offsets by ``searchsorted``, a gather of the sorted rows and ``segment_reduce`` over the offsets (each
 segment summed in order; integer sums as exact prefix-sum differences): no ``index_add`` /
 ``scatter_add`` / ``index_put``. CUDA: the same sort and offsets, then one Triton launch. The op is built
-like a ``torch.library.triton_op`` (NOTE [device-decomposed triton ops] in ``ops/_common.py``).
+like a ``torch.library.triton_op`` (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)).
 Backward (w.r.t. ``src``): a gather, ``grad_src[i] = grad_out[idx[i]]`` (0 for skipped entries).
 """
 
@@ -161,7 +161,7 @@ def _launch_triton(src: Tensor, idx: Tensor, num_rows: int, mask: Tensor | None,
     return out
 
 
-# ===== op (NOTE [device-decomposed triton ops] in ops/_common.py) =====
+# ===== op (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)) =====
 
 
 def _segment_sum_body(src: Tensor, idx: Tensor, num_rows: int, mask: Tensor | None = None,

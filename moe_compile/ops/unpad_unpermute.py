@@ -15,13 +15,13 @@ Backward (``moe::unpad_unpermute_backward``):
 (pad rows, tail) are zero; ``grad_probs[t, k] = <rows[row(t, k)], g[t]>`` in fp32, one program per token
 on CUDA (no atomics across ``H`` tiles).
 
-Both ops are built like ``torch.library.triton_op`` (NOTE [device-decomposed triton ops] in
-``ops/_common.py``): on CUDA, ``torch.compile`` sees their Triton launches; on CPU the body is the
-gather-only reference (NOTE [gather-only reference] in ``permute_pad.py``). Eager CUDA launches
+Both ops are built like ``torch.library.triton_op`` (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)):
+on CUDA, ``torch.compile`` sees their Triton launches; on CPU the body is the
+gather-only reference (NOTE [gather-only reference] (moe_compile/ops/permute_pad.py)). Eager CUDA launches
 disable fp contraction, so the combine equals the reference bitwise; Inductor compiles the kernels
 with its own options (contraction on), which may move a result by one rounding of the fp32 sum.
 
-The zero-prob rule (see ``permute_pad``'s NOTE [zero-prob rule]) is not applied: a ``0.0`` prob simply
+The zero-prob rule (see NOTE [zero-prob rule] (moe_compile/ops/permute_pad.py)) is not applied: a ``0.0`` prob simply
 weights its row by zero.
 """
 
@@ -71,7 +71,8 @@ def unpad_unpermute_reference(rows_RH: Tensor, row_map: Tensor, probs_TK: Tensor
 
 def place_of_slot(slots_TK: Tensor) -> Tensor:
     """int64 ``[T, K]``: where each top-k slot ``k`` sits in ``slots_TK`` (each row a permutation of ``0..K-1``),
-    the inverse permutation: a sort, or compares at small sizes (NOTE [few library calls])."""
+    the inverse permutation: a sort, or compares at small sizes
+    (NOTE [few library calls] (moe_compile/ops/_common.py))."""
     T, K = slots_TK.shape
     if T * K * K > _common.SMALL_COMPARES:
         return slots_TK.argsort(dim=1)
@@ -91,7 +92,8 @@ def rows_by_slot(row_map: Tensor) -> Tensor:
 def unpad_unpermute_backward_reference(
     grad_y_TH: Tensor, row_map: Tensor, probs_TK: Tensor | None, rows_RH: Tensor | None, num_rows: int
 ) -> tuple[Tensor, Tensor | None]:
-    """Gradients of :func:`unpad_unpermute_reference` (gathers only: NOTE [gather-only reference]).
+    """Gradients of :func:`unpad_unpermute_reference` (gathers only:
+    NOTE [gather-only reference] (moe_compile/ops/permute_pad.py)).
 
     Returns ``(grad_rows_RH, grad_probs_TK)``; ``grad_probs_TK`` is None unless both ``probs_TK`` and
     ``rows_RH`` are given. Rows of ``grad_rows_RH`` that ``row_map`` does not reference are zero.
@@ -111,7 +113,7 @@ def unpad_unpermute_backward_reference(
     # rows and a search; unreferenced rows (pad, tail) are zero
     if N > 0:
         r_R = torch.arange(num_rows, device=device, dtype=torch.int64)
-        if N * num_rows <= _common.SMALL_COMPARES:  # NOTE [few library calls]
+        if N * num_rows <= _common.SMALL_COMPARES:  # NOTE [few library calls] (moe_compile/ops/_common.py)
             hit_RN = (rows_TK.reshape(1, N) == r_R[:, None]).to(torch.int32)
             is_used_R = hit_RN.amax(1) > 0
             src_R = hit_RN.argmax(1)  # the first entry that references row r
@@ -219,7 +221,7 @@ def launch_gather_sum_triton(
     probs = probs.contiguous() if probs is not None else None
     grad_probs_M = grad_probs_M.contiguous() if grad_probs_M is not None else None
     replay_key = replayed = None
-    if not traced:  # NOTE [replayed eager launches] (ops/_eager_launch.py)
+    if not traced:  # NOTE [replayed eager launches] (moe_compile/ops/_eager_launch.py)
         replay_key = _eager_launch.replay_key((T, K, R, H, debug, block_h), rows, row_map, probs, grad_probs_M)
         replayed = _GATHER_SUM_REPLAYS.get(replay_key, rows.get_device())
     empty = _common.eager_cuda_allocator(rows, traced)
@@ -273,7 +275,7 @@ def launch_unpad_unpermute_backward_triton(
     probs = probs.contiguous() if probs is not None else None
     rows = rows.contiguous() if need_prob_grad else None
     replay_key = replayed = None
-    if not traced:  # NOTE [replayed eager launches] (ops/_eager_launch.py)
+    if not traced:  # NOTE [replayed eager launches] (moe_compile/ops/_eager_launch.py)
         replay_key = _eager_launch.replay_key((T, K, H, num_rows, debug, block_h), grad_y, row_map, probs, rows)
         replayed = _BACKWARD_REPLAYS.get(replay_key, grad_y.get_device())
     empty = _common.eager_cuda_allocator(grad_y, traced)
@@ -282,8 +284,8 @@ def launch_unpad_unpermute_backward_triton(
     grad_probs = empty((T, K), probs.dtype) if need_prob_grad else grad_y.new_empty(0)
     used = torch.zeros(num_rows, dtype=torch.int8, device=dev)
     if traced and _common.ttir_writes_follow_loads():
-        # both kernels store at rows read from row_map: give them a private copy (NOTE [no
-        # load-derived store addresses on graph inputs] in ops/triton/dispatch.py)
+        # both kernels store at rows read from row_map: give them a private copy
+        # (NOTE [no load-derived store addresses on graph inputs] (moe_compile/ops/triton/dispatch.py))
         row_map = row_map.clone()
     mark_args = (row_map, used, T * K, num_rows)
     args = (
@@ -334,7 +336,7 @@ def _unpad_unpermute_backward_cuda(grad_y, row_map, probs, rows, num_rows):
     return grad_rows, (grad_probs if grad_probs is not None else grad_y.new_empty(0))
 
 
-# ===== ops (NOTE [device-decomposed triton ops] in ops/_common.py) =====
+# ===== ops (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)) =====
 
 
 def _unpad_unpermute_body(rows: Tensor, row_map: Tensor, probs: Tensor | None, debug: bool = False) -> Tensor:
@@ -408,7 +410,8 @@ _unpad_unpermute_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _EagerUnpadUnpermute(torch.autograd.Function):
-    """NOTE [eager fast path] when a gradient is needed: the op's autograd formula around its CUDA kernels."""
+    """NOTE [eager fast path] (moe_compile/ops/_common.py) when a gradient is needed: the op's autograd formula around
+    its CUDA kernels."""
 
     @staticmethod
     def forward(ctx, rows, row_map, probs, debug):
@@ -453,7 +456,7 @@ def unpad_unpermute(
     # the op's kernels (and its fake, when traced) validate the arguments: checked once per call
     fast = _common.eager_fast_path(rows_RH, row_map, probs_TK)
     if fast and "cuda" not in _CUDA_KERNEL_DISABLED:
-        # NOTE [eager fast path] (ops/_common.py): same kernels, without the dispatcher's Python layers
+        # NOTE [eager fast path] (moe_compile/ops/_common.py): same kernels, without the dispatcher's Python layers
         launch = _EagerUnpadUnpermute.apply if fast is _common.FAST_WITH_GRAD else _unpad_unpermute_cuda
         return launch(rows_RH, row_map, probs_TK, debug)
     return _UNPAD_UNPERMUTE(rows_RH, row_map, probs_TK, debug)

@@ -12,8 +12,9 @@ Matches (in a layer ``fuse_dispatch`` rewrote; ``offs_E`` is ``moe.permute_pad``
 Rewrites to:
     ``h = moe.expert_gemm(x_MK, W_ENK, offs_E, None, None, glu, M, False)[0]`` (cast to ``h``'s dtype if
     the middle ended in another); the second GEMM and the combine stay as they are. The Triton family or CUTLASS
-    runs per GEMM from the measured table (NOTE [grouped GEMM choice]); the GLU is computed in fp32 and cast
-    once (the middle may have rounded in bf16 between its ops: within the op's documented tolerance).
+    runs per GEMM from the measured table (NOTE [grouped GEMM choice] (moe_compile/ops/_expert_gemm_tuning.py)); the GLU
+    is computed in fp32 and cast once (the middle may have rounded in bf16 between its ops: within the op's documented
+    tolerance).
 
 Skips when (reason tags):
     ``training`` (the GEMM's output needs a gradient: NOTE [expert MLP fusion in training]), ``weight_subclass``
@@ -23,12 +24,11 @@ Skips when (reason tags):
     or an intermediate of the middle is used outside it), ``glu_not_recognised`` (the middle computes another
     function: interleaved gate/up, clamped or tanh-GELU GLUs, a non-gated activation).
 
-NOTE [expert MLP fusion in training]: measured on the H100 (torch 2.11, ``bench_moe_block.py``, T 4096, transformers'
-grouped_mm blocks under ``moe_compile``, fused / not fused): forward 0.912 / 0.953 ms (Qwen3-MoE-like), 1.223 / 1.306
-(DeepSeek-V3-like), 1.250 / 1.241 (Mixtral-like: CUTLASS keeps its gated GEMM); forward+backward kernel time 2.870 /
-2.788 ms (Qwen3), 3.712 / 3.741 (DeepSeek). In training the un-fused graph already has the permuted rows (from
-``permute_pad``) and one Inductor kernel for the GLU each way, and CUTLASS ran the gate_up forward and dX in 896 us
-against the Triton pair's 984 in the same profile: the fusion saves a 45 us GLU kernel and loses more in the GEMMs.
+NOTE [expert MLP fusion in training]: fused, the forward is faster (Qwen3-MoE-like, DeepSeek-V3-like; Mixtral-like
+ties, CUTLASS keeps its gated GEMM there), but forward+backward is not. In training the un-fused graph already has the
+permuted rows (from ``permute_pad``) and one Inductor kernel for the GLU each way, and CUTLASS runs the gate_up forward
+and dX faster than the Triton pair: the fusion saves a small GLU kernel and loses more in the GEMMs
+(``bench_moe_block.py``: benchmarks/results/moe_block_expert_mlp.json, moe_block_expert_mlp_training_fused.json).
 So the pass fuses inference graphs only (no gradient through the GEMM); training keeps the grouped GEMMs.
 
 Stage:

@@ -17,7 +17,8 @@ needs_swap = pytest.mark.skipif(_grad_python_refs() is None, reason="this torch 
 
 @pytest.fixture(params=["torch", "shim"])
 def swapper(request, monkeypatch):
-    """Recycling through torch's ``_swap_data_ptr_`` and through NOTE [storage swap shim] (what torch 2.11 uses)."""
+    """Recycling through torch's ``_swap_data_ptr_`` and through
+    NOTE [storage swap shim] (moe_compile/experts/_storage_swap.py) (what torch 2.11 uses)."""
     chosen = _storage_swap.torch_swapper() if request.param == "torch" else _storage_swap.shim_swapper()
     if chosen is None:
         pytest.skip(f"no {request.param} storage swap here")

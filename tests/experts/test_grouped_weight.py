@@ -194,7 +194,8 @@ def test_to_dtype_clone_detach():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_inplace_update_quantized_primary(recipe):
-    """NOTE [training with quantised weights]: update the dequantised value, re-quantise in place."""
+    """NOTE [training with quantised weights] (moe_compile/experts/grouped_weight.py): update the dequantised value,
+    re-quantise in place."""
     q = GroupedQuantWeight.from_hp(_weight(), recipe)
     delta = 0.5 * _weight(seed=9)
     expected = GroupedQuantWeight.from_hp(q.dequantize() + delta, recipe)

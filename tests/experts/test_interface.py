@@ -86,7 +86,8 @@ class InterfaceVariantsTest(unittest.TestCase):
                     x = torch.randn(T, H, requires_grad=True)
                     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
                     w = torch.rand(T, K, requires_grad=True)
-                    # the concatenated SiLU GLU is recognised (NOTE [expert MLP through expert_gemm]); the clamped
+                    # the concatenated SiLU GLU is recognised
+                    # (NOTE [expert MLP through expert_gemm] (moe_compile/experts/interface.py)); the clamped
                     # interleaved one is not
                     glu = glu_of(module._apply_gate) if has_gate else None
                     self.assertEqual(glu, "swiglu" if has_gate and not clamp else None)

@@ -159,8 +159,9 @@ class SwapGraphTest(unittest.TestCase):
 
     def test_one_grouped_gemm_per_projection_no_host_sync(self):
         # a gated ModuleList MLP: gate and up share one grouped leaf, so two GEMMs (gate_up, down); SwiGLU without
-        # biases in inference through moe.expert_gemm (NOTE [expert MLP through expert_gemm]), in training and a
-        # biased GELU MLP through grouped_mm
+        # biases in inference through moe.expert_gemm
+        # (NOTE [expert MLP through expert_gemm] (moe_compile/experts/interface.py)), in training and a biased GELU MLP
+        # through grouped_mm
         for kwargs, gemm in ((dict(mlp="swiglu", inference=True), "expert_gemm.default"),
                              (dict(mlp="swiglu"), "grouped_mm.default"),
                              (dict(mlp="gelu_bias", layout="stacked"), "grouped_mm.default")):

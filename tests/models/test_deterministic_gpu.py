@@ -71,7 +71,8 @@ def test_deterministic_training_is_bitwise_reproducible(family):
     torch._dynamo.reset()
     model = _model(family)
     # caches off: a compile served from them runs not every pass, and the report would be incomplete
-    # (NOTE [cached compiles]); a later test of the same model in this process used to fail that way
+    # (NOTE [cached compiles] (moe_compile/report.py)); a later test of the same model in this process used to fail that
+    # way
     with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True):
         compiled = moe_compile.compile(model, deterministic=True, fullgraph=True)
         same_losses, differ = _twice(model, compiled)

@@ -35,7 +35,8 @@ def _check(family: str, records_path: str | None = None) -> None:
     assert row["rewritten"], f"{family}: no experts layer rewritten"
     assert row["left"] == [], "\n".join(row["left"])
     assert row["numerics"], f"{family}: worst gradient {row['worst']}"
-    # cancelling sums may go unjudged (NOTE [cancelling sums]), never the rewritten layers' own gradients
+    # cancelling sums may go unjudged (NOTE [cancelling sums] (tests/models/hf_families.py)), never the rewritten
+    # layers' own gradients
     own = [n for n in row["unjudged"] if any(n.startswith(layer + ".") for layer in row["rewritten"])]
     assert own == [], f"{family}: the rewritten layers' gradients {own} are bf16 noise; they judge nothing"
 

@@ -5,7 +5,8 @@
 * On CUDA the ops decompose into their Triton launches (``triton_kernel_wrapper_functional``) when
   AOTAutograd traces them, so Inductor launches the kernels itself (no custom-op call in the generated
   code). Checked by tracing with fake CUDA tensors (no GPU needed; the graph is inspected, never run).
-* On CPU the ops stay one node through AOTAutograd and Inductor (NOTE [device-decomposed triton ops]).
+* On CPU the ops stay one node through AOTAutograd and Inductor
+  (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)).
 """
 
 from __future__ import annotations
@@ -219,8 +220,9 @@ def test_cuda_trace_debug_flag_reaches_the_kernels():
 
 @pytest.mark.parametrize("decompose", [True, False], ids=["traced", "one_node"])
 def test_cpu_compiled_graph_has_no_atomics(decompose):
-    """On CPU the ops trace into the graph as their gather-only references (NOTE [device-decomposed triton
-    ops]); with ``decompose_custom_triton_ops`` off (torch.export's setting) they stay one node each."""
+    """On CPU the ops trace into the graph as their gather-only references
+    (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)); with ``decompose_custom_triton_ops`` off
+    (torch.export's setting) they stay one node each."""
     from torch._inductor.utils import run_and_get_code
     from torch.testing import FileCheck
 
@@ -282,7 +284,7 @@ def test_cpu_compiled_graph_rejects_out_of_range_ids():
 
 
 # written tensors per kernel under torch 2.11's mutation analysis (stores' addresses followed through
-# loads); NOTE [no load-derived store addresses on graph inputs]
+# loads); NOTE [no load-derived store addresses on graph inputs] (moe_compile/ops/triton/dispatch.py)
 ALLOWED_WRITES = {
     "_expert_offsets_kernel": {"table_ptr", "offs_ptr"},
     "_permute_rows_kernel": {"table_ptr", "rows_ptr", "probs_out_ptr", "row_map_ptr"},  # ids from the table

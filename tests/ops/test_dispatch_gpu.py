@@ -121,7 +121,8 @@ def test_programmatic_dependent_launch_on_hopper():
 
 
 def test_cuda_graph_replay_new_routing_bitwise():
-    # NOTE [overlapping the launches]: captured with PDL edges; each replay must see the new ids
+    # NOTE [overlapping the launches] (moe_compile/ops/triton/dispatch.py): captured with PDL edges; each replay must
+    # see the new ids
     T, H, E, K, a = 4096, 1024, 64, 8, 32
     x, ids, probs = _inputs(T, H, E, K, torch.bfloat16, seed=21)
     static_x, static_ids, static_probs = x.clone(), ids.clone(), probs.clone()
@@ -397,9 +398,9 @@ def test_compiled_layer_launches_the_kernels_from_generated_code(dtype, T):
 
 @pytest.mark.parametrize("T", [1, 4096])
 def test_compiled_layer_has_no_input_copies(T):
-    """torch 2.11's mutation analysis must not turn ``expert_idx`` into a mutated graph input (NOTE [no
-    load-derived store addresses on graph inputs]): no ``copy_`` back into an input in the code (T 4096: the
-    histogram kernel reads the ids)."""
+    """torch 2.11's mutation analysis must not turn ``expert_idx`` into a mutated graph input
+    (NOTE [no load-derived store addresses on graph inputs] (moe_compile/ops/triton/dispatch.py)): no ``copy_`` back
+    into an input in the code (T 4096: the histogram kernel reads the ids)."""
     from torch._inductor.utils import run_and_get_code
 
     x, ids, probs = _inputs(T, 256, 8, 2, torch.bfloat16, seed=14)

@@ -1,4 +1,4 @@
-"""The cached eager Triton launch (NOTE [cached eager launch] in ``moe_compile/ops/_eager_launch.py``).
+"""The cached eager Triton launch (NOTE [cached eager launch] (moe_compile/ops/_eager_launch.py)).
 
 CPU: the launch key separates every argument property Triton specialises on. CUDA (``gpu``): the dispatch ops
 launched through the cache give the bits of Triton's own launch path, across specialisations.
@@ -124,7 +124,8 @@ def test_key_and_pointers_pass_tensors_as_addresses(constexprs_by_position):
     assert _eager_launch.key_and_pointers(launches, 0, args, kwargs)[1] is None
 
 
-# ===== NOTE [replayed eager launches]: a launcher's replay key is at least as fine as every launch's key =====
+# ===== replay keys: a launcher's replay key is at least as fine as every launch's key =====
+# (NOTE [replayed eager launches] (moe_compile/ops/_eager_launch.py))
 
 
 def _launches_by_replay_key(monkeypatch, calls) -> dict[tuple, set[tuple]]:

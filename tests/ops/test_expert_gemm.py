@@ -159,7 +159,8 @@ def test_heuristic_cpu_and_table():
 
 
 def test_heuristic_per_kind_of_gemm(monkeypatch):
-    """NOTE [grouped GEMM choice]: the measured H100 decisions, read through the table for an sm90 bf16 GEMM."""
+    """NOTE [grouped GEMM choice] (moe_compile/ops/_expert_gemm_tuning.py): the measured H100 decisions, read through
+    the table for an sm90 bf16 GEMM."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.delenv("MOE_COMPILE_GROUPED_GEMM", raising=False)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
@@ -205,9 +206,10 @@ def test_gemm_kind_reads_the_weight_layout():
 
 
 def test_tma_layout_of_traced_tensors():
-    """NOTE [TMA loads]: which operands get tensor descriptors, decided from shapes, strides and storage offsets.
-    Traced tensors (fake, and functional as Dynamo hands them to the op) have no address: a traced launch once
-    called ``data_ptr`` on them and failed under ``torch.compile``. Fake CUDA tensors need no GPU."""
+    """NOTE [TMA loads] (moe_compile/ops/triton/expert_gemm.py): which operands get tensor descriptors, decided from
+    shapes, strides and storage offsets. Traced tensors (fake, and functional as Dynamo hands them to the op) have no
+    address: a traced launch once called ``data_ptr`` on them and failed under ``torch.compile``. Fake CUDA tensors need
+    no GPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 

@@ -153,8 +153,9 @@ def test_quantised_choices_agree(monkeypatch, fmt):
 
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "none"])
 def test_standalone_epilogues_with_row_weight(monkeypatch, activation):
-    """NOTE [standalone epilogues]: the CUTLASS forward's epilogue kernel and the backward's, with a row weight:
-    output and gradients (x, w, row weight) within the layer bound of the fp64 reference, bitwise over runs."""
+    """NOTE [standalone epilogues] (moe_compile/ops/triton/expert_epilogue.py): the CUTLASS forward's epilogue kernel
+    and the backward's, with a row weight: output and gradients (x, w, row weight) within the layer bound of the fp64
+    reference, bitwise over runs."""
     monkeypatch.setenv("MOE_COMPILE_GROUPED_GEMM", "cutlass")
     x, d, gen = _dispatch(3)
     M = d.rows_MH.shape[0]
@@ -185,9 +186,10 @@ def test_standalone_epilogues_with_row_weight(monkeypatch, activation):
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gate_up_swapped", "down_wide"])
 def test_quantised_forward_production_tiles(fmt, gated):
-    """Weight-only MXFP8 / NVFP4 at prefill rows with the shipped tiles (NOTE [expert GEMM tiles]: gate_up and the
-    MXFP8 down with swapped MMA operands, the NVFP4 down with ``[128, 256]`` tiles) against the fp64 reference on the dequantised weights
-    (computed in fp32, as the kernels scale), within the derived bound; bitwise over repeated runs."""
+    """Weight-only MXFP8 / NVFP4 at prefill rows with the shipped tiles
+    (NOTE [expert GEMM tiles] (moe_compile/ops/_expert_gemm_tuning.py): gate_up and the MXFP8 down with swapped MMA
+    operands, the NVFP4 down with ``[128, 256]`` tiles) against the fp64 reference on the dequantised weights (computed
+    in fp32, as the kernels scale), within the derived bound; bitwise over repeated runs."""
     from moe_compile.experts.grouped_weight import quantize_stored
 
     x, d, gen = _dispatch(4)
@@ -250,9 +252,9 @@ _GRADS = ("y", "dX", "dW gate_up", "dW down", "d row weight")
 
 
 def test_tma_loads_change_no_bits(forced_triton, monkeypatch):
-    """NOTE [TMA loads]: the forward (weights through descriptors, gathered rows through pointers), the down GEMM
-    (weights and rows through descriptors) and both dX GEMMs (``[E, K, N]`` weights) give the bits of pointer
-    loads, forward and backward; and the production launch picks the descriptors here."""
+    """NOTE [TMA loads] (moe_compile/ops/triton/expert_gemm.py): the forward (weights through descriptors, gathered rows
+    through pointers), the down GEMM (weights and rows through descriptors) and both dX GEMMs (``[E, K, N]`` weights)
+    give the bits of pointer loads, forward and backward; and the production launch picks the descriptors here."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs sm90+")
     x, d, w1, w2, dy = _block_inputs(5)
@@ -274,8 +276,8 @@ def test_compiled_block_matches_eager(forced_triton, mode):
     """The kernels traced into an Inductor graph (TMA descriptors' scratch from Inductor's allocator; CUDA graphs
     with ``reduce-overhead``): the output and the down weight's gradient are the eager block's bits; every
     gradient is within the layer bound of the fp64 reference. (The epilogue backward and the combine's gather-sum
-    are compiled by Inductor with fp contraction on, which may move them by a rounding: NOTE [expert-order
-    gather-sum].)"""
+    are compiled by Inductor with fp contraction on, which may move them by a rounding:
+    NOTE [expert-order gather-sum] (moe_compile/ops/unpad_unpermute.py).)"""
     x, d, w1, w2, dy = _block_inputs(6)
     M = d.rows_MH.shape[0]
     want = _block_step(_block, x, d, w1, w2, dy)

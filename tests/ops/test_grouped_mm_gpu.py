@@ -122,7 +122,8 @@ def test_weight_only_kernel_matches_dequant_then_grouped_mm(recipe, shape):
 @pytest.mark.parametrize("kernel", ["decode", "decode_split3", "tiled"])
 def test_weight_only_kernel_ragged_k(recipe, K, kernel):
     """K not a multiple of the K tile (nor of 32 / 64 for some): the last step's masked weight, scale
-    and activation loads (NOTE [scale prefetch], ``K_ALIGN``), with and without split-K."""
+    and activation loads (NOTE [scale prefetch] (moe_compile/ops/triton/grouped_mm.py), ``K_ALIGN``), with and without
+    split-K."""
     gen = torch.Generator().manual_seed(K)
     E, N, counts = 16, 192, _uniform_counts(8, 16, 4, K)
     M = sum(counts) + 2
@@ -143,8 +144,8 @@ def test_weight_only_kernel_ragged_k(recipe, K, kernel):
 
 @pytest.mark.parametrize("shape,kernel", [("decode_e128", "decode"), ("small_e64", "decode"), ("skewed_e8", "tiled"), ("prefill_e8", "tiled")])
 def test_nvfp4_ptx_decode_bitwise_equals_triton_decode(shape, kernel):
-    """NOTE [NVFP4 decode]: the inline-PTX bit moves + bf16x2 scale multiply give the same tile as the
-    fp32 Triton ops, over every e2m1 code and e4m3 scales from denormal to 448 (incl. zero)."""
+    """NOTE [NVFP4 decode] (moe_compile/ops/triton/grouped_mm.py): the inline-PTX bit moves + bf16x2 scale multiply give
+    the same tile as the fp32 Triton ops, over every e2m1 code and e4m3 scales from denormal to 448 (incl. zero)."""
     E, N, K, counts, tail = SHAPES[shape]
     gen = torch.Generator().manual_seed(5)
     M = sum(counts) + tail

@@ -93,7 +93,8 @@ def test_int32_ids_and_no_probs():
 
 
 def test_zero_prob_routes_row_normally():
-    # NOTE [zero-prob rule]: not adopted; a 0.0 prob moves the token's row like any other
+    # NOTE [zero-prob rule] (moe_compile/ops/permute_pad.py): not adopted; a 0.0 prob moves the token's row like any
+    # other
     x, ids, probs = _inputs(6, 8, 7, 2, torch.float32)
     probs[2, 1] = 0.0
     out = permute_pad(x, ids, probs, num_experts=7, align=8)
@@ -254,8 +255,8 @@ def test_property_random_shapes(case):
 
 @pytest.mark.parametrize("T,E,K,a", [(37, 8, 2, 16), (9, 5, 3, 32), (0, 4, 2, 16)])
 def test_reference_compares_and_library_calls_agree(T, E, K, a, monkeypatch):
-    """NOTE [few library calls]: the references' compare paths (small sizes) and their sort / search paths
-    give the same integers and rows, forward and backward, bitwise."""
+    """NOTE [few library calls] (moe_compile/ops/_common.py): the references' compare paths (small sizes) and their sort
+    / search paths give the same integers and rows, forward and backward, bitwise."""
     from moe_compile.ops import _common
     from moe_compile.ops.unpad_unpermute import unpad_unpermute_backward_reference
 

@@ -109,8 +109,8 @@ def run_layer(
     """Compile a copy of ``model`` and run one step; returns (compiled result, eager result).
 
     The dispatch ops stay one node each (``decompose_custom_triton_ops`` off, torch.export's setting), so the
-    kept post-grad graphs show the rewrite; by default they trace into CPU graphs as their references (NOTE
-    [device-decomposed triton ops]), which the other compiled tests run."""
+    kept post-grad graphs show the rewrite; by default they trace into CPU graphs as their references
+    (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)), which the other compiled tests run."""
     eager_model = copy.deepcopy(model)
     torch._dynamo.reset()
     keep = KeepGraphs()

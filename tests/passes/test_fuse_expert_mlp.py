@@ -4,7 +4,8 @@ The cross product of GLU spellings (chunk, slicing, split, ``x * sigmoid(x)``, m
 GEMM spellings (``torch._grouped_mm`` on ``[E, K, N]`` weights, transformers' fallback on fp32 -> ``moe.grouped_mm``)
 rewrites inference graphs and matches eager; middles that compute another function (interleaved, clamped,
 tanh-GELU, up first) or whose intermediates are used elsewhere are left alone with their reason tags, and
-training graphs are left alone (NOTE [expert MLP fusion in training]) and still match eager in forward and grads.
+training graphs are left alone (NOTE [expert MLP fusion in training] (moe_compile/passes/fuse_expert_mlp.py)) and still
+match eager in forward and grads.
 """
 
 from __future__ import annotations

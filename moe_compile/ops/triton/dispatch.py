@@ -16,8 +16,8 @@ as it goes, writing the ``[NB, E]`` table of ``before_blocks``, then ``counts``,
 ``seg_start`` (NOTE [one table]). The permute kernel counts the last term itself: each token program
 compares its ``K`` ids with the entries of its block that precede them (at most ``BLOCK_N + K - 1`` ids, read from L2),
 so no sort and no ``dest`` buffer. One program for the index work saves a launch (and its latency),
-and decode steps are launch bound (issue 14); but its trips are serial, so at large ``N`` (many
-blocks) it costs tens of microseconds (64 us at ``N = 131072``, ``E = 64`` on an H100). There the
+and decode steps are launch bound (their host time is mostly launches); but its trips are serial, so at
+large ``N`` (many blocks) it costs tens of microseconds (benchmarks/results/dispatch.json). There the
 histograms come first from ``_block_histogram_kernel`` (one program per block, in parallel) and the
 index kernel only scans them (``FROM_TABLE``): three launches. Worked example, ``E = 3``, ``a = 4``, ``BLOCK_N = 4``, ``SUB = 2``, ids
 ``[[2, 0], [1, 2], [0, 2], [2, 1]]`` (flat ``[2, 0, 1, 2 | 0, 2, 2, 1]``):
@@ -33,7 +33,7 @@ index kernel only scans them (``FROM_TABLE``): three launches. Worked example, `
                                        row_map[3] = [5, 11 | 1, 0]. All dests: [8, 0, 4, 9 | 1, 10, 11, 5].
                                        Zero programs fill the M - N = 8 non-real rows 2, 3, 6, 7, 12..15
 
-NOTE [overlapping the launches]
+NOTE [overlapping the launches]:
 With ``USE_PDL`` (Hopper and newer, eager launches with ``launch_pdl=True``), the permute kernel is
 started before the index kernel has finished (programmatic dependent launch): the index kernel
 signals ``gdc_launch_dependents`` at once, and the permute kernel does the work that needs only the
@@ -42,18 +42,18 @@ index grid has completed and its writes are visible. Only ``table`` (written by 
 after the wait. The op's first kernel is launched normally, so everything
 before the op has completed when any of its kernels runs. With parallel histograms the chain is one
 longer: the histogram kernel signals at once too, and the index kernel, launched with PDL, waits before
-it reads the table, as the three-launch version of 2026-11-21 did (without that overlap this version
-was up to 3% slower in CUDA graphs). Launches from Inductor's generated code (the traced path) do not
-use PDL.
+it reads the table, as the earlier three-launch version did (without that overlap this version was
+slower in CUDA graphs; benchmarks/results/host_cost.json). Launches from Inductor's generated code (the traced
+path) do not use PDL.
 
-NOTE [one table]
+NOTE [one table]:
 The index kernels write one int32 buffer, rows of ``E_PAD``: row 0 ``counts``, rows ``1 .. NB``
-``before_blocks``, row ``NB + 1`` ``seg_start``, then (traced launches) the int32 copy of the ids (NOTE [no
-load-derived store addresses on graph inputs]). The op's ``counts`` output is ``table[:E]``, a view at storage
+``before_blocks``, row ``NB + 1`` ``seg_start``, then (traced launches) the int32 copy of the ids
+(NOTE [no load-derived store addresses on graph inputs]). The op's ``counts`` output is ``table[:E]``, a view at storage
 offset 0 (the fake's layout), so a decode step allocates one buffer where it allocated three (each allocation in
-Inductor's generated code costs host time, issue 14).
+Inductor's generated code costs host time, which decode steps are bound by).
 
-NOTE [no load-derived store addresses on graph inputs]
+NOTE [no load-derived store addresses on graph inputs]:
 When Inductor traces a ``wrap_triton`` launch it finds the written tensors by walking back from each
 store's address; torch 2.11 walks through loads too, so a tensor whose *values* feed a store address
 counts as written. A graph input counted as written is an input mutation (a copy back into it, and
@@ -64,7 +64,7 @@ into the table (an intermediate; ``counts`` is a view of it taken after the last
 prob gradients are stored at ``t*K + k`` after an in-register reorder (``_to_slot_order``); only the
 unpad backward's row scatter reads addresses from ``row_map``, and its launcher passes a copy there.
 
-NOTE [zero rows without a memset]
+NOTE [zero rows without a memset]:
 The rows that hold no token are exactly ``M - N`` (a static count): pad rows, expert by expert, then
 the tail. The ``j``-th of them is row ``j + sum(counts[e] for e with pad_before[e] <= j)`` where
 ``pad_before`` is the exclusive prefix sum of per-expert pad lengths; so the zero programs find their

@@ -1,7 +1,6 @@
 """Triton kernels of the standalone expert-MLP epilogues (``moe_compile.ops.expert_epilogue``; kernels only).
 
-NOTE [standalone epilogues]
-Where ``torch._grouped_mm`` (CUTLASS) runs the GEMM, eager calls apply the gated epilogue (and the row
+NOTE [standalone epilogues]: where ``torch._grouped_mm`` (CUTLASS) runs the GEMM, eager calls apply the gated epilogue (and the row
 weight) with ``_epilogue_kernel``, one pass over ``pre [M, N_w]`` with the same fp32 math as the fused
 epilogue; the backward of the epilogue (any GEMM choice) is ``_epilogue_backward_kernel``, one program per
 row: ``dz = [dh * u * act'(g) | dh * act(g)]`` (``dh = dy * rw``) and the row weight's gradient
@@ -33,8 +32,8 @@ def _epilogue_kernel(
     pre_ptr, rw_ptr, out_ptr, N, stride_pre, stride_out,
     ACT: tl.constexpr, ROW_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """NOTE [standalone epilogues]: ``out[r] = rw[r] * act(pre[r, :N]) * pre[r, N:]`` (``ACT`` 0: ``rw[r] *
-    pre[r]``), fp32 math, one cast; grid ``(M, cdiv(N, BLOCK_N))``."""
+    """``out[r] = rw[r] * act(pre[r, :N]) * pre[r, N:]`` (``ACT`` 0: ``rw[r] * pre[r]``), fp32 math, one cast;
+    grid ``(M, cdiv(N, BLOCK_N))`` (NOTE [standalone epilogues])."""
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -53,7 +52,7 @@ def _epilogue_backward_kernel(
     ACT: tl.constexpr, ROW_SCALE: tl.constexpr, NEED_DRW: tl.constexpr, HAS_DPRE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """NOTE [standalone epilogues]: one program per row ``r``, ``BLOCK_N`` columns at a time (a fixed order):
+    """One program per row ``r`` (NOTE [standalone epilogues]), ``BLOCK_N`` columns at a time (a fixed order):
     ``dz[r] = [dh * u * act'(g) | dh * act(g)] (+ dpre[r])`` with ``g, u = pre[r, :N], pre[r, N:]``,
     ``dh = dy[r] * rw[r]``; ``drw[r] = sum(act(g) * u * dy[r])`` in fp32."""
     r = tl.program_id(0).to(tl.int64)

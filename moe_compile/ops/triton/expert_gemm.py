@@ -2,9 +2,9 @@
 
 Shape suffixes: ``M`` rows of the expert-major (permuted, padded) buffer, ``S`` rows of a gathered
 source (tokens), ``K`` reduction dim, ``N`` output dim, ``E`` experts. ``offs_E`` holds int32
-cumulative END offsets (NOTE [static grid over M tiles] in ``grouped_mm.py``'s kernels).
+cumulative END offsets (NOTE [static grid over M tiles] (moe_compile/ops/triton/grouped_mm.py)).
 
-NOTE [persistent tile schedule]
+NOTE [persistent tile schedule]:
 The grid is ``NUM_PROGS`` programs (about the SM count), fixed on the host. Each program loads
 ``offs`` once and derives, on the device, the per-expert row-tile counts, their prefix sum, the
 number of work tiles ``total`` and the tail tiles past ``offs[-1]`` (written as zeros). It then walks
@@ -12,19 +12,19 @@ tiles ``pid, pid + NUM_PROGS, ...`` of the ``(total + tail) x cdiv(N, BLOCK_N)``
 groups of ``GROUP_M`` row tiles for L2 reuse). Uneven experts only change how many row tiles there
 are: no program waits for a wave of a static per-expert grid, and no slot is launched for nothing.
 
-NOTE [gather prologue]
+NOTE [gather prologue]:
 With ``GATHER``, activation row ``r`` of the tile is read from ``x[src[r]]`` (``src`` int32 ``[M]``:
 the source token of each permuted row, ``-1`` for pad and tail rows, which read as zeros), so the
 permuted copy of ``x`` is never written. ``tests`` compare against ``x[src]`` materialised.
 
-NOTE [gated epilogue]
+NOTE [gated epilogue]:
 ``ACT`` 1 (SwiGLU) / 2 (GeGLU, erf GELU): the weight holds ``[gate; up]`` stacked along N (rows
 ``[0, N)`` gate, ``[N, 2N)`` up: the Hugging Face ``gate_up_proj [E, 2I, H]`` layout). Each tile runs
 two accumulators over one activation tile and stores ``act(gate) * up`` (times the row weight with
 ``ROW_SCALE``) in ``y``'s dtype, and with ``STORE_PRE`` the pre-activations ``[gate | up]`` for the
 backward. Everything in the epilogue is fp32; one cast per stored value.
 
-NOTE [TMA loads]
+NOTE [TMA loads]:
 ``USE_TMA`` (plain 16-bit weights, sm90+; the launcher's ``_tma_layout``): the weight tile comes through a
 device-side tensor descriptor (``tl.make_tensor_descriptor``, made once per program). Weights stored
 ``[E, N, K]`` (the forward): a descriptor over ``[E * N_w, K]``; rows of a tile past ``N`` read the next rows
@@ -34,13 +34,13 @@ the expert's ``K`` and past ``N``, transposed in shared memory for the MMA. ``X_
 not gathered come through a ``[M, K]`` descriptor too; a tile's rows past its expert's end are read and
 multiplied, and only their output rows are masked (an output row depends on its own input row alone).
 Gathered rows keep pointer loads (sm90 has no TMA gather). No value changes: the loads bring the same
-elements to the same MMA. H100, Qwen3-like T 4096 (us, pointer loads -> TMA): gate_up 522 -> 451, down
-300 -> 261, gate_up dX 496 -> 492, down dX 264 -> 258; DeepSeek-V3-like gate_up 639 -> 543, down 341 -> 288.
-Tried for MXFP8 (the e4m3 tile through the descriptor, decoded in registers): down 365 -> 322 us, gate_up
-(swapped operands) 720 -> 903; but one benchmark run returned NaN from the MXFP8 block with it, which a run of
-the same GEMMs alone did not reproduce: quantised weights keep pointer loads.
+elements to the same MMA. TMA is faster than pointer loads for every forward GEMM tried and no slower for
+dX (benchmarks/results/grouped_gemm.json). Tried for MXFP8 (the e4m3 tile through the descriptor, decoded in
+registers): faster for down, slower for the swapped-operand gate_up, and one benchmark run returned NaN from the
+MXFP8 block with it, which a run of the same GEMMs alone did not reproduce
+(benchmarks/results/grouped_gemm_mxfp8_tma_nan.json): quantised weights keep pointer loads.
 
-NOTE [swapped operands]
+NOTE [swapped operands]:
 With ``SWAP_AB`` each tile computes ``(W x^T)^T``: the accumulators are ``[BLOCK_N, BLOCK_M]`` and are
 transposed once before the epilogue. On sm90 the MMA's first operand may come from registers, the second
 only from shared memory: a weight tile decoded in registers (MXFP8, NVFP4) then feeds the MMA directly
@@ -91,7 +91,7 @@ def _expert_gemm_kernel(
 
     NOTE [persistent tile schedule], NOTE [gather prologue], NOTE [gated epilogue]. ``N`` is the
     output width (``I`` when gated: the weight then has ``2N`` rows). NVFP4's per-expert scale is
-    applied to the fp32 accumulators (NOTE [NVFP4 decode] in ``grouped_mm.py``'s kernels).
+    applied to the fp32 accumulators (NOTE [NVFP4 decode] (moe_compile/ops/triton/grouped_mm.py)).
     """
     K = K // K_ALIGN * K_ALIGN  # == K; shows the compiler K_ALIGN divides K
     pid = tl.program_id(0)
@@ -188,7 +188,7 @@ def _expert_gemm_kernel(
                     acc, x, w_base, s, k0, K, col_mask, stride_wk,
                     W_FORMAT, IEEE_DOT, SWAP_AB, PTX_DECODE, BLOCK_M, BLOCK_N, BLOCK_K,
                 )  # fmt: skip
-                s = s_next  # NOTE [scale prefetch]
+                s = s_next  # NOTE [scale prefetch] (moe_compile/ops/triton/grouped_mm.py)
                 if ACT != ACT_NONE:
                     s_u_next = _load_scales(
                         s_base + up_off_s, k0 + BLOCK_K, K, col_mask, stride_sk, W_FORMAT, BLOCK_N, BLOCK_K

@@ -3,7 +3,7 @@
 Shape suffixes: ``M`` rows of the expert-major buffer, ``K`` reduction dim, ``N`` output dim, ``E`` experts.
 ``offs_E`` holds int32 cumulative END offsets: expert ``e`` owns rows ``[offs[e-1], offs[e])``.
 
-NOTE [static grid over M tiles]
+NOTE [static grid over M tiles]:
 The host never reads ``offs``. The grid covers a static bound on the number of row tiles,
 ``cdiv(M, BLOCK_M) + min(E, M) + 1``: every non-empty expert wastes at most one partial tile, plus the
 tail tiles past ``offs[-1]``. Each program loads ``offs`` once, turns it into per-expert tile counts
@@ -20,7 +20,7 @@ codes; ``w_scale`` float8_e4m3fn ``[E, N, K/16]``; ``w_gscale`` fp32 ``[E]`` per
 tiles are decoded in registers with the same fp32 arithmetic as the PyTorch reference (bitwise the
 reference's dequantised tile). NVFP4: NOTE [NVFP4 decode].
 
-NOTE [NVFP4 decode]
+NOTE [NVFP4 decode]:
 Dequantising to ``gscale * s * v`` (fp32 multiplies, then a cast) costs ~9 instructions per weight,
 which bounds the kernel on sm90 (no FP4 hardware). Instead the tile holds ``v * s * 2**-7`` (e2m1
 value times its e4m3 block scale: at most 6 significant bits, exact in bf16, fp16 and fp32) and the

@@ -3,7 +3,7 @@
 Kernels only: the launcher (sort, segment offsets, grid, block sizes) lives in
 ``moe_compile/ops/segment_sum.py``. Shapes: ``N`` entries of ``D`` columns, ``R`` output rows.
 
-NOTE [segment sum in a fixed order]
+NOTE [segment sum in a fixed order]:
 The launcher sorts the entries' row keys stably (``order_N``) and finds each row's segment
 ``[offsets[r], offsets[r + 1])`` of sorted positions. Program ``(r, d)`` walks its segment ``BLOCK_J``
 entries at a time: it gathers ``[BLOCK_J, BLOCK_D]`` source values, sums the tile over its rows

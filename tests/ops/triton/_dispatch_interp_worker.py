@@ -143,8 +143,8 @@ def _run_index_loop_case(T, E, K, a, block_n, sub, parallel_histogram):
 
 
 def _run_eager_autograd_case():
-    """The eager fast path's autograd.Functions (NOTE [eager fast path]) on the kernels: output and gradients of
-    x, probs and the expert rows vs autograd through the pure-PyTorch references (float64)."""
+    """The eager fast path's autograd.Functions (NOTE [eager fast path] (moe_compile/ops/_common.py)) on the kernels:
+    output and gradients of x, probs and the expert rows vs autograd through the pure-PyTorch references (float64)."""
     import importlib
 
     import torch

@@ -3,8 +3,8 @@ CPU tensors under TRITON_INTERPRET=1 and compares them with ``expert_gemm_refere
 
 Started in a fresh interpreter by ``test_expert_gemm_kernels.py`` (the variable must be set before ``triton``
 is imported). Prints one JSON line ``{case: "ok" | traceback}``. Bounds come from ``tests/_tolerance.py``
-(NOTE [derived tolerances]): two fp32 sums of K products; for gated outputs that error goes through the
-epilogue (``|act'| <= 1.13`` for SiLU and erf-GELU), plus the fp32 evaluation of exp / erf and the output
+(NOTE [derived tolerances] (tests/_tolerance.py)): two fp32 sums of K products; for gated outputs that error goes
+through the epilogue (``|act'| <= 1.13`` for SiLU and erf-GELU), plus the fp32 evaluation of exp / erf and the output
 casts (the interpreter truncates). ``--sm90`` compiles the CUDA launch configs for sm_90 instead.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 # name: (kind, counts per expert, extra tail rows, N (output), K, dtype, options)
 # options: g = gather through a row map, r = row weight, p = store pre-activations, t = TMA weight loads,
 # 1 = one persistent program, s = swiglu, e = geglu, v = the row weight a strided view, x = swapped MMA operands
-# (NOTE [swapped operands])
+# (NOTE [swapped operands] (moe_compile/ops/triton/expert_gemm.py))
 CASES = {
     "plain_fp32_empty_experts_tail": ("plain", [3, 0, 5, 2], 3, 24, 40, "float32", ""),
     "plain_bf16_gather_swiglu_rw_pre": ("plain", [2, 0, 0, 1, 4, 0, 3], 2, 24, 40, "bfloat16", "grps"),
@@ -44,8 +44,9 @@ CASES = {
     "deterministic_bf16_gather_swiglu": ("repeat", [3, 0, 5, 2], 2, 24, 64, "bfloat16", "gsr"),
     # deliberate bug: the row map shifted by one row must FAIL the derived comparison
     "bug_gather_row_map_shifted": ("bug", [3, 0, 5, 2], 2, 24, 40, "float32", "g"),
-    # NOTE [standalone epilogues] (K unused; N > 16 columns: several column blocks in the forward, several
-    # trips of the backward's column loop at the test's BLOCK_N); d = upstream grad of pre, w = d row weight
+    # NOTE [standalone epilogues] (moe_compile/ops/triton/expert_epilogue.py) (K unused; N > 16 columns: several column
+    # blocks in the forward, several trips of the backward's column loop at the test's BLOCK_N); d = upstream grad of
+    # pre, w = d row weight
     "epilogue_bf16_swiglu_rw": ("epilogue", [3, 0, 5], 2, 40, 0, "bfloat16", "sr"),
     "epilogue_fp32_geglu": ("epilogue", [4, 2], 0, 24, 0, "float32", "e"),
     "epilogue_fp16_none_rw": ("epilogue", [2, 3], 1, 40, 0, "float16", "r"),
@@ -135,7 +136,8 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
             for k in range(2):
                 assert torch.equal(a[row_map[t, k]], x[t])
         return
-    if kind == "row_scale_backward":  # NOTE [standalone epilogues]: dx = rw * dxu, d rw = sum(a * dxu)
+    if kind == "row_scale_backward":
+        # NOTE [standalone epilogues] (moe_compile/ops/triton/expert_epilogue.py): dx = rw * dxu, d rw = sum(a * dxu)
         a, dxu = torch.randn(M, N, generator=gen).to(dtype), torch.randn(M, N, generator=gen).to(dtype)
         dx, drw = ee.launch_row_scale_backward(a, dxu, rw, block_n=16)
         want = dxu.double() * rw.double()[:, None]
@@ -248,11 +250,11 @@ def _run_standalone_autograd_case(torch, tol, eg, x, offs, row_map, rw, M, N, K,
 
 
 def _run_epilogue_case(torch, tol, ee, kind, M, N, dtype, act, rw, opts, gen):
-    """NOTE [standalone epilogues] against the same formulas in float64. Bounds: 16 fp32 rounding errors of
-    each term's magnitude, where the magnitude of ``act(g)`` and ``act'(g)`` includes the cancellations of
-    their fp32 evaluation (``1 + erf(g / sqrt 2)`` for GELU: ``|g| / 2`` more; ``1 - sigmoid(g)`` in SiLU's
-    derivative: ``|g|`` more), then the output cast (the interpreter truncates); the row weight's gradient adds
-    a length-N fp32 sum."""
+    """NOTE [standalone epilogues] (moe_compile/ops/triton/expert_epilogue.py) against the same formulas in float64.
+    Bounds: 16 fp32 rounding errors of each term's magnitude, where the magnitude of ``act(g)`` and ``act'(g)`` includes
+    the cancellations of their fp32 evaluation (``1 + erf(g / sqrt 2)`` for GELU: ``|g| / 2`` more; ``1 - sigmoid(g)``
+    in SiLU's derivative: ``|g|`` more), then the output cast (the interpreter truncates); the row weight's gradient
+    adds a length-N fp32 sum."""
     n_w = 2 * N if act != "none" else N
     pre = torch.randn(M, n_w, generator=gen).to(dtype)
     u32 = tol.unit_roundoff(torch.float32)

@@ -7,9 +7,9 @@ data so the parent can import it cheaply.
 
 Interpreter quirks (triton 3.9): ``tl.dot`` is wrong for bf16 inputs, so the launchers use the
 fp32-ieee dot on CPU tensors (``IEEE_DOT``); the fp32 -> bf16 cast truncates (a whole ulp, not half).
-Results are compared within bounds derived from the computation (``tests/_tolerance.py``, NOTE [derived
-tolerances]): two fp32 sums of K products, the rounding of dequantised weights, the output casts.
-Quantised weights are random valid encodings (every e2m1 code, e8m0 exponents around 2**0), so no
+Results are compared within bounds derived from the computation (``tests/_tolerance.py``,
+NOTE [derived tolerances] (tests/_tolerance.py)): two fp32 sums of K products, the rounding of dequantised weights, the
+output casts. Quantised weights are random valid encodings (every e2m1 code, e8m0 exponents around 2**0), so no
 torchao import is needed.
 """
 
@@ -58,7 +58,8 @@ CASES = {
 
 
 def _operand_rel(torch, fmt, dtype):
-    """Relative rounding of the dequantised weight, both sides together (NOTE [derived tolerances]).
+    """Relative rounding of the dequantised weight, both sides together
+    (NOTE [derived tolerances] (tests/_tolerance.py)).
 
     plain: none (both sides read the same values). MXFP8: none (e4m3 x 2**k is exact in fp32 and bf16).
     NVFP4: the reference rounds ``expert_scale * scale`` and then ``value * block_scale`` in fp32 (2 u32)
