@@ -35,7 +35,8 @@ BACKEND_NAME = "moe_compile"
 
 # Inductor defaults we change (a user's options= still win). The dispatch ops are user-defined Triton
 # kernels (``triton_op``); Inductor launches those through Triton's Python launcher unless told to use its
-# static C launcher, as it does for its own kernels: ~10-20 us of host time per launch at decode sizes.
+# static C launcher, as it does for its own kernels: about ten microseconds of host time per launch, as much
+# as a decode-size kernel (benchmarks/results/host_cost.json).
 # Kernels the static launcher cannot take fall back to Triton's launcher by themselves.
 INDUCTOR_DEFAULTS: dict[str, Any] = {"static_launch_user_defined_triton_kernels": True}
 
@@ -43,7 +44,8 @@ INDUCTOR_DEFAULTS: dict[str, Any] = {"static_launch_user_defined_triton_kernels"
 # only. With compile_threads > 1 (any machine with a few cores) Inductor compiles Triton kernels in worker
 # processes, and a worker decides there whether a kernel gets the static launcher, from its own config: Inductor
 # forwards ``use_static_triton_launcher`` to it and nothing else. So every dispatch kernel took Triton's Python
-# launcher in a parallel compile (H200 probe: 3 of the 6 launches of a sort + scatter_add_ layer's call at T1).
+# launcher in a parallel compile (3 of the 6 launches of a sort + scatter_add_ layer's call at T1, probed at
+# commit 921c375).
 # A worker reads this option from the environment when it starts, so we set the variable on import (unless the
 # user did), before the pool starts; a pool that started before moe_compile was imported lacks it and is shut
 # down once, at our first compile, so that Inductor starts a new one. Workers compile for every backend, so user

@@ -131,7 +131,7 @@ FAST_WITH_GRAD = "fast_with_grad"  # the same under the op's autograd formula (a
 def eager_fast_path(*tensors: torch.Tensor | None) -> str | None:
     """NOTE [eager fast path]: whether a public wrapper may call the op's CUDA kernels directly.
 
-    The custom-op dispatcher costs 30-60 us of Python per call on an H200 host (autograd wrapper,
+    The custom-op dispatcher costs tens of microseconds of Python per call (autograd wrapper,
     redispatch, aliasing check), comparable to the GPU time of a mid-sized dispatch; more with autograd.
     When nothing can observe the difference, the wrappers skip it: eager (not traced), plain ``torch.Tensor``
     inputs on CUDA, no dispatch or function mode, no functorch transform, no profiler (and the CUDA kernel not
@@ -286,7 +286,7 @@ def eager_cuda_allocator(t: torch.Tensor, traced: bool):
     """``alloc(shape, dtype)`` for a launcher's outputs on ``t``'s device: an uninitialised contiguous tensor.
 
     Eager on the current CUDA device it is Inductor's allocation entry point, about a third of ``torch.empty``'s
-    host time (which parses its arguments in Python: ~5 us per call on an H100 host, as much as a kernel
+    host time (which parses its arguments in Python: microseconds per call, as much as a kernel
     launch); anywhere else (traced, other devices) it is ``torch.empty``.
     """
     device = t.device

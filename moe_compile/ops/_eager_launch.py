@@ -1,11 +1,12 @@
 """Eager CUDA launches of Triton kernels without ``JITFunction.run``'s per-call binding.
 
 NOTE [cached eager launch]: ``kernel[grid](*args)`` binds and specialises every argument in Python on every
-call (``binder``, the cache key, the current device and stream), about 10-20 us per launch on an H100 host
-(triton 3.6), as much as a small kernel runs. Inductor avoids this with its static launcher; the dispatch ops'
-eager calls (the public wrappers, the ops under autograd) went through ``JITFunction.run``. Here the first
-launch of a kernel for a given specialisation goes through ``JITFunction.run`` (which compiles or finds the
-kernel) and the ``CompiledKernel`` it returns is kept under a key at least as fine as Triton's own:
+call (``binder``, the cache key, the current device and stream), on the order of ten microseconds per launch
+(triton 3.6; benchmarks/results/host_cost.json), as much as a small kernel runs. Inductor avoids this with its
+static launcher; the dispatch ops' eager calls (the public wrappers, the ops under autograd) went through
+``JITFunction.run``. Here the first launch of a kernel for a given specialisation goes through
+``JITFunction.run`` (which compiles or finds the kernel) and the ``CompiledKernel`` it returns is kept under a
+key at least as fine as Triton's own:
 
 * a tensor: its dtype and whether its address is a multiple of 16 (Triton's pointer specialisation);
 * an int: ``== 1``, ``% 16 == 0`` and whether it fits int32 / int64 (Triton's integer specialisation and
@@ -25,7 +26,7 @@ profiler), and anything whose key cannot be hashed. Kernels launched this way mu
 globals (``JITFunction.run`` re-checks those per call; none of ours do). ``MOE_COMPILE_CACHED_LAUNCH=0`` turns
 it off.
 
-NOTE [replayed eager launches]: even a cached launch spends 5-10 us building its key (every argument's
+NOTE [replayed eager launches]: even a cached launch spends microseconds building its key (every argument's
 specialisation) and the caller as much again building keyword arguments, for each of an op's launches. A
 launcher that knows what its launches depend on keeps a :class:`Replays` under a :func:`replay_key`: one that
 fixes every launch's grid, keyword arguments, integer arguments and tensor dtypes, and the 16-byte alignment of

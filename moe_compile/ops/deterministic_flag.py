@@ -4,9 +4,10 @@ Some library kernels have a deterministic mode that they pick at call time from 
 (``torch.use_deterministic_algorithms(True)``, not ``warn_only``): FlashAttention-2's backward then sums dQ
 over the key blocks in a fixed order instead of with atomic adds, and so does the memory-efficient
 attention backward. Turning the flag on for a whole step changes every other op too (some raise, some
-pick slower kernels; on an H100 a Qwen3-MoE training step went from 14.1 to 25.3 ms, as SDPA then traced to
-the math backend). Each op here has the schema of the aten op it wraps, so a pass swaps a node's target
-and keeps its arguments (:mod:`moe_compile.passes.deterministic_scatter`).
+pick slower kernels; a Qwen3-MoE training step took almost twice as long, as SDPA then traced to the math
+backend: benchmarks/results/train_determinism.json, ``moe_det_algos`` against ``moe``). Each op here has the
+schema of the aten op it wraps, so a pass swaps a node's target and keeps its arguments
+(:mod:`moe_compile.passes.deterministic_scatter`).
 
 The ops are defined when this module is imported (compiled code from Inductor's cache calls them by
 name), for the wrapped ops this torch has.
@@ -60,7 +61,7 @@ def _define(name: str) -> None:
 
 
 # SDPA backends whose backward is deterministic (flash and memory-efficient with the flag, math: matmuls).
-# cuDNN's has no deterministic mode, and torch 2.11 prefers it on an H100; with it disabled SDPA traces to
+# cuDNN's has no deterministic mode, and torch 2.11 prefers it on sm90; with it disabled SDPA traces to
 # flash. Only the trace matters: the backend is chosen when AOTAutograd decomposes SDPA.
 DETERMINISTIC_SDPA_BACKENDS: tuple[str, ...] = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 

@@ -56,7 +56,8 @@ from moe_compile.passes._graph import (
 aten = torch.ops.aten
 
 # Rule (b) costs E multiply-adds per element of src: memory-bound (like the scatter it replaces) up to
-# ~E = 256 on H100-class GPUs (bf16 ~1000 TFLOP/s over ~3.3 TB/s of 2-byte reads).
+# ~E = 256 on current datacenter GPUs (their bf16 MMA rate over their bandwidth in 2-byte reads is a few hundred
+# flops per element read).
 MAX_ONE_HOT_ROWS = 256
 
 

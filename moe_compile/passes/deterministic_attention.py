@@ -1,7 +1,7 @@
 """With ``deterministic=True``: library kernels with a deterministic mode are called in that mode.
 
 FlashAttention-2's and memory-efficient attention's backward kernels sum dQ over key blocks with atomic
-adds unless torch's deterministic flag is on when they are called; on an H100 that was the last
+adds unless torch's deterministic flag is on when they are called; that was the last
 run-to-run difference in a Qwen3-MoE training step once the scatters were deterministic (the gradients
 of every query projection, and everything before it). Each such node is pointed at
 ``moe::deterministic_<op>`` (:mod:`moe_compile.ops.deterministic_flag`), which calls the same aten op

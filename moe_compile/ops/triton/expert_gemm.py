@@ -44,8 +44,8 @@ NOTE [swapped operands]:
 With ``SWAP_AB`` each tile computes ``(W x^T)^T``: the accumulators are ``[BLOCK_N, BLOCK_M]`` and are
 transposed once before the epilogue. On sm90 the MMA's first operand may come from registers, the second
 only from shared memory: a weight tile decoded in registers (MXFP8, NVFP4) then feeds the MMA directly
-instead of being written back to shared memory first. Same products, same K steps (on the H100 sweep the
-outputs were bitwise those of the unswapped tiles of the same size).
+instead of being written back to shared memory first. Same products, same K steps (in the ``--sweep`` run at
+commit 96b9c81 the outputs were bitwise those of the unswapped tiles of the same size).
 
 ``IEEE_DOT`` (fp32 data, and always under ``TRITON_INTERPRET=1``): see ``grouped_mm.py``'s kernels.
 

@@ -163,7 +163,7 @@ def _load_scales(
 
     NOTE [scale prefetch]: the K loop loads these one step ahead. Byte loads are too narrow for the
     cp.async pipeline that carries the weight and activation tiles, so without the prefetch every
-    step waited on a global load (the largest stall on the H100).
+    step waited on a global load (the largest stall in the profile at commit ac9ea2f).
     """
     if W_FORMAT == W_MXFP8:
         sk = k0 // MX_BLOCK + tl.arange(0, BLOCK_K // MX_BLOCK)
