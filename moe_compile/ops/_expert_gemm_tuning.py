@@ -7,10 +7,9 @@ Everything here is a table read from ``benchmarks/bench_grouped_gemm.py`` runs o
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from moe_compile.config import env_setting
 from moe_compile.ops import grouped_mm as gmm
 
 # NOTE [grouped GEMM choice]: per kind of GEMM, the rows per expert (M / E) at which the Triton family beats CUTLASS
@@ -50,7 +49,6 @@ TRITON_ROWS_PER_EXPERT: dict[str, tuple[tuple[float, int, int], ...]] = {
 # 52, 65 vs 45. The un-gated GEMMs alone (both of the block, us): the weight-only kernels win at every T measured but
 # one (MXFP8 T1 25.6 vs 40.0, T64 242 vs 329, T1024 437 vs 466, T4096 1140 vs 1305; NVFP4 T4096 1142 vs 1092).
 QUANT_FAMILY_ROWS_FROM: dict[str, int] = {"gated": 256}
-_ENV_CHOICE = "MOE_COMPILE_GROUPED_GEMM"  # "triton" / "cutlass" (for quantised weights: weight-only) / unset (the table)
 
 
 def use_triton_grouped_gemm(
@@ -69,7 +67,7 @@ def use_triton_grouped_gemm(
         return True
     if fmt == "plain" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] not in (9, 10)):
         return True
-    choice = os.environ.get(_ENV_CHOICE, "")
+    choice = env_setting("grouped_gemm")  # MOE_COMPILE_GROUPED_GEMM
     if choice in ("triton", "cutlass"):
         return choice == "triton"
     rows = M / max(E, 1)
