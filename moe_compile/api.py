@@ -23,6 +23,8 @@ from moe_compile.passes import check_pass_names
 CAPTURE_FLAGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
 
 
+# The keywords from ``metrics`` to ``deterministic`` are config.OPTIONS, with their defaults, and their Args entries
+# begin with the rows' docs (tests/test_api.py checks both).
 def compile(  # noqa: A001 - mirrors torch.compile
     model: Any,
     *,
@@ -54,11 +56,12 @@ def compile(  # noqa: A001 - mirrors torch.compile
 
     Args:
         model: an ``nn.Module`` or a function.
-        metrics: insert on-device router metrics (read them with ``moe_compile.metrics.collect``).
-        passes: ``{pass_name: bool}`` to turn single passes on or off.
-        debug: device-side asserts in the dispatch kernels.
-        strict: a failing pass raises instead of falling back to plain Inductor.
-        deterministic: no atomic accumulation in the generated code anywhere in the graph: every
+        metrics: insert on-device router metrics; read them with ``moe_compile.metrics.collect()``.
+        passes: ``{pass_name: bool}`` turns single passes on or off (names in ``moe_compile.passes.PASSES``);
+            a pass that needs an option (metrics, deterministic) runs only with it on, whatever passes says.
+        debug: device-side asserts in the dispatch kernels (expert ids in range).
+        strict: a pass that raises fails the compile instead of falling back to plain Inductor.
+        deterministic: no atomic accumulation in the generated code anywhere in the graph; every
             accumulating scatter that ``deterministic_accumulate`` leaves (the token embedding's backward
             included) becomes a sort + fixed-order segment sum (``moe.segment_sum``). Library kernels that
             are non-deterministic themselves (attention backward on CUDA) are not changed; ``explain``
