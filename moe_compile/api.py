@@ -9,9 +9,13 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from moe_compile import metrics as router_metrics
 from moe_compile import report
 from moe_compile.backend import ConfiguredBackend
 from moe_compile.config import make_config
+from moe_compile.experts.interface import use_fused_hf_experts
+from moe_compile.experts.swap import swap_expert_loops as swap_loops
+from moe_compile.passes import check_pass_names
 
 # Dynamo graph-breaks on `.tolist()` / `.item()` and on ops with data-dependent output shapes unless
 # these are on (fullgraph=True turns them on implicitly). Host-sized padding regions are only visible
@@ -19,6 +23,8 @@ from moe_compile.config import make_config
 CAPTURE_FLAGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
 
 
+# The keywords from ``metrics`` to ``deterministic`` are config.OPTIONS, with their defaults, and their Args entries
+# begin with the rows' docs (tests/test_api.py checks both).
 def compile(  # noqa: A001 - mirrors torch.compile
     model: Any,
     *,
@@ -50,11 +56,12 @@ def compile(  # noqa: A001 - mirrors torch.compile
 
     Args:
         model: an ``nn.Module`` or a function.
-        metrics: insert on-device router metrics (read them with ``moe_compile.metrics.collect``).
-        passes: ``{pass_name: bool}`` to turn single passes on or off.
-        debug: device-side asserts in the dispatch kernels.
-        strict: a failing pass raises instead of falling back to plain Inductor.
-        deterministic: no atomic accumulation in the generated code anywhere in the graph: every
+        metrics: insert on-device router metrics; read them with ``moe_compile.metrics.collect()``.
+        passes: ``{pass_name: bool}`` turns single passes on or off (names in ``moe_compile.passes.PASSES``);
+            a pass that needs an option (metrics, deterministic) runs only with it on, whatever passes says.
+        debug: device-side asserts in the dispatch kernels (expert ids in range).
+        strict: a pass that raises fails the compile instead of falling back to plain Inductor.
+        deterministic: no atomic accumulation in the generated code anywhere in the graph; every
             accumulating scatter that ``deterministic_accumulate`` leaves (the token embedding's backward
             included) becomes a sort + fixed-order segment sum (``moe.segment_sum``). Library kernels that
             are non-deterministic themselves (attention backward on CUDA) are not changed; ``explain``
@@ -83,13 +90,12 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if "backend" in torch_compile_kwargs:
         raise ValueError("moe_compile.compile sets backend= itself; call torch.compile for another backend")
     config = make_config(metrics=metrics, passes=passes or {}, debug=debug, strict=strict, deterministic=deterministic)
+    check_pass_names(passes or {})
     swapped: list[Any] = []
     if swap_expert_loops and isinstance(model, torch.nn.Module):
         prepare_expert_loops(model)
         swapped = _recycle_expert_gradients(model, not _uses_cuda_graphs(torch_compile_kwargs))
     if metrics and isinstance(model, torch.nn.Module):
-        from moe_compile import metrics as router_metrics
-
         # hooks cover frames Dynamo runs eagerly and checkpointed blocks; the pass never counts a layer twice
         router_metrics.attach(model)
     compiled = torch.compile(model, backend=ConfiguredBackend(config), **torch_compile_kwargs)
@@ -103,11 +109,8 @@ def prepare_expert_loops(model: torch.nn.Module) -> list[report.PassRecord]:
 
     Idempotent: already swapped modules are not swapped again. The records are kept for ``explain``.
     """
-    from moe_compile.experts.interface import use_fused_hf_experts
-    from moe_compile.experts.swap import swap_expert_loops
-
     found = [("experts_impl", *r) for r in use_fused_hf_experts(model)]
-    found += [("swap_expert_loops", *r) for r in swap_expert_loops(model)]
+    found += [("swap_expert_loops", *r) for r in swap_loops(model)]
     records = [report.PassRecord(name, "module", kind, layer, what, detail)
                for name, layer, kind, what, detail in found]
     report.add_module_records(model, records)

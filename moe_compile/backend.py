@@ -22,12 +22,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+from torch._inductor import async_compile
 from torch._inductor.compile_fx import compile_fx
+from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
-from moe_compile import report
+from moe_compile import metrics, report
 from moe_compile.config import MoECompileConfig, split_options
 from moe_compile.ops.deterministic_flag import deterministic_sdpa
-from moe_compile.passes import enabled_passes, stage_passes
+from moe_compile.passes import check_pass_names, enabled_passes, stage_passes
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +58,6 @@ STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 
 
 def _compile_workers_started() -> bool:
-    from torch._inductor import async_compile
-
     return bool(getattr(async_compile, "_pool_set", ()))
 
 
@@ -70,10 +71,8 @@ def _restart_workers_without_static_launch() -> None:
     if not _restart_compile_workers:
         return
     _restart_compile_workers = False
-    from torch._inductor.async_compile import shutdown_compile_workers
-
     log.info("restarting Inductor's compile workers: they started before moe_compile set %s", STATIC_LAUNCH_ENV)
-    shutdown_compile_workers()
+    async_compile.shutdown_compile_workers()
 
 
 def inductor_patches(
@@ -87,8 +86,6 @@ def inductor_patches(
     if clashing:
         raise ValueError(f"options {clashing} are set by moe_compile itself; turn passes off with 'moe.passes'")
     patches.update(stage_passes(config))
-    from moe_compile import metrics
-
     patches.update(metrics.inductor_patches(config.metrics))
     return patches
 
@@ -122,6 +119,7 @@ def moe_backend(
 ) -> Any:
     """``torch.compile`` backend: Inductor with moe_compile's passes installed."""
     config, inductor_options = split_options(options)
+    check_pass_names(dict(config.passes))
     return compile_with_config(gm, example_inputs, config, mode, inductor_options)
 
 
@@ -129,6 +127,7 @@ class ConfiguredBackend:
     """A backend bound to a config (what :func:`moe_compile.compile` hands to ``torch.compile``)."""
 
     def __init__(self, config: MoECompileConfig) -> None:
+        check_pass_names(dict(config.passes))
         self.config = config
 
     def __call__(
@@ -148,8 +147,6 @@ class ConfiguredBackend:
 
 
 def _reset() -> None:
-    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
-
     reset_cudagraph_trees()
 
 
@@ -158,8 +155,6 @@ moe_backend.reset = _reset  # type: ignore[attr-defined]
 
 def register() -> None:
     """Register ``"moe_compile"`` with Dynamo (idempotent; the entry point does the same lazily)."""
-    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
-
     # When Dynamo found our entry point first, it registers the backend itself after importing us.
     if BACKEND_NAME in _COMPILER_FNS or _BACKENDS.get(BACKEND_NAME) is not None:
         return

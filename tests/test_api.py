@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import unittest
 import warnings
 
@@ -9,7 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import moe_compile
-from moe_compile import report
+from moe_compile import config, report
 from tests.passes._host_padding_checks import fresh_caches
 
 
@@ -99,6 +100,21 @@ class CompileApiTest(unittest.TestCase):
                 torch.testing.assert_close(compiled(y), loop(y))
             self.assertFalse([w for w in caught if "moe_compile.compile" in str(w.message)])
         self.assertFalse(torch._dynamo.config.capture_scalar_outputs)
+
+    def test_keywords_are_the_settings_tables_options(self):
+        """The explicit compile options of ``moe_compile.compile`` are ``config.OPTIONS`` with their defaults (None
+        for ``passes``: no overrides), and each one's Args entry begins with the table's doc."""
+        params = inspect.signature(moe_compile.compile).parameters
+        options = [name for name in params if name in config.SETTINGS]
+        self.assertEqual(set(options), set(config.OPTIONS))
+        own = {"model", "capture_host_syncs", "swap_expert_loops", "torch_compile_kwargs"}
+        self.assertEqual(set(params) - set(options), own)
+        doc = " ".join(inspect.getdoc(moe_compile.compile).replace("`", "").split())
+        for name in config.OPTIONS:
+            setting = config.SETTINGS[name]
+            default = params[name].default
+            self.assertEqual({} if default is None and setting.type is dict else default, setting.default, name)
+            self.assertIn(f" {name}: {setting.doc}", doc, name)
 
     def test_rejects_backend_and_unknown_options(self):
         with self.assertRaisesRegex(ValueError, "backend"):

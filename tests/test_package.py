@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import pathlib
 import re
 import subprocess
@@ -13,8 +15,10 @@ import torch
 import torch.fx as fx
 
 import moe_compile
+from moe_compile import config as config_mod
 from moe_compile import passes as passes_mod
-from moe_compile.config import make_config, split_options
+from moe_compile.backend import ConfiguredBackend
+from moe_compile.config import MoECompileConfig, make_config, split_options
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -46,12 +50,137 @@ def test_backend_after_import_honours_mode_and_options():
 def test_unknown_option_names_the_key():
     with pytest.raises(ValueError, match="bogus"):
         split_options({"moe.bogus": 1})
-    with pytest.raises(ValueError, match="no_such_pass"):
-        make_config(passes={"no_such_pass": True})
     with pytest.raises(TypeError, match="metrics"):
         make_config(metrics="yes")
     config, inductor = split_options({"moe.debug": True, "max_autotune": True})
     assert config.debug and inductor == {"max_autotune": True}
+
+
+def test_passes_values_must_be_bools():
+    """A string is not a switch: ``"false"`` used to leave the pass on."""
+    with pytest.raises(TypeError, match=r"passes=.*'fuse_dispatch': 'false'"):
+        make_config(passes={"fuse_dispatch": "false"})
+    with pytest.raises(TypeError, match="passes must be a mapping"):
+        make_config(passes=["fuse_dispatch"])
+    with pytest.raises(TypeError, match="passes"):
+        split_options({"moe.passes": {"fuse_dispatch": 0}})
+    assert make_config(passes=None) == make_config() == MoECompileConfig()
+    assert make_config(passes={"fuse_dispatch": False}).passes == (("fuse_dispatch", False),)
+
+
+def test_unknown_pass_names_raise_where_a_config_is_used():
+    """``passes`` checks its names: at ``moe_compile.compile``, at the backend's first compile for ``options=``, and
+    when a config is bound to a backend; config.py itself knows no passes."""
+    with pytest.raises(ValueError, match=r"no_such_pass.*passes="):
+        passes_mod.check_pass_names(["fuse_dispatch", "no_such_pass"])
+    passes_mod.check_pass_names([e.name for e in passes_mod.PASSES])
+    with pytest.raises(ValueError, match=r"no_such_pass.*passes="):
+        moe_compile.compile(torch.nn.Linear(2, 2), passes={"no_such_pass": True})
+    with pytest.raises(ValueError, match=r"no_such_pass.*passes="):
+        ConfiguredBackend(make_config(passes={"no_such_pass": True}))
+    torch._dynamo.reset()
+    options = {"moe.passes": {"no_such_pass": True}}
+    compiled = torch.compile(lambda x: x.sin() * 2, backend="moe_compile", options=options)
+    with pytest.raises(Exception, match=r"no_such_pass.*passes="):
+        compiled(torch.randn(3))
+    torch._dynamo.reset()
+
+
+def test_settings_table_matches_the_config():
+    """MoECompileConfig's fields are the table's compile options, with its defaults; ``requires`` names bool options."""
+    fields = {f.name: f.default for f in dataclasses.fields(MoECompileConfig)}
+    assert tuple(fields) == config_mod.OPTIONS
+    for name in config_mod.OPTIONS:
+        setting = config_mod.SETTINGS[name]
+        assert setting.kind == "option" and setting.env is None and setting.read == "per compile"
+        assert fields[name] == (tuple(setting.default.items()) if setting.type is dict else setting.default), name
+    for name in config_mod.ENV_SETTINGS:
+        setting = config_mod.SETTINGS[name]
+        assert setting.env == f"MOE_COMPILE_{name.upper()}" and setting.type in (bool, str)
+    for entry in passes_mod.PASSES:
+        for option in entry.requires:
+            assert config_mod.SETTINGS[option].kind == "option" and config_mod.SETTINGS[option].type is bool
+    for setting in config_mod.SETTINGS.values():
+        assert "\n" not in setting.doc and setting.doc, setting.name
+        assert setting.env or f"``moe.{setting.name}``" in config_mod.__doc__
+        assert not setting.env or f"``{setting.env}``" in config_mod.__doc__
+
+
+def test_env_setting(monkeypatch):
+    """Booleans: ``1`` on, ``0`` off, anything else the default; strings: the value, unset or empty the default."""
+    for value, tma, hw_fp4 in (("1", True, True), ("0", False, False), ("yes", True, False), ("", True, False)):
+        monkeypatch.setenv("MOE_COMPILE_TMA", value)
+        monkeypatch.setenv("MOE_COMPILE_HW_FP4", value)
+        assert (config_mod.env_setting("tma"), config_mod.env_setting("hw_fp4")) == (tma, hw_fp4), value
+    monkeypatch.delenv("MOE_COMPILE_TMA")
+    assert config_mod.env_setting("tma") is True
+    monkeypatch.setenv("MOE_COMPILE_GROUPED_GEMM", "triton")
+    assert config_mod.env_setting("grouped_gemm") == "triton"
+    monkeypatch.setenv("MOE_COMPILE_GROUPED_GEMM", "")
+    assert config_mod.env_setting("grouped_gemm") is None
+    with pytest.raises(KeyError, match="compile option"):
+        config_mod.env_setting("metrics")
+
+
+def test_environment_is_read_only_through_the_settings_table():
+    """No module but config.py reads a ``MOE_COMPILE_*`` variable, and config.py imports nothing of moe_compile."""
+    package = ROOT / "moe_compile"
+    for path in package.rglob("*.py"):
+        if path.name == "config.py" and path.parent == package:
+            continue
+        text = path.read_text()
+        assert not re.search(r"(environ|getenv)\b[^\n]*MOE_COMPILE_", text), path
+        assert not re.search(r"[\"']MOE_COMPILE_\w+[\"']", text), path
+    tree = ast.parse((package / "config.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m and m.startswith("moe_compile")}, imported
+
+
+def test_api_and_backend_import_at_the_top():
+    """No function-level imports left in api.py and backend.py (none of them would make a cycle)."""
+    for name in ("api.py", "backend.py"):
+        tree = ast.parse((ROOT / "moe_compile" / name).read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inner = [n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
+                assert not inner, f"{name}:{fn.name} imports at line {inner[0].lineno}"
+
+
+def test_every_setting_is_in_the_readme():
+    """README's Options section has a row per setting: its default, when an environment variable is read, and a
+    meaning that begins with the table's doc."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Options"):]
+    section = section[:section.index("\n### ", 1)]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) >= 3:
+            rows[cells[0].strip("`")] = cells[1:]
+    for setting in config_mod.SETTINGS.values():
+        key = setting.env or setting.name
+        assert key in rows, f"README's Options section lacks {key}"
+        default, *rest = rows[key]
+        shown = setting.default_text()
+        assert default == (shown if shown == "unset" else f"`{shown}`"), key
+        if setting.env:
+            assert rest[0] == setting.read, key
+        assert rest[-1].replace("`", "").startswith(setting.doc), key
+
+
+def test_passes_that_need_an_option_are_off_without_it():
+    """``requires``: not listed, not run, even when ``passes=`` turns them on; on with the option."""
+    needing = {e.name: e.requires for e in passes_mod.PASSES if e.requires}
+    assert needing == {"router_metrics": ("metrics",), "causal_mask": ("deterministic",),
+                       "deterministic_scatter": ("deterministic",), "deterministic_attention": ("deterministic",)}
+    off = make_config(passes=dict.fromkeys(needing, True))
+    assert not set(needing) & set(passes_mod.enabled_passes(off))
+    assert not {e.name for stage in passes_mod.stage_passes(off).values() for e in stage.entries} & set(needing)
+    on = make_config(metrics=True, deterministic=True)
+    assert set(needing) <= set(passes_mod.enabled_passes(on))
+    turned_off = make_config(metrics=True, passes={"router_metrics": False})
+    assert "router_metrics" not in passes_mod.enabled_passes(turned_off)
 
 
 def test_pass_that_raises_falls_back_with_warning(monkeypatch):

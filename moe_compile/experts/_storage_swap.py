@@ -31,6 +31,8 @@ from collections.abc import Callable
 
 import torch
 
+from moe_compile.config import env_setting
+
 log = logging.getLogger(__name__)
 
 Swapper = Callable[[torch.UntypedStorage, torch.UntypedStorage], None]
@@ -64,7 +66,7 @@ def storage_swapper() -> Swapper | None:
     native = torch_swapper()
     if native is not None:
         return native
-    if os.environ.get("MOE_COMPILE_STORAGE_SHIM", "1") == "0":
+    if not env_setting("storage_shim"):
         return None
     return shim_swapper()
 
@@ -92,7 +94,7 @@ def shim_swapper() -> Swapper | None:
 
 
 def _cache_dir() -> pathlib.Path:
-    root = os.environ.get("MOE_COMPILE_CACHE_DIR") or os.path.join(
+    root = env_setting("cache_dir") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moe_compile")
     return pathlib.Path(root)
 

@@ -40,7 +40,6 @@ Two ways to hold the parameter:
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -48,14 +47,14 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from torch.utils._pytree import tree_map
 from torchao.utils import TorchAOBaseTensor
 
+from moe_compile.config import env_setting
 from moe_compile.ops import grouped_mm as gmm
 
 aten = torch.ops.aten
 RECIPES = ("mxfp8", "nvfp4")
 BLOCK_SIZE = {"mxfp8": gmm.MX_BLOCK, "nvfp4": gmm.NV_BLOCK}
-# Opt-in: on compute capability >= 10 route NVFP4 through torchao's hardware grouped GEMM (MSLK
-# activation quantisation + F.scaled_grouped_mm). Untested here (no Blackwell); off by default.
-_HW_FP4_ENV = "MOE_COMPILE_HW_FP4"
+# Opt-in (MOE_COMPILE_HW_FP4=1, env_setting("hw_fp4")): on compute capability >= 10 route NVFP4 through torchao's
+# hardware grouped GEMM (MSLK activation quantisation + F.scaled_grouped_mm). Untested here (no Blackwell).
 
 
 # ===== quantisation (torchao primitives only) =====
@@ -283,7 +282,7 @@ def _hw_fp4_enabled(x: torch.Tensor, w: GroupedQuantWeight) -> bool:
     return (
         w.recipe == "nvfp4"
         and x.is_cuda
-        and os.environ.get(_HW_FP4_ENV) == "1"
+        and env_setting("hw_fp4")
         and w.dim() == 3
         and w.qdata.shape[1] % 128 == 0
         and (w.qdata.shape[2] * 2 // gmm.NV_BLOCK) % 4 == 0

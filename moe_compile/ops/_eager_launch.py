@@ -38,13 +38,14 @@ launch hooks, the launcher's device current) and only when every launch of the r
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 
-ENABLED = os.environ.get("MOE_COMPILE_CACHED_LAUNCH", "1") != "0"
+from moe_compile.config import env_setting
+
+ENABLED: bool = env_setting("cached_launch")  # MOE_COMPILE_CACHED_LAUNCH, read at import
 
 _INT32 = (-(2**31), 2**31)
 _INT64 = (-(2**63), 2**63)

@@ -9,10 +9,9 @@ grouped_weight.json); ``expert_gemm.py`` asks, nothing here launches.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from moe_compile.config import env_setting
 from moe_compile.ops import grouped_mm as gmm
 
 # NOTE [grouped GEMM choice]: per kind of GEMM, the rows per expert (M / E) at which the Triton family beats CUTLASS
@@ -46,7 +45,6 @@ TRITON_ROWS_PER_EXPERT: dict[str, tuple[tuple[float, int, int], ...]] = {
 # below that (benchmarks/results/quant_block.json); the un-gated GEMMs alone stay on the weight-only kernels, which
 # win at every T measured but NVFP4 at T4096 (benchmarks/results/grouped_weight.json).
 QUANT_FAMILY_ROWS_FROM: dict[str, int] = {"gated": 256}
-_ENV_CHOICE = "MOE_COMPILE_GROUPED_GEMM"  # "triton" / "cutlass" (for quantised weights: weight-only) / unset (the table)
 
 
 def use_triton_grouped_gemm(
@@ -65,7 +63,7 @@ def use_triton_grouped_gemm(
         return True
     if fmt == "plain" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] not in (9, 10)):
         return True
-    choice = os.environ.get(_ENV_CHOICE, "")
+    choice = env_setting("grouped_gemm")  # MOE_COMPILE_GROUPED_GEMM
     if choice in ("triton", "cutlass"):
         return choice == "triton"
     rows = M / max(E, 1)

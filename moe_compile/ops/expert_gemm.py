@@ -30,7 +30,6 @@ map). Every step is deterministic.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
@@ -38,6 +37,7 @@ import triton
 from torch.library import triton_op, wrap_triton
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from moe_compile.config import env_setting
 from moe_compile.ops import _common
 from moe_compile.ops import grouped_mm as gmm
 from moe_compile.ops._expert_gemm_tuning import gemm_kind, pick_config, use_triton_grouped_gemm, wgrad_config
@@ -119,7 +119,7 @@ def _tma_enabled(x: torch.Tensor, fmt: str) -> bool:
     """TMA loads (NOTE [TMA loads] (moe_compile/ops/triton/expert_gemm.py)) on sm90+; ``MOE_COMPILE_TMA=0`` turns
     them off. The descriptors' scratch memory comes from Triton's allocator: ``_set_tma_allocator`` in eager, and
     Inductor sets its own around the kernels it launches (torch 2.11 and 2.13 both do)."""
-    if os.environ.get("MOE_COMPILE_TMA", "1") == "0" or fmt != "plain" or not x.is_cuda or x.dtype == torch.float32:
+    if not env_setting("tma") or fmt != "plain" or not x.is_cuda or x.dtype == torch.float32:
         return False
     return hasattr(triton, "set_allocator") and torch.cuda.get_device_capability(x.device)[0] >= 9
 

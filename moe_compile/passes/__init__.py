@@ -22,7 +22,7 @@ import logging
 import pathlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch.fx as fx
@@ -38,16 +38,25 @@ Stage = Literal["pre_grad", "joint", "post_grad"]
 
 @dataclasses.dataclass(frozen=True)
 class PassEntry:
+    """One registered pass. ``requires`` names bool compile options (``moe_compile.config.OPTIONS``) without
+    which the pass cannot act: with one of them off the pass is neither listed as enabled nor run, even when
+    ``passes={name: True}`` names it (which then does nothing, as the pass itself used to return early)."""
+
     name: str
     stage: Stage
     # "module:function", imported lazily so that a broken pass module cannot break `import moe_compile`
     target: str
     default: bool = True
     doc: str = ""
+    requires: tuple[str, ...] = ()
 
     def load(self) -> Callable[[fx.Graph, PassContext], None]:
         module, fn = self.target.split(":")
         return getattr(importlib.import_module(module), fn)
+
+    def enabled(self, config: MoECompileConfig) -> bool:
+        """Whether this pass runs under ``config``: on (``passes=`` or its default) and every required option on."""
+        return config.pass_enabled(self.name, self.default) and all(getattr(config, r) for r in self.requires)
 
 
 # Run order within each stage is the order of this tuple.
@@ -64,16 +73,20 @@ PASSES: tuple[PassEntry, ...] = (
               doc="grouped GEMM + GLU (any spelling, checked on a probe) of a rewritten layer -> moe.expert_gemm "
                   "with the GLU in its epilogue"),
     PassEntry("router_metrics", "pre_grad", "moe_compile.passes.router_metrics:run", default=True,
+              requires=("metrics",),
               doc="with metrics=True: on-device router statistics per MoE layer (moe_compile.metrics)"),
     PassEntry("causal_mask", "pre_grad", "moe_compile.passes.causal_mask:run", default=True,
+              requires=("deterministic",),
               doc="with deterministic=True: a constant causal attn_mask -> is_causal=True (flash attention)"),
     PassEntry("deterministic_accumulate", "joint", "moe_compile.passes.deterministic_accumulate:run", default=True,
               doc="scatter-adds into zeros: plain scatters for distinct (top-k/sort) indices, one-hot GEMMs "
                   "for per-expert gathers' backward (no atomics)"),
     PassEntry("deterministic_scatter", "joint", "moe_compile.passes.deterministic_scatter:run", default=True,
+              requires=("deterministic",),
               doc="with deterministic=True: every accumulating scatter left (embedding backward included) -> "
                   "moe.segment_sum (stable sort + fixed-order segment sums, no atomics)"),
     PassEntry("deterministic_attention", "joint", "moe_compile.passes.deterministic_attention:run", default=True,
+              requires=("deterministic",),
               doc="with deterministic=True: flash / memory-efficient attention backward called with torch's "
                   "deterministic flag on (fixed-order dQ)"),
     PassEntry("audit", "post_grad", "moe_compile.passes.audit:run", default=True,
@@ -155,9 +168,7 @@ class StagePass(CustomGraphPass):
     def __init__(self, stage: Stage, config: MoECompileConfig) -> None:
         self.stage = stage
         self.config = config
-        self.entries = tuple(
-            e for e in PASSES if e.stage == stage and config.pass_enabled(e.name, e.default)
-        )
+        self.entries = tuple(e for e in PASSES if e.stage == stage and e.enabled(config))
 
     def __call__(self, graph: fx.Graph) -> None:
         if self.stage == "pre_grad":
@@ -206,7 +217,17 @@ def stage_passes(config: MoECompileConfig) -> dict[str, StagePass]:
 
 
 def enabled_passes(config: MoECompileConfig) -> list[str]:
-    return [e.name for e in PASSES if config.pass_enabled(e.name, e.default)]
+    """The names of the passes that run under ``config``, in run order within each stage."""
+    return [e.name for e in PASSES if e.enabled(config)]
 
 
-__all__ = ["PASSES", "NoMatch", "PassContext", "PassEntry", "StagePass", "enabled_passes", "stage_passes"]
+def check_pass_names(names: Iterable[str]) -> None:
+    """Raise ValueError, naming the ``passes=`` argument, for names that are not in :data:`PASSES`."""
+    known = {e.name for e in PASSES}
+    bad = sorted(set(names) - known)
+    if bad:
+        raise ValueError(f"unknown pass name(s) {bad} in passes=; known: {sorted(known)}")
+
+
+__all__ = ["PASSES", "NoMatch", "PassContext", "PassEntry", "StagePass", "check_pass_names", "enabled_passes",
+           "stage_passes"]

@@ -38,8 +38,6 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 
 
 def run(graph: fx.Graph, ctx: PassContext) -> None:
-    if not ctx.config.deterministic:
-        return
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not SDPA:
             continue

@@ -37,8 +37,6 @@ from moe_compile.passes._graph import layer_name, op_name
 
 
 def run(graph: fx.Graph, ctx: PassContext) -> None:
-    if not ctx.config.deterministic:
-        return
     for node in graph.nodes:
         if node.op == "call_function" and node.target in WRAPPED:
             before = op_name(node)

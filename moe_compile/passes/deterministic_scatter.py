@@ -69,8 +69,6 @@ _INPLACE = {aten.index_put_.default, aten.index_add_.default, aten.scatter_add_.
 
 
 def run(graph: fx.Graph, ctx: PassContext) -> None:
-    if not ctx.config.deterministic:
-        return
     for name, matches, rewrite in REWRITES:
         for node in list(graph.nodes):
             if not matches(node):

@@ -70,8 +70,6 @@ class Router:
 
 
 def run(graph: fx.Graph, ctx: PassContext) -> None:
-    if not ctx.config.metrics:
-        return
     gm = graph.owning_module
     if gm is None:
         ctx.skip("<graph>", "no_graph_module", "the pre-grad graph has no owning module to hold accumulators")

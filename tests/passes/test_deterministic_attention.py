@@ -12,13 +12,21 @@ import torch.fx as fx
 
 from moe_compile.config import make_config
 from moe_compile.ops import deterministic_flag
-from moe_compile.passes import PassContext, deterministic_attention
+from moe_compile.passes import PassContext, StagePass, deterministic_attention
 
 aten = torch.ops.aten
 
 
 def _ctx(on: bool) -> PassContext:
     return PassContext(make_config(deterministic=on), "joint", "deterministic_attention", True)
+
+
+def _run_stage(graph: fx.Graph, on: bool) -> None:
+    """The joint stage with only this pass on: without ``deterministic=True`` it does not run (its ``requires``)."""
+    others = {"deterministic_accumulate": False, "deterministic_scatter": False}
+    stage = StagePass("joint", make_config(deterministic=on, strict=True, passes=others))
+    assert [e.name for e in stage.entries] == (["deterministic_attention"] if on else [])
+    stage(graph)
 
 
 def _graph_with(op) -> tuple[fx.Graph, fx.Node]:
@@ -35,7 +43,7 @@ def _graph_with(op) -> tuple[fx.Graph, fx.Node]:
 def test_attention_backward_is_pointed_at_the_flagged_op(name, on):
     aten_op = getattr(aten, name).default
     graph, node = _graph_with(aten_op)
-    deterministic_attention.run(graph, _ctx(on))
+    _run_stage(graph, on)
     if on:
         assert node.target is deterministic_flag.WRAPPED[aten_op]
         ours, theirs = str(node.target._schema), str(aten_op._schema)

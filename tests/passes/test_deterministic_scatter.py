@@ -14,7 +14,7 @@ from torch import nn
 from moe_compile import report
 from moe_compile.backend import ConfiguredBackend
 from moe_compile.config import make_config
-from moe_compile.passes import PassContext, deterministic_scatter
+from moe_compile.passes import PassContext, StagePass, deterministic_scatter
 from tests.passes._harness import accumulates, check_rewrite, compile_and_run, no_accumulation
 
 DETERMINISTIC = make_config(deterministic=True, strict=True)
@@ -134,11 +134,15 @@ def test_raw_embedding_dense_backward(padding_idx, scale):
 
 
 def test_option_off_leaves_the_graph_unchanged():
+    """Without ``deterministic=True`` the joint stage does not run the pass (its ``requires``), even when
+    ``passes=`` turns it on."""
     grad, ids = torch.randn(4, 8), torch.randint(0, 12, (4,))
     gm = _traced(lambda g, i: torch.ops.aten.embedding_dense_backward(g, i, 12, -1, False), grad, ids)
     before = str(gm.graph)
+    stage = StagePass("joint", make_config(passes={"deterministic_scatter": True, "deterministic_accumulate": False}))
+    assert not stage.entries
     with report.collecting() as rep:
-        deterministic_scatter.run(gm.graph, _ctx(make_config()))
+        stage(gm.graph)
     assert str(gm.graph) == before and not rep.records
 
 
