@@ -5,9 +5,9 @@ Compares, per shape (bf16, align 32, uniform top-k routing):
 * ``ours_graph``: the Triton ops, ``GRAPH_CALLS`` calls captured in one CUDA graph, replay time per
   call: the GPU time alone, which is what ``torch.compile(mode="reduce-overhead")`` users see;
 * ``ours_eager``: the same ops called eagerly through the public wrappers (argument checks,
-  allocations and Triton launches included, the custom-op dispatcher skipped as NOTE [eager fast path]
-  allows; the backward ops go through it): when that host work takes longer than the kernels, this
-  measures the host;
+  allocations and Triton launches included, the custom-op dispatcher skipped as
+  NOTE [eager fast path] (moe_compile/ops/_common.py) allows; the backward ops go through it): when that host work takes
+  longer than the kernels, this measures the host;
 * ``torch_eager``: the usual PyTorch formulation: stable argsort, ``counts.tolist()`` to size the
   padded buffer on the host, ``index_select``/``index_copy`` permute, ``index_add`` combine (backward:
   autograd); it syncs with the host, so it cannot be graph-captured;

@@ -12,7 +12,8 @@ for both and left out):
   epilogue, ``expert_gemm`` down with the row weight in its epilogue. ``MOE_COMPILE_GROUPED_GEMM=triton``
   forces the Triton kernels everywhere (the op's heuristic is what this benchmark calibrates);
 * ``auto``: the same ops as shipped: each GEMM (forward, dX, wgrad) picks Triton or CUTLASS from the table;
-  where CUTLASS runs, the epilogue is one Triton pass in eager (NOTE [standalone epilogues]).
+  where CUTLASS runs, the epilogue is one Triton pass in eager
+  (NOTE [standalone epilogues] (moe_compile/ops/triton/expert_epilogue.py)).
 
 Per shape: ``block`` fwd and fwd+bwd (autograd w.r.t. x, both weights and the probs), and each GEMM alone
 (``gate_up``: gather + SwiGLU vs permuted copy + ``_grouped_mm`` + the standalone SwiGLU epilogue; ``down``: row
@@ -20,21 +21,23 @@ weight in the epilogue vs ``_grouped_mm`` + the standalone row-weight epilogue: 
 runs), forward, and the backward's four: ``*_dx`` (against the transposed weights) and
 ``*_wgrad`` (``gate_up_wgrad`` gathers ``x`` through the row map; CUTLASS's time includes the gather). Quantised (Qwen3-like, T in {1, 64, 4096}): forward block with MXFP8 / NVFP4
 weight-only ``expert_gemm`` vs the bf16 ``cutlass`` and ``triton`` blocks. ``--tma`` adds a Triton forward row
-with pointer loads instead of the TMA loads it uses by default on sm90 (``MOE_COMPILE_TMA=0``, NOTE [TMA loads]).
+with pointer loads instead of the TMA loads it uses by default on sm90 (``MOE_COMPILE_TMA=0``,
+NOTE [TMA loads] (moe_compile/ops/triton/expert_gemm.py)).
 
 Timing: ``triton.testing.do_bench_cudagraph`` (GPU time of a CUDA-graph replay: kernel time without
 launch gaps), median; the forward+backward blocks: GPU kernel time from ``torch.profiler`` (:func:`kernel_us`
 says why), ``timing`` says which. TFLOP/s counts the real routed rows ``T*K``: ``2*T*K*H*2I`` (gate_up) +
 ``2*T*K*I*H`` (down) forward, 3x that forward+backward. ``err``: max |triton - cutlass| / max |cutlass| of
 the block output. ``bitwise``: the Triton block's output and gradients equal over two runs. ``choice``:
-which implementation is faster per GEMM: feed it to ``TRITON_ROWS_PER_EXPERT`` (NOTE [grouped GEMM
-choice] in ``moe_compile/ops/_expert_gemm_tuning.py``). Targets (H100): Qwen3 block fwd+bwd <= 2.2 ms at T 4096;
-Mixtral no slower than CUTLASS; MXFP8 / NVFP4 at T 4096 no slower than bf16.
+which implementation is faster per GEMM: feed it to ``TRITON_ROWS_PER_EXPERT``
+(NOTE [grouped GEMM choice] (moe_compile/ops/_expert_gemm_tuning.py)). Targets (H100): Qwen3 block fwd+bwd <= 2.2 ms at
+T 4096; Mixtral no slower than CUTLASS; MXFP8 / NVFP4 at T 4096 no slower than bf16.
 
 Usage, from the repository root: ``python -m benchmarks.bench_grouped_gemm [--save] [--quick] [--budget-s 170]
 [--tma]`` (``--save`` writes ``benchmarks/results/grouped_gemm.json``). Whatever is left once the budget is spent is
 skipped (and listed). ``--sweep`` (saved as ``grouped_gemm_sweep.json``) times instead every tile candidate of the Triton forward, dX
-and wgrad GEMMs next to the shipped tiles and CUTLASS: the data behind NOTE [expert GEMM tiles] and ``wgrad_config``.
+and wgrad GEMMs next to the shipped tiles and CUTLASS: the data behind
+NOTE [expert GEMM tiles] (moe_compile/ops/_expert_gemm_tuning.py) and ``wgrad_config``.
 """
 
 from __future__ import annotations
@@ -174,7 +177,8 @@ def run_shape(s: Shape, T: int, gen, args) -> list[dict]:
 
     blocks = {"cutlass": lambda a, p, w1, w2: cutlass_block(a, ids, p, w1, w2, s.E),
               "triton": lambda a, p, w1, w2: triton_block(a, ids, p, w1, w2, s.E)}  # fmt: skip
-    # "auto": the Triton block's ops as shipped (each GEMM picks Triton or CUTLASS from NOTE [grouped GEMM choice])
+    # "auto": the Triton block's ops as shipped (each GEMM picks Triton or CUTLASS from
+    # NOTE [grouped GEMM choice] (moe_compile/ops/_expert_gemm_tuning.py))
     blocks["auto"] = blocks["triton"]
     choice_env = {"cutlass": "triton", "triton": "triton", "auto": ""}
     with env(MOE_COMPILE_GROUPED_GEMM="triton"):
@@ -263,7 +267,7 @@ def run_quant(T: int, gen, args) -> list[dict]:
 
 
 # --sweep: tile candidates of ``_expert_gemm_kernel`` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SWAP_AB), next to
-# the shipped ``pick_config`` choice and CUTLASS (NOTE [expert GEMM tiles] in moe_compile/ops/_expert_gemm_tuning.py)
+# the shipped ``pick_config`` choice and CUTLASS (NOTE [expert GEMM tiles] (moe_compile/ops/_expert_gemm_tuning.py))
 SWEEP_CASES = (("qwen3_moe", 4096), ("qwen3_moe", 16384), ("deepseek_v3", 4096), ("mixtral", 4096), ("qwen3_moe", 1024))
 SWEEP_GATED = ((128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True), (256, 64, 64, 8, 3, True),
                (256, 64, 64, 8, 3, False), (128, 64, 64, 8, 4, True), (128, 128, 128, 8, 3, True),
@@ -280,7 +284,7 @@ def _sweep_label(bm, bn, bk, warps, stages, swap) -> tuple[str, dict]:
     return label, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SWAP_AB=swap)
 
 
-# wgrad (BLOCK_N, BLOCK_K, BLOCK_M rows a step, warps, stages, GROUP_N); ``wgrad_config``'s NOTE
+# wgrad (BLOCK_N, BLOCK_K, BLOCK_M rows a step, warps, stages, GROUP_N); see ``wgrad_config``'s docstring
 SWEEP_WGRAD = ((128, 256, 64, 8, 3, 4), (128, 256, 32, 8, 5, 4), (128, 256, 32, 8, 4, 4), (128, 256, 64, 8, 4, 4),
                (128, 256, 64, 8, 3, 8), (256, 128, 64, 8, 3, 4), (128, 128, 64, 8, 3, 4))
 
@@ -390,8 +394,8 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=170.0, help="skip what is left after this many seconds")
     parser.add_argument("--tma", action="store_true", help="also time the Triton forward with pointer loads "
                                                                "(MOE_COMPILE_TMA=0) next to its default TMA loads")
-    parser.add_argument("--sweep", action="store_true", help="time the tile candidates per GEMM instead (NOTE [expert "
-                                                                 "GEMM tiles]); prints the best per GEMM")
+    parser.add_argument("--sweep", action="store_true", help="time the tile candidates per GEMM instead "
+                        "(NOTE [expert GEMM tiles] (moe_compile/ops/_expert_gemm_tuning.py)); prints the best per GEMM")
     parser.add_argument("--sweep-no-wgrad", action="store_true", help="with --sweep: skip the wgrad candidates")
     parser.add_argument("--sweep-cases", default=None, help="with --sweep: only these, e.g. qwen3_moe:4096,mixtral:4096")
     args, _ = parser.parse_known_args()

@@ -24,7 +24,7 @@ re-reading the same few experts from L2; the time is per routing.
 
 Columns: time, speedup vs bf16, weight memory (both GEMMs), relative error of the output vs the bf16
 weights (quantisation error) and vs dequantise-then-bf16 (kernel error: for NVFP4 the reference's bf16 rounding
-of each weight, which the kernel does not do; NOTE [NVFP4 decode]), time / floor.
+of each weight, which the kernel does not do; NOTE [NVFP4 decode] (moe_compile/ops/triton/grouped_mm.py)), time / floor.
 Targets at T <= 64: mxfp8 >= 1.8x and nvfp4 >= 3x faster than bf16.
 
 Usage, from the repository root: ``python -m benchmarks.bench_grouped_weight [--save] [--quick] [--sweep]

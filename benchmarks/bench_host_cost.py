@@ -29,8 +29,8 @@ Layers (``torch.compile(layer, backend=..., fullgraph=True)``, as the issue meas
 * ``qwen3``: transformers' ``Qwen3MoeSparseMoeBlock`` (H 2048, I 768, E 128, K 8), T in {1, 64, 4096} forward;
 * ``mixtral``: transformers' ``MixtralSparseMoeBlock`` (H 4096, I 3584, E 8, K 2), T in {1, 64, 4096} forward;
 * ``permute_pad``: ``moe_compile.ops.permute_pad`` alone (eager public wrapper; the same with Triton's own
-  launch path instead of the cached launch, NOTE [cached eager launch]; and compiled with plain Inductor, whose
-  generated code launches the kernels) against its bandwidth floor (bytes read and
+  launch path instead of the cached launch, NOTE [cached eager launch] (moe_compile/ops/_eager_launch.py); and compiled
+  with plain Inductor, whose generated code launches the kernels) against its bandwidth floor (bytes read and
   written / measured copy bandwidth), T8192 H4096 E8 K2 and T16384 H2048 E64 K8 (align 32).
 
 Variants: ``eager``; ``inductor`` (default backend); ``moe`` (``backend="moe_compile"``). Targets

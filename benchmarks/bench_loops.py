@@ -82,7 +82,8 @@ class Result:
     grad_err: float
     swapped: int
     cuda_graph: str = ""
-    recycled_grads: bool = False  # NOTE [recycled gradient views] active (no CUDA graphs)
+    # NOTE [recycled gradient views] (moe_compile/experts/_grad_views.py) active (no CUDA graphs)
+    recycled_grads: bool = False
     note: str = ""
 
 

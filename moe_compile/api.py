@@ -74,8 +74,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
             loop over an ``nn.ModuleList`` (or stacked weights) of experts get a fused forward
             (``moe_compile/experts/swap.py``). ``explain`` lists what was swapped and what was left, with reasons.
             Without CUDA graphs the per-expert gradient views of swapped ModuleList blocks are recycled from
-            step to step, and each call first frees the gradient memory that ``zero_grad`` let go of (NOTE
-            [recycled gradient views] in ``moe_compile/experts/_grad_views.py``).
+            step to step, and each call first frees the gradient memory that ``zero_grad`` let go of
+            (NOTE [recycled gradient views] (moe_compile/experts/_grad_views.py)).
         **torch_compile_kwargs: ``mode``, ``options``, ``dynamic``, ``fullgraph``, ... as for
             ``torch.compile`` (``backend`` is set here and rejected).
 
@@ -126,8 +126,8 @@ def _uses_cuda_graphs(torch_compile_kwargs: dict[str, Any]) -> bool:
 
 
 def _recycle_expert_gradients(model: torch.nn.Module, on: bool) -> list[Any]:
-    """Turn NOTE [recycled gradient views] (``experts/_grad_views.py``) on or off for ``model``'s swapped ModuleList
-    blocks; returns their grouped views, whose gradient memory every call of the compiled model releases."""
+    """Turn NOTE [recycled gradient views] (moe_compile/experts/_grad_views.py) on or off for ``model``'s swapped
+    ModuleList blocks; returns their grouped views, whose gradient memory every call of the compiled model releases."""
     grouped = [m._moe_compile_views for m in model.modules() if getattr(m, "_moe_compile_views", None) is not None]
     for views in grouped:
         views.recycle_gradients(on)
