@@ -365,7 +365,7 @@ def prove_id_range(sorted_ids: SortedIds, gathers: Gathers, num_experts: int) ->
     for clamp in sorted_ids.id_clamps:
         low, high = _clamp_bounds(clamp)
         if (low is not None and low > 0) or (high is not None and high < num_experts - 1):
-            raise NoMatch("expert_ids_mutated", lambda: f"{clamp.name} clamps expert ids to [{low}, {high}], "
+            raise NoMatch("expert_ids_mutated", f"{clamp.name} clamps expert ids to [{low}, {high}], "
                           f"which changes ids in [0, {num_experts})")
     sentinel_tests = tuple(u for n in sorted(gathers.sorted_ids, key=lambda n: n.name) for u in n.users
                            if _is_sentinel_test(u, n, num_experts))

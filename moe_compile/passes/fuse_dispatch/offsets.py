@@ -29,7 +29,13 @@ from moe_compile.passes import NoMatch
 from moe_compile.passes._graph import arg, known_int, same_int, tensor_val
 from moe_compile.passes.forms import index_algebra as ia
 from moe_compile.passes.forms.counts import expert_counts, ids_base
-from moe_compile.passes.fuse_dispatch.steps import Gathers, Offsets, Padding, RowRegion, SortedIds
+from moe_compile.passes.fuse_dispatch.steps import (
+    Gathers,
+    Offsets,
+    Padding,
+    RowRegion,
+    SortedIds,
+)
 
 
 def _alignment_of_offsets(form: ia.Form) -> int | None:
