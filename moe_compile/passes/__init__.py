@@ -95,14 +95,33 @@ PASSES: tuple[PassEntry, ...] = (
 )
 
 
+# a skip's sentence, or a function that writes it: matchers raise many NoMatch that nobody reports (a sort
+# that is no dispatch at all), so a detail that is costly to format can wait until it is read
+Detail = str | Callable[[], str]
+
+
 class NoMatch(Exception):
     """A candidate region a pass cannot rewrite: ``reason`` is a tag (see the pass's docstring), ``detail``
-    a sentence; a pass records both with :meth:`PassContext.skip`."""
+    a sentence; a pass records both with :meth:`PassContext.skip`.
 
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
+    ``detail`` may be given as a zero-argument function returning the sentence; it is called once, the first
+    time :attr:`detail` or ``str(exc)`` is read.
+    """
+
+    def __init__(self, reason: str, detail: Detail = "") -> None:
+        super().__init__(reason)
         self.reason = reason
-        self.detail = detail
+        self._detail = detail
+
+    @property
+    def detail(self) -> str:
+        if callable(self._detail):
+            self._detail = self._detail()
+        return self._detail
+
+    def __str__(self) -> str:
+        detail = self.detail
+        return f"{self.reason}: {detail}" if detail else self.reason
 
 
 @dataclasses.dataclass
@@ -119,7 +138,10 @@ class PassContext:
         log.info("[%s] %s: rewrote %s -> %s", self.pass_name, layer, matched, replaced_by)
         report.add(report.PassRecord(self.pass_name, self.stage, "rewrite", layer, matched, replaced_by))
 
-    def skip(self, layer: str, reason: str, detail: str = "") -> None:
+    def skip(self, layer: str, reason: str, detail: Detail = "") -> None:
+        """Record that ``layer`` was left alone, and why; a callable ``detail`` is formatted here."""
+        if callable(detail):
+            detail = detail()
         log.info("[%s] %s: skipped (%s) %s", self.pass_name, layer, reason, detail)
         report.add(report.PassRecord(self.pass_name, self.stage, "skip", layer, reason, detail))
 

@@ -26,9 +26,10 @@ Rewrites to:
     deterministic autograd (no ``index_put(accumulate=True)`` / atomic adds from ``x[perm // K]``).
 
 Fires when:
-    every step above is proven (see ``_dispatch_match`` and ``_dispatch_region``): in particular the region is row-wise, so
-    the row order inside an expert (HF's unstable sort vs our stable one) and the padded layout do not
-    change any combined value.
+    every step above is proven (:mod:`~moe_compile.passes.fuse_dispatch.match` runs the steps, each
+    returning a frozen result of :mod:`~moe_compile.passes.fuse_dispatch.steps`): in particular the region
+    is row-wise, so the row order inside an expert (HF's unstable sort vs our stable one) and the padded
+    layout do not change any combined value.
 
 Skips when (reason tags, reported through ``explain``):
     ``descending_sort``, ``expert_ids_mutated`` (in-place writes to the ids that change ids in

@@ -7,11 +7,16 @@ from outside the region may only broadcast along rows or depend on the sorted id
 un-permute + top-k sum, or an accumulate (``index_add_`` / ``scatter_add_`` / ``index_put_(accumulate=True)``)
 into zeros at ``perm // K`` (:mod:`moe_compile.passes.forms.combine` reads its spellings). Also here: the row
 gathers and buffers both steps recognise, which the matcher imports.
+
+    RegionProof(order, SortedIds, Gathers, Padding | None).prove() -> RowRegion
+        before: gathered rows x[perm // K], w[perm] (space S) and padded buffers (space M), each op below them
+        after:  RowRegion.spaces (node -> "S" | "M"), .grouped_mms, .unpads (Y[dest_S]), .combine (Combine)
+
+The offsets of ``RowRegion.grouped_mms`` are proven next (:mod:`moe_compile.passes.fuse_dispatch.offsets`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -43,31 +48,13 @@ from moe_compile.passes.forms.ops import (
     SPLITS,
     UNARY,
 )
-
-
-@dataclasses.dataclass
-class Combine:
-    kind: str  # "inverse_perm_sum" | "index_add" | "scatter_add" | "index_put"
-    source: fx.Node  # the region node combined ([S, H] sorted rows)
-    result: fx.Node  # the node whose value is the combined [T, H]
-    inplace_buffer: fx.Node | None  # the zeros buffer an in-place accumulate mutated
-    nodes: list[fx.Node]  # combine nodes to erase after rewiring
-    # routing weight applied after un-permuting, in [T, K] order ((y.view(T, K, H) * w[..., None]).sum(1))
-    weight_TK: fx.Node | None = None
-
-
-@dataclasses.dataclass
-class Padding:
-    align: int
-    num_rows: Any  # M of the user's buffer (int or SymInt)
-    dest: fx.Node  # padded destination rows of the sorted rows [S]
-    seeds: list[fx.Node]  # padded [M, H] row buffers (replaced by rows_MH)
-    prob_seeds: list[fx.Node]  # padded [M] probs buffers (replaced by probs_M)
-    writes: list[fx.Node]  # in-place writes that build the padded buffers (erased)
-    unpads: list[fx.Node]  # Y[dest] gathers back to sorted rows (replaced by Y)
-    # seeds written with the token rows weighted before the experts (x[perm // K] * w[perm][:, None]):
-    # replaced by rows_MH * probs_M[:, None] in the rows' dtype
-    weighted_seeds: list[fx.Node] = dataclasses.field(default_factory=list)
+from moe_compile.passes.fuse_dispatch.steps import (
+    Combine,
+    Gathers,
+    Padding,
+    RowRegion,
+    SortedIds,
+)
 
 
 def is_int_tensor(node: Any, ndim: int | None = None) -> bool:
@@ -148,13 +135,28 @@ def unpermute_sum_candidate(u: fx.Node, y: fx.Node) -> fx.Node | None:
 
 
 class RegionProof:
-    """The region and combine steps of :class:`~moe_compile.passes.fuse_dispatch.match.Matcher` (a mixin).
+    """Steps 5 and 6: :meth:`prove` walks from the gathered (and padded) rows to the combine.
 
-    Reads what the matcher's earlier steps set: ``order`` (node -> topological index), ``perm``, ``S`` (sorted
-    rows), ``top_k``, ``sorted_ids``, ``matched`` (the proof's log) and ``_num_tokens()``.
+    Built from the earlier steps' results: ``order`` (node -> topological index), :class:`SortedIds` (``perm``,
+    ``S`` the sorted rows), :class:`Gathers` (the seeds, ``top_k``, ``T``, ``sorted_ids``) and the
+    :class:`Padding` found, if any.
     """
 
-    def _region(self, token_gathers, weight_gathers, padding: Padding | None):
+    def __init__(self, order: dict[fx.Node, int], sorted_ids: SortedIds, gathers: Gathers,
+                 padding: Padding | None) -> None:
+        self.order = order
+        self.perm = sorted_ids.perm
+        self.S = sorted_ids.num_rows
+        self.top_k = gathers.top_k
+        self.num_tokens = gathers.num_tokens
+        self.sorted_ids = gathers.sorted_ids
+        self.gathers = gathers
+        self.padding = padding
+
+    def prove(self) -> RowRegion:
+        """The row-wise region and its one combine, else raise :class:`NoMatch`."""
+        token_gathers, weight_gathers = self.gathers.token_gathers, self.gathers.weight_gathers
+        padding = self.padding
         region: dict[fx.Node, str] = {}
         skip_users: set[fx.Node] = set()
         seeds: dict[fx.Node, str] = {}
@@ -185,13 +187,14 @@ class RegionProof:
         # 2. classify in topological order, so every operand from the region is known first
         region.update(seeds)
         grouped_mms: list[fx.Node] = []
+        unpads: list[fx.Node] = []
         n_rowwise = 0
         for u in sorted(reach, key=self.order.__getitem__):
             if u in skip_users:
                 continue
             node = next((a for a in u.all_input_nodes if a in region), None)
             if padding is not None and node is not None and region[node] == "M" and self._is_unpad(u, node, padding):
-                padding.unpads.append(u)
+                unpads.append(u)
                 region[u] = "S"
                 continue
             region[u] = self._rowwise(u, region)
@@ -210,12 +213,12 @@ class RegionProof:
             raise NoMatch("combine_not_matched", "combine reads padded rows directly")
         if not grouped_mms:
             raise NoMatch("no_grouped_gemm", "no grouped GEMM between the gathers and the combine")
-        if padding is not None and not padding.unpads:
+        if padding is not None and not unpads:
             raise NoMatch("padding_not_proven", "padded rows never gathered back at dest")
-        self.matched.append(f"{len(grouped_mms)}x grouped_mm")
-        self.matched.append(f"row-wise region ({n_rowwise} ops)")
-        self.matched.append(f"combine({combine.kind})")
-        return region, grouped_mms, combine
+        matched = (f"{len(grouped_mms)}x grouped_mm", f"row-wise region ({n_rowwise} ops)",
+                   f"combine({combine.kind})")
+        return RowRegion(spaces=region, grouped_mms=tuple(grouped_mms), unpads=tuple(unpads), combine=combine,
+                         matched=matched)
 
     def _is_unpad(self, u: fx.Node, node: fx.Node, padding: Padding) -> bool:
         parts = gather_parts(u)
@@ -425,7 +428,8 @@ class RegionProof:
             if found is None or found.rows is not y:
                 raise NoMatch("combine_not_matched", f"{u.name} un-permutes the rows, but {total.name} is not "
                               "a (weighted) sum of their [T, K, H] view")
-            return Combine(found.kind, y, total, None, found.nodes, weight_TK=found.weight_TK)
+            return Combine(kind=found.kind, source=y, result=total, inplace_buffer=None, nodes=tuple(found.nodes),
+                           weight_TK=found.weight_TK)
         # (b) zeros[T, H] accumulated at perm // K
         acc = read_accumulate(u)
         if acc is None or acc.src is not y or acc.buffer is y:
@@ -440,7 +444,7 @@ class RegionProof:
         shape = zeros_buffer_shape(buf)
         if shape is None:
             raise NoMatch("combine_not_matched", f"{u.name} ({kind}) accumulates into a non-zero buffer")
-        if not same_shape(shape, (self._num_tokens(), tensor_val(y).shape[1])):
+        if not same_shape(shape, (self.num_tokens, tensor_val(y).shape[1])):
             raise NoMatch("combine_not_matched", f"{u.name} ({kind}) buffer is not [T, H]")
         if tensor_val(buf).dtype != tensor_val(y).dtype:
             raise NoMatch("combine_not_matched", f"{u.name} ({kind}) buffer dtype differs from the rows")
@@ -449,4 +453,4 @@ class RegionProof:
             for other in buf.users:
                 if other is not u and self.order[other] < self.order[u]:
                     raise NoMatch("combine_not_matched", f"zeros buffer {buf.name} is used before the accumulate")
-        return Combine(kind, y, u, buf if inplace else None, [u])
+        return Combine(kind=kind, source=y, result=u, inplace_buffer=buf if inplace else None, nodes=(u,))

@@ -13,6 +13,7 @@ from moe_compile.passes._graph import (
     arg,
     erase_dead,
     graph_call,
+    layer_name,
     op_name,
     same_int,
     tensor_val,
@@ -20,9 +21,9 @@ from moe_compile.passes._graph import (
 )
 from moe_compile.passes.fuse_dispatch.match import (
     Dispatch,
-    Matcher,
     find_dispatch_anchors,
     looks_like_dispatch,
+    match_dispatch,
 )
 
 
@@ -31,17 +32,16 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
     for sort in find_dispatch_anchors(graph):
         if sort.graph is not graph or getattr(sort, "_erased", False):
             continue
-        matcher = Matcher(graph, sort, topo_index(graph))
         try:
-            dispatch = matcher.match()  # analysis only: the graph is not touched yet
+            dispatch = match_dispatch(sort, topo_index(graph))  # analysis only: the graph is not touched yet
         except NoMatch as exc:
-            if looks_like_dispatch(sort):
-                ctx.skip(matcher.layer, exc.reason, exc.detail)
+            if looks_like_dispatch(sort):  # only then is the detail formatted
+                ctx.skip(layer_name(sort), exc.reason, exc.detail)
             continue
         except Exception as exc:  # noqa: BLE001 - a matcher bug must not undo other layers' rewrites
             if ctx.config.strict:
                 raise
-            ctx.skip(matcher.layer, "internal_error", f"matcher raised {type(exc).__name__}: {exc}")
+            ctx.skip(layer_name(sort), "internal_error", f"matcher raised {type(exc).__name__}: {exc}")
             continue
         if not _ops_available():
             ctx.skip(dispatch.layer, "ops_unavailable", "torch.ops.moe.permute_pad / unpad_unpermute not registered")
@@ -117,7 +117,7 @@ def rewrite(graph: fx.Graph, d: Dispatch, debug: bool = False) -> str:
             _replace(seed, weighted_rows if seed in padding.weighted_seeds else rows_in_user_buffer, dead)
         for seed in padding.prob_seeds:
             _replace(seed, probs_M, dead)
-        for unpad in padding.unpads:
+        for unpad in d.unpads:
             _replace(unpad, unpad.args[0], dead)
         if not same_int(padding.num_rows, tensor_val(d.perm).shape[0]):
             _fix_row_counts(d)
@@ -139,7 +139,7 @@ def rewrite(graph: fx.Graph, d: Dispatch, debug: bool = False) -> str:
     with graph.inserting_before(c.result):
         if d.fold is None:
             source = c.source
-            if padding is not None and source in padding.unpads:
+            if source in d.unpads:
                 source = source.args[0]
             combined = _call(graph, c.result, torch.ops.moe.unpad_unpermute.default, source, row_map, c.weight_TK,
                              name="combined", **extra)
@@ -149,7 +149,7 @@ def rewrite(graph: fx.Graph, d: Dispatch, debug: bool = False) -> str:
             # NOTE [weight fold]: y[t] = sum_k w[t, k] * rows[row(t, k)] in fp32, cast once to the rows'
             # dtype; the matcher checked that the combined result is only used at that dtype.
             rows_to_combine = d.fold.rows
-            if padding is not None and rows_to_combine in padding.unpads:
+            if rows_to_combine in d.unpads:
                 rows_to_combine = rows_to_combine.args[0]  # Y[dest] was replaced by Y
             combined = _call(graph, c.result, torch.ops.moe.unpad_unpermute.default, rows_to_combine, row_map,
                              probs_TK, name="combined", **extra)

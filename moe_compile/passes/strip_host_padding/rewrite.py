@@ -66,7 +66,7 @@ from moe_compile.passes.strip_host_padding.permute import (
 COMBINES = {"index_add_", "index_add", "scatter_add_", "scatter_add", "index_put_", "index_put"}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Region:
     layer: str
     sink: fx.Node
@@ -224,8 +224,9 @@ class _Matcher:
             matched.append("probs before experts")
         dead = [perm.x_NH, *offs_nodes, *tail] + ([pre_weight[0]] if pre_weight is not None else [])
         return Region(
-            layer_name(sink), sink, dest, perm, X, Y, middle, offs_uses, probs_TK, probs_TE, align, noop,
-            matched, dead, pre_weight,
+            layer=layer_name(sink), sink=sink, dest=dest, permute=perm, X=X, Y=Y, middle=middle,
+            offs_uses=offs_uses, probs_TK=probs_TK, probs_TE_gather=probs_TE, align=align, pad_was_noop=noop,
+            matched=matched, dead=dead, pre_weight=pre_weight,
         )
 
     def _counts(self, sizes: list[Any] | None, perm: Permute, offs_nodes: list[fx.Node]) -> int:
