@@ -75,7 +75,7 @@ class _Plan:
     weights_before: bool = False
     renormalize: bool = False
     returns_logits: bool = False
-    glu: str | None = None  # the gated middle is this fused GLU (experts_impl.glu_of)
+    glu: str | None = None  # the gated middle is this fused GLU (experts.interface.glu_of)
 
 
 # ===== expert layout =====
@@ -376,7 +376,7 @@ def _single_expert_lists(model: nn.Module) -> list[ExpertGroup]:
 def swap_expert_loops(model: nn.Module) -> list[tuple[str, str, str, str]]:
     """Swap every recognised expert-loop block of ``model`` (in place); returns explain records.
 
-    transformers ``*Experts`` modules (interface-decorated) are skipped here: ``experts_impl`` covers them.
+    transformers ``*Experts`` modules (interface-decorated) are skipped here: the experts interface (``experts/interface.py``) covers them.
     Records are ``(block name, "rewrite" | "skip", tag, detail)``.
     """
     records = []
