@@ -43,7 +43,7 @@ import torch
 
 from benchmarks._bench_env import add_results_args, copy_bandwidth, device_env, results_path, write_results
 
-E, H, I, TOPK = 128, 2048, 768, 8
+E, H, I, TOPK = 128, 2048, 768, 8  # noqa: E741 - I: expert intermediate size
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 TARGETS = {"mxfp8": 1.8, "nvfp4": 3.0}
 ROUTINGS = 8
@@ -186,7 +186,7 @@ def sweep(T, fmt, xs, weights, offs, bf16_time, results, bw) -> Result | None:
             try:
                 launch = functools.partial(gmm.launch_grouped_mm, x, w[0], scale, gscale, offs, out, fmt, config=cfg)
                 t = do_bench_cudagraph(launch, rep=10)
-            except Exception:  # e.g. out of shared memory for this tile
+            except Exception:  # noqa: BLE001 - e.g. out of shared memory for this tile
                 continue
             best = min(best, (t, cfg), key=lambda b: b[0])
         if best[1] is None:

@@ -111,7 +111,7 @@ def build_block(cfg: Config, device: str = "cuda") -> torch.nn.Module:
             router = ("gate" in name or "router" in name) and p.dim() == 2
             std = 0.5 / cfg.H**0.5 if router else 0.1 if p.dim() <= 2 and "bias" in name else 1.0 / p.shape[-1] ** 0.5
             p.copy_(torch.randn(p.shape, generator=gen, device=device) * std)
-        for name, b in block.named_buffers():  # DeepSeek-V3's selection bias
+        for _name, b in block.named_buffers():  # DeepSeek-V3's selection bias
             if b.is_floating_point():
                 b.copy_(torch.randn(b.shape, generator=gen, device=device) * 0.01)
     return block.to(torch.bfloat16)
@@ -233,7 +233,7 @@ def run_config(cfg: Config, tflops: float, deadline: float, quick: bool, device:
         out_err, grad_err = _max_rel(outs[0], ref[0]), _max_rel(outs[1], ref[1])
         results.append(Result(cfg.name, variant, fwd_ms, fwd_bwd_ms, floor_fwd, 3 * floor_fwd, compile_s, det_fwd,
                               det_bwd, out_err, grad_err, rep.count("fuse_dispatch"), fwd_bwd_kernel_ms=kernel_ms))
-        del fn
+        fn = None  # frees the compiled block; the name stays bound for forward() above
         cache.close()
     torch._dynamo.reset()
     return results

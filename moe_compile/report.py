@@ -32,7 +32,6 @@ import dataclasses
 import re
 import textwrap
 import threading
-import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any, Literal

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 

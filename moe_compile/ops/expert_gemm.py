@@ -41,10 +41,14 @@ from moe_compile.config import env_setting
 from moe_compile.ops import _common
 from moe_compile.ops import grouped_mm as gmm
 from moe_compile.ops._expert_gemm_tuning import gemm_kind, pick_config, use_triton_grouped_gemm, wgrad_config
-from moe_compile.ops.expert_epilogue import ACTIVATIONS, launch_epilogue, launch_epilogue_backward, launch_row_scale_backward
+from moe_compile.ops.expert_epilogue import (
+    ACTIVATIONS,
+    launch_epilogue,
+    launch_epilogue_backward,
+    launch_row_scale_backward,
+)
 from moe_compile.ops.triton import expert_gemm as _kernels
 from moe_compile.ops.unpad_unpermute import unpad_unpermute
-
 
 # ===== references (pure PyTorch, sync-free) =====
 

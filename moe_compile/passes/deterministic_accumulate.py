@@ -42,7 +42,6 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes import PassContext
-from moe_compile.passes.forms import accumulate as acc
 from moe_compile.passes._graph import (
     erase_dead,
     graph_call,
@@ -52,6 +51,7 @@ from moe_compile.passes._graph import (
     op_name,
     tensor_val,
 )
+from moe_compile.passes.forms import accumulate as acc
 
 aten = torch.ops.aten
 

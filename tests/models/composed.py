@@ -115,7 +115,7 @@ class ComposedMoE(nn.Module):
         return torch._grouped_mm(F.silu(gate) * up, self.w2_EHI.transpose(-2, -1), offs=offs_E)
 
     def forward(self, x_TH: Tensor) -> Tensor:
-        f, E, K, a = self.forms, self.num_experts, self.top_k, self.align
+        f, E, K = self.forms, self.num_experts, self.top_k
         T, H = x_TH.shape
         probs_TK, idx_TK = torch.topk(F.linear(x_TH, self.router).float().softmax(-1), K, dim=-1)
         probs_TK = probs_TK / probs_TK.sum(-1, keepdim=True)

@@ -27,7 +27,7 @@ def _dispatch(T=7, H=16, E=4, K=2, align=8, dtype=torch.float32, seed=0):
 def test_gather_gated_matches_permute_then_grouped_mm(activation, dtype):
     """Gathering through the row map equals ``grouped_mm`` on permute_pad's rows, then act(gate) * up * prob."""
     x, d = _dispatch(dtype=dtype, seed=1)
-    M, I = d.rows_MH.shape[0], 8
+    M, I = d.rows_MH.shape[0], 8  # noqa: E741 - I: expert intermediate size
     w = torch.randn(4, 2 * I, x.shape[1], dtype=dtype)
     y, pre = eg.expert_gemm(x, w, d.offs_E, row_map=d.row_map, row_weight_M=d.probs_M, activation=activation,
                             num_rows=M, store_preact=True)  # fmt: skip
