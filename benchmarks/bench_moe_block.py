@@ -16,10 +16,10 @@ shared expert) and ``GptOssMLP`` (H 2880, I 2880, E 32, K 4; per-expert biases),
 
 ``fwd`` runs under ``no_grad``; ``fwd+bwd`` runs forward and ``backward(grad_out)`` w.r.t. the input and
 every parameter; ``fwd+bwd kernel``: its GPU kernel time (``torch.profiler``, summed), for ``moe``,
-``moe_unfused`` and ``inductor``: what issue 16's targets are stated in. ``floor``: FLOPs of the expert GEMMs (``6*T*K*H*I`` forward, 3x that forward+backward)
-at the throughput a large bf16 ``mm`` reaches on this device. ``deterministic``: outputs and every
-gradient bitwise equal over 20 runs (forward and backward). ``err``: max |out - eager| / max |eager|
-and the same for the input gradient.
+``moe_unfused`` and ``inductor``: what issue 16's targets are stated in. ``floor``: FLOPs of the expert GEMMs
+(``6*T*K*H*I`` forward, 3x that forward+backward) at the throughput a large bf16 ``mm`` reaches on this device.
+``deterministic``: outputs and every gradient bitwise equal over 20 runs (forward and backward). ``err``:
+max |out - eager| / max |eager| and the same for the input gradient.
 
 Usage, from the repository root: ``python -m benchmarks.bench_moe_block [--save] [--quick]
 [--models qwen3_moe,mixtral]`` (``--save`` writes ``benchmarks/results/moe_block.json``; ``--tag NAME`` writes

@@ -106,7 +106,9 @@ class ComposedMoE(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         self.forms, self.num_experts, self.top_k, self.align = forms, num_experts, top_k, align
         self.router = nn.Parameter((hidden**-0.5 * torch.randn(num_experts, hidden, generator=gen)).to(dtype))
-        self.w13_EIH = nn.Parameter((hidden**-0.5 * torch.randn(num_experts, 2 * inter, hidden, generator=gen)).to(dtype))
+        self.w13_EIH = nn.Parameter(
+            (hidden**-0.5 * torch.randn(num_experts, 2 * inter, hidden, generator=gen)).to(dtype)
+        )
         self.w2_EHI = nn.Parameter((inter**-0.5 * torch.randn(num_experts, hidden, inter, generator=gen)).to(dtype))
 
     def _experts(self, rows: Tensor, offs_E: Tensor) -> Tensor:
@@ -163,7 +165,9 @@ class ComposedMoE(nn.Module):
         if f.padding == "host_pad":
             rows_PH = torch.cat([F.pad(c, (0, 0, 0, p - n)) for c, n, p in zip(chunks, sizes, padded)])
         else:
-            rows_PH = torch.cat([torch.cat([c, c.new_zeros(p - n, c.shape[1])]) for c, n, p in zip(chunks, sizes, padded)])
+            rows_PH = torch.cat(
+                [torch.cat([c, c.new_zeros(p - n, c.shape[1])]) for c, n, p in zip(chunks, sizes, padded)]
+            )
         offs_E = torch.tensor(list(itertools.accumulate(padded)), dtype=torch.int32, device=rows_SH.device)
         y_PH = self._experts(rows_PH, offs_E)
         pieces = torch.split(y_PH, padded)

@@ -255,7 +255,9 @@ def _run_debug_case(name):
             else:
                 uu.launch_gather_sum_triton(rows, bad_map, None, debug=True)
         except Exception as e:  # noqa: BLE001 - the interpreter raises the assert as an InterpreterError (message checked)
-            expected = "expert_idx out of range" if name.startswith("debug_assert_expert_idx") else "row_map row out of range"
+            expected = (
+                "expert_idx out of range" if name.startswith("debug_assert_expert_idx") else "row_map row out of range"
+            )
             assert expected in str(e), str(e)
         else:
             raise AssertionError("device_assert did not fire")
