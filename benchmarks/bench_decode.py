@@ -128,7 +128,9 @@ def run_model(cfg: Config, tokens: list[int], bw: float, rep: int, deadline: flo
         for T, x in inputs.items():
             floor = _floor_us(cfg, model, x, bw)
             if time.perf_counter() > deadline:
-                results.append(Result(cfg.name, T, variant, math.nan, math.nan, math.nan, floor, "skipped: time budget"))
+                results.append(
+                    Result(cfg.name, T, variant, math.nan, math.nan, math.nan, floor, "skipped: time budget")
+                )
                 continue
 
             def step(fn=fn, x=x):

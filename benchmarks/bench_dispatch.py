@@ -172,7 +172,7 @@ def run_experiment(cfg: Config, bw: float, rep: int) -> list[Result]:
             lambda: torch.autograd.grad((rows, probs_M), (xr, pr), (gr, gp), retain_graph=True)
         )
         timings["unpad_unpermute", "bwd", impl] = bench(lambda: torch.autograd.grad(y, (zr, pr), gy, retain_graph=True))
-        del rows, probs_M, y, zr
+        rows = probs_M = y = zr = None  # frees them; the names stay bound for the lambdas above
     torch._dynamo.reset()
 
     results = []

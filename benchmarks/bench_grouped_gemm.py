@@ -19,10 +19,10 @@ Per shape: ``block`` fwd and fwd+bwd (autograd w.r.t. x, both weights and the pr
 (``gate_up``: gather + SwiGLU vs permuted copy + ``_grouped_mm`` + the standalone SwiGLU epilogue; ``down``: row
 weight in the epilogue vs ``_grouped_mm`` + the standalone row-weight epilogue: what the shipped CUTLASS path
 runs), forward, and the backward's four: ``*_dx`` (against the transposed weights) and
-``*_wgrad`` (``gate_up_wgrad`` gathers ``x`` through the row map; CUTLASS's time includes the gather). Quantised (Qwen3-like, T in {1, 64, 4096}): forward block with MXFP8 / NVFP4
-weight-only ``expert_gemm`` vs the bf16 ``cutlass`` and ``triton`` blocks. ``--tma`` adds a Triton forward row
-with pointer loads instead of the TMA loads it uses by default on sm90 (``MOE_COMPILE_TMA=0``,
-NOTE [TMA loads] (moe_compile/ops/triton/expert_gemm.py)).
+``*_wgrad`` (``gate_up_wgrad`` gathers ``x`` through the row map; CUTLASS's time includes the gather). Quantised
+(Qwen3-like, T in {1, 64, 4096}): forward block with MXFP8 / NVFP4 weight-only ``expert_gemm`` vs the bf16 ``cutlass``
+and ``triton`` blocks. ``--tma`` adds a Triton forward row with pointer loads instead of the TMA loads it uses by
+default on sm90 (``MOE_COMPILE_TMA=0``, NOTE [TMA loads] (moe_compile/ops/triton/expert_gemm.py)).
 
 Timing: ``triton.testing.do_bench_cudagraph`` (GPU time of a CUDA-graph replay: kernel time without
 launch gaps), median; the forward+backward blocks: GPU kernel time from ``torch.profiler`` (:func:`kernel_us`
@@ -33,9 +33,9 @@ which implementation is faster per GEMM: feed it to ``TRITON_ROWS_PER_EXPERT``
 (NOTE [grouped GEMM choice] (moe_compile/ops/_expert_gemm_tuning.py)). Targets (H100): Qwen3 block fwd+bwd <= 2.2 ms at
 T 4096; Mixtral no slower than CUTLASS; MXFP8 / NVFP4 at T 4096 no slower than bf16.
 
-Usage, from the repository root: ``python -m benchmarks.bench_grouped_gemm [--save] [--quick] [--budget-s 170]
-[--tma]`` (``--save`` writes ``benchmarks/results/grouped_gemm.json``). Whatever is left once the budget is spent is
-skipped (and listed). ``--sweep`` (saved as ``grouped_gemm_sweep.json``) times instead every tile candidate of the Triton forward, dX
+Usage, from the repository root: ``python -m benchmarks.bench_grouped_gemm [--save] [--quick] [--budget-s 170] [--tma]``
+(``--save`` writes ``benchmarks/results/grouped_gemm.json``). Whatever is left once the budget is spent is skipped (and
+listed). ``--sweep`` (saved as ``grouped_gemm_sweep.json``) times instead every tile candidate of the Triton forward, dX
 and wgrad GEMMs next to the shipped tiles and CUTLASS: the data behind
 NOTE [expert GEMM tiles] (moe_compile/ops/_expert_gemm_tuning.py) and ``wgrad_config``.
 """
@@ -65,7 +65,11 @@ class Shape:
     K: int
 
 
-SHAPES = (Shape("qwen3_moe", 2048, 768, 128, 8), Shape("mixtral", 4096, 3584, 8, 2), Shape("deepseek_v3", 2048, 1408, 64, 6))
+SHAPES = (
+    Shape("qwen3_moe", 2048, 768, 128, 8),
+    Shape("mixtral", 4096, 3584, 8, 2),
+    Shape("deepseek_v3", 2048, 1408, 64, 6),
+)
 TOKENS = (256, 4096, 16384)
 QUANT_TOKENS = (1, 64, 4096)
 
@@ -86,7 +90,7 @@ def bench_us(fn) -> tuple[float, str]:
 
     try:
         return do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3, "cudagraph"
-    except Exception:  # capture failed: eager timing (includes launch gaps)
+    except Exception:  # noqa: BLE001 - capture failed (any reason): eager timing (includes launch gaps)
         return do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3, "eager"
 
 
@@ -173,7 +177,9 @@ def run_shape(s: Shape, T: int, gen, args) -> list[dict]:
     res = []
 
     def add(what, impl, us, fl, how):
-        res.append(dict(shape=s.name, T=T, what=what, impl=impl, us=round(us, 1), tflops=round(fl / us * 1e-6, 1), timing=how))
+        res.append(
+            dict(shape=s.name, T=T, what=what, impl=impl, us=round(us, 1), tflops=round(fl / us * 1e-6, 1), timing=how)
+        )
 
     blocks = {"cutlass": lambda a, p, w1, w2: cutlass_block(a, ids, p, w1, w2, s.E),
               "triton": lambda a, p, w1, w2: triton_block(a, ids, p, w1, w2, s.E)}  # fmt: skip
@@ -215,7 +221,8 @@ def run_shape(s: Shape, T: int, gen, args) -> list[dict]:
             ("gate_up", "cutlass"): lambda: launch_epilogue(
                 torch._grouped_mm(eg.gather_rows(x, src), wgu.transpose(1, 2), offs=d.offs_E), s.I, "swiglu", None,
                 torch.bfloat16),
-            ("gate_up", "triton"): lambda: eg.expert_gemm(x, wgu, d.offs_E, row_map=d.row_map, activation="swiglu", num_rows=M, store_preact=False),
+            ("gate_up", "triton"): lambda: eg.expert_gemm(x, wgu, d.offs_E, row_map=d.row_map, activation="swiglu",
+                                                          num_rows=M, store_preact=False),
             # with the row weight, as the Triton GEMM: CUTLASS's epilogue pass (what the shipped CUTLASS path runs)
             ("down", "cutlass"): lambda: launch_epilogue(torch._grouped_mm(h, wd.transpose(1, 2), offs=d.offs_E), s.H,
                                                          "none", d.probs_M, torch.bfloat16),
@@ -304,7 +311,7 @@ def _time_candidates(cands: dict[str, dict], launch, out: torch.Tensor) -> list[
             launch(cfg)
             if not torch.equal(first, out):
                 err += " not bitwise over runs"
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a config that fails on this machine is reported, not fatal
             us, err = float("nan"), f"{type(exc).__name__}"
         rows.append((label, round(us, 1), err))
     return rows
@@ -397,7 +404,9 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="time the tile candidates per GEMM instead "
                         "(NOTE [expert GEMM tiles] (moe_compile/ops/_expert_gemm_tuning.py)); prints the best per GEMM")
     parser.add_argument("--sweep-no-wgrad", action="store_true", help="with --sweep: skip the wgrad candidates")
-    parser.add_argument("--sweep-cases", default=None, help="with --sweep: only these, e.g. qwen3_moe:4096,mixtral:4096")
+    parser.add_argument(
+        "--sweep-cases", default=None, help="with --sweep: only these, e.g. qwen3_moe:4096,mixtral:4096"
+    )
     args, _ = parser.parse_known_args()
     if not torch.cuda.is_available():
         print("bench_grouped_gemm: no CUDA device, nothing to run")
@@ -424,14 +433,21 @@ def main() -> int:
             continue
         try:
             results.extend(runners[kind](s, T))
-        except Exception as exc:  # e.g. out of memory: report and go on
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: report and go on
             results.append(dict(shape=label, what="error", impl=f"{type(exc).__name__}: {str(exc)[:300]}"))
         gc.collect()  # captured CUDA graphs (and their memory pools) sit in reference cycles until collected
         torch.cuda.empty_cache()
         print(f"{label} done at {time.monotonic() - start:.0f} s", flush=True)
 
     def get(shape, T, what, impl):
-        return next((r["us"] for r in results if r.get("shape") == shape and r.get("T") == T and r.get("what") == what and r.get("impl") == impl), None)
+        return next(
+            (
+                r["us"]
+                for r in results
+                if r.get("shape") == shape and r.get("T") == T and r.get("what") == what and r.get("impl") == impl
+            ),
+            None,
+        )
 
     targets = {} if args.sweep else block_targets(get)
     env_info = device_env(shapes=[dataclasses.asdict(s) for s in SHAPES], targets_met=targets, skipped=skipped,
@@ -446,10 +462,13 @@ def main() -> int:
             summary.append(dict(zip(("shape", "T", "gemm", "fmt"), key), shipped=us.get("shipped", ""),
                                 cutlass=us.get("cutlass", ""), best=best["us"], best_cfg=best["cfg"]))
     else:
-        summary = [{k: r.get(k, "") for k in ("shape", "T", "what", "impl", "us", "tflops", "err", "bitwise")} for r in results]
+        summary = [
+            {k: r.get(k, "") for k in ("shape", "T", "what", "impl", "us", "tflops", "err", "bitwise")} for r in results
+        ]
     if args.save:
         write_results(results_path(args, "grouped_gemm", "sweep" if args.sweep else None), results, env_info)
-    print(f"device={env_info['device']} torch={env_info['torch']} triton={env_info['triton']} targets={targets} skipped={skipped}")
+    print(f"device={env_info['device']} torch={env_info['torch']} triton={env_info['triton']} "
+          f"targets={targets} skipped={skipped}")
     keys = list(summary[0].keys()) if summary else []
     widths = [max(len(k), *(len(str(r[k])) for r in summary)) for k in keys]
     print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))

@@ -28,8 +28,8 @@ of each weight, which the kernel does not do; NOTE [NVFP4 decode] (moe_compile/o
 Targets at T <= 64: mxfp8 >= 1.8x and nvfp4 >= 3x faster than bf16.
 
 Usage, from the repository root: ``python -m benchmarks.bench_grouped_weight [--save] [--quick] [--sweep]
-[--inductor]`` (``--save`` writes ``benchmarks/results/grouped_weight.json``). ``--sweep`` also times a grid of tile configs per shape and
-prints the best (slow: one Triton compile per config).
+[--inductor]`` (``--save`` writes ``benchmarks/results/grouped_weight.json``). ``--sweep`` also times a grid of tile
+configs per shape and prints the best (slow: one Triton compile per config).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 
 from benchmarks._bench_env import add_results_args, copy_bandwidth, device_env, results_path, write_results
 
-E, H, I, TOPK = 128, 2048, 768, 8
+E, H, I, TOPK = 128, 2048, 768, 8  # noqa: E741 - I: expert intermediate size
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 TARGETS = {"mxfp8": 1.8, "nvfp4": 3.0}
 ROUTINGS = 8
@@ -101,7 +101,12 @@ def sweep_configs(M: int) -> list[dict]:
                         configs.append(dict(KERNEL="decode", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                                             SWAP_AB=swap, num_warps=4, num_stages=3))  # fmt: skip
         return configs
-    for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)):
+    for bm, bn, bk, warps, stages in (
+        (128, 128, 64, 8, 3),
+        (128, 128, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (128, 64, 64, 4, 4),
+    ):
         configs.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages))
     return configs
 
@@ -136,10 +141,14 @@ def run_experiment(T: int, weights: dict, bw: float, args, gen: torch.Generator)
             x, *w["nvfp4"], o, None, None, "none", x.shape[0], False)[0]
         for f in ("mxfp8", "nvfp4"):
             sub = GroupedQuantWeight.from_qdata_and_scale(*w[f][:2], f, expert_scale=w[f][2] if f == "nvfp4" else None)
-            fns.setdefault(f"{f}_shipped", {})[g] = lambda o, x=x, sub=sub: torch._grouped_mm(x, sub.transpose(-2, -1), offs=o)
+            fns.setdefault(f"{f}_shipped", {})[g] = lambda o, x=x, sub=sub: torch._grouped_mm(
+                x, sub.transpose(-2, -1), offs=o
+            )
             fns[f"{f}_dequant"][g] = lambda o, x=x, w=w, f=f: dequant_then_mm(x, o, *w[f], f=f)
             if args.inductor:
-                fns.setdefault(f"{f}_dequant_inductor", {})[g] = lambda o, x=x, w=w, f=f: compiled_dequant[f](x, o, *w[f])
+                fns.setdefault(f"{f}_dequant_inductor", {})[g] = lambda o, x=x, w=w, f=f: compiled_dequant[f](
+                    x, o, *w[f]
+                )
 
     rows = int(offs[-1])
     ref = {g: fns["bf16"][g](offs) for g in xs}
@@ -186,7 +195,7 @@ def sweep(T, fmt, xs, weights, offs, bf16_time, results, bw) -> Result | None:
             try:
                 launch = functools.partial(gmm.launch_grouped_mm, x, w[0], scale, gscale, offs, out, fmt, config=cfg)
                 t = do_bench_cudagraph(launch, rep=10)
-            except Exception:  # e.g. out of shared memory for this tile
+            except Exception:  # noqa: BLE001 - e.g. out of shared memory for this tile
                 continue
             best = min(best, (t, cfg), key=lambda b: b[0])
         if best[1] is None:

@@ -38,8 +38,8 @@ Variants: ``eager``; ``inductor`` (default backend); ``moe`` (``backend="moe_com
 ``permute_pad`` eager within 1.3x of its floor at T8192 E8 K2.
 
 Usage, from the repository root: ``python -m benchmarks.bench_host_cost [--save] [--quick] [--budget-s 200]``
-(``--save`` writes ``benchmarks/results/host_cost.json``); ``--cpu-smoke`` runs every variant at tiny shapes on CPU (checks the flow; the
-times mean nothing there).
+(``--save`` writes ``benchmarks/results/host_cost.json``); ``--cpu-smoke`` runs every variant at tiny shapes on CPU
+(checks the flow; the times mean nothing there).
 """
 
 from __future__ import annotations
@@ -391,7 +391,8 @@ def main() -> None:
     args = parser.parse_args()
     device = "cpu" if args.cpu_smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
-        print("bench_host_cost: no CUDA device, nothing to measure (this benchmark needs a GPU; --cpu-smoke runs the flow)")
+        print("bench_host_cost: no CUDA device, nothing to measure "
+              "(this benchmark needs a GPU; --cpu-smoke runs the flow)")
         return
     for name, value in (("cache_size_limit", 64), ("recompile_limit", 64), ("accumulated_cache_size_limit", 256)):
         if hasattr(torch._dynamo.config, name):

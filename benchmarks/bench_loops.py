@@ -357,8 +357,9 @@ def main() -> None:
     env = device_env(device=None if device == "cuda" else "cpu (smoke)", wall_s=round(time.perf_counter() - start, 1))
     ratios = vs_grouped_mm(results, paired)
     if args.save:
-        write_results(results_path(args, "loops", "cpu_smoke" if args.cpu_smoke else None), rows_with_paired(results, paired),
-                      env)
+        write_results(
+            results_path(args, "loops", "cpu_smoke" if args.cpu_smoke else None), rows_with_paired(results, paired), env
+        )
     print(f"device={env['device']} torch={env['torch']} triton={env['triton']}")
     header = ("model", "variant", "fwd ms", "fwd+bwd ms", "det f/b", "out err", "grad err", "swapped", "cuda graph",
               "compile s")

@@ -16,10 +16,10 @@ shared expert) and ``GptOssMLP`` (H 2880, I 2880, E 32, K 4; per-expert biases),
 
 ``fwd`` runs under ``no_grad``; ``fwd+bwd`` runs forward and ``backward(grad_out)`` w.r.t. the input and
 every parameter; ``fwd+bwd kernel``: its GPU kernel time (``torch.profiler``, summed), for ``moe``,
-``moe_unfused`` and ``inductor``: what issue 16's targets are stated in. ``floor``: FLOPs of the expert GEMMs (``6*T*K*H*I`` forward, 3x that forward+backward)
-at the throughput a large bf16 ``mm`` reaches on this device. ``deterministic``: outputs and every
-gradient bitwise equal over 20 runs (forward and backward). ``err``: max |out - eager| / max |eager|
-and the same for the input gradient.
+``moe_unfused`` and ``inductor``: what issue 16's targets are stated in. ``floor``: FLOPs of the expert GEMMs
+(``6*T*K*H*I`` forward, 3x that forward+backward) at the throughput a large bf16 ``mm`` reaches on this device.
+``deterministic``: outputs and every gradient bitwise equal over 20 runs (forward and backward). ``err``:
+max |out - eager| / max |eager| and the same for the input gradient.
 
 Usage, from the repository root: ``python -m benchmarks.bench_moe_block [--save] [--quick]
 [--models qwen3_moe,mixtral]`` (``--save`` writes ``benchmarks/results/moe_block.json``; ``--tag NAME`` writes
@@ -111,7 +111,7 @@ def build_block(cfg: Config, device: str = "cuda") -> torch.nn.Module:
             router = ("gate" in name or "router" in name) and p.dim() == 2
             std = 0.5 / cfg.H**0.5 if router else 0.1 if p.dim() <= 2 and "bias" in name else 1.0 / p.shape[-1] ** 0.5
             p.copy_(torch.randn(p.shape, generator=gen, device=device) * std)
-        for name, b in block.named_buffers():  # DeepSeek-V3's selection bias
+        for _name, b in block.named_buffers():  # DeepSeek-V3's selection bias
             if b.is_floating_point():
                 b.copy_(torch.randn(b.shape, generator=gen, device=device) * 0.01)
     return block.to(torch.bfloat16)
@@ -233,7 +233,7 @@ def run_config(cfg: Config, tflops: float, deadline: float, quick: bool, device:
         out_err, grad_err = _max_rel(outs[0], ref[0]), _max_rel(outs[1], ref[1])
         results.append(Result(cfg.name, variant, fwd_ms, fwd_bwd_ms, floor_fwd, 3 * floor_fwd, compile_s, det_fwd,
                               det_bwd, out_err, grad_err, rep.count("fuse_dispatch"), fwd_bwd_kernel_ms=kernel_ms))
-        del fn
+        fn = None  # frees the compiled block; the name stays bound for forward() above
         cache.close()
     torch._dynamo.reset()
     return results

@@ -50,7 +50,9 @@ def run(T: int, blocks: dict, quick: bool) -> list[dict]:
 
     from moe_compile import report
 
-    x = torch.randn(1, T, 2048, generator=torch.Generator(device="cuda").manual_seed(T), device="cuda").to(torch.bfloat16)
+    x = torch.randn(1, T, 2048, generator=torch.Generator(device="cuda").manual_seed(T), device="cuda").to(
+        torch.bfloat16
+    )
     rows, ref = [], None
     mode = MODE[T]
     for name, (block, fused) in blocks.items():
@@ -118,8 +120,10 @@ def main() -> int:
     print(f"device={env['device']} torch={env['torch']} triton={env['triton']}")
     print("T      mode             impl           wall us   kernel us  fused GLU  err")
     for r in rows:
-        print(f"{r['T']:<6} {r['mode']:<16} {r['impl']:<14} {r['wall_us']:>8}  {r['kernel_us']:>9}  {r['fused_glu']:>9}  "
-              f"{r['err']}")
+        print(
+            f"{r['T']:<6} {r['mode']:<16} {r['impl']:<14} {r['wall_us']:>8}  {r['kernel_us']:>9}  {r['fused_glu']:>9}  "
+            f"{r['err']}"
+        )
     return 0
 
 

@@ -166,7 +166,9 @@ def grouped_gemm(rows: list[Row]) -> tuple[str, str]:
     for shape in [s for s in _ordered(rows, "shape") if s in MODELS]:
         times = []
         for T in sorted({r["T"] for r in rows if r.get("shape") == shape and r.get("what") == "block_fwd_bwd"}):
-            us = [_get(rows, "us", shape=shape, T=T, what="block_fwd_bwd", impl=i) for i in ("cutlass", "triton", "auto")]
+            us = [
+                _get(rows, "us", shape=shape, T=T, what="block_fwd_bwd", impl=i) for i in ("cutlass", "triton", "auto")
+            ]
             times.append(f"T{T} " + " / ".join(_num(u / 1e3 if u is not None else None) for u in us))
         if times:
             parts.append(f"{MODELS[shape]} " + ", ".join(times))
@@ -177,7 +179,8 @@ def grouped_gemm(rows: list[Row]) -> tuple[str, str]:
         for T in _ordered(quant, "T"):
             us = [_get(quant, "us", T=T, impl=i) for i in ("cutlass_bf16", "triton_bf16", "mxfp8", "nvfp4")]
             per_T.append(f"T{T} " + " / ".join(_num(u, 0) for u in us))
-        text += ". Quantised Qwen3-like block forward, us, CUTLASS bf16 / Triton bf16 / MXFP8 / NVFP4: " + ", ".join(per_T)
+        text += (". Quantised Qwen3-like block forward, us, CUTLASS bf16 / Triton bf16 / MXFP8 / NVFP4: "
+                 + ", ".join(per_T))
     return ("expert-GEMM blocks (`ops/expert_gemm.py`) vs a CUTLASS `_grouped_mm` block, eager ops", text)
 
 

@@ -268,10 +268,10 @@ def attach(
 
     Puts a forward hook on every router module: a module with a 2-D ``weight`` ``[E, H]`` that is the
     ``gate``/``router`` child of a module with an ``experts`` child or a ``top_k`` /
-    ``num_experts_per_tok`` attribute, or whose class name ends in ``Router``. A router returning ``(logits, weights, expert_idx)`` (transformers' MoE routers) is
-    used as is; one returning only logits (an ``nn.Linear`` gate) gets ``topk(logits, k)`` with ``k``
-    from ``top_k`` or the parent's ``top_k`` / ``num_experts_per_tok``. Idempotent. Returns the
-    instrumented module paths.
+    ``num_experts_per_tok`` attribute, or whose class name ends in ``Router``. A router returning
+    ``(logits, weights, expert_idx)`` (transformers' MoE routers) is used as is; one returning only logits (an
+    ``nn.Linear`` gate) gets ``topk(logits, k)`` with ``k`` from ``top_k`` or the parent's ``top_k`` /
+    ``num_experts_per_tok``. Idempotent. Returns the instrumented module paths.
     """
     if capacity_factor is not None:
         for name in _find_routers(model):

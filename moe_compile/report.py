@@ -32,7 +32,6 @@ import dataclasses
 import re
 import textwrap
 import threading
-import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -142,8 +141,8 @@ class Report:
 
         Each record is one row (layer, pass, result, ``what``: a skip's reason tag, or a rewrite's chain
         in short: the head of each matched part, see :func:`short_chain`; wrapped in its column), then its
-        ``detail`` (what replaced the chain, or why it was skipped) wrapped on the lines below. The full matched chain is in
-        :meth:`to_dict` (``what``).
+        ``detail`` (what replaced the chain, or why it was skipped) wrapped on the lines below. The full matched chain
+        is in :meth:`to_dict` (``what``).
         """
         if not self.records:
             found = self._cache_note() if self.cached_graphs else ", no MoE dispatch found"

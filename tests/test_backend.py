@@ -185,7 +185,7 @@ def test_pass_that_raises_is_undone_and_compilation_goes_on(monkeypatch):
     placeholder nodes Dynamo and AOTAutograd annotate), a warning names the pass, the later passes still
     run, and training through Inductor matches eager."""
     from moe_compile.passes import strip_host_padding
-    from tests.passes._harness import assert_matches_eager, Run
+    from tests.passes._harness import Run, assert_matches_eager
 
     def broken(graph, ctx):
         first = next(n for n in graph.nodes if n.op == "call_function")

@@ -77,7 +77,8 @@ def test_every_note_is_defined_once_and_referenced_by_its_path():
 
 def test_scan_reports_planted_breaches():
     planted = {
-        "a.py": '# NOTE [kept]: the text.\n"""NOTE [twice]: once."""\nx = 1  # NOTE [kept]: a reference, not a definition\n',
+        "a.py": '# NOTE [kept]: the text.\n"""NOTE [twice]: once."""\n'
+                'x = 1  # NOTE [kept]: a reference, not a definition\n',
         "b.py": "# NOTE [twice]: again.\n# see NOTE [nowhere] (a.py)\n# NOTE [kept] here\n# NOTE [kept] (b.py)\n"
                 "# NOTE [kept] (a.py) is right\n# and NOTE [split\n# title]\n",
     }

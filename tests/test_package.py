@@ -41,7 +41,11 @@ def test_backend_after_import_honours_mode_and_options():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
     x = torch.randn(3, 8)
     expected = model(x)
-    for kwargs in ({}, {"mode": "max-autotune-no-cudagraphs"}, {"options": {"moe.strict": True, "max_autotune": False}}):
+    for kwargs in (
+        {},
+        {"mode": "max-autotune-no-cudagraphs"},
+        {"options": {"moe.strict": True, "max_autotune": False}},
+    ):
         torch._dynamo.reset()
         got = torch.compile(model, backend="moe_compile", **kwargs)(x)
         torch.testing.assert_close(got, expected)

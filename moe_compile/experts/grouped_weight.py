@@ -2,10 +2,10 @@
 
 Layouts (stored, ``K`` = reduction dim = last dim; quantisation blocks run along ``K``):
 
-| recipe | ``qdata`` | ``scale`` | ``expert_scale`` | error vs bf16 |
-| --- | --- | --- | --- | --- |
-| ``"mxfp8"`` | float8_e4m3fn ``[E, N, K]`` | e8m0 as **uint8** ``[E, N, K/32]`` | -- | ~3% |
-| ``"nvfp4"`` | uint8 ``[E, N, K/2]`` (two e2m1, low nibble first) | float8_e4m3fn ``[E, N, K/16]`` | fp32 ``[E]`` | ~10% |
+recipe | ``qdata`` | ``scale`` | ``expert_scale`` | error vs bf16
+--- | --- | --- | --- | ---
+``"mxfp8"`` | float8_e4m3fn ``[E, N, K]`` | e8m0 as **uint8** ``[E, N, K/32]`` | -- | ~3%
+``"nvfp4"`` | uint8 ``[E, N, K/2]`` (two e2m1, low nibble first) | float8_e4m3fn ``[E, N, K/16]`` | fp32 ``[E]`` | ~10%
 
 e8m0 scales are kept as uint8 because CPU Inductor has no C++ type for float8_e8m0fnu. Quantisation
 is torchao's (``MXTensor.to_mx`` FLOOR scaling; ``NVFP4Tensor.to_nvfp4`` with per-expert
@@ -14,17 +14,18 @@ is torchao's (``MXTensor.to_mx`` FLOOR scaling; ``NVFP4Tensor.to_nvfp4`` with pe
 The tensor presents itself as a ``[E, N, K]`` tensor of ``orig_dtype`` (``[E, K, N]`` when
 ``is_transposed``, which is how a ``w.transpose(-2, -1)`` view, or an HF ``is_transposed`` weight, looks).
 It works below autograd (``__torch_dispatch__``; ``__torch_function__`` is disabled so Dynamo and
-AOTAutograd trace it as an ordinary subclass and flatten it into its inner tensors). Supported ops:
+AOTAutograd trace it as an ordinary subclass and flatten it into its inner tensors). Supported ops (op -- behaviour):
 
-| op | behaviour |
-| --- | --- |
-| ``aten._grouped_mm`` (``torch._grouped_mm``, ``F.grouped_mm``), ``moe::grouped_mm``, ``transformers::grouped_mm_fallback`` | ``x @ W[e]^T``: CUDA -> weight-only Triton kernel (``moe::grouped_mm_mxfp8/_nvfp4``); CPU -> dequantise, then the same op |
-| ``aten.mm`` / ``aten.addmm`` with a 2-D expert slice | CUDA -> the same kernel with one group; CPU -> dequantise |
-| ``transpose`` (last two dims), ``t``, ``select``/``slice`` on dim 0 | views that stay quantised |
-| ``copy_`` | quantised -> quantised copies bytes (no re-quantisation); plain -> quantised quantises; quantised -> plain dequantises (or copies the master) |
-| ``detach``, ``clone``, ``alias``, ``_to_copy`` (device, logical dtype) | on the inner tensors |
-| other in-place ops (optimizer updates) | see NOTE [training with quantised weights] |
-| anything else | runs on the dequantised tensor and returns a plain tensor |
+- ``aten._grouped_mm`` (``torch._grouped_mm``, ``F.grouped_mm``), ``moe::grouped_mm``,
+  ``transformers::grouped_mm_fallback`` -- ``x @ W[e]^T``: CUDA -> weight-only Triton kernel
+  (``moe::grouped_mm_mxfp8/_nvfp4``); CPU -> dequantise, then the same op
+- ``aten.mm`` / ``aten.addmm`` with a 2-D expert slice -- CUDA -> the same kernel with one group; CPU -> dequantise
+- ``transpose`` (last two dims), ``t``, ``select``/``slice`` on dim 0 -- views that stay quantised
+- ``copy_`` -- quantised -> quantised copies bytes (no re-quantisation); plain -> quantised quantises; quantised ->
+  plain dequantises (or copies the master)
+- ``detach``, ``clone``, ``alias``, ``_to_copy`` (device, logical dtype) -- on the inner tensors
+- other in-place ops (optimizer updates) -- see NOTE [training with quantised weights]
+- anything else -- runs on the dequantised tensor and returns a plain tensor
 
 NOTE [training with quantised weights]:
 Gradients are straight-through: autograd sees the weight as ``W = dequantize(Q)``, so ``dL/dW`` is the

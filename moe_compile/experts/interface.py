@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -269,6 +270,12 @@ def use_fused_hf_experts(model: nn.Module) -> list[tuple[str, str, str, str]]:
             continue
         module.config._experts_implementation = IMPLEMENTATION_NAME
         module._moe_compile_glu = glu_of(module._apply_gate) if module.has_gate else None
-        records.append((name, "rewrite", f"experts_implementation={impl or 'unset'}",
-                        "transformers experts interface 'moe_compile': permute_pad -> grouped GEMMs -> unpad_unpermute"))
+        records.append(
+            (
+                name,
+                "rewrite",
+                f"experts_implementation={impl or 'unset'}",
+                "transformers experts interface 'moe_compile': permute_pad -> grouped GEMMs -> unpad_unpermute",
+            )
+        )
     return records

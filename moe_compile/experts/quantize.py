@@ -11,12 +11,11 @@
   call; see ``grouped_weight``), so the parent's routing loop runs unchanged. For a grouped forward,
   ``GroupedExpertList.grouped_weight(path)`` is the ``[E, N, K]`` operand of ``torch.ops.moe.grouped_mm``.
 
-NOTE [checkpoint layout]: a ``GroupedExpertList`` saves **per-expert keys** (``experts.3.w1.weight``), the layout of the original
-model, so its state dict loads into the unconverted model; quantised values are saved as 2-D
-``GroupedQuantWeight`` slices and dequantised (or their bf16 master copied) by ``copy_`` when loaded
-into a plain model. It loads per-expert keys (plain or quantised) and grouped keys: quantised inputs
-of the same recipe are copied byte for byte, plain inputs are quantised. Stacked groups keep their
-keys; ``param.copy_`` does the same conversions.
+NOTE [checkpoint layout]: a ``GroupedExpertList`` saves **per-expert keys** (``experts.3.w1.weight``), the layout of the
+original model, so its state dict loads into the unconverted model; quantised values are saved as 2-D
+``GroupedQuantWeight`` slices and dequantised (or their bf16 master copied) by ``copy_`` when loaded into a plain model.
+It loads per-expert keys (plain or quantised) and grouped keys: quantised inputs of the same recipe are copied byte for
+byte, plain inputs are quantised. Stacked groups keep their keys; ``param.copy_`` does the same conversions.
 
 Recipes: ``"bf16"`` regroups into plain bf16 parameters (casting if needed), ``"mxfp8"`` and
 ``"nvfp4"`` quantise with torchao. ``master_weights=True`` keeps a bf16 master inside each quantised

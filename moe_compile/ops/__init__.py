@@ -1,11 +1,14 @@
 """Ops (``torch.ops.moe.*``) with CPU references and Triton CUDA implementations that Inductor launches itself."""
 
+from moe_compile.ops import (
+    deterministic_flag,  # noqa: F401 - defines moe.deterministic_<op> (cached code calls them)
+    # `expert_gemm` is the module (its wrapper is `expert_gemm.expert_gemm`), like `grouped_mm` below
+    expert_gemm,
+    # `moe_compile.ops.grouped_mm` stays the module (its op wrapper is `grouped_mm.grouped_mm`): code across
+    # the package imports it as `from moe_compile.ops import grouped_mm as gmm`.
+    grouped_mm,
+)
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS, static_row_bound
-# `moe_compile.ops.grouped_mm` stays the module (its op wrapper is `grouped_mm.grouped_mm`): code across
-# the package imports it as `from moe_compile.ops import grouped_mm as gmm`.
-from moe_compile.ops import grouped_mm
-# likewise `expert_gemm` is the module (its wrapper is `expert_gemm.expert_gemm`)
-from moe_compile.ops import expert_gemm
 from moe_compile.ops.expert_gemm import use_triton_grouped_gemm
 from moe_compile.ops.grouped_mm import grouped_mm_mxfp8, grouped_mm_nvfp4, grouped_mm_reference
 from moe_compile.ops.permute_pad import (
@@ -14,7 +17,6 @@ from moe_compile.ops.permute_pad import (
     permute_pad_backward_reference,
     permute_pad_reference,
 )
-from moe_compile.ops import deterministic_flag  # noqa: F401 - defines moe.deterministic_<op> (cached code calls them)
 from moe_compile.ops.segment_sum import segment_sum, segment_sum_reference
 from moe_compile.ops.unpad_unpermute import (
     unpad_unpermute,

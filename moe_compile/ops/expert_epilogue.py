@@ -68,13 +68,18 @@ def launch_epilogue_backward(
         dz, d_rw if d_rw is not None else dz, n_w // 2, pre_MW.stride(0), dy_MN.stride(0),
         dpre_MW.stride(0) if dpre_MW is not None else 0, dz.stride(0),
         ACT=ACTIVATIONS[activation], ROW_SCALE=row_weight_M is not None, NEED_DRW=need_row_weight_grad,
-        HAS_DPRE=dpre_MW is not None, BLOCK_N=block_n or _epilogue_block(n_w // 2), traced=False, options=dict(num_warps=4),
+        HAS_DPRE=dpre_MW is not None, BLOCK_N=block_n or _epilogue_block(n_w // 2), traced=False,
+        options=dict(num_warps=4),
     )  # fmt: skip
     return dz, d_rw
 
 
 def launch_row_scale_backward(
-    a_MK: torch.Tensor, dx_unscaled_MK: torch.Tensor, row_weight_M: torch.Tensor, kernels=None, block_n: int | None = None
+    a_MK: torch.Tensor,
+    dx_unscaled_MK: torch.Tensor,
+    row_weight_M: torch.Tensor,
+    kernels=None,
+    block_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NOTE [standalone epilogues] (moe_compile/ops/triton/expert_epilogue.py):
     ``(rw * dxu in dxu's dtype, sum(a * dxu, 1) in fp32)``, one pass: the row weight's share of the backward of

@@ -22,9 +22,9 @@ NOTE [standalone epilogues] (moe_compile/ops/triton/expert_epilogue.py); same se
 
 Autograd (plain weights; quantised ops differentiate w.r.t. ``x`` and ``row_weight``): the epilogue's
 backward is one Triton pass in eager on CUDA, elementwise PyTorch otherwise (Inductor fuses it), ``dX`` is
-an ``expert_gemm`` against ``w.transpose(1, 2)`` followed, when gathering, by the deterministic gather-sum of ``unpad_unpermute``;
-``dW`` is ``moe::expert_wgrad`` (persistent, fixed order, the ``x`` operand gathered through the row
-map). Every step is deterministic.
+an ``expert_gemm`` against ``w.transpose(1, 2)`` followed, when gathering, by the deterministic gather-sum of
+``unpad_unpermute``; ``dW`` is ``moe::expert_wgrad`` (persistent, fixed order, the ``x`` operand gathered through the
+row map). Every step is deterministic.
 """
 
 from __future__ import annotations
@@ -41,10 +41,14 @@ from moe_compile.config import env_setting
 from moe_compile.ops import _common
 from moe_compile.ops import grouped_mm as gmm
 from moe_compile.ops._expert_gemm_tuning import gemm_kind, pick_config, use_triton_grouped_gemm, wgrad_config
-from moe_compile.ops.expert_epilogue import ACTIVATIONS, launch_epilogue, launch_epilogue_backward, launch_row_scale_backward
+from moe_compile.ops.expert_epilogue import (
+    ACTIVATIONS,
+    launch_epilogue,
+    launch_epilogue_backward,
+    launch_row_scale_backward,
+)
 from moe_compile.ops.triton import expert_gemm as _kernels
 from moe_compile.ops.unpad_unpermute import unpad_unpermute
-
 
 # ===== references (pure PyTorch, sync-free) =====
 
@@ -301,7 +305,9 @@ def _dense_weight(w, w_scale, w_gscale, fmt: str, dtype: torch.dtype) -> torch.T
     return w
 
 
-def _expert_gemm_body(x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M, activation, num_rows, store_preact, fmt):
+def _expert_gemm_body(
+    x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M, activation, num_rows, store_preact, fmt
+):
     N, N_w = _out_cols(w, activation, fmt)
     store = store_preact and activation != "none"
     src = source_rows(row_map, num_rows)
@@ -319,7 +325,9 @@ def _expert_gemm_body(x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M,
         if activation == "none" and row_weight_M is None:  # the GEMM's own output, no epilogue passes
             return pre, x_SK.new_empty(0, N_w)
         if _standalone_epilogue(x_SK):
-            return launch_epilogue(pre, N, activation, row_weight_M, x_SK.dtype), (pre if store else x_SK.new_empty(0, N_w))
+            return launch_epilogue(pre, N, activation, row_weight_M, x_SK.dtype), (
+                pre if store else x_SK.new_empty(0, N_w)
+            )
         out = pre.float()
         if activation != "none":
             out = _act_fp32(out[:, :N], activation) * out[:, N:]
@@ -343,7 +351,9 @@ def _expert_gemm_op(
     num_rows: int,
     store_preact: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _expert_gemm_body(x_SK, w_ENK, None, None, offs_E, row_map, row_weight_M, activation, num_rows, store_preact, "plain")
+    return _expert_gemm_body(
+        x_SK, w_ENK, None, None, offs_E, row_map, row_weight_M, activation, num_rows, store_preact, "plain"
+    )
 
 
 @triton_op("moe::expert_gemm_mxfp8", mutates_args=())
@@ -358,7 +368,9 @@ def _expert_gemm_mxfp8_op(
     num_rows: int,
     store_preact: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _expert_gemm_body(x_SK, qdata_ENK, scale_ENB, None, offs_E, row_map, row_weight_M, activation, num_rows, store_preact, "mxfp8")
+    return _expert_gemm_body(
+        x_SK, qdata_ENK, scale_ENB, None, offs_E, row_map, row_weight_M, activation, num_rows, store_preact, "mxfp8"
+    )
 
 
 @triton_op("moe::expert_gemm_nvfp4", mutates_args=())
@@ -375,7 +387,8 @@ def _expert_gemm_nvfp4_op(
     store_preact: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _expert_gemm_body(
-        x_SK, qdata_ENP, scale_ENB, expert_scale_E, offs_E, row_map, row_weight_M, activation, num_rows, store_preact, "nvfp4"
+        x_SK, qdata_ENP, scale_ENB, expert_scale_E, offs_E, row_map, row_weight_M, activation, num_rows, store_preact,
+        "nvfp4",
     )  # fmt: skip
 
 
@@ -398,7 +411,11 @@ def _row_weighted(dy_MN: torch.Tensor, row_weight_M: torch.Tensor | None) -> tor
 
 @triton_op("moe::expert_wgrad", mutates_args=())
 def _expert_wgrad_op(
-    dy_MN: torch.Tensor, x_SK: torch.Tensor, offs_E: torch.Tensor, row_map: torch.Tensor | None, row_weight_M: torch.Tensor | None
+    dy_MN: torch.Tensor,
+    x_SK: torch.Tensor,
+    offs_E: torch.Tensor,
+    row_map: torch.Tensor | None,
+    row_weight_M: torch.Tensor | None,
 ) -> torch.Tensor:
     M, N, K, E = dy_MN.shape[0], dy_MN.shape[1], x_SK.shape[1], offs_E.shape[0]
     cuda = x_SK.device.type == "cuda"
@@ -564,7 +581,9 @@ def expert_gemm(
     if w_scale is None:
         raise ValueError(f"w_scale is required for fmt={fmt!r}")
     if fmt == "mxfp8":
-        return _expert_gemm_mxfp8_op(x_SK, w, w_scale.view(torch.uint8), offs_E, row_map, row_weight_M, activation, num_rows, store_preact)
+        return _expert_gemm_mxfp8_op(
+            x_SK, w, w_scale.view(torch.uint8), offs_E, row_map, row_weight_M, activation, num_rows, store_preact
+        )
     if expert_scale_E is None:
         raise ValueError("expert_scale_E is required for fmt='nvfp4'")
     return _expert_gemm_nvfp4_op(

@@ -11,12 +11,16 @@ read them (the fused experts forward without biases).
 ``offs_E`` is a device-side int32 tensor of cumulative END offsets (empty experts allowed); no op
 ever reads it on the host, and every fake is static (output ``[M, N]``).
 
-| op | weight | CUDA | CPU |
-| --- | --- | --- | --- |
-| ``moe::grouped_mm`` | bf16/fp16/fp32 ``[E, N, K]``, any strides | bf16 on sm90/sm100 with 16-byte strides: ``torch._grouped_mm`` (CUTLASS, sync-free); else Triton | ``grouped_mm_reference`` |
-| ``moe::grouped_mm_wgrad`` | returns ``dW_ENK = dY^T X`` per expert | bf16 sm90/sm100: ``torch._grouped_mm`` 2-D x 2-D; else Triton (one program per tile, no atomics) | reference |
-| ``moe::grouped_mm_mxfp8`` | e4m3 ``[E, N, K]`` + e8m0-as-uint8 ``[E, N, K/32]`` | Triton weight-only (dequantise tiles in registers) | dequantise + reference |
-| ``moe::grouped_mm_nvfp4`` | packed e2m1 uint8 ``[E, N, K/2]`` + e4m3 ``[E, N, K/16]`` + fp32 ``[E]`` | Triton weight-only (per-expert scale on the fp32 accumulator) | dequantise + reference |
+The ops (weight; CUDA; CPU):
+
+- ``moe::grouped_mm``: bf16/fp16/fp32 ``[E, N, K]``, any strides; CUDA: bf16 on sm90/sm100 with 16-byte strides:
+  ``torch._grouped_mm`` (CUTLASS, sync-free); else Triton; CPU: ``grouped_mm_reference``
+- ``moe::grouped_mm_wgrad``: returns ``dW_ENK = dY^T X`` per expert; CUDA: bf16 sm90/sm100: ``torch._grouped_mm``
+  2-D x 2-D; else Triton (one program per tile, no atomics); CPU: reference
+- ``moe::grouped_mm_mxfp8``: e4m3 ``[E, N, K]`` + e8m0-as-uint8 ``[E, N, K/32]``; CUDA: Triton weight-only (dequantise
+  tiles in registers); CPU: dequantise + reference
+- ``moe::grouped_mm_nvfp4``: packed e2m1 uint8 ``[E, N, K/2]`` + e4m3 ``[E, N, K/16]`` + fp32 ``[E]``; CUDA: Triton
+  weight-only (per-expert scale on the fp32 accumulator); CPU: dequantise + reference
 
 Autograd: ``grouped_mm`` gives ``dX`` (a ``grouped_mm`` against ``w.transpose(1, 2)``) and ``dW``
 (``grouped_mm_wgrad``), both deterministic. The quantised ops differentiate w.r.t. ``x`` only.
@@ -262,7 +266,8 @@ def launch_grouped_mm(
             w.stride(0), w.stride(1), w.stride(2),
             scale.stride(0), scale.stride(1), scale.stride(-1),
             *part_strides,
-            W_FORMAT=_FORMATS[fmt], IEEE_DOT=ieee, PTX_DECODE=ptx, K_ALIGN=k_align(K), BLOCK_E=max(_next_pow2(E), 16), **cfg,
+            W_FORMAT=_FORMATS[fmt], IEEE_DOT=ieee, PTX_DECODE=ptx, K_ALIGN=k_align(K), BLOCK_E=max(_next_pow2(E), 16),
+            **cfg,
         )  # fmt: skip
         if split_k > 1:
             block = 1024
@@ -365,7 +370,9 @@ def zero_rows_past(y_MN: torch.Tensor, offs_E: torch.Tensor, kernels=None) -> to
 
 
 @triton_op("moe::grouped_mm", mutates_args=())
-def _grouped_mm_op(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, zero_tail: bool = True) -> torch.Tensor:
+def _grouped_mm_op(
+    x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, zero_tail: bool = True
+) -> torch.Tensor:
     if x_MK.device.type != "cuda":
         return grouped_mm_reference(x_MK, w_ENK, offs_E)
     if _use_cutlass_bf16(x_MK, w_ENK.transpose(-2, -1)):
@@ -463,7 +470,9 @@ def _check_common(x_MK: torch.Tensor, offs_E: torch.Tensor, num_experts: int, k:
         raise ValueError(f"x_MK.shape[1]={x_MK.shape[1]} does not match the weight's K={k}")
 
 
-def grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, *, zero_tail: bool = True) -> torch.Tensor:
+def grouped_mm(
+    x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, *, zero_tail: bool = True
+) -> torch.Tensor:
     """``y_MN = x_MK @ w_ENK[e]^T`` per expert segment of ``offs_E``; rows ``>= offs[-1]`` are zero.
 
     Args:

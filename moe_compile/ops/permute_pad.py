@@ -45,7 +45,10 @@ from torch import Tensor
 from moe_compile.ops import _common, _eager_launch
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS, static_row_bound
 from moe_compile.ops.unpad_unpermute import (
-    launch_gather_sum_triton, place_of_slot, rows_by_slot, unpad_unpermute_reference,
+    launch_gather_sum_triton,
+    place_of_slot,
+    rows_by_slot,
+    unpad_unpermute_reference,
 )
 
 __all__ = ["PermutePadOut", "permute_pad", "permute_pad_backward_reference", "permute_pad_reference"]

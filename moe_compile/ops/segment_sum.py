@@ -6,8 +6,8 @@ Contract:
 
 * ``out_RD[r] = sum of src_ND[i] over the entries i with idx_N[i] == r (and mask_N[i], if given)``, in a
   fixed order that depends only on ``idx`` and ``mask`` (CPU: ascending ``i``; CUDA: tiles of ``BLOCK_J``
-  entries in ascending ``i``, each summed as a fixed tree); rows nobody adds to are zero. ``out`` has ``src``'s dtype; floating sums accumulate in
-  fp32 (fp64 for fp64), integer sums in int64 (exact).
+  entries in ascending ``i``, each summed as a fixed tree); rows nobody adds to are zero. ``out`` has ``src``'s dtype;
+  floating sums accumulate in fp32 (fp64 for fp64), integer sums in int64 (exact).
 * It is the deterministic form of ``index_put(zeros, [idx], src, accumulate=True)`` /
   ``index_add`` / ``scatter_add`` / the embedding backward (``moe_compile.passes.deterministic_scatter``
   lowers those to it): no atomics, every output element has one writer and a fixed order of adds, so
@@ -86,7 +86,11 @@ def segment_sum_backward_reference(grad_RD: Tensor, idx_N: Tensor, mask_N: Tenso
     ok_N = (key_N >= 0) & (key_N < R)
     if mask_N is not None:
         ok_N = ok_N & mask_N
-    picked = grad_RD.index_select(0, torch.where(ok_N, key_N, 0)) if R > 0 else grad_RD.new_zeros(idx_N.shape[0], grad_RD.shape[1])
+    picked = (
+        grad_RD.index_select(0, torch.where(ok_N, key_N, 0))
+        if R > 0
+        else grad_RD.new_zeros(idx_N.shape[0], grad_RD.shape[1])
+    )
     return torch.where(ok_N[:, None], picked, torch.zeros((), dtype=grad_RD.dtype, device=grad_RD.device))
 
 

@@ -33,8 +33,8 @@ import torch.fx as fx
 
 from moe_compile import report
 from moe_compile.passes import PassContext
-from moe_compile.passes.forms.accumulate import is_accumulating, nondeterministic_reason
 from moe_compile.passes._graph import layer_name
+from moe_compile.passes.forms.accumulate import is_accumulating, nondeterministic_reason
 
 aten = torch.ops.aten
 

@@ -25,7 +25,8 @@ Rewrites to:
     (a) ``scatter(z, 1, topk_idx_TK, grad_TK)`` / ``index_put(z, [perm], src, False)``: plain stores, the
     same values, no atomics. (b) ``mm(one_hot_ME.T, grad_MN)``: each ``g[e]`` is a GEMM's fixed-order
     fp32 sum over the rows of expert ``e`` (bitwise reproducible; ``one_hot`` is exact in any dtype);
-    ``E*M*N`` multiply-adds, memory-bound like the scatter for ``E <= 256``. (c) ``scatter(base, d, idx, gather(base, d, idx) + src)``: one add per element, the same bits.
+    ``E*M*N`` multiply-adds, memory-bound like the scatter for ``E <= 256``.
+    (c) ``scatter(base, d, idx, gather(base, d, idx) + src)``: one add per element, the same bits.
 
 Skips when (reason tags): ``base_not_zeros`` (accumulating into a live tensor), ``index_not_distinct``
 (neither rule proves the rewrite), ``too_many_rows`` (rule (b) past ``MAX_ONE_HOT_ROWS``). Accumulations
@@ -42,7 +43,6 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes import PassContext
-from moe_compile.passes.forms import accumulate as acc
 from moe_compile.passes._graph import (
     erase_dead,
     graph_call,
@@ -52,6 +52,7 @@ from moe_compile.passes._graph import (
     op_name,
     tensor_val,
 )
+from moe_compile.passes.forms import accumulate as acc
 
 aten = torch.ops.aten
 

@@ -57,8 +57,8 @@ import torch.fx as fx
 
 import moe_compile.ops.segment_sum  # noqa: F401 - registers moe.segment_sum
 from moe_compile.passes import NoMatch, PassContext
-from moe_compile.passes.forms import accumulate as acc
 from moe_compile.passes._graph import arg, erase_dead, insert_traced, known_int, layer_name, op_name, tensor_val
+from moe_compile.passes.forms import accumulate as acc
 
 aten = torch.ops.aten
 

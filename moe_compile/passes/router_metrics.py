@@ -41,8 +41,9 @@ import torch.fx as fx
 
 from moe_compile import metrics
 from moe_compile.passes import PassContext
+from moe_compile.passes._graph import layer_name, op_name
+from moe_compile.passes._graph import val as _val
 from moe_compile.passes.forms.counts import ids_base
-from moe_compile.passes._graph import layer_name, op_name, val as _val
 from moe_compile.passes.forms.ops import CASTS, FLAT_VIEWS
 
 # A topk over more "experts" than this is not taken for a router unless a dispatch op anchors it
@@ -175,7 +176,7 @@ def _routers_in_subgraphs(gm: torch.nn.Module) -> list[Router]:
     """Routers in the bodies of higher-order ops (activation checkpointing, ``wrap``): not
     instrumented, a mutation cannot be added inside them here; hooks traced by Dynamo can."""
     found = []
-    for name, sub in gm.named_modules():
+    for _name, sub in gm.named_modules():
         if sub is gm or not isinstance(sub, fx.GraphModule):
             continue
         routers, _ = find_routers(sub.graph)

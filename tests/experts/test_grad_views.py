@@ -32,7 +32,8 @@ DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
 
 def _grouped_params(halves: bool, recycle: bool, device: str = "cpu") -> tuple[list[nn.Parameter], torch.Tensor,
                                                                              GradViews]:
-    """Per-expert parameters made views of one grouped leaf with :class:`GradViews` hooks, as ``experts/swap.py`` does."""
+    """Per-expert parameters made views of one grouped leaf with :class:`GradViews` hooks, as
+    ``experts/swap.py`` does."""
     params = [nn.Parameter(torch.randn(N, K, device=device)) for _ in range(2 * E if halves else E)]
     stacked = torch.stack([p.detach() for p in params])
     grouped = (torch.cat([stacked[:E], stacked[E:]], dim=1) if halves else stacked).requires_grad_(True)

@@ -11,7 +11,6 @@ from torch import nn
 
 from moe_compile.experts import grouped_weight as gw
 from moe_compile.experts.grouped_weight import GroupedQuantWeight
-from moe_compile.ops import grouped_mm as gmm
 
 RECIPES = ("mxfp8", "nvfp4")
 

@@ -27,7 +27,7 @@ from moe_compile.experts.interface import glu_of, hf_experts_forward, register_h
 from tests.models.hf_models import FAMILIES, block_output, build_sparse_moe_block  # noqa: E402
 from tests.passes._harness import fresh_cache, no_scatter_add  # noqa: E402
 
-T, H, I, E, K = 10, 16, 24, 6, 2
+T, H, I, E, K = 10, 16, 24, 6, 2  # noqa: E741 - I: expert intermediate size
 # |got - want| <= ULPS * eps * max|want| (fp32: sums over <= max(H, 2I) products, different order)
 ULPS = 256
 

@@ -15,7 +15,7 @@ from moe_compile.experts.discovery import find_expert_weights
 from moe_compile.experts.quantize import GroupedExpertList, GroupedLinear, quantize_experts
 from tests import _tolerance as tol
 
-H, I, E, TOPK, T = 64, 32, 4, 2, 6
+H, I, E, TOPK, T = 64, 32, 4, 2, 6  # noqa: E741 - I: expert intermediate size
 RECIPES = ("bf16", "mxfp8", "nvfp4")
 
 
@@ -321,7 +321,7 @@ def test_train_eval_train_equals_train(kind, recipe, master):
     changed = [not torch.equal(w, before[n]) for n, w in grouped_weights(a).items() if "bias" not in n]
     assert all(changed), "the optimizer must update the quantised weights"
     params = dict(a.named_parameters())
-    for name, p in params.items():
+    for _name, p in params.items():
         if type(p).__name__ == "GroupedQuantWeight":
             assert (p.master is not None) == master
             if master:  # the compute copy is the quantised master, never stale

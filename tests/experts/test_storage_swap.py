@@ -1,4 +1,5 @@
-"""Storages exchanging their memory in place (``moe_compile/experts/_storage_swap.py``): the shim against torch's own."""
+"""Storages exchanging their memory in place (``moe_compile/experts/_storage_swap.py``): the shim against torch's
+own."""
 
 from __future__ import annotations
 

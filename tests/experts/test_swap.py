@@ -14,8 +14,8 @@ from torch._inductor.utils import run_and_get_code
 
 import moe_compile
 from moe_compile import report
-from moe_compile.experts._grad_views import _grad_python_refs
 from moe_compile.api import prepare_expert_loops
+from moe_compile.experts._grad_views import _grad_python_refs
 from moe_compile.experts.swap import swap_expert_loops
 from tests.models.loop_models import LogitsLoopMoE, SigmoidRoutedLoopMoE, make_loop_moe
 from tests.passes._harness import fresh_cache, no_scatter_add

@@ -106,7 +106,9 @@ class ComposedMoE(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         self.forms, self.num_experts, self.top_k, self.align = forms, num_experts, top_k, align
         self.router = nn.Parameter((hidden**-0.5 * torch.randn(num_experts, hidden, generator=gen)).to(dtype))
-        self.w13_EIH = nn.Parameter((hidden**-0.5 * torch.randn(num_experts, 2 * inter, hidden, generator=gen)).to(dtype))
+        self.w13_EIH = nn.Parameter(
+            (hidden**-0.5 * torch.randn(num_experts, 2 * inter, hidden, generator=gen)).to(dtype)
+        )
         self.w2_EHI = nn.Parameter((inter**-0.5 * torch.randn(num_experts, hidden, inter, generator=gen)).to(dtype))
 
     def _experts(self, rows: Tensor, offs_E: Tensor) -> Tensor:
@@ -115,7 +117,7 @@ class ComposedMoE(nn.Module):
         return torch._grouped_mm(F.silu(gate) * up, self.w2_EHI.transpose(-2, -1), offs=offs_E)
 
     def forward(self, x_TH: Tensor) -> Tensor:
-        f, E, K, a = self.forms, self.num_experts, self.top_k, self.align
+        f, E, K = self.forms, self.num_experts, self.top_k
         T, H = x_TH.shape
         probs_TK, idx_TK = torch.topk(F.linear(x_TH, self.router).float().softmax(-1), K, dim=-1)
         probs_TK = probs_TK / probs_TK.sum(-1, keepdim=True)
@@ -163,7 +165,9 @@ class ComposedMoE(nn.Module):
         if f.padding == "host_pad":
             rows_PH = torch.cat([F.pad(c, (0, 0, 0, p - n)) for c, n, p in zip(chunks, sizes, padded)])
         else:
-            rows_PH = torch.cat([torch.cat([c, c.new_zeros(p - n, c.shape[1])]) for c, n, p in zip(chunks, sizes, padded)])
+            rows_PH = torch.cat(
+                [torch.cat([c, c.new_zeros(p - n, c.shape[1])]) for c, n, p in zip(chunks, sizes, padded)]
+            )
         offs_E = torch.tensor(list(itertools.accumulate(padded)), dtype=torch.int32, device=rows_SH.device)
         y_PH = self._experts(rows_PH, offs_E)
         pieces = torch.split(y_PH, padded)

@@ -2,9 +2,9 @@
 
 :func:`moe_families` lists the model types whose modeling file uses transformers' experts interface
 (``use_experts_implementation``); :func:`build` makes a ``*ForCausalLM`` (for a multimodal family, the causal LM
-or base model of its text config) from the family's config class with generic tiny overrides: every MoE attribute under each of
-its names (experts 8, top-k 2, groups that divide them, every layer sparse), hidden 64, one layer.
-Families that cannot be built or run from a config alone raise :class:`Unbuildable` with the reason.
+or base model of its text config) from the family's config class with generic tiny overrides: every MoE attribute under
+each of its names (experts 8, top-k 2, groups that divide them, every layer sparse), hidden 64, one layer. Families that
+cannot be built or run from a config alone raise :class:`Unbuildable` with the reason.
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ def _plan(family: str) -> tuple[Any, Any, str]:
     text = getattr(config, "text_config", None)
     text_type = getattr(text, "model_type", None)
     if text_type:
-        lm = _class(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text_type) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type))
+        lm = _class(
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text_type) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+        )
         if lm is not None:
             return lm, _shrink(text), "lm"
         base = _class(MODEL_MAPPING_NAMES.get(text_type))

@@ -205,8 +205,13 @@ class ExpertLoopMoE(_RoutedExperts):
         hidden, inter = self.w2_EHI.shape[1], self.w2_EHI.shape[2]
         if not stacked:
             self.experts = nn.ModuleList(
-                SwiGLUExpert(hidden, inter, self.w2_EHI.dtype, act="gelu" if variant == "mixed_act" and e == 1 else "silu",
-                             bias=variant == "bias")
+                SwiGLUExpert(
+                    hidden,
+                    inter,
+                    self.w2_EHI.dtype,
+                    act="gelu" if variant == "mixed_act" and e == 1 else "silu",
+                    bias=variant == "bias",
+                )
                 for e in range(self.num_experts)
             )
 

@@ -58,7 +58,9 @@ class RoutedBlock(nn.Module):
             from moe_compile.ops import permute_pad, unpad_unpermute
 
             out = permute_pad(x_TH, idx_TK, num_experts=self.num_experts, align=1)
-            expert_of_row = torch.searchsorted(out.offs_E, torch.arange(out.rows_MH.shape[0], device=x_TH.device), right=True)
+            expert_of_row = torch.searchsorted(
+                out.offs_E, torch.arange(out.rows_MH.shape[0], device=x_TH.device), right=True
+            )
             expert_of_row = expert_of_row.clamp_max(self.num_experts - 1)
             y_MH = torch.bmm(out.rows_MH.unsqueeze(1), self.experts[expert_of_row]).squeeze(1)
             return x_TH + unpad_unpermute(y_MH, out.row_map, w_TK.to(x_TH.dtype))

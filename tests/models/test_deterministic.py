@@ -57,7 +57,9 @@ def test_deterministic_training_step(family):
     assert torch.equal(again[0], loss) and all(torch.equal(again[1][n], g) for n, g in grads.items())
 
     (loss_off, grads_off), _, rep_off, code_off = _step(model, inputs, deterministic=False)
-    assert any(ATOMIC_ADD.search(c) for c in code_off), "control: the embedding's backward accumulates without the option"
+    assert any(ATOMIC_ADD.search(c) for c in code_off), (
+        "control: the embedding's backward accumulates without the option"
+    )
     assert not rep_off.deterministic and any("(embedding)" in r.what for r in rep_off.nondeterministic)
     k_dims = tol.gemm_k_dims(list(model.parameters()))
     rows = inputs["input_ids"].numel()

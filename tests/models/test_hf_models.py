@@ -23,9 +23,9 @@ from tests.passes._harness import (  # noqa: E402
     run_once,
 )
 
-# (family, dtype, train, dynamic): every family once; training and inference, bf16 and fp32, dynamic
-# once here (twice more in test_fuse_dispatch.py). The pass sees the same experts graph in all five families (transformers' shared grouped_mm
-# implementation); the slow matrix runs every combination through Inductor.
+# (family, dtype, train, dynamic): every family once; training and inference, bf16 and fp32, dynamic once here (twice
+# more in test_fuse_dispatch.py). The pass sees the same experts graph in all five families (transformers' shared
+# grouped_mm implementation); the slow matrix runs every combination through Inductor.
 FAST_MATRIX = [
     ("mixtral", torch.float32, True, False),
     ("qwen2_moe", torch.bfloat16, True, False),

@@ -226,8 +226,11 @@ def test_unpermute_replay_keys_fix_their_launches(monkeypatch):
         if s["misaligned"]:
             rows = _misaligned(tuple(rows.shape), rows.dtype, "cpu")
         grad_probs_M = out.probs_M if (probs is not None and s["wide"]) else None  # permute_pad's backward
-        forward.append(lambda rows=rows, row_map=row_map, p=probs if grad_probs_M is None else None, d=d, g=grad_probs_M:
-                       uu.launch_gather_sum_triton(rows, row_map, p, d, grad_probs_M=g))
+        forward.append(
+            lambda rows=rows, row_map=row_map, p=probs if grad_probs_M is None else None, d=d, g=grad_probs_M: (
+                uu.launch_gather_sum_triton(rows, row_map, p, d, grad_probs_M=g)
+            )
+        )
         grad_y = torch.randn(x.shape[0], x.shape[1]).to(x.dtype)
         backward.append(lambda g=grad_y, row_map=row_map, p=probs, r=rows if s["wide"] else None, m=rows.shape[0], d=d:
                         uu.launch_unpad_unpermute_backward_triton(g, row_map, p, r, m, d))

@@ -27,7 +27,7 @@ def _dispatch(T=7, H=16, E=4, K=2, align=8, dtype=torch.float32, seed=0):
 def test_gather_gated_matches_permute_then_grouped_mm(activation, dtype):
     """Gathering through the row map equals ``grouped_mm`` on permute_pad's rows, then act(gate) * up * prob."""
     x, d = _dispatch(dtype=dtype, seed=1)
-    M, I = d.rows_MH.shape[0], 8
+    M, I = d.rows_MH.shape[0], 8  # noqa: E741 - I: expert intermediate size
     w = torch.randn(4, 2 * I, x.shape[1], dtype=dtype)
     y, pre = eg.expert_gemm(x, w, d.offs_E, row_map=d.row_map, row_weight_M=d.probs_M, activation=activation,
                             num_rows=M, store_preact=True)  # fmt: skip
@@ -55,7 +55,9 @@ def test_gradcheck_fp64(case):
     rw = d.probs_M.clone().requires_grad_()
     if case == "gather_swiglu_rw":
         w = torch.randn(3, 8, 6, dtype=F64, requires_grad=True)
-        fn = lambda a, b, c: eg.expert_gemm(a, b, d.offs_E, row_map=d.row_map, row_weight_M=c, activation="swiglu", num_rows=M)[0]  # noqa: E731
+        fn = lambda a, b, c: eg.expert_gemm(  # noqa: E731
+            a, b, d.offs_E, row_map=d.row_map, row_weight_M=c, activation="swiglu", num_rows=M
+        )[0]
         args = (x, w, rw)
     elif case == "none_rw":
         h, w = torch.randn(M, 4, dtype=F64, requires_grad=True), torch.randn(3, 6, 4, dtype=F64, requires_grad=True)
@@ -63,7 +65,9 @@ def test_gradcheck_fp64(case):
         args = (h, w, rw)
     elif case == "geglu_recompute":
         w = torch.randn(3, 8, 6, dtype=F64, requires_grad=True)
-        fn = lambda a, b: eg.expert_gemm(a, b, d.offs_E, row_map=d.row_map, num_rows=M, activation="geglu", store_preact=False)[0]  # noqa: E731
+        fn = lambda a, b: eg.expert_gemm(  # noqa: E731
+            a, b, d.offs_E, row_map=d.row_map, num_rows=M, activation="geglu", store_preact=False
+        )[0]
         args = (x, w)
     else:
         w = torch.randn(3, 5, 6, dtype=F64, requires_grad=True)
@@ -97,10 +101,14 @@ def test_quantised_equals_dequantised_plain(fmt):
     q = quantize_stored(w.to(torch.bfloat16), fmt)
     dense = eg._dense_weight(q[0], q[1], q[2] if fmt == "nvfp4" else None, fmt, torch.float32)
     kw = dict(row_map=d.row_map, num_rows=M, activation="swiglu", row_weight_M=d.probs_M)
-    got = eg.expert_gemm(x, q[0], d.offs_E, w_scale=q[1], expert_scale_E=q[2] if fmt == "nvfp4" else None, fmt=fmt, **kw)[0]
+    got = eg.expert_gemm(
+        x, q[0], d.offs_E, w_scale=q[1], expert_scale_E=q[2] if fmt == "nvfp4" else None, fmt=fmt, **kw
+    )[0]
     assert torch.equal(got, eg.expert_gemm(x, dense, d.offs_E, **kw)[0])
     xg = x.clone().requires_grad_()
-    y = eg.expert_gemm(xg, q[0], d.offs_E, w_scale=q[1], expert_scale_E=q[2] if fmt == "nvfp4" else None, fmt=fmt, **kw)[0]
+    y = eg.expert_gemm(
+        xg, q[0], d.offs_E, w_scale=q[1], expert_scale_E=q[2] if fmt == "nvfp4" else None, fmt=fmt, **kw
+    )[0]
     (gx,) = torch.autograd.grad(y.sum(), xg)
     xr = x.clone().requires_grad_()
     (gr,) = torch.autograd.grad(eg.expert_gemm(xr, dense, d.offs_E, **kw)[0].sum(), xr)
@@ -114,7 +122,10 @@ def test_opcheck():
     xr = x.clone().requires_grad_()
     torch.library.opcheck(torch.ops.moe.expert_gemm.default, (xr, w, d.offs_E, d.row_map, d.probs_M, "swiglu", M, True))
     h = torch.randn(M, 3, requires_grad=True)
-    torch.library.opcheck(torch.ops.moe.expert_gemm.default, (h, w.detach()[:, :, :3].contiguous(), d.offs_E, None, d.probs_M, "none", M, False))
+    torch.library.opcheck(
+        torch.ops.moe.expert_gemm.default,
+        (h, w.detach()[:, :, :3].contiguous(), d.offs_E, None, d.probs_M, "none", M, False),
+    )
     torch.library.opcheck(torch.ops.moe.expert_wgrad.default, (torch.randn(M, 6), x, d.offs_E, d.row_map, d.probs_M))
 
 

@@ -71,9 +71,9 @@ def test_gated_forward_and_dx(forced_triton):
     want_pre = gmm.grouped_mm_reference(a.double(), w.double(), d.offs_E)
     bound = tol.grouped_mm_bound(a, w, d.offs_E, want_pre, got_dtype=torch.bfloat16)
     tol.assert_within(pre, want_pre, bound, "gate_up pre-activations")
-    # the epilogue reads the fp32 accumulators, the reference the stored bf16 pre: with g' = g (1 + d1), u' = u (1 + d2),
-    # |d| <= u_bf16, |silu(g) u - silu(g') u'| <= (1.1 + 1) u_bf16 |g| |u| (|silu'| <= 1.1, |silu(g)| <= |g|);
-    # doubled for the first-order slack and the fp32 evaluation of the epilogue
+    # the epilogue reads the fp32 accumulators, the reference the stored bf16 pre: with g' = g (1 + d1),
+    # u' = u (1 + d2), |d| <= u_bf16, |silu(g) u - silu(g') u'| <= (1.1 + 1) u_bf16 |g| |u| (|silu'| <= 1.1,
+    # |silu(g)| <= |g|); doubled for the first-order slack and the fp32 evaluation of the epilogue
     g, u = pre[:, :I].double(), pre[:, I:].double()
     want_y = torch.nn.functional.silu(g) * u
     slack = 2 * 2.1 * tol.unit_roundoff(torch.bfloat16) * g.abs() * u.abs()
@@ -82,7 +82,9 @@ def test_gated_forward_and_dx(forced_triton):
     dz = torch.randn(M, 2 * I, generator=gen).to(torch.bfloat16).to(DEV)
     dx = eg.expert_gemm(dz, w.transpose(1, 2), d.offs_E)[0]
     want_dx = gmm.grouped_mm_reference(dz.double(), w.transpose(1, 2).double(), d.offs_E)
-    tol.assert_within(dx, want_dx, tol.grouped_mm_bound(dz, w.transpose(1, 2), d.offs_E, want_dx, got_dtype=torch.bfloat16), "dX")
+    tol.assert_within(
+        dx, want_dx, tol.grouped_mm_bound(dz, w.transpose(1, 2), d.offs_E, want_dx, got_dtype=torch.bfloat16), "dX"
+    )
 
 
 def test_every_choice_trains_the_same_gated_gemm(monkeypatch):
@@ -178,7 +180,9 @@ def test_standalone_epilogues_with_row_weight(monkeypatch, activation):
     tol.assert_layer_close(got[0][valid], want[0][valid], [H], torch.bfloat16, what="y")
     tol.assert_layer_close(got[1], want[1], [H, 2 * I], torch.bfloat16, backward=True, rows=rows, what="dX")
     tol.assert_layer_close(got[2], want[2], [H, 2 * I], torch.bfloat16, backward=True, rows=rows, what="dW")
-    tol.assert_layer_close(got[3][valid], want[3][valid], [H, n_out], torch.bfloat16, backward=True, what="d row weight")
+    tol.assert_layer_close(
+        got[3][valid], want[3][valid], [H, n_out], torch.bfloat16, backward=True, what="d row weight"
+    )
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run, got)), "not bitwise reproducible"
 

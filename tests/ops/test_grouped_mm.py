@@ -168,7 +168,8 @@ def test_compiled_grouped_mm_fp32_static_shapes():
     d_y = tol.accumulation_rel(16) * y_mag
     gx_bound = 2 * tol.grouped_abs_matmul(d_y, w.transpose(1, 2), offs)
     gx_bound += tol.accumulation_rel(8) * 2 * tol.grouped_abs_matmul(y_mag, w.transpose(1, 2), offs)
-    gw_bound = 2 * tol.grouped_wgrad_abs(d_y, x, offs) + tol.accumulation_rel(3) * 2 * tol.grouped_wgrad_abs(y_mag, x, offs)
+    gw_bound = (2 * tol.grouped_wgrad_abs(d_y, x, offs)
+                + tol.accumulation_rel(3) * 2 * tol.grouped_wgrad_abs(y_mag, x, offs))
     tol.assert_within(got[0], eager[0], gx_bound, "dX")
     tol.assert_within(got[1], eager[1], gw_bound, "dW")
 
@@ -178,14 +179,47 @@ def test_compiled_grouped_mm_fp32_static_shapes():
     [
         (lambda: gmm.grouped_mm(torch.randn(2, 3, 8), torch.randn(2, 4, 8), _offs([1, 1])), "x_MK must be 2-D"),
         (lambda: gmm.grouped_mm(torch.randn(2, 8), torch.randn(4, 8), _offs([1, 1])), "w_ENK must be 3-D"),
-        (lambda: gmm.grouped_mm(torch.randn(2, 8), torch.randn(2, 4, 8), _offs([1, 1]).long()), "offs_E must be a 1-D int32"),
+        (
+            lambda: gmm.grouped_mm(torch.randn(2, 8), torch.randn(2, 4, 8), _offs([1, 1]).long()),
+            "offs_E must be a 1-D int32",
+        ),
         (lambda: gmm.grouped_mm(torch.randn(2, 8), torch.randn(3, 4, 8), _offs([1, 1])), "offs_E has 2 entries"),
-        (lambda: gmm.grouped_mm(torch.randn(2, 6), torch.randn(2, 4, 8), _offs([1, 1])), "does not match the weight's K"),
+        (
+            lambda: gmm.grouped_mm(torch.randn(2, 6), torch.randn(2, 4, 8), _offs([1, 1])),
+            "does not match the weight's K",
+        ),
         (lambda: gmm.grouped_mm(torch.randn(2, 8), torch.randn(2, 4, 8).half(), _offs([1, 1])), "w_ENK.dtype"),
-        (lambda: gmm.grouped_mm(torch.ones(2, 8, dtype=torch.int32), torch.ones(2, 4, 8, dtype=torch.int32), _offs([1, 1])), "x_MK.dtype"),
-        (lambda: gmm.grouped_mm_mxfp8(torch.randn(2, 64), torch.zeros(2, 4, 64), torch.zeros(2, 4, 2, dtype=torch.uint8), _offs([1, 1])), "qdata_ENK must be float8_e4m3fn"),
-        (lambda: gmm.grouped_mm_mxfp8(torch.randn(2, 64), torch.zeros(2, 4, 64).to(torch.float8_e4m3fn), torch.zeros(2, 4, 4, dtype=torch.uint8), _offs([1, 1])), "scale_ENB must be uint8"),
-        (lambda: gmm.grouped_mm_nvfp4(torch.randn(2, 64), torch.zeros(2, 4, 32, dtype=torch.uint8), torch.zeros(2, 4, 4).to(torch.float8_e4m3fn), torch.ones(3), _offs([1, 1])), "expert_scale_E must be fp32 with 2"),
+        (
+            lambda: gmm.grouped_mm(
+                torch.ones(2, 8, dtype=torch.int32), torch.ones(2, 4, 8, dtype=torch.int32), _offs([1, 1])
+            ),
+            "x_MK.dtype",
+        ),
+        (
+            lambda: gmm.grouped_mm_mxfp8(
+                torch.randn(2, 64), torch.zeros(2, 4, 64), torch.zeros(2, 4, 2, dtype=torch.uint8), _offs([1, 1])
+            ),
+            "qdata_ENK must be float8_e4m3fn",
+        ),
+        (
+            lambda: gmm.grouped_mm_mxfp8(
+                torch.randn(2, 64),
+                torch.zeros(2, 4, 64).to(torch.float8_e4m3fn),
+                torch.zeros(2, 4, 4, dtype=torch.uint8),
+                _offs([1, 1]),
+            ),
+            "scale_ENB must be uint8",
+        ),
+        (
+            lambda: gmm.grouped_mm_nvfp4(
+                torch.randn(2, 64),
+                torch.zeros(2, 4, 32, dtype=torch.uint8),
+                torch.zeros(2, 4, 4).to(torch.float8_e4m3fn),
+                torch.ones(3),
+                _offs([1, 1]),
+            ),
+            "expert_scale_E must be fp32 with 2",
+        ),
     ],
 )
 def test_bad_input_errors_name_the_argument(call, match):

@@ -134,7 +134,9 @@ def test_weight_only_kernel_ragged_k(recipe, K, kernel):
     if kernel == "tiled":
         cfg = gmm._pick_config(M, E, N, K, recipe, 132, False)
     else:
-        cfg = dict(gmm._pick_decode_config(M, E, N, K, recipe, 132, False), SPLIT_K=3 if kernel == "decode_split3" else 1)
+        cfg = dict(
+            gmm._pick_decode_config(M, E, N, K, recipe, 132, False), SPLIT_K=3 if kernel == "decode_split3" else 1
+        )
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV)
     y = gmm.launch_grouped_mm(x, qdata, scale, gscale, offs, out, recipe, config=cfg)
     ref = torch._grouped_mm(x, deq.transpose(-2, -1), offs=offs)
@@ -142,7 +144,10 @@ def test_weight_only_kernel_ragged_k(recipe, K, kernel):
     assert torch.all(y[sum(counts) :] == 0)
 
 
-@pytest.mark.parametrize("shape,kernel", [("decode_e128", "decode"), ("small_e64", "decode"), ("skewed_e8", "tiled"), ("prefill_e8", "tiled")])
+@pytest.mark.parametrize(
+    "shape,kernel",
+    [("decode_e128", "decode"), ("small_e64", "decode"), ("skewed_e8", "tiled"), ("prefill_e8", "tiled")],
+)
 def test_nvfp4_ptx_decode_bitwise_equals_triton_decode(shape, kernel):
     """NOTE [NVFP4 decode] (moe_compile/ops/triton/grouped_mm.py): the inline-PTX bit moves + bf16x2 scale multiply give
     the same tile as the fp32 Triton ops, over every e2m1 code and e4m3 scales from denormal to 448 (incl. zero)."""
@@ -163,7 +168,9 @@ def test_nvfp4_ptx_decode_bitwise_equals_triton_decode(shape, kernel):
     ys = []
     for ptx in (True, False):
         out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV)
-        ys.append(gmm.launch_grouped_mm(x, qdata, scale, expert_scale, offs, out, "nvfp4", config=dict(cfg, PTX_DECODE=ptx)))
+        ys.append(
+            gmm.launch_grouped_mm(x, qdata, scale, expert_scale, offs, out, "nvfp4", config=dict(cfg, PTX_DECODE=ptx))
+        )
     assert torch.equal(ys[0], ys[1])
     ref = gmm.grouped_mm_reference(x.double(), gmm.dequantize_nvfp4(qdata, scale, expert_scale, torch.float64), offs)
     assert _rel(ys[0], ref, sum(counts)) < 1e-2

@@ -207,7 +207,13 @@ def test_fake_shapes_are_static():
     with FakeTensorMode():
         x, ids, probs = torch.empty(10, 6), torch.zeros(10, 2, dtype=torch.int64), torch.empty(10, 2)
         out = torch.ops.moe.permute_pad(x, ids, probs, 8, 32)
-    assert [tuple(t.shape) for t in out] == [(static_row_bound(20, 8, 32), 6), (static_row_bound(20, 8, 32),), (8,), (10, 4), (8,)]
+    assert [tuple(t.shape) for t in out] == [
+        (static_row_bound(20, 8, 32), 6),
+        (static_row_bound(20, 8, 32),),
+        (8,),
+        (10, 4),
+        (8,),
+    ]
     assert [t.dtype for t in out[2:]] == [torch.int32] * 3
 
 

@@ -19,8 +19,8 @@ so no sort and no ``dest`` buffer. One program for the index work saves a launch
 and decode steps are launch bound (their host time is mostly launches); but its trips are serial, so at
 large ``N`` (many blocks) it costs tens of microseconds (benchmarks/results/dispatch.json). There the
 histograms come first from ``_block_histogram_kernel`` (one program per block, in parallel) and the
-index kernel only scans them (``FROM_TABLE``): three launches. Worked example, ``E = 3``, ``a = 4``, ``BLOCK_N = 4``, ``SUB = 2``, ids
-``[[2, 0], [1, 2], [0, 2], [2, 1]]`` (flat ``[2, 0, 1, 2 | 0, 2, 2, 1]``):
+index kernel only scans them (``FROM_TABLE``): three launches. Worked example, ``E = 3``, ``a = 4``, ``BLOCK_N = 4``,
+``SUB = 2``, ids ``[[2, 0], [1, 2], [0, 2], [2, 1]]`` (flat ``[2, 0, 1, 2 | 0, 2, 2, 1]``):
 
     launch 1 (_expert_offsets_kernel)  iteration 0 covers blocks 0 and 1: keys = ids + 4 * block,
                                        hist = [[1, 1, 2], [1, 1, 2]]
@@ -266,7 +266,9 @@ def _permute_rows_kernel(
         tl.store(ptrs, zeros, mask=row_mask[:, None] & col_mask[None, :])
         if HAS_PROBS:
             if pid_h == 0:
-                tl.store(probs_out_ptr + row, tl.zeros([ZERO_ROWS], dtype=probs_out_ptr.dtype.element_ty), mask=row_mask)
+                tl.store(
+                    probs_out_ptr + row, tl.zeros([ZERO_ROWS], dtype=probs_out_ptr.dtype.element_ty), mask=row_mask
+                )
 
 
 @triton.jit

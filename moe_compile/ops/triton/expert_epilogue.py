@@ -1,12 +1,12 @@
 """Triton kernels of the standalone expert-MLP epilogues (``moe_compile.ops.expert_epilogue``; kernels only).
 
-NOTE [standalone epilogues]: where ``torch._grouped_mm`` (CUTLASS) runs the GEMM, eager calls apply the gated epilogue (and the row
-weight) with ``_epilogue_kernel``, one pass over ``pre [M, N_w]`` with the same fp32 math as the fused
-epilogue; the backward of the epilogue (any GEMM choice) is ``_epilogue_backward_kernel``, one program per
-row: ``dz = [dh * u * act'(g) | dh * act(g)]`` (``dh = dy * rw``) and the row weight's gradient
-``sum(act(g) * u * dy)`` reduced in a fixed order; the row weight's own backward (``y = rw * (a @ W)``:
-``dx = rw * dxu``, ``d rw = sum(a * dxu)``) is ``_row_scale_backward_kernel``. Traced calls keep the PyTorch
-expressions (Inductor fuses them into its own kernels).
+NOTE [standalone epilogues]: where ``torch._grouped_mm`` (CUTLASS) runs the GEMM, eager calls apply the gated epilogue
+(and the row weight) with ``_epilogue_kernel``, one pass over ``pre [M, N_w]`` with the same fp32 math as the fused
+epilogue; the backward of the epilogue (any GEMM choice) is ``_epilogue_backward_kernel``, one program per row:
+``dz = [dh * u * act'(g) | dh * act(g)]`` (``dh = dy * rw``) and the row weight's gradient ``sum(act(g) * u * dy)``
+reduced in a fixed order; the row weight's own backward (``y = rw * (a @ W)``: ``dx = rw * dxu``,
+``d rw = sum(a * dxu)``) is ``_row_scale_backward_kernel``. Traced calls keep the PyTorch expressions (Inductor fuses
+them into its own kernels).
 """
 
 from __future__ import annotations

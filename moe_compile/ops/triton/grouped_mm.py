@@ -167,10 +167,14 @@ def _load_scales(
     """
     if W_FORMAT == W_MXFP8:
         sk = k0 // MX_BLOCK + tl.arange(0, BLOCK_K // MX_BLOCK)
-        return tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // MX_BLOCK), other=127)
+        return tl.load(
+            s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // MX_BLOCK), other=127
+        )
     elif W_FORMAT == W_NVFP4:
         sk = k0 // NV_BLOCK + tl.arange(0, BLOCK_K // NV_BLOCK)
-        return tl.load(s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // NV_BLOCK), other=0.0)
+        return tl.load(
+            s_base + sk[None, :] * stride_sk, mask=col_mask[:, None] & (sk[None, :] < K // NV_BLOCK), other=0.0
+        )
     else:
         return 0
 

@@ -103,7 +103,11 @@ def _inner_bound(torch, tol, mag, K, act, pre_ref, operand_rel=0.0):
     a_g = torch.nn.functional.silu(g) if act == "swiglu" else torch.nn.functional.gelu(g)
     ig, iu = inner[:, :n], inner[:, n:]
     # act(g + dg) (u + du) - act(g) u, plus exp / erf / product in fp32 (a few ulps of the result)
-    return ACT_RATE * ig * (u.abs() + iu) + (a_g.abs() + ACT_RATE * ig) * iu + 8 * tol.unit_roundoff(torch.float32) * (a_g * u).abs()
+    return (
+        ACT_RATE * ig * (u.abs() + iu)
+        + (a_g.abs() + ACT_RATE * ig) * iu
+        + 8 * tol.unit_roundoff(torch.float32) * (a_g * u).abs()
+    )
 
 
 def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
@@ -160,7 +164,11 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
         dys = dy if rw is None else (dy.float() * rw[:, None]).to(dtype)
         want = gmm.grouped_mm_wgrad_reference(dys, a, offs)
         mag = tol.grouped_wgrad_abs(dys, a, offs)
-        tol.assert_within(out, want, tol.matmul_bound(mag, max(max(counts), 1), want, got_dtype=dtype, want_dtype=dtype, got_truncates=True))
+        tol.assert_within(
+            out,
+            want,
+            tol.matmul_bound(mag, max(max(counts), 1), want, got_dtype=dtype, want_dtype=dtype, got_truncates=True),
+        )
         assert torch.all(out[torch.tensor(counts) == 0] == 0)
         if "1" in opts:
             again = torch.full_like(out, float("nan"))
@@ -199,12 +207,18 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
     mag = tol.grouped_abs_matmul(a, dense, offs)
     operand_rel = 0.0
     if fmt == "nvfp4":  # as _grouped_mm_interp_worker._operand_rel
-        operand_rel = 4 * tol.unit_roundoff(torch.float32) + (tol.unit_roundoff(dtype) if dtype in tol.LOW_PRECISION else 0.0)
+        operand_rel = 4 * tol.unit_roundoff(torch.float32) + (
+            tol.unit_roundoff(dtype) if dtype in tol.LOW_PRECISION else 0.0
+        )
     pre_ref = gmm.grouped_mm_reference(a.double(), dense.double(), offs)
     inner = _inner_bound(torch, tol, mag, K, act, pre_ref, operand_rel)
     if rw is not None:  # times the row weight in fp32: one more rounding
         inner = inner * rw.double()[:, None] + tol.unit_roundoff(torch.float32) * want.double().abs()
-    bound = inner + tol.rounding_bound(want, dtype, inner=inner, truncate=True) + tol.rounding_bound(want, dtype, inner=inner)
+    bound = (
+        inner
+        + tol.rounding_bound(want, dtype, inner=inner, truncate=True)
+        + tol.rounding_bound(want, dtype, inner=inner)
+    )
     if kind == "bug":
         tol.assert_within(y, want, bound)
         bad = src.clone()
@@ -218,7 +232,9 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
         raise AssertionError("a shifted row map passed the derived comparison")
     tol.assert_within(y, want, bound)
     if pre is not None:
-        pb = tol.matmul_bound(mag, K, pre_want, operand_rel=operand_rel, got_dtype=dtype, want_dtype=dtype, got_truncates=True)
+        pb = tol.matmul_bound(
+            mag, K, pre_want, operand_rel=operand_rel, got_dtype=dtype, want_dtype=dtype, got_truncates=True
+        )
         tol.assert_within(pre, pre_want, pb)
     assert torch.all(y[int(offs[-1]) :] == 0), "rows past offs[-1] must be zero"
     if kind == "repeat":
@@ -321,11 +337,14 @@ def compile_sm90() -> dict:
     for M, E, N, K, act, gather, rw in SM90_SHAPES:
         for fmt, (x_t, w_t, s_t, g_t) in _SM90_TYPES.items():
             # TMA: weights through descriptors, activations too when not gathered; un-gated also the dX layout
-            tmas = [(False, False)] + ([(True, False)] + ([(True, True)] if act == "none" else []) if fmt == "plain" else [])
+            tmas = [(False, False)] + (
+                [(True, False)] + ([(True, True)] if act == "none" else []) if fmt == "plain" else []
+            )
             for tma, w_kn in tmas:
                 cfg = eg.pick_config(M, E, N, K, fmt, False, act != "none", True, tma_nk=tma and not w_kn)
                 consts = dict(GATHER=gather, ACT=eg.ACTIVATIONS[act], ROW_SCALE=rw, STORE_PRE=act != "none",
-                              W_FORMAT=gmm._FORMATS[fmt], IEEE_DOT=False, PTX_DECODE=fmt == "nvfp4", K_ALIGN=gmm.k_align(K),
+                              W_FORMAT=gmm._FORMATS[fmt], IEEE_DOT=False, PTX_DECODE=fmt == "nvfp4",
+                              K_ALIGN=gmm.k_align(K),
                               USE_TMA=tma, W_KN=w_kn, X_TMA=tma and not gather,
                               BLOCK_E=max(gmm._next_pow2(E), 16))  # fmt: skip
                 consts.update({k: v for k, v in cfg.items() if k.isupper()})
@@ -340,22 +359,39 @@ def compile_sm90() -> dict:
         consts = dict(GATHER_X=gather, ROW_SCALE=rw, IEEE_DOT=False, **{k: v for k, v in cfg.items() if k.isupper()})
         sig = {n: "constexpr" if n in consts else "*bf16" if n.endswith("_ptr") else "i32" for n in wgrad.arg_names}
         sig.update(src_ptr="*i32", offs_ptr="*i32", rw_ptr="*fp32")
-        jobs[f"wgrad_gather{gather}_rw{rw}"] = (wgrad, sig, consts, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+        jobs[f"wgrad_gather{gather}_rw{rw}"] = (
+            wgrad,
+            sig,
+            consts,
+            dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+        )
     (ee,) = import_ops_only("expert_epilogue")
     epi = ee._kernels._epilogue_kernel
     for act, rw in (("swiglu", True), ("none", True), ("geglu", False)):
         consts = dict(ACT=ee.ACTIVATIONS[act], ROW_SCALE=rw, BLOCK_N=ee.EPILOGUE_BLOCK_N)
-        sig = dict(pre_ptr="*bf16", rw_ptr="*bf16", out_ptr="*bf16", N="i32", stride_pre="i32", stride_out="i32", **consts)
-        jobs[f"epilogue_{act}_rw{rw}"] = (epi, {n: "constexpr" if n in consts else t for n, t in sig.items()}, consts, dict(num_warps=4))
+        sig = dict(
+            pre_ptr="*bf16", rw_ptr="*bf16", out_ptr="*bf16", N="i32", stride_pre="i32", stride_out="i32", **consts
+        )
+        jobs[f"epilogue_{act}_rw{rw}"] = (
+            epi,
+            {n: "constexpr" if n in consts else t for n, t in sig.items()},
+            consts,
+            dict(num_warps=4),
+        )
     epi_b = ee._kernels._epilogue_backward_kernel
     for act in ("swiglu", "geglu"):
-        consts = dict(ACT=ee.ACTIVATIONS[act], ROW_SCALE=True, NEED_DRW=True, HAS_DPRE=False, BLOCK_N=ee.EPILOGUE_BLOCK_N)
-        sig = {n: "constexpr" if n in consts else "*fp32" if n == "drw_ptr" else "*bf16" if n.endswith("_ptr") else "i32"
-               for n in epi_b.arg_names}
+        consts = dict(
+            ACT=ee.ACTIVATIONS[act], ROW_SCALE=True, NEED_DRW=True, HAS_DPRE=False, BLOCK_N=ee.EPILOGUE_BLOCK_N
+        )
+        sig = {
+            n: "constexpr" if n in consts else "*fp32" if n == "drw_ptr" else "*bf16" if n.endswith("_ptr") else "i32"
+            for n in epi_b.arg_names
+        }
         jobs[f"epilogue_backward_{act}"] = (epi_b, sig, consts, dict(num_warps=4))
     rsb = ee._kernels._row_scale_backward_kernel
     consts = dict(BLOCK_N=ee.EPILOGUE_BLOCK_N)
-    sig = {n: "constexpr" if n in consts else "*fp32" if n in ("rw_ptr", "drw_ptr") else "*bf16" if n.endswith("_ptr") else "i32"
+    sig = {n: "constexpr" if n in consts else "*fp32" if n in ("rw_ptr", "drw_ptr")
+           else "*bf16" if n.endswith("_ptr") else "i32"
            for n in rsb.arg_names}
     jobs["row_scale_backward"] = (rsb, sig, consts, dict(num_warps=4))
     src_k = eg._kernels._source_rows_kernel

@@ -112,7 +112,9 @@ def _run_case(gmm, kind, counts, M, N, K, dtype_name):
     if kind.startswith("decode:"):  # the decode kernel, with explicit split-K and operand order
         _, kind, split_k, swap = kind.split(":")
         block_k = max(32, gmm._MIN_BLOCK_K[kind])
-        config = dict(KERNEL="decode", BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, SPLIT_K=int(split_k), SWAP_AB=swap == "1")
+        config = dict(
+            KERNEL="decode", BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, SPLIT_K=int(split_k), SWAP_AB=swap == "1"
+        )
 
     def launch(w, scale, gscale, fmt):
         out = torch.full((M, N), float("nan"), dtype=dtype)
@@ -228,7 +230,13 @@ def compile_sm90() -> dict:
             if dtype != "bf16" and M > 8:
                 continue  # fp16/fp32 plain weights: one shape is enough
             cfg = gmm._pick_config(M, E, N, K, fmt, 132, dtype == "fp32")
-            consts = dict(W_FORMAT=gmm._FORMATS[fmt], IEEE_DOT=dtype == "fp32", PTX_DECODE=dtype == "bf16", BLOCK_E=max(gmm._next_pow2(E), 16), K_ALIGN=gmm.k_align(K))
+            consts = dict(
+                W_FORMAT=gmm._FORMATS[fmt],
+                IEEE_DOT=dtype == "fp32",
+                PTX_DECODE=dtype == "bf16",
+                BLOCK_E=max(gmm._next_pow2(E), 16),
+                K_ALIGN=gmm.k_align(K),
+            )
             consts.update({k: v for k, v in cfg.items() if k.isupper()})
             ptrs = dict(x_ptr=x_t, w_ptr=w_t, w_scale_ptr=s_t, w_gscale_ptr=g_t, offs_ptr="*i32", y_ptr=x_t)
             sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in kernel.arg_names}
@@ -239,7 +247,13 @@ def compile_sm90() -> dict:
         for M in (8, 512, 2048):  # T = 1, 64, 256 at top-8: BLOCK_M 16 / 32, split-K or not
             cfg = gmm._pick_decode_config(M, 128, 1536, 2048, fmt, 132, dtype == "fp32")
             split = cfg.pop("SPLIT_K") > 1
-            consts = dict(W_FORMAT=gmm._FORMATS[fmt], IEEE_DOT=dtype == "fp32", PTX_DECODE=dtype == "bf16", BLOCK_E=128, K_ALIGN=gmm.k_align(2048))
+            consts = dict(
+                W_FORMAT=gmm._FORMATS[fmt],
+                IEEE_DOT=dtype == "fp32",
+                PTX_DECODE=dtype == "bf16",
+                BLOCK_E=128,
+                K_ALIGN=gmm.k_align(2048),
+            )
             consts.update({k: v for k, v in cfg.items() if k.isupper() and k != "KERNEL"})
             ptrs = dict(x_ptr=x_t, w_ptr=w_t, w_scale_ptr=s_t, w_gscale_ptr=g_t, offs_ptr="*i32")
             ptrs["y_ptr"] = "*fp32" if split else x_t

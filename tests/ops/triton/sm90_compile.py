@@ -84,7 +84,9 @@ def _constexpr_value(value: object) -> object:
     import triton.language as tl
 
     if isinstance(value, str) and value.startswith(("fp", "bf", "int", "uint")):
-        return getattr(tl, {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}.get(value, value))
+        return getattr(
+            tl, {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}.get(value, value)
+        )
     return value
 
 

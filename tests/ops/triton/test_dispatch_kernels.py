@@ -1,7 +1,7 @@
 """Every dispatch Triton kernel on CPU tensors under ``TRITON_INTERPRET=1``, against the PyTorch references.
 
-The kernels run in one fresh subprocess (``_dispatch_interp_worker.py``; ``_interp.py`` says why) and each
-case is reported here as its own test. Data movement is compared bitwise; see the worker for the one bf16 rounding exception.
+The kernels run in one fresh subprocess (``_dispatch_interp_worker.py``; ``_interp.py`` says why) and each case is
+reported here as its own test. Data movement is compared bitwise; see the worker for the one bf16 rounding exception.
 """
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ def test_all_kernels_are_interpreted_and_covered(interpreter_results):
 
 
 def test_launches_per_op(interpreter_results):
-    # issue 14: permute_pad is two launches (index kernel, permute) below PARALLEL_HISTOGRAM_BLOCKS; the others as listed
+    # issue 14: permute_pad is two launches (index kernel, permute) below PARALLEL_HISTOGRAM_BLOCKS; the others as
+    # listed
     assert interpreter_results["_launches"] == LAUNCH_COUNTS
 
 
-@pytest.mark.parametrize("case", sorted(CASES) + list(DEBUG_CASES) + list(INDEX_LOOP_CASES) + ["eager_autograd_function"])
+@pytest.mark.parametrize(
+    "case", sorted(CASES) + list(DEBUG_CASES) + list(INDEX_LOOP_CASES) + ["eager_autograd_function"]
+)
 def test_kernel_case(interpreter_results, case):
     assert interpreter_results[case] == "ok", interpreter_results[case]

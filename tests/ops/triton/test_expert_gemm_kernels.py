@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ops.triton._interp import run_worker
 from tests.ops.triton._expert_gemm_interp_worker import CASES
+from tests.ops.triton._interp import run_worker
 
 
 @pytest.fixture(scope="module")
