@@ -1,12 +1,7 @@
 """The ordered registry of moe_compile's graph passes, and how one stage runs them.
 
-Invariants every pass keeps (after ``torch/_inductor/fx_passes/README.md``, plus our own):
-
-* A pass proves its match or leaves the graph alone, and records why (``ctx.skip``).
-* No mutation before Inductor's reinplacing; no new aliasing between graph inputs and outputs.
-* Inserted nodes get a valid ``meta["val"]`` (use :func:`moe_compile.passes._graph.graph_call`).
-* Collectives (all-to-all) are never touched.
-* Results change by no more than the documented tolerance of the ops a pass inserts.
+The invariants every pass keeps, the layout of this package and a table of passes, modules and reason tags
+are in ``moe_compile/passes/README.md``.
 
 A pass is a function ``run(graph: torch.fx.Graph, ctx: PassContext) -> None``. If it raises, the
 stage restores the graph as it was before that pass, logs a warning and goes on (plain Inductor for

@@ -142,7 +142,7 @@ def _match(gemm: fx.Node) -> _Match | None:
         if node is not out and any(u not in inner for u in node.users):
             raise NoMatch("middle_not_isolated", f"{node.name} is used outside the GEMM -> GLU -> GEMM chain")
     if tensor_val(gemm).requires_grad:
-        raise NoMatch("training", "the GEMM's output needs a gradient: un-fused is faster in training on the H100 "
+        raise NoMatch("training", "the GEMM's output needs a gradient: un-fused is faster in training "
                       "(NOTE [expert MLP fusion in training])")
     # a symbolic width (dynamic shapes): the middle's size arithmetic then reads the probe's own sizes
     width = known_int(tensor_val(gemm).shape[1]) or 64
