@@ -11,9 +11,23 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes import NoMatch
-from moe_compile.passes._graph import arg, op_name, outside_users, topo_index
-from moe_compile.passes._host_sync import has_unbacked_shape, kwarg, sym_expr, tensor_value, transitive_users
-from moe_compile.passes.forms.ops import BINARY, CASTS, GROUPED_MM, LAST_DIM_SPLITS, UNARY
+from moe_compile.passes._graph import (
+    arg,
+    has_unbacked_shape,
+    op_name,
+    outside_users,
+    tensor_val,
+    topo_index,
+    transitive_users,
+)
+from moe_compile.passes._host_sync import sym_expr
+from moe_compile.passes.forms.ops import (
+    BINARY,
+    CASTS,
+    GROUPED_MM,
+    LAST_DIM_SPLITS,
+    UNARY,
+)
 
 UNARY_ROWWISE = UNARY | CASTS
 BINARY_ROWWISE = BINARY | {"clamp"}
@@ -46,15 +60,15 @@ def check_rowwise(
     weights are refused in training (``shared_param_in_expert_region``).
     """
     name = op_name(node)
-    value = tensor_value(node)
+    value = tensor_val(node)
     if training and name not in GROUPED_MM:
         for a in node.all_input_nodes:
-            av = tensor_value(a)
+            av = tensor_val(a)
             if a not in inside and av is not None and av.requires_grad:
                 raise NoMatch("shared_param_in_expert_region",
                             f"{node.name}: {a.name} is shared by all rows and trained (see NOTE [tail rows])")
     for a in node.all_input_nodes:
-        if a not in inside and tensor_value(a) is None and sym_expr(a) is not None:
+        if a not in inside and tensor_val(a) is None and sym_expr(a) is not None:
             raise NoMatch("host_size_in_expert_region", f"{node.name} uses host size {a.name}")
     outside = [a for a in node.all_input_nodes if a not in inside]
     for a in outside:
@@ -67,7 +81,7 @@ def check_rowwise(
         offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
         if x not in inside or w in inside or not isinstance(offs, fx.Node) or offs in inside:
             raise NoMatch("region_not_rowwise", f"{node.name}: grouped GEMM not over the region's rows")
-        wv = tensor_value(w)
+        wv = tensor_val(w)
         if wv is None or wv.dim() != 3 or (num_experts is not None and wv.shape[0] != num_experts):
             raise NoMatch("region_not_rowwise", f"{node.name}: grouped GEMM weight is not [E, ., .]")
         if len(node.args) > 3 or set(node.kwargs) - {"offs", "out_dtype"}:
@@ -76,13 +90,13 @@ def check_rowwise(
     if name in ("linear", "matmul", "__matmul__"):
         if node.args[0] not in inside or any(a in inside for a in node.args[1:] if isinstance(a, fx.Node)):
             raise NoMatch("region_not_rowwise", f"{node.name}: {name} is not rows @ shared weight")
-        w = tensor_value(node.args[1])
+        w = tensor_val(node.args[1])
         if w is None or (name != "linear" and w.dim() != 2):
             raise NoMatch("region_not_rowwise", f"{node.name}: {name} weight is not 2-D")
         return []
     if name == "getitem":
         src, index = node.args
-        if isinstance(tensor_value(src), torch.Tensor):
+        if isinstance(tensor_val(src), torch.Tensor):
             ok = isinstance(index, tuple) and len(index) >= 2 and (index[0] is Ellipsis or index[0] == slice(None)) \
                 and all(not isinstance(i, fx.Node) for i in index)
             if not ok:
@@ -91,8 +105,8 @@ def check_rowwise(
             raise NoMatch("region_not_rowwise", f"{node.name}: unsupported getitem")
         return []
     if name in LAST_DIM_SPLITS:
-        src = tensor_value(node.args[0])
-        dim = kwarg(node, "dim", 0) if name != "chunk" else arg(node, 2, "dim", 0)
+        src = tensor_val(node.args[0])
+        dim = arg(node, "dim", default=0) if name != "chunk" else arg(node, 2, "dim", 0)
         if name == "narrow":
             dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         if src is None or src.dim() < 2 or not isinstance(dim, int) or dim % src.dim() == 0:
@@ -102,7 +116,7 @@ def check_rowwise(
         if value is None and name not in CASTS:
             raise NoMatch("region_not_rowwise", f"{node.name}: {name} without a tensor value")
         for a in outside:
-            av = tensor_value(a)
+            av = tensor_val(a)
             if av is not None and value is not None and av.dim() >= value.dim() and av.shape[0] != 1:
                 raise NoMatch("region_not_rowwise", f"{node.name}: {name} with a per-row operand {a.name}")
         return []
@@ -119,7 +133,7 @@ def rowwise_region(
     if Y not in middle:
         raise NoMatch("region_not_rowwise", f"{Y.name} is not computed from {X.name}")
     inside = set(middle) | {X}
-    training = bool(getattr(tensor_value(Y), "requires_grad", False))
+    training = bool(getattr(tensor_val(Y), "requires_grad", False))
     offs_uses: list[fx.Node] = []
     offs_nodes: list[fx.Node] = []
     for node in middle:
