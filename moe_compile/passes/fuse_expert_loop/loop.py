@@ -29,8 +29,7 @@ from moe_compile.passes._graph import (
     transitive_users,
 )
 from moe_compile.passes._host_sync import host_reads, sym_expr
-from moe_compile.passes.forms.ops import LAST_DIM_SPLITS
-from moe_compile.passes.forms.rowwise import BINARY_ROWWISE, UNARY_ROWWISE
+from moe_compile.passes.forms.rowwise import EXPERT_LOOP, RowwiseProof
 
 GEMMS = {"linear", "matmul", "__matmul__"}
 
@@ -246,6 +245,7 @@ def _plan(loop: Loop, slots: list[Slot], row_inputs: dict[fx.Node, fx.Node] | No
             raise NoMatch("weights_not_stackable", f"per-expert inputs {names}... are not same-shape weights")
         weights[j] = plan
     gemms: dict[fx.Node, _GemmPlan] = {}
+    proof = RowwiseProof(EXPERT_LOOP, dict.fromkeys([loop.chunks[0], *body0], "rows"))
     for n in body0:
         name = op_name(n)
         if name in GEMMS:
@@ -259,17 +259,7 @@ def _plan(loop: Loop, slots: list[Slot], row_inputs: dict[fx.Node, fx.Node] | No
             n_out, k_in = (rows, cols) if as_linear else (cols, rows)
             gemms[n] = _GemmPlan(slot, as_linear, _grouped_mm_kind(x, n_out, k_in))
             continue
-        if name not in UNARY_ROWWISE | BINARY_ROWWISE | LAST_DIM_SPLITS | {"getitem"}:
-            raise NoMatch("per_expert_op_unsupported", f"{n.name}: {name} is not row-wise")
-        if name in LAST_DIM_SPLITS:
-            src = tensor_val(n.args[0])
-            dim = n.args[2] if name == "chunk" and len(n.args) > 2 else arg(n, "dim", default=0)
-            if name == "narrow":
-                dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
-            if src is None or not isinstance(dim, int) or dim % src.dim() == 0:
-                raise NoMatch("per_expert_op_unsupported", f"{n.name}: {name} over rows")
-        if name == "getitem" and isinstance(tensor_val(n.args[0]), torch.Tensor):
-            raise NoMatch("per_expert_op_unsupported", f"{n.name}: indexing inside the expert")
+        proof.check(n)
     if not gemms:
         raise NoMatch("per_expert_op_unsupported", "no per-expert GEMM: not an expert loop")
     return weights, gemms
