@@ -6,18 +6,29 @@ arguments. :func:`op_name` and :func:`arg` give one view over these spellings, :
 inserts a node with a valid ``example_value``, :func:`layer_name` turns ``nn_module_stack`` into a
 module path (``model.layers.0.mlp.experts``), and :func:`erase_dead` removes what a rewrite left
 unused without touching unrelated nodes (``Graph.eliminate_dead_code`` drops in-place method calls).
+:func:`refresh_example_values` recomputes what a rewrite made stale, and :func:`ops_available` says whether
+moe_compile's own ops (``torch.ops.moe.*``) can be inserted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import (
+    free_unbacked_symbols,
+    statically_known_true,
+)
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+import moe_compile.ops  # noqa: F401 - registers torch.ops.moe.*, which the passes insert
 
 # operator.* functions Dynamo emits, by the name we match on
 _OPERATOR_NAMES = {
@@ -71,11 +82,69 @@ def op_name(node: fx.Node) -> str | None:
     return name
 
 
-def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    """Argument ``index`` (positional, counting ``self`` of a method as 0) or keyword ``name``."""
-    if len(node.args) > index:
+# Positional parameters of the ops whose arguments ``arg(node, "name")`` reads by name (``self`` of a method
+# is position 0). An op not listed here is read by keyword only.
+ARG_NAMES: dict[str, tuple[str, ...]] = {
+    "split": ("self", "split_size_or_sections", "dim"),
+    "split_with_sizes": ("self", "split_sizes", "dim"),
+    "chunk": ("self", "chunks", "dim"),
+    "cat": ("tensors", "dim"),
+    "pad": ("input", "pad", "mode", "value"),
+    "narrow": ("self", "dim", "start", "length"),
+    "index_select": ("self", "dim", "index"),
+    "masked_select": ("self", "mask"),
+    "index_add_": ("self", "dim", "index", "source", "alpha"),
+    "index_add": ("self", "dim", "index", "source", "alpha"),
+    "scatter_add_": ("self", "dim", "index", "src"),
+    "scatter_add": ("self", "dim", "index", "src"),
+    "scatter": ("self", "dim", "index", "src", "value"),
+    "scatter_": ("self", "dim", "index", "src", "value"),
+    "argsort": ("self", "dim", "descending", "stable"),
+    "sort": ("self", "dim", "descending", "stable"),
+    "cumsum": ("self", "dim", "dtype"),
+    "_grouped_mm": ("self", "mat2", "offs", "bias", "out_dtype"),
+    "grouped_mm": ("self", "mat2", "offs", "bias", "out_dtype"),
+    "moe.grouped_mm": ("self", "mat2", "offs"),
+    "one_hot": ("self", "num_classes"),
+    "sum": ("self", "dim", "keepdim", "dtype"),
+    "transpose": ("self", "dim0", "dim1"),
+    "expand": ("self",),
+    "unsqueeze": ("self", "dim"),
+    "new_zeros": ("self", "size"),
+    "linear": ("input", "weight", "bias"),
+    "gather": ("self", "dim", "index"),
+    "diff": ("self", "n", "dim", "prepend", "append"),
+    "histc": ("self", "bins", "min", "max"),
+}
+
+
+@overload
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any: ...
+@overload
+def arg(node: fx.Node, index: str, *, default: Any = None) -> Any: ...
+
+
+def arg(node: fx.Node, index: int | str, name: str | None = None, default: Any = None) -> Any:
+    """An argument of ``node``, passed by position or by keyword, else ``default``.
+
+    ``arg(n, 1, "dim")`` reads position 1 (``self`` of a method counts as 0) or keyword ``dim``;
+    ``arg(n, "dim", default=0)`` takes the position of ``dim`` from :data:`ARG_NAMES` (keyword only for an
+    op not in that table).
+    """
+    if isinstance(index, str):
+        if name is not None:
+            raise TypeError("arg(node, name, default=...): pass the default by keyword")
+        name = index
+        params = ARG_NAMES.get(op_name(node) or "", ())
+        index = params.index(name) if name in params else None
+    if index is not None and len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
+
+
+def is_call(node: Any, *names: str) -> bool:
+    """True for a node whose :func:`op_name` is one of ``names``."""
+    return isinstance(node, fx.Node) and op_name(node) in names
 
 
 def val(node: Any) -> Any:
@@ -89,8 +158,24 @@ def val(node: Any) -> Any:
 
 
 def tensor_val(node: Any) -> torch.Tensor | None:
+    """The example value of ``node`` when it is a tensor, else None."""
     v = val(node)
     return v if isinstance(v, torch.Tensor) else None
+
+
+def has_unbacked_shape(node: Any) -> bool:
+    """True when the example value of ``node`` (or a tensor in it) has a data-dependent (unbacked) size."""
+    value = val(node)
+    if isinstance(value, (list, tuple)):
+        return any(has_unbacked_shape(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return bool(free_unbacked_symbols(value.shape))
+    return False
+
+
+def dim_index(dim: Any, ndim: int) -> int | None:
+    """``dim`` as a non-negative index into ``ndim`` dims, or None when it is not a plain int."""
+    return dim % ndim if isinstance(dim, int) and ndim > 0 else None
 
 
 def same_int(a: Any, b: Any) -> bool:
@@ -125,22 +210,29 @@ def known_int(x: Any) -> int | None:
     return None
 
 
-def _fake_mode(values: Iterable[Any]):
-    """The fake mode that owns the example values (not the ambient one: AOTAutograd may run the
-    pre-grad passes under a different mode than the one Dynamo traced with)."""
-    from torch._guards import detect_fake_mode
+def fake_mode_of(values: Iterable[Any]) -> Any:
+    """The fake mode to run on ``values`` (pytrees of example values), or None when they hold no tensor.
 
-    values = list(values)
-    owner = _owning_fake_mode(values)
-    return owner if owner is not None else detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    The mode that owns the first FakeTensor among them, looking inside tensor subclasses (a quantised weight is
+    no FakeTensor, its inner tensors are). Not the ambient one: AOTAutograd may run the pre-grad passes under a
+    different mode than the one Dynamo traced with. Without a FakeTensor, the ambient or tracing context's mode
+    when there are tensors; with no tensor at all (ints, SymInts), None.
+    """
+    leaves = torch.utils._pytree.tree_leaves(list(values))
+    owner = _owning_fake_mode(leaves)
+    if owner is not None:
+        return owner
+    tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return None
+    mode = detect_fake_mode(tensors)
+    if mode is None:
+        raise RuntimeError("no fake mode found for the example values (real tensors outside any fake mode)")
+    return mode
 
 
-def _owning_fake_mode(values: Iterable[Any]):
-    """The mode of the first FakeTensor among ``values``, looking inside tensor subclasses (a quantised weight is
-    no FakeTensor, its inner tensors are); None without one."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
+def _owning_fake_mode(values: Iterable[Any]) -> Any:
+    """The mode of the first FakeTensor among ``values``, looking inside tensor subclasses; None without one."""
     for v in values:
         if isinstance(v, FakeTensor):
             return v.fake_mode
@@ -151,25 +243,29 @@ def _owning_fake_mode(values: Iterable[Any]):
     return None
 
 
-def fake_eval(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run ``target`` on the example values of ``args``/``kwargs`` under their fake mode."""
+def fake_eval(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], method: bool = False) -> Any:
+    """Run ``target`` (a callable, or a method name of ``args[0]`` when ``method``) on the example values of
+    ``args``/``kwargs`` under their fake mode (:func:`fake_mode_of`; with no tensor among them, as is)."""
     args_v = fx.node.map_arg(args, val)
     kwargs_v = fx.node.map_arg(kwargs, val)
-    flat = torch.utils._pytree.tree_leaves((args_v, kwargs_v))
-    mode = _fake_mode(flat)
-    if mode is None:
-        raise RuntimeError(f"graph_call({target}): no fake mode found in the example values of its inputs")
-    with mode:
+    mode = fake_mode_of([args_v, kwargs_v])
+    with mode if mode is not None else contextlib.nullcontext():
+        if method:
+            return getattr(args_v[0], target)(*args_v[1:], **kwargs_v)
         return target(*args_v, **kwargs_v)
+
+
+_LAYER_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr")
 
 
 def graph_call(graph: fx.Graph, target: Any, *args: Any, meta_from: fx.Node | None = None,
                name: str | None = None, **kwargs: Any) -> fx.Node:
     """Insert ``call_function(target, args, kwargs)`` at the graph's insertion point.
 
-    The new node's ``example_value`` (and ``val``, when ``meta_from`` uses ``val``) comes from running
-    ``target`` on fake values (``name``, if given, is the new node's name, made unique); ``nn_module_stack``, ``stack_trace`` and ``source_fn_stack`` are copied
-    from ``meta_from`` so the node belongs to the same layer.
+    The new node's ``example_value`` (``val`` instead when ``meta_from`` holds ``val`` and no ``example_value``,
+    as after AOTAutograd) comes from :func:`fake_eval`; ``name``, if given, is the new node's name, made
+    unique; ``nn_module_stack``, ``stack_trace``, ``source_fn_stack`` and ``seq_nr`` are copied from
+    ``meta_from`` so the node belongs to the same layer.
     """
     node = graph.create_node("call_function", target, tuple(args), dict(kwargs), name=name)
     value = fake_eval(target, tuple(args), dict(kwargs))
@@ -177,10 +273,29 @@ def graph_call(graph: fx.Graph, target: Any, *args: Any, meta_from: fx.Node | No
         else "example_value"
     node.meta[key] = value
     if meta_from is not None:
-        for k in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
+        for k in _LAYER_META:
             if k in meta_from.meta:
                 node.meta[k] = meta_from.meta[k]
     return node
+
+
+def refresh_example_values(nodes: Iterable[fx.Node]) -> None:
+    """Recompute ``meta["example_value"]`` of ``nodes`` (given in graph order) from their inputs (Dynamo IR);
+    a node whose value cannot be recomputed keeps its old one."""
+    for node in nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        try:
+            value = fake_eval(node.target, node.args, node.kwargs, method=node.op == "call_method")
+        except Exception:  # noqa: BLE001 - stale metadata is tolerable; AOTAutograd re-traces anyway
+            continue
+        node.meta["example_value"] = value
+        node.meta.pop("val", None)
+
+
+def ops_available(*names: str) -> bool:
+    """True when every ``torch.ops.moe.<name>`` is registered (what a pass inserts must exist)."""
+    return all(hasattr(torch.ops.moe, n) for n in names)
 
 
 _INDEX_RE = re.compile(r"\[(\d+)\]")
@@ -271,24 +386,55 @@ def erase_dead(graph: fx.Graph, candidates: Iterable[fx.Node]) -> int:
 
 
 def topo_index(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Each node's position in graph order."""
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
+def transitive_users(start: fx.Node) -> set[fx.Node]:
+    """Every node that uses ``start``, directly or through other nodes (``start`` itself not included)."""
+    seen: set[fx.Node] = set()
+    stack = [start]
+    while stack:
+        for u in stack.pop().users:
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def replace_uses_after(old: fx.Node, new: fx.Node, after: fx.Node) -> None:
+    """Point the uses of ``old`` that come after ``after`` in graph order at ``new``."""
+    order = topo_index(old.graph)
+    for user in list(old.users):
+        if order[user] > order[after] and user is not new:
+            user.replace_input_with(old, new)
+
+
 __all__ = [
+    "ARG_NAMES",
     "arg",
+    "dim_index",
     "erase_dead",
     "fake_eval",
+    "fake_mode_of",
     "graph_call",
+    "has_unbacked_shape",
     "insert_traced",
+    "is_call",
     "is_inplace",
     "known_int",
     "layer_name",
     "module_path",
     "op_name",
+    "ops_available",
+    "outside_users",
+    "refresh_example_values",
+    "replace_uses_after",
     "same_int",
     "same_shape",
     "tensor_val",
     "topo_index",
+    "transitive_users",
     "val",
 ]
 
@@ -303,7 +449,7 @@ def insert_traced(graph: fx.Graph, fn: Any, args: tuple[fx.Node, ...], meta_from
     from torch.fx.experimental.proxy_tensor import make_fx
 
     values = [val(a) for a in args]
-    mode = _fake_mode(values)
+    mode = fake_mode_of(values)
     with mode:
         traced = make_fx(fn, decomposition_table=select_decomp_table())(*values)
     env = dict(zip(traced.graph.find_nodes(op="placeholder"), args))

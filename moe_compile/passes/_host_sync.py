@@ -1,7 +1,8 @@
-"""FX helpers for the host-sync passes (``strip_host_padding``, ``fuse_expert_loop``), on Dynamo's Torch IR.
+"""Host reads for the host-sync passes (``strip_host_padding``, ``fuse_expert_loop``), on Dynamo's Torch IR.
 
-* Arguments: :func:`kwarg` reads an argument by name whether it was passed by position or keyword
-  (``self`` counts as position 0; op names from ``_graph.op_name``).
+The general FX helpers these passes use (arguments, example values, inserting nodes) are
+:mod:`moe_compile.passes._graph`'s.
+
 * Host reads: :func:`host_reads` finds ``C[i].item()`` (what ``C.tolist()`` becomes) and maps each unbacked
   symbol to the device tensor element it came from.
 * Symbolic values: :func:`int_vector` evaluates small int tensors (counts, offsets) as lists of sympy
@@ -13,7 +14,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import operator
 import random
@@ -23,13 +23,9 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.utils._sympy.functions import FloorDiv
 
-from moe_compile.passes._graph import op_name, val
-
-# ---------------------------------------------------------------------------------------------------
-# op names and arguments
-# ---------------------------------------------------------------------------------------------------
+from moe_compile.passes._graph import arg, is_call, op_name, tensor_val, val
 
 ASSERT_TARGETS = {
     torch.ops.aten._assert_scalar.default,
@@ -38,85 +34,6 @@ ASSERT_TARGETS = {
     torch._check,
     torch._check_is_size,
 }
-
-
-_PARAMS: dict[str, tuple[str, ...]] = {
-    "split": ("self", "split_size_or_sections", "dim"),
-    "split_with_sizes": ("self", "split_sizes", "dim"),
-    "chunk": ("self", "chunks", "dim"),
-    "cat": ("tensors", "dim"),
-    "pad": ("input", "pad", "mode", "value"),
-    "narrow": ("self", "dim", "start", "length"),
-    "index_select": ("self", "dim", "index"),
-    "masked_select": ("self", "mask"),
-    "index_add_": ("self", "dim", "index", "source", "alpha"),
-    "index_add": ("self", "dim", "index", "source", "alpha"),
-    "scatter_add_": ("self", "dim", "index", "src"),
-    "scatter_add": ("self", "dim", "index", "src"),
-    "scatter": ("self", "dim", "index", "src", "value"),
-    "scatter_": ("self", "dim", "index", "src", "value"),
-    "argsort": ("self", "dim", "descending", "stable"),
-    "sort": ("self", "dim", "descending", "stable"),
-    "cumsum": ("self", "dim", "dtype"),
-    "_grouped_mm": ("self", "mat2", "offs", "bias", "out_dtype"),
-    "grouped_mm": ("self", "mat2", "offs", "bias", "out_dtype"),
-    "moe.grouped_mm": ("self", "mat2", "offs"),
-    "one_hot": ("self", "num_classes"),
-    "sum": ("self", "dim", "keepdim", "dtype"),
-    "transpose": ("self", "dim0", "dim1"),
-    "expand": ("self",),
-    "unsqueeze": ("self", "dim"),
-    "new_zeros": ("self", "size"),
-    "linear": ("input", "weight", "bias"),
-    "gather": ("self", "dim", "index"),
-    "diff": ("self", "n", "dim", "prepend", "append"),
-    "histc": ("self", "bins", "min", "max"),
-}
-
-
-def kwarg(node: fx.Node, name: str, default: Any = None) -> Any:
-    """Keyword-or-positional argument ``name`` of ``node`` (positions from :data:`_PARAMS`)."""
-    params = _PARAMS.get(op_name(node) or "", ())
-    if name in params and params.index(name) < len(node.args):
-        return node.args[params.index(name)]
-    return node.kwargs.get(name, default)
-
-
-def is_call(node: Any, *names: str) -> bool:
-    return isinstance(node, fx.Node) and op_name(node) in names
-
-
-example_value = val
-
-
-def tensor_value(node: Any) -> torch.Tensor | None:
-    value = example_value(node)
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def has_unbacked_shape(node: Any) -> bool:
-    value = example_value(node)
-    if isinstance(value, (list, tuple)):
-        return any(has_unbacked_shape(v) for v in value)
-    if isinstance(value, torch.Tensor):
-        return bool(free_unbacked_symbols(value.shape))
-    return False
-
-
-def dim_index(dim: Any, ndim: int) -> int | None:
-    return dim % ndim if isinstance(dim, int) and ndim > 0 else None
-
-
-def transitive_users(start: fx.Node) -> set[fx.Node]:
-    """Every node that uses ``start``, directly or through other nodes (``start`` itself not included)."""
-    seen: set[fx.Node] = set()
-    stack = [start]
-    while stack:
-        for u in stack.pop().users:
-            if u not in seen:
-                seen.add(u)
-                stack.append(u)
-    return seen
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -139,7 +56,7 @@ def host_reads(graph: fx.Graph) -> dict[sympy.Symbol, HostRead]:
     for node in graph.nodes:
         if op_name(node) not in ("item", "aten._local_scalar_dense"):
             continue
-        value = example_value(node)
+        value = val(node)
         if not isinstance(value, torch.SymInt) or not isinstance(value.node.expr, sympy.Symbol):
             continue
         source = node.args[0]
@@ -152,7 +69,7 @@ def host_reads(graph: fx.Graph) -> dict[sympy.Symbol, HostRead]:
 
 def sym_expr(value: Any) -> sympy.Expr | None:
     """The sympy expression of an int, a SymInt, or a node whose example value is one."""
-    value = example_value(value)
+    value = val(value)
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -188,8 +105,6 @@ def same_on_samples(
 
 
 def ceil_align(n: sympy.Expr, align: int) -> sympy.Expr:
-    from torch.utils._sympy.functions import FloorDiv
-
     return align * FloorDiv(n + (align - 1), align)
 
 
@@ -244,7 +159,7 @@ class IntVectorEval:
             known = self.leaves(node)
             if known is not None:
                 return known
-        value = tensor_value(node)
+        value = tensor_val(node)
         name = op_name(node)
         if name == "tensor":
             items = node.args[0]
@@ -260,31 +175,29 @@ class IntVectorEval:
             return self.eval(node.args[0])
         if name == "cumsum":
             base = self.eval(node.args[0])
-            dim = kwarg(node, "dim")
+            dim = arg(node, "dim")
             if base is None or dim not in (0, -1):
                 return None
             return [sympy.Add(*base[: i + 1]) for i in range(len(base))]
         if name in ("add", "sub", "mul", "floordiv", "__add__", "__sub__", "__mul__", "__floordiv__"):
             a, b = node.args[0], node.args[1]
-            va = self.eval(a) if isinstance(a, fx.Node) and tensor_value(a) is not None else None
-            vb = self.eval(b) if isinstance(b, fx.Node) and tensor_value(b) is not None else None
-            if va is None and (tensor_value(a) is not None):
+            va = self.eval(a) if isinstance(a, fx.Node) and tensor_val(a) is not None else None
+            vb = self.eval(b) if isinstance(b, fx.Node) and tensor_val(b) is not None else None
+            if va is None and (tensor_val(a) is not None):
                 return None
-            if vb is None and (tensor_value(b) is not None):
+            if vb is None and (tensor_val(b) is not None):
                 return None
             n = len(va if va is not None else vb)
             xa = va if va is not None else [sympy.Integer(a)] * n if isinstance(a, int) else None
             xb = vb if vb is not None else [sympy.Integer(b)] * n if isinstance(b, int) else None
             if xa is None or xb is None or len(xa) != len(xb):
                 return None
-            from torch.utils._sympy.functions import FloorDiv
-
             fn = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "floordiv": FloorDiv}
             return [fn[name.strip("_")](p, q) for p, q in zip(xa, xb)]
         if name == "diff":
             base = self.eval(node.args[0])
-            prepend = kwarg(node, "prepend")
-            if base is None or kwarg(node, "n", 1) != 1 or kwarg(node, "append") is not None:
+            prepend = arg(node, "prepend")
+            if base is None or arg(node, "n", default=1) != 1 or arg(node, "append") is not None:
                 return None
             if prepend is not None:
                 pre = self.eval(prepend)
@@ -311,7 +224,7 @@ def _is_scalar_node(node: fx.Node) -> bool:
         return False
     if node.target in ASSERT_TARGETS:
         return True
-    value = example_value(node)
+    value = val(node)
     return isinstance(value, (torch.SymInt, torch.SymBool, torch.SymFloat, int, bool, float)) and not isinstance(
         value, torch.Tensor
     )
@@ -404,55 +317,3 @@ def _erase_dead_host_reads_once(graph: fx.Graph) -> int:
         graph.erase_node(node)
         erased += 1
     return erased + erase_if_dead(inputs)
-
-
-def replace_uses_after(old: fx.Node, new: fx.Node, after: fx.Node) -> None:
-    """Point the uses of ``old`` that come after ``after`` in graph order at ``new``."""
-    order = {n: i for i, n in enumerate(old.graph.nodes)}
-    for user in list(old.users):
-        if order[user] > order[after] and user is not new:
-            user.replace_input_with(old, new)
-
-
-def fake_mode_of(values: Iterable[Any]) -> Any:
-    """The fake mode of the first fake tensor in ``values`` (not the tracing context's: in the pre-grad
-    stage Inductor's context holds a different mode than Dynamo's example values)."""
-    for v in torch.utils._pytree.tree_leaves(list(values)):
-        mode = getattr(v, "fake_mode", None)
-        if mode is not None:
-            return mode
-    return None
-
-
-def fake_value(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], method: bool = False) -> Any:
-    """Run ``target`` (a callable, or a method name when ``method``) on the example values of its inputs."""
-    args_v, kwargs_v = fx.node.map_arg((args, kwargs), val)
-    mode = fake_mode_of([args_v, kwargs_v])
-    with mode if mode is not None else contextlib.nullcontext():
-        if method:
-            return getattr(args_v[0], target)(*args_v[1:], **kwargs_v)
-        return target(*args_v, **kwargs_v)
-
-
-def call(graph: fx.Graph, target: Any, *args: Any, meta_from: fx.Node | None = None, **kwargs: Any) -> fx.Node:
-    """Insert ``call_function(target)`` at the insertion point with its ``example_value`` (Dynamo IR)."""
-    node = graph.call_function(target, tuple(args), dict(kwargs))
-    node.meta["example_value"] = fake_value(target, tuple(args), dict(kwargs))
-    if meta_from is not None:
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
-            if key in meta_from.meta:
-                node.meta[key] = meta_from.meta[key]
-    return node
-
-
-def refresh_example_values(nodes: Iterable[fx.Node]) -> None:
-    """Recompute ``meta["example_value"]`` of ``nodes`` (given in graph order) from their inputs."""
-    for node in nodes:
-        if node.op not in ("call_function", "call_method"):
-            continue
-        try:
-            value = fake_value(node.target, node.args, node.kwargs, method=node.op == "call_method")
-        except Exception:  # noqa: BLE001 - stale metadata is tolerable; AOTAutograd re-traces anyway
-            continue
-        node.meta["example_value"] = value
-        node.meta.pop("val", None)

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes import PassContext
-from moe_compile.passes._graph import arg, graph_call, layer_name, op_name, tensor_val
+from moe_compile.passes._graph import arg, graph_call, layer_name, op_name, ops_available, tensor_val
 
 FALLBACK = "transformers.grouped_mm_fallback"
 
@@ -50,7 +50,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             ctx.skip(layer, "unexpected_signature",
                      "grouped_mm_fallback needs x[S, K], w[E, K, N] of x's dtype and int32 offs[E]")
             continue
-        if not _op_available():
+        if not ops_available("grouped_mm"):
             ctx.skip(layer, "ops_unavailable", "torch.ops.moe.grouped_mm is not registered")
             continue
         with graph.inserting_before(node):
@@ -60,11 +60,3 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         graph.erase_node(node)
         ctx.rewrite(layer, "transformers.grouped_mm_fallback (offs.tolist() host sync)", "moe.grouped_mm (sync-free)")
 
-
-def _op_available() -> bool:
-    try:
-        import moe_compile.ops.grouped_mm  # noqa: F401 - registers torch.ops.moe.grouped_mm
-
-        return hasattr(torch.ops.moe, "grouped_mm")
-    except Exception:  # noqa: BLE001 - a broken ops module must not break compilation
-        return False

@@ -22,24 +22,9 @@ from typing import Any
 import torch.fx as fx
 
 from moe_compile.passes._graph import arg, known_int, op_name, tensor_val
+from moe_compile.passes.forms.ops import CASTS, FLAT_VIEWS, is_zeros, strip_casts
 
 IsIds = Callable[[Any], bool]
-
-_CASTS = {"to", "float", "int", "long", "double", "half", "type", "contiguous", "_to_copy"}
-_FLAT = {"reshape", "view", "flatten", "ravel"}
-
-
-def peel(node: Any, names: set[str]) -> Any:
-    """``node`` through unary ops named in ``names`` (a ``to`` whose dtype comes from a tensor stops)."""
-    while isinstance(node, fx.Node) and op_name(node) in names and node.args:
-        if op_name(node) == "to" and any(isinstance(a, fx.Node) for a in node.args[1:]):
-            break
-        node = node.args[0]
-    return node
-
-
-def strip_casts(node: Any) -> Any:
-    return peel(node, _CASTS)
 
 
 def permutation_of(order: Any) -> Any:
@@ -59,9 +44,9 @@ def ids_base(node: Any) -> Any:
     ``sort``, a gather ``x[perm]`` by a permutation of ``x``."""
     while isinstance(node, fx.Node):
         name = op_name(node)
-        if name in _CASTS and node.args and strip_casts(node) is not node:
+        if name in CASTS and node.args and strip_casts(node) is not node:
             node = strip_casts(node)
-        elif name in _FLAT and tensor_val(node) is not None and tensor_val(node).dim() == 1:
+        elif name in FLAT_VIEWS and tensor_val(node) is not None and tensor_val(node).dim() == 1:
             node = node.args[0]
         elif name == "getitem" and node.args[1] == 0 and op_name(node.args[0]) == "sort":
             node = node.args[0].args[0]
@@ -154,7 +139,7 @@ def routing_map_ids(map_TE: Any) -> fx.Node | None:
     if name in ("scatter", "scatter_") and arg(map_TE, 1, "dim") in (1, -1):
         src = map_TE.args[3] if len(map_TE.args) > 3 else map_TE.kwargs.get("value", map_TE.kwargs.get("src"))
         base = map_TE.args[0]
-        if src in (True, 1) and op_name(base) in ("zeros", "zeros_like", "new_zeros"):
+        if src in (True, 1) and is_zeros(base):
             return map_TE.args[2]
     if name == "sum" and op_name(map_TE.args[0]) == "one_hot" and arg(map_TE, 1, "dim") in (1, -2):
         return map_TE.args[0].args[0]
@@ -183,4 +168,4 @@ def expert_counts(node: Any, is_ids: IsIds) -> tuple[int, str] | None:
     return E, name
 
 
-__all__ = ["COUNT_FORMS", "expert_counts", "ids_base", "peel", "permutation_of", "routing_map_ids", "strip_casts"]
+__all__ = ["COUNT_FORMS", "expert_counts", "ids_base", "permutation_of", "routing_map_ids"]

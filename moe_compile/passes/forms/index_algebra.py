@@ -29,6 +29,7 @@ from typing import Any
 import torch.fx as fx
 
 from moe_compile.passes._graph import arg, known_int, op_name, tensor_val
+from moe_compile.passes.forms.ops import INDEX_CASTS, is_zeros, strip_casts
 
 Atom = tuple[Any, ...]
 
@@ -115,13 +116,8 @@ def expected_destination(align: int) -> Form:
     return at_ids(cumsum(padded) - padded) + Form.atom(ARANGE) - at_ids(cumsum(counts) - counts)
 
 
-_TRANSPARENT = {"to", "long", "int", "float", "double", "contiguous", "clone", "type", "_to_copy"}
-
-
 def _strip(node: Any) -> Any:
-    while isinstance(node, fx.Node) and op_name(node) in _TRANSPARENT:
-        node = node.args[0]
-    return node
+    return strip_casts(node, INDEX_CASTS)
 
 
 class LinearForms:
@@ -249,7 +245,7 @@ class LinearForms:
             raise NotLinear("cat that is not [0, cumsum[:-1]]")
         head, tail = parts
         hv = tensor_val(head)
-        if hv is None or hv.numel() != 1 or not _is_zeros(head):
+        if hv is None or hv.numel() != 1 or not is_zeros(head):
             raise NotLinear("cat whose head is not a single zero")
         if not (isinstance(tail, fx.Node) and op_name(tail) == "getitem" and tail.args[1] == slice(None, -1, None)):
             raise NotLinear("cat whose tail is not x[:-1]")
@@ -269,27 +265,9 @@ def _uncumsum(form: Form) -> Form:
     return form - base
 
 
-def _is_zeros(node: Any) -> bool:
-    node = _strip(node)
-    if not isinstance(node, fx.Node):
-        return False
-    name = op_name(node)
-    if name in ("zeros", "zeros_like", "new_zeros"):
-        return True
-    if name in ("full", "new_full"):
-        return arg(node, 1 if name == "full" else 2, "fill_value") in (0, 0.0)
-    if name == "tensor":
-        return arg(node, 0, "data") in ([0], (0,), [0.0])
-    return False
-
-
-def is_zeros_creation(node: Any) -> bool:
-    """A freshly created all-zero tensor (``zeros``, ``zeros_like``, ``new_zeros``, ``full(.., 0)``)."""
-    return _is_zeros(node)
-
-
-def strip_casts(node: Any) -> Any:
-    return _strip(node)
+# fuse_dispatch's matcher reads these two from here (``ia.strip_casts``, ``ia.is_zeros_creation``): the one
+# strip_casts and the one Torch-IR zeros test of :mod:`moe_compile.passes.forms.ops`.
+is_zeros_creation = is_zeros
 
 
 __all__ = [

@@ -1,8 +1,17 @@
 """Op-name tables for Dynamo's Torch IR (names as :func:`moe_compile.passes._graph.op_name` spells them),
 shared by every pass that proves a region row-wise. One place: add an op here and every pass knows it.
+
+Also the two Torch-IR tests built directly on them: :func:`strip_casts` and :func:`is_zeros` (a fresh
+all-zero tensor; ATen IR has its own, :func:`moe_compile.passes.forms.accumulate.is_zeros`).
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from moe_compile.passes._graph import arg, op_name
 
 GROUPED_MM = frozenset({"_grouped_mm", "grouped_mm", "aten._grouped_mm", "transformers.grouped_mm_fallback",
                         "moe.grouped_mm"})
@@ -10,6 +19,8 @@ FLAT_VIEWS = frozenset({"reshape", "view", "flatten", "contiguous", "ravel"})
 # value-preserving conversions and copies (per element)
 CASTS = frozenset({"to", "float", "double", "half", "bfloat16", "type_as", "type", "contiguous", "clone", "detach",
                    "int", "long"})
+# the casts that keep every value of an integer index tensor (offsets, destinations): no 16-bit floats
+INDEX_CASTS = CASTS - {"half", "bfloat16", "type_as"}
 # elementwise ops of one tensor
 UNARY = frozenset({
     "neg", "silu", "gelu", "relu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "abs", "clamp", "clamp_min",
@@ -31,3 +42,28 @@ REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "prod", "norm", "var", "s
 ALONG_DIM = frozenset({"softmax", "log_softmax", "glu", "normalize", "cumsum", "cumprod"})
 SPLITS = frozenset({"chunk", "split", "tensor_split", "unbind", "split_with_sizes"})
 LAST_DIM_SPLITS = frozenset({"chunk", "split", "unbind", "tensor_split", "narrow"})
+
+
+def strip_casts(node: Any, casts: frozenset[str] = CASTS) -> Any:
+    """``node`` through the unary ops named in ``casts`` (a ``to`` whose dtype comes from a tensor stops)."""
+    while isinstance(node, fx.Node) and op_name(node) in casts and node.args:
+        if op_name(node) == "to" and any(isinstance(a, fx.Node) for a in node.args[1:]):
+            break
+        node = node.args[0]
+    return node
+
+
+def is_zeros(node: Any) -> bool:
+    """A freshly created all-zero tensor in Torch IR, through casts: ``zeros``, ``zeros_like``, ``new_zeros``,
+    ``full`` / ``new_full`` / ``full_like`` with fill 0, ``tensor([0])``."""
+    node = strip_casts(node)
+    if not isinstance(node, fx.Node):
+        return False
+    name = op_name(node)
+    if name in ("zeros", "zeros_like", "new_zeros"):
+        return True
+    if name in ("full", "new_full", "full_like"):
+        return arg(node, 2 if name == "new_full" else 1, "fill_value") in (0, 0.0)
+    if name == "tensor":
+        return arg(node, 0, "data") in ([0], (0,), [0.0])
+    return False

@@ -31,7 +31,6 @@ from moe_compile.passes._graph import (
     same_int,
     same_shape,
     tensor_val,
-    val,
 )
 from moe_compile.passes.forms import index_algebra as ia
 from moe_compile.passes.forms.combine import (
@@ -39,22 +38,9 @@ from moe_compile.passes.forms.combine import (
     match_unpermute_sum,
     read_accumulate,
 )
-from moe_compile.passes.forms.ops import (
-    ALONG_DIM,
-    BINARY,
-    CASTS,
-    GROUPED_MM,
-    REDUCTIONS,
-    SPLITS,
-    UNARY,
-)
-from moe_compile.passes.fuse_dispatch.steps import (
-    Combine,
-    Gathers,
-    Padding,
-    RowRegion,
-    SortedIds,
-)
+from moe_compile.passes.forms.ops import BINARY, CASTS, GROUPED_MM, UNARY
+from moe_compile.passes.forms.rowwise import DISPATCH, RowwiseProof
+from moe_compile.passes.fuse_dispatch.steps import Combine, Gathers, Padding, RowRegion, SortedIds
 
 
 def is_int_tensor(node: Any, ndim: int | None = None) -> bool:
@@ -224,25 +210,6 @@ class RegionProof:
         parts = gather_parts(u)
         return parts is not None and parts[0] is node and parts[1] is padding.dest
 
-    def _operand_ok(self, x: Any, out: torch.Tensor, region: dict[fx.Node, str], spaces: set[str]) -> bool:
-        """A tensor operand of a row-wise op: in the region, or broadcast along rows."""
-        if isinstance(x, fx.Node) and x in region:
-            spaces.add(region[x])
-            return True
-        if isinstance(x, (list, tuple)):
-            return all(self._operand_ok(y, out, region, spaces) for y in x)
-        if not isinstance(x, fx.Node):
-            return True
-        v = tensor_val(x)
-        if v is None:
-            return True  # SymInt / scalar node
-        if v.dim() < out.dim() or (v.dim() == out.dim() and v.dim() > 0 and same_int(v.shape[0], 1)):
-            return True
-        if self._is_sorted_ids_function(x):
-            spaces.add("S")
-            return True
-        return False
-
     def _is_sorted_ids_function(self, node: Any, depth: int = 0) -> bool:
         """Values that only depend on the sorted ids (identical in any expert-sorted row order)."""
         if depth > 12 or not isinstance(node, fx.Node):
@@ -267,154 +234,9 @@ class RegionProof:
         return v is not None and v.dim() >= 1 and same_int(v.shape[0], self.S)
 
     def _rowwise(self, u: fx.Node, region: dict[fx.Node, str]) -> str:
-        """The row space of ``u`` if it is row-wise in its region inputs, else raise NoMatch."""
-        name = op_name(u)
-        out = tensor_val(u)
-        spaces: set[str] = set()
-
-        def fail(why: str) -> NoMatch:
-            return NoMatch("region_not_rowwise", f"{u.name} ({name}) {why}")
-
-        def one_space() -> str:
-            if len(spaces) != 1:
-                raise NoMatch("region_not_rowwise", f"{u.name} ({name}) mixes padded and unpadded rows")
-            return spaces.pop()
-
-        if name in GROUPED_MM:
-            x, w = u.args[0], u.args[1]
-            if x not in region or (isinstance(w, fx.Node) and w in region):
-                raise fail("grouped GEMM whose input rows are not the routed rows")
-            if arg(u, 3, "bias") is not None:
-                raise fail("grouped GEMM with a bias")
-            spaces.add(region[x])
-            return one_space()
-        if name == "getitem" and isinstance(u.args[1], int) and op_name(u.args[0]) in SPLITS:
-            spaces.add(region[u.args[0]])
-            return one_space()
-        if out is None and not isinstance(val(u), (tuple, list)):
-            raise fail("has no tensor value")
-        if name in SPLITS:
-            dim = arg(u, 2 if name != "unbind" else 1, "dim", 0)
-            src = tensor_val(u.args[0])
-            if dim is None or dim % src.dim() == 0:
-                raise fail("splits along the row dimension")
-            spaces.add(region[u.args[0]])
-            return one_space()
-        if out is None:
-            raise fail("has no tensor value")
-        if name in CASTS or name in UNARY:
-            if u.args[0] not in region:
-                raise fail("is not applied to the routed rows")
-            if name == "type_as" and not self._operand_ok(u.args[1], out, region, spaces):
-                raise fail("casts like a row-aligned tensor")
-            spaces.add(region[u.args[0]])
-            return one_space()
-        if name in ("dropout", "dropout_", "feature_alpha_dropout", "alpha_dropout"):
-            p = arg(u, 1, "p", 0.5)
-            training = arg(u, 2, "training", True)
-            if p not in (0, 0.0) and training:
-                raise fail("random dropout (row order changes the random mask)")
-            spaces.add(region[u.args[0]])
-            return one_space()
-        if name in BINARY:
-            tensors = [a for a in u.args if isinstance(a, fx.Node)] + [
-                v for v in u.kwargs.values() if isinstance(v, fx.Node)]
-            if not all(self._operand_ok(a, out, region, spaces) for a in tensors):
-                raise fail("combines the routed rows with a row-aligned tensor in another order")
-            if out.dim() == 0 or not same_int(out.shape[0], self._rows_of(u, region)):
-                raise fail("changes the number of rows")
-            return one_space()
-        if name in ("linear", "matmul", "mm"):
-            x, w = u.args[0], u.args[1]
-            bias = arg(u, 2, "bias") if name == "linear" else None
-            wv = tensor_val(w)
-            if x not in region or w in region or wv is None or wv.dim() > 2 or (
-                isinstance(bias, fx.Node) and bias in region
-            ):
-                raise fail("is not a dense projection of the routed rows")
-            spaces.add(region[x])
-            return one_space()
-        if name in ("layer_norm", "rms_norm", "group_norm"):
-            if u.args[0] not in region or any(isinstance(a, fx.Node) and a in region for a in u.args[1:]):
-                raise fail("normalizes with row-aligned parameters")
-            if name == "group_norm":
-                raise fail("group_norm mixes rows")
-            spaces.add(region[u.args[0]])
-            return one_space()
-        if name in REDUCTIONS | ALONG_DIM:
-            src = tensor_val(u.args[0])
-            dim = arg(u, 1, "dim", None)
-            if u.args[0] not in region or dim is None:
-                raise fail("reduces over all elements")
-            dims = dim if isinstance(dim, (list, tuple)) else (dim,)
-            if any(not isinstance(d, int) or d % src.dim() == 0 for d in dims):
-                raise fail("reduces over the row dimension")
-            spaces.add(region[u.args[0]])
-            return one_space()
-        if name in ("unsqueeze", "squeeze"):
-            src = tensor_val(u.args[0])
-            dim = arg(u, 1, "dim")
-            if name == "unsqueeze" and (dim == 0 or (dim < 0 and dim % (src.dim() + 1) == 0)):
-                raise fail("adds a leading dimension")
-            if name == "squeeze" and (dim is None or dim % src.dim() == 0):
-                raise fail("may squeeze the row dimension")
-            spaces.add(region[u.args[0]])
-            return one_space()
-        if name in ("view", "reshape", "flatten", "unflatten", "expand", "expand_as", "permute", "transpose",
-                    "movedim", "contiguous"):
-            src = tensor_val(u.args[0])
-            if u.args[0] not in region:
-                raise fail("reshapes a row-aligned tensor")
-            if name in ("permute", "transpose", "movedim"):
-                raise fail("moves the row dimension")
-            if name == "flatten" and arg(u, 1, "start_dim", 0) % max(src.dim(), 1) == 0:
-                raise fail("flattens the row dimension")
-            if out.dim() == 0 or src.dim() == 0 or not same_int(out.shape[0], src.shape[0]):
-                raise fail("changes the number of rows")
-            if name == "unflatten" and arg(u, 1, "dim") % src.dim() == 0:
-                raise fail("splits the row dimension")
-            spaces.add(region[u.args[0]])
-            return one_space()
-        if name == "getitem":
-            return self._rowwise_getitem(u, region, spaces, fail, one_space)
-        if name == "cat":
-            parts = arg(u, 0, "tensors")
-            dim = arg(u, 1, "dim", 0)
-            if dim % out.dim() == 0:
-                raise fail("concatenates along rows")
-            if not all(isinstance(p, fx.Node) and p in region for p in parts):
-                raise fail("concatenates routed rows with other tensors")
-            for p in parts:
-                spaces.add(region[p])
-            return one_space()
-        raise fail("is not known to be row-wise")
-
-    def _rowwise_getitem(self, u, region, spaces, fail, one_space) -> str:
-        src, index = u.args[0], u.args[1]
-        sv = tensor_val(src)
-        if src not in region:
-            # table[ids_sorted]: per-row lookups of per-expert values (same in any expert-sorted order)
-            if isinstance(index, fx.Node) and index in region and self._is_sorted_ids_function(index):
-                spaces.add(region[index])
-                return one_space()
-            raise fail("indexes with routed rows")
-        items = index if isinstance(index, tuple) else (index,)
-        if any(isinstance(i, fx.Node) or i is None for i in items):
-            raise fail("indexes the routed rows with tensors or adds dimensions")
-        explicit = [i for i in items if i is not Ellipsis]
-        if items[0] is Ellipsis:
-            if len(explicit) >= sv.dim():
-                raise fail("indexes the row dimension")
-        elif items[0] != slice(None, None, None):
-            raise fail("slices the row dimension")
-        spaces.add(region[src])
-        return one_space()
-
-    def _rows_of(self, u: fx.Node, region: dict[fx.Node, str]) -> Any:
-        for a in u.all_input_nodes:
-            if a in region:
-                return tensor_val(a).shape[0]
-        return None
+        """The row space of ``u`` if it is row-wise in its region inputs, else raise NoMatch (the one prover,
+        :class:`~moe_compile.passes.forms.rowwise.RowwiseProof`, under fuse_dispatch's policy)."""
+        return RowwiseProof(DISPATCH, region, row_independent=self._is_sorted_ids_function).check(u).space
 
     # -- combine ------------------------------------------------------------------------------------
     def _combine(self, y: fx.Node, u: fx.Node) -> Combine | None:

@@ -15,6 +15,7 @@ from moe_compile.passes._graph import (
     graph_call,
     layer_name,
     op_name,
+    ops_available,
     same_int,
     tensor_val,
     topo_index,
@@ -43,20 +44,11 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
                 raise
             ctx.skip(layer_name(sort), "internal_error", f"matcher raised {type(exc).__name__}: {exc}")
             continue
-        if not _ops_available():
+        if not ops_available("permute_pad", "unpad_unpermute"):
             ctx.skip(dispatch.layer, "ops_unavailable", "torch.ops.moe.permute_pad / unpad_unpermute not registered")
             continue
         replaced_by = rewrite(graph, dispatch, debug=ctx.config.debug)
         ctx.rewrite(dispatch.layer, " + ".join(dispatch.matched), replaced_by)
-
-
-def _ops_available() -> bool:
-    try:
-        import moe_compile.ops  # noqa: F401 - registers torch.ops.moe.*
-
-        return hasattr(torch.ops.moe, "permute_pad") and hasattr(torch.ops.moe, "unpad_unpermute")
-    except Exception:  # noqa: BLE001 - a broken ops module must not break compilation
-        return False
 
 
 def _call(graph: fx.Graph, meta_from: fx.Node, target: Any, *args: Any, name: str | None = None,

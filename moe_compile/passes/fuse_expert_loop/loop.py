@@ -18,21 +18,18 @@ import torch.fx as fx
 
 from moe_compile.passes import NoMatch
 from moe_compile.passes._graph import (
+    arg,
     erase_dead,
+    graph_call,
     op_name,
-    topo_index,
-)
-from moe_compile.passes._host_sync import (
-    call,
-    host_reads,
-    kwarg,
+    ops_available,
     refresh_example_values,
-    sym_expr,
-    tensor_value,
+    tensor_val,
+    topo_index,
     transitive_users,
 )
-from moe_compile.passes.forms.ops import LAST_DIM_SPLITS
-from moe_compile.passes.forms.rowwise import BINARY_ROWWISE, UNARY_ROWWISE
+from moe_compile.passes._host_sync import host_reads, sym_expr
+from moe_compile.passes.forms.rowwise import EXPERT_LOOP, RowwiseProof
 
 GEMMS = {"linear", "matmul", "__matmul__"}
 
@@ -56,11 +53,11 @@ def _weight_ref(node: Any) -> WeightRef | None:
         inner = _weight_ref(node.args[0])
         return dataclasses.replace(inner, transposed=not inner.transposed) if inner is not None else None
     if name == "getitem" and isinstance(node.args[1], int):
-        base = tensor_value(node.args[0])
+        base = tensor_val(node.args[0])
         if base is not None and base.dim() == 3:
             return WeightRef(node.args[0], node.args[1], False)
         return None
-    value = tensor_value(node)
+    value = tensor_val(node)
     if value is None or value.dim() != 2:
         return None
     return WeightRef(node, None, False)
@@ -146,10 +143,10 @@ def _stack_plan(slot: Slot) -> tuple[str, Any, bool] | None:
     if refs[0].index is not None:
         if any(r.base is not refs[0].base or r.index != e for e, r in enumerate(refs)):
             return None
-        if tensor_value(refs[0].base).shape[0] != len(refs):
+        if tensor_val(refs[0].base).shape[0] != len(refs):
             return None
         return "base", refs[0].base, refs[0].transposed
-    shapes = {tuple(tensor_value(r.base).shape) for r in refs}
+    shapes = {tuple(tensor_val(r.base).shape) for r in refs}
     if len(shapes) != 1 or len({r.base for r in refs}) != len(refs):
         return None
     return "stack", [r.base for r in refs], refs[0].transposed
@@ -162,7 +159,7 @@ def _stack_plan(slot: Slot) -> tuple[str, Any, bool] | None:
 
 def _offsets_plan(graph: fx.Graph, loop: Loop) -> list[int] | fx.Node:
     """Static end offsets, or the device tensor whose elements are the split sizes (validated)."""
-    sizes = loop.split.args[1] if len(loop.split.args) > 1 else kwarg(loop.split, "split_size_or_sections")
+    sizes = loop.split.args[1] if len(loop.split.args) > 1 else arg(loop.split, "split_size_or_sections")
     if all(isinstance(s, int) for s in sizes):
         return [sum(sizes[: i + 1]) for i in range(len(sizes))]
     reads = host_reads(graph)
@@ -173,18 +170,10 @@ def _offsets_plan(graph: fx.Graph, loop: Loop) -> list[int] | fx.Node:
         if read is None or read.index != i or (tensor is not None and read.tensor is not tensor):
             raise NoMatch("sizes_not_device_counts", f"split size {i} is not element {i} of one device tensor")
         tensor = read.tensor
-    counts = tensor_value(tensor)
+    counts = tensor_val(tensor)
     if counts is None or counts.dim() != 1 or counts.shape[0] != len(sizes) or counts.dtype.is_floating_point:
         raise NoMatch("sizes_not_device_counts", f"{tensor.name} is not an int [E] tensor")
     return tensor
-
-
-def _moe_grouped_mm_available() -> bool:
-    try:
-        import moe_compile.ops.grouped_mm  # noqa: F401 - registers torch.ops.moe.grouped_mm
-    except Exception:  # noqa: BLE001 - a broken ops module must not break compilation
-        return False
-    return hasattr(torch.ops.moe, "grouped_mm")
 
 
 def _grouped_mm_kind(x: torch.Tensor, n: int, k: int) -> str:
@@ -192,7 +181,7 @@ def _grouped_mm_kind(x: torch.Tensor, n: int, k: int) -> str:
     aligned = (n * x.element_size()) % 16 == 0 and (k * x.element_size()) % 16 == 0
     if x.dtype == torch.bfloat16 and aligned:
         return "aten"
-    if x.dtype in (torch.bfloat16, torch.float16, torch.float32) and _moe_grouped_mm_available():
+    if x.dtype in (torch.bfloat16, torch.float16, torch.float32) and ops_available("grouped_mm"):
         return "moe"
     raise NoMatch("no_grouped_mm_for_dtype", f"{x.dtype} with N={n}, K={k}: no sync-free grouped GEMM")
 
@@ -218,7 +207,7 @@ def _plan(loop: Loop, slots: list[Slot], row_inputs: dict[fx.Node, fx.Node] | No
     ``row_inputs``: per-expert inputs of expert 0's body that are its rows of an all-rows tensor;
     ``biases``: per-expert ``linear`` biases are allowed (the caller knows each row's expert)."""
     body0 = loop.bodies[0]
-    x = tensor_value(loop.x_NH)
+    x = tensor_val(loop.x_NH)
     if x is None or x.dim() != 2:
         raise NoMatch("loop_not_matched", f"{loop.x_NH.name} is not [N, H]")
     weights: dict[int, tuple[str, Any, bool]] = {}
@@ -245,7 +234,7 @@ def _plan(loop: Loop, slots: list[Slot], row_inputs: dict[fx.Node, fx.Node] | No
             if name == "linear" and _linear_bias(n) is not None and not biases:
                 raise NoMatch("per_expert_op_unsupported", f"{n.name}: linear with a per-expert bias")
         if is_bias:
-            shapes = {tuple(tensor_value(b).shape) for b in slot.nodes}
+            shapes = {tuple(tensor_val(b).shape) for b in slot.nodes}
             if len(shapes) != 1 or len(next(iter(shapes))) != 1:
                 raise NoMatch("weights_not_stackable", f"per-expert biases {slot.nodes[0].name}... differ in shape")
             weights[j] = ("stack", list(slot.nodes), False)
@@ -256,6 +245,7 @@ def _plan(loop: Loop, slots: list[Slot], row_inputs: dict[fx.Node, fx.Node] | No
             raise NoMatch("weights_not_stackable", f"per-expert inputs {names}... are not same-shape weights")
         weights[j] = plan
     gemms: dict[fx.Node, _GemmPlan] = {}
+    proof = RowwiseProof(EXPERT_LOOP, dict.fromkeys([loop.chunks[0], *body0], "rows"))
     for n in body0:
         name = op_name(n)
         if name in GEMMS:
@@ -264,22 +254,12 @@ def _plan(loop: Loop, slots: list[Slot], row_inputs: dict[fx.Node, fx.Node] | No
                 continue  # a weight shared by all experts stays a plain GEMM
             how, what, transposed = weights[slot]
             as_linear = (name == "linear") != transposed
-            w = tensor_value(what if how == "base" else what[0])
+            w = tensor_val(what if how == "base" else what[0])
             rows, cols = w.shape[-2], w.shape[-1]
             n_out, k_in = (rows, cols) if as_linear else (cols, rows)
             gemms[n] = _GemmPlan(slot, as_linear, _grouped_mm_kind(x, n_out, k_in))
             continue
-        if name not in UNARY_ROWWISE | BINARY_ROWWISE | LAST_DIM_SPLITS | {"getitem"}:
-            raise NoMatch("per_expert_op_unsupported", f"{n.name}: {name} is not row-wise")
-        if name in LAST_DIM_SPLITS:
-            src = tensor_value(n.args[0])
-            dim = n.args[2] if name == "chunk" and len(n.args) > 2 else kwarg(n, "dim", 0)
-            if name == "narrow":
-                dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
-            if src is None or not isinstance(dim, int) or dim % src.dim() == 0:
-                raise NoMatch("per_expert_op_unsupported", f"{n.name}: {name} over rows")
-        if name == "getitem" and isinstance(tensor_value(n.args[0]), torch.Tensor):
-            raise NoMatch("per_expert_op_unsupported", f"{n.name}: indexing inside the expert")
+        proof.check(n)
     if not gemms:
         raise NoMatch("per_expert_op_unsupported", "no per-expert GEMM: not an expert loop")
     return weights, gemms
@@ -306,13 +286,13 @@ def rewrite_loop(graph: fx.Graph, loop: Loop, slots: list[Slot], offs: fx.Node |
         if offs is not None:
             pass
         elif isinstance(offs_plan, fx.Node):
-            offs = call(graph, torch.Tensor.to, call(graph, torch.cumsum, offs_plan, 0, meta_from=meta),
+            offs = graph_call(graph, torch.Tensor.to, graph_call(graph, torch.cumsum, offs_plan, 0, meta_from=meta),
                         torch.int32, meta_from=meta)
         else:
-            device = tensor_value(loop.x_NH).device
-            offs = call(graph, torch.tensor, offs_plan, dtype=torch.int32, device=device, meta_from=meta)
+            device = tensor_val(loop.x_NH).device
+            offs = graph_call(graph, torch.tensor, offs_plan, dtype=torch.int32, device=device, meta_from=meta)
         stacked = {
-            j: what if how == "base" else call(graph, torch.stack, list(what), meta_from=meta)
+            j: what if how == "base" else graph_call(graph, torch.stack, list(what), meta_from=meta)
             for j, (how, what, _) in weights.items()
         }
         env: dict[fx.Node, fx.Node] = {loop.chunks[0]: loop.x_NH, **(row_inputs or {})}
@@ -321,19 +301,19 @@ def rewrite_loop(graph: fx.Graph, loop: Loop, slots: list[Slot], offs: fx.Node |
             if plan is not None:
                 W = stacked[plan.slot]
                 # linear(h, W_e) = h @ W_e^T and matmul(h, B_e) = h @ B_e; W_ENK is [E, N, K].
-                W_ENK = W if plan.as_linear else call(graph, torch.transpose, W, -2, -1, meta_from=meta)
+                W_ENK = W if plan.as_linear else graph_call(graph, torch.transpose, W, -2, -1, meta_from=meta)
                 h = env.get(n.args[0], n.args[0])
                 if plan.kind == "aten":
-                    mat2 = call(graph, torch.transpose, W_ENK, -2, -1, meta_from=meta)
-                    env[n] = call(graph, torch._grouped_mm, h, mat2, offs=offs, meta_from=n)
+                    mat2 = graph_call(graph, torch.transpose, W_ENK, -2, -1, meta_from=meta)
+                    env[n] = graph_call(graph, torch._grouped_mm, h, mat2, offs=offs, meta_from=n)
                 else:
-                    env[n] = call(graph, torch.ops.moe.grouped_mm.default, h, W_ENK, offs, meta_from=n)
+                    env[n] = graph_call(graph, torch.ops.moe.grouped_mm.default, h, W_ENK, offs, meta_from=n)
                 bias = _linear_bias(n) if op_name(n) == "linear" else None
                 if bias is not None:
                     bias_slot = next((j for j in weights if slots[j].nodes[0] is bias), None)
-                    rows_bias = call(graph, operator.getitem, stacked[bias_slot], row_expert, meta_from=n) \
+                    rows_bias = graph_call(graph, operator.getitem, stacked[bias_slot], row_expert, meta_from=n) \
                         if bias_slot is not None else bias
-                    env[n] = call(graph, torch.add, env[n], rows_bias, meta_from=n)
+                    env[n] = graph_call(graph, torch.add, env[n], rows_bias, meta_from=n)
                 continue
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a, a))
             new = graph.create_node(n.op, n.target, args, kwargs, name=n.name + "_all")

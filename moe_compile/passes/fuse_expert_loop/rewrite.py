@@ -6,17 +6,15 @@ import torch.fx as fx
 
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._graph import (
+    arg,
+    is_call,
     layer_name,
     op_name,
     outside_users,
     topo_index,
-)
-from moe_compile.passes._host_sync import (
-    erase_dead_host_reads,
-    is_call,
-    kwarg,
     transitive_users,
 )
+from moe_compile.passes._host_sync import erase_dead_host_reads
 from moe_compile.passes.fuse_expert_loop.loop import (
     GEMMS,
     Loop,
@@ -30,7 +28,7 @@ from moe_compile.passes.fuse_expert_loop.selection_loop import (
 
 
 def _chunks(split: fx.Node) -> list[fx.Node] | None:
-    sizes = split.args[1] if len(split.args) > 1 else kwarg(split, "split_size_or_sections")
+    sizes = split.args[1] if len(split.args) > 1 else arg(split, "split_size_or_sections")
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     if not isinstance(sizes, (list, tuple)) or len(sizes) < 2 or dim != 0:
         return None
@@ -49,7 +47,7 @@ def _match_loop(split: fx.Node) -> Loop:
     if chunks is None:
         raise NoMatch("loop_not_matched", f"{split.name}: not a split into indexed chunks")
     reach = transitive_users(chunks[0])
-    cats = [n for n in reach if is_call(n, "cat") and kwarg(n, "dim", 0) == 0]
+    cats = [n for n in reach if is_call(n, "cat") and arg(n, "dim", default=0) == 0]
     order = topo_index(split.graph)
     if not cats:
         raise NoMatch("loop_not_matched", f"{split.name}: the chunks do not meet in a cat")
@@ -83,7 +81,7 @@ def _match_loop(split: fx.Node) -> Loop:
 
 
 def _host_sized(split: fx.Node) -> bool:
-    sizes = split.args[1] if len(split.args) > 1 else kwarg(split, "split_size_or_sections")
+    sizes = split.args[1] if len(split.args) > 1 else arg(split, "split_size_or_sections")
     return isinstance(sizes, (list, tuple)) and any(isinstance(s, fx.Node) for s in sizes)
 
 

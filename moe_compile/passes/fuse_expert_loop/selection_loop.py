@@ -41,12 +41,14 @@ import torch.fx as fx
 from moe_compile.passes import NoMatch
 from moe_compile.passes._graph import (
     erase_dead,
+    graph_call,
     known_int,
     op_name,
     outside_users,
+    tensor_val,
     topo_index,
+    transitive_users,
 )
-from moe_compile.passes._host_sync import call, tensor_value, transitive_users
 from moe_compile.passes.forms.combine import read_accumulate
 from moe_compile.passes.fuse_expert_loop.loop import Loop, rewrite_loop, signatures
 
@@ -106,7 +108,7 @@ def _selection_of(acc: fx.Node) -> Selection | None:
     if parsed is None or parsed[2] != i:
         return None
     idx_TK, e, _ = parsed
-    iv = tensor_value(idx_TK)
+    iv = tensor_val(idx_TK)
     if iv is None or iv.dim() != 2 or iv.dtype.is_floating_point:
         return None
     kpos = next((u for u in a.index.args[0].users if op_name(u) == "getitem" and u.args[1] == 1 - i), None)
@@ -134,7 +136,7 @@ def _row_gather(tok: fx.Node) -> fx.Node | None:
             pass
         else:
             continue
-        xv = tensor_value(u.args[0])
+        xv = tensor_val(u.args[0])
         if xv is not None and xv.dim() == 2:
             return u
     return None
@@ -149,7 +151,7 @@ def _weight_gather(s: Selection) -> tuple[fx.Node, fx.Node, bool] | None:
             continue
         index = u.args[1]
         if index[:2] == (s.tok, s.kpos) and (len(index) == 2 or (len(index) == 3 and index[2] is None)):
-            wv = tensor_value(u.args[0])
+            wv = tensor_val(u.args[0])
             if wv is not None and wv.dim() == 2 and wv.dtype.is_floating_point:
                 return u, u.args[0], len(index) == 3
     return None
@@ -205,28 +207,28 @@ def canonicalize(graph: fx.Graph, out: fx.Node, sels: list[Selection]) -> str:
                 raise NoMatch("expert_region_escapes", f"{n.name} (expert {s.expert}) is also used by {bad[0].name}")
         bodies.append(sorted(body, key=order.__getitem__))
 
-    K = tensor_value(idx_TK).shape[1]
+    K = tensor_val(idx_TK).shape[1]
     anchor = max([idx_TK, x_TH] + ([w_TK] if w_TK is not None else []), key=order.__getitem__)
     meta = sels[0].acc
     with graph.inserting_before(anchor.next):
-        ids_S = call(graph, torch.reshape, idx_TK, (-1,), meta_from=meta)
-        sort = call(graph, torch.sort, ids_S, stable=True, meta_from=meta)
-        ids_sorted_S = call(graph, operator.getitem, sort, 0, meta_from=meta)
-        order_S = call(graph, operator.getitem, sort, 1, meta_from=meta)
-        tok_S = call(graph, operator.floordiv, order_S, K, meta_from=meta)
-        x_SH = call(graph, operator.getitem, x_TH, tok_S, meta_from=meta)
-        counts_E = call(graph, torch.sum, call(graph, torch.nn.functional.one_hot, ids_S, E, meta_from=meta), 0,
-                        meta_from=meta)
-        offs_E = call(graph, torch.Tensor.to, call(graph, torch.cumsum, counts_E, 0, meta_from=meta), torch.int32,
-                      meta_from=meta)
+        ids_S = graph_call(graph, torch.reshape, idx_TK, (-1,), meta_from=meta)
+        sort = graph_call(graph, torch.sort, ids_S, stable=True, meta_from=meta)
+        ids_sorted_S = graph_call(graph, operator.getitem, sort, 0, meta_from=meta)
+        order_S = graph_call(graph, operator.getitem, sort, 1, meta_from=meta)
+        tok_S = graph_call(graph, operator.floordiv, order_S, K, meta_from=meta)
+        x_SH = graph_call(graph, operator.getitem, x_TH, tok_S, meta_from=meta)
+        one_hot = graph_call(graph, torch.nn.functional.one_hot, ids_S, E, meta_from=meta)
+        counts_E = graph_call(graph, torch.sum, one_hot, 0, meta_from=meta)
+        cumsum = graph_call(graph, torch.cumsum, counts_E, 0, meta_from=meta)
+        offs_E = graph_call(graph, torch.Tensor.to, cumsum, torch.int32, meta_from=meta)
         row_inputs = {}
         if w_TK is not None:
-            w_S = call(graph, operator.getitem, call(graph, torch.reshape, w_TK, (-1,), meta_from=meta), order_S,
-                       meta_from=meta)
-            row_inputs[weight_gathers[0]] = call(graph, torch.unsqueeze, w_S, -1, meta_from=meta) if column else w_S
+            w_flat = graph_call(graph, torch.reshape, w_TK, (-1,), meta_from=meta)
+            w_S = graph_call(graph, operator.getitem, w_flat, order_S, meta_from=meta)
+            row_inputs[weight_gathers[0]] = graph_call(graph, torch.unsqueeze, w_S, -1, meta_from=meta) if column else w_S
     with graph.inserting_before(last):
-        values_cat = call(graph, torch.cat, [s.value for s in sels], meta_from=meta)
-        combined = call(graph, torch.Tensor.index_add, out, 0, tok_S, values_cat, meta_from=meta)
+        values_cat = graph_call(graph, torch.cat, [s.value for s in sels], meta_from=meta)
+        combined = graph_call(graph, torch.Tensor.index_add, out, 0, tok_S, values_cat, meta_from=meta)
     loop = Loop(split=x_SH, x_NH=x_SH, cat=values_cat, bodies=bodies, chunks=chunks, outputs=[s.value for s in sels])
     try:
         _, slots = signatures(loop)

@@ -30,21 +30,25 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes import NoMatch, PassContext
-from moe_compile.passes._graph import erase_dead, layer_name, op_name
+from moe_compile.passes._graph import (
+    arg,
+    erase_dead,
+    graph_call,
+    is_call,
+    layer_name,
+    op_name,
+    refresh_example_values,
+    tensor_val,
+    transitive_users,
+)
 from moe_compile.passes._host_sync import (
     HostRead,
     IntVectorEval,
-    call,
     ceil_align,
     host_reads,
     int_vector,
-    is_call,
-    kwarg,
     leaf_vector,
-    refresh_example_values,
     same_on_samples,
-    tensor_value,
-    transitive_users,
 )
 from moe_compile.passes.forms.rowwise import rowwise_region
 from moe_compile.passes.strip_host_padding.padding import match_pad
@@ -75,12 +79,12 @@ def _match_pad_after_permute_pad(pp: fx.Node, reads: dict[sympy.Symbol, HostRead
         u for u in rows.users
         if (is_call(u, "getitem") and isinstance(u.args[1], slice) and u.args[1].start in (None, 0)
             and u.args[1].step in (None, 1) and isinstance(u.args[1].stop, fx.Node))
-        or (is_call(u, "narrow") and kwarg(u, "dim") == 0 and kwarg(u, "start") == 0)
+        or (is_call(u, "narrow") and arg(u, "dim") == 0 and arg(u, "start") == 0)
     ]
     if len(narrowed) != 1:
         return None
     R = narrowed[0]
-    used = R.args[1].stop if is_call(R, "getitem") else kwarg(R, "length")
+    used = R.args[1].stop if is_call(R, "getitem") else arg(R, "length")
     pad = match_pad(R)
     X = pad.cat if pad is not None else R
     pad_back = [
@@ -91,7 +95,7 @@ def _match_pad_after_permute_pad(pp: fx.Node, reads: dict[sympy.Symbol, HostRead
         raise NoMatch("pad_not_matched", f"{R.name}: the expert output is not padded back to the rows of {pp.name}")
     back = pad_back[0]
     Y = back.args[0]
-    spec = kwarg(back, "pad")
+    spec = arg(back, "pad")
     if not (isinstance(spec, (list, tuple)) and len(spec) == 4 and list(spec[:3]) == [0, 0, 0]):
         raise NoMatch("pad_not_matched", f"{back.name} is not a row pad")
     E = pp.args[3]
@@ -107,7 +111,7 @@ def _match_pad_after_permute_pad(pp: fx.Node, reads: dict[sympy.Symbol, HostRead
 
     segments = [ceil_align(n, align) for n in counts]
     pairs = [(scalar(used), sympy.Add(*segments))]
-    M = tensor_value(rows).shape[0]
+    M = tensor_val(rows).shape[0]
     pairs.append((scalar(spec[3]) + scalar(used), sympy.Integer(M)))
     padded = segments
     if pad is not None:
@@ -124,7 +128,7 @@ def _match_pad_after_permute_pad(pp: fx.Node, reads: dict[sympy.Symbol, HostRead
         raise NoMatch("pad_not_matched", f"{R.name} does not keep exactly the used rows of {pp.name}")
     for offs in offs_nodes:
         vec = int_vector(offs, reads, leaves)
-        if vec is None or len(vec) != E or tensor_value(offs).dtype != torch.int32:
+        if vec is None or len(vec) != E or tensor_val(offs).dtype != torch.int32:
             raise NoMatch("offsets_not_matched", f"{offs.name} is not an int32 [E] expression of {pp.name}")
         expected = [sympy.Add(*padded[: i + 1]) for i in range(E)]
         if not same_on_samples(list(zip(vec, expected)), counts):
@@ -150,7 +154,7 @@ def strip_pad_after_permute_pad(graph: fx.Graph, ctx: PassContext) -> list[str]:
         offs = m["offs"]
         if offs is None:
             with graph.inserting_after(m["rows"]):
-                offs = call(graph, operator.getitem, pp, 2, meta_from=pp)
+                offs = graph_call(graph, operator.getitem, pp, 2, meta_from=pp)
         for node in m["middle"]:
             node.replace_input_with(m["X"], m["rows"])
         for node in m["offs_uses"]:

@@ -17,25 +17,8 @@ from typing import Any
 
 import torch.fx as fx
 
-from moe_compile.passes._graph import arg, op_name, outside_users
-from moe_compile.passes._host_sync import is_call, kwarg, tensor_value
-
-
-def is_zeros(node: Any) -> bool:
-    """A fresh all-zero tensor in Torch IR (``zeros``, ``new_zeros``, ``full(..., 0)``, ...)."""
-    if not isinstance(node, fx.Node):
-        return False
-    name = op_name(node)
-    if name in ("zeros", "zeros_like", "new_zeros"):
-        return True
-    if name in ("full", "new_full", "full_like"):
-        fill = node.args[2] if name == "new_full" and len(node.args) > 2 else kwarg(node, "fill_value")
-        if name == "full" and len(node.args) > 1:
-            fill = node.args[1]
-        if name == "full_like" and len(node.args) > 1:
-            fill = node.args[1]
-        return fill == 0
-    return False
+from moe_compile.passes._graph import arg, is_call, op_name, outside_users, tensor_val
+from moe_compile.passes.forms.ops import is_zeros
 
 
 @dataclasses.dataclass
@@ -48,13 +31,13 @@ class Unpad:
 
 def match_unpad(y_NH: fx.Node) -> Unpad | None:
     """``cat([narrow(y_e, 0, 0, s_e) | y_e[:s_e] for y_e in split(Y, sizes)])``, else None."""
-    if not is_call(y_NH, "cat") or kwarg(y_NH, "dim", 0) != 0:
+    if not is_call(y_NH, "cat") or arg(y_NH, "dim", default=0) != 0:
         return None
     pieces = y_NH.args[0]
     split, lengths = None, []
     for i, piece in enumerate(pieces):
-        if is_call(piece, "narrow") and kwarg(piece, "dim") == 0 and kwarg(piece, "start") == 0:
-            chunk, length = piece.args[0], kwarg(piece, "length")
+        if is_call(piece, "narrow") and arg(piece, "dim") == 0 and arg(piece, "start") == 0:
+            chunk, length = piece.args[0], arg(piece, "length")
         elif is_call(piece, "getitem") and isinstance(piece.args[1], slice) \
                 and piece.args[1].start in (None, 0) and piece.args[1].step in (None, 1):
             chunk, length = piece.args[0], piece.args[1].stop
@@ -71,7 +54,7 @@ def match_unpad(y_NH: fx.Node) -> Unpad | None:
         elif chunk.args[0] is not split:
             return None
         lengths.append(length)
-    sizes = split.args[1] if len(split.args) > 1 else kwarg(split, "split_size_or_sections")
+    sizes = split.args[1] if len(split.args) > 1 else arg(split, "split_size_or_sections")
     if split is None or not isinstance(sizes, (list, tuple)) or len(sizes) != len(pieces):
         return None
     if arg(split, 2, "dim", 0) != 0:
@@ -94,7 +77,7 @@ def match_pad(x_NH: fx.Node) -> Pad | None:
     if len(splits) != 1:
         return None
     split = splits[0]
-    sizes = split.args[1] if len(split.args) > 1 else kwarg(split, "split_size_or_sections")
+    sizes = split.args[1] if len(split.args) > 1 else arg(split, "split_size_or_sections")
     if not isinstance(sizes, (list, tuple)) or arg(split, 2, "dim", 0) != 0:
         return None
     chunks: dict[int, fx.Node] = {}
@@ -114,8 +97,8 @@ def match_pad(x_NH: fx.Node) -> Pad | None:
         user = users[0]
         padded, pad = user, None
         if is_call(user, "pad"):
-            spec = kwarg(user, "pad")
-            mode, value = kwarg(user, "mode", "constant"), kwarg(user, "value")
+            spec = arg(user, "pad")
+            mode, value = arg(user, "mode", default="constant"), arg(user, "value")
             if not (isinstance(spec, (list, tuple)) and len(spec) == 4 and list(spec[:3]) == [0, 0, 0]):
                 return None
             if mode != "constant" or value not in (None, 0, 0.0):
@@ -123,9 +106,9 @@ def match_pad(x_NH: fx.Node) -> Pad | None:
             pad = spec[3]
             nodes.append(user)
         elif is_call(user, "cat") and len(user.args[0]) == 2 and user.args[0][0] is chunk \
-                and kwarg(user, "dim", 0) == 0 and is_zeros(user.args[0][1]):
+                and arg(user, "dim", default=0) == 0 and is_zeros(user.args[0][1]):
             zeros = user.args[0][1]
-            shape = tensor_value(zeros).shape
+            shape = tensor_val(zeros).shape
             if len(shape) != 2 or len(zeros.users) != 1:
                 return None
             pad = _zeros_rows_arg(zeros)
@@ -141,7 +124,7 @@ def match_pad(x_NH: fx.Node) -> Pad | None:
             cat = next(iter(padded.users))
         if padded not in cat.args[0] or list(cat.args[0]).index(padded) != i or len(padded.users) != 1:
             return None
-    if cat is None or len(cat.args[0]) != len(sizes) or kwarg(cat, "dim", 0) != 0:
+    if cat is None or len(cat.args[0]) != len(sizes) or arg(cat, "dim", default=0) != 0:
         return None
     return Pad(split, cat, list(sizes), pads, nodes)
 

@@ -24,11 +24,9 @@ from typing import Any
 import torch.fx as fx
 
 from moe_compile.passes import NoMatch
-from moe_compile.passes._graph import arg, op_name
-from moe_compile.passes._host_sync import is_call, kwarg, tensor_value
-from moe_compile.passes.forms.counts import peel, permutation_of, routing_map_ids
-from moe_compile.passes.forms.ops import CASTS
-from moe_compile.passes.strip_host_padding.padding import is_zeros
+from moe_compile.passes._graph import arg, is_call, op_name, tensor_val
+from moe_compile.passes.forms.counts import permutation_of, routing_map_ids
+from moe_compile.passes.forms.ops import is_zeros, strip_casts
 
 
 @dataclasses.dataclass
@@ -46,9 +44,9 @@ class Permute:
 
 def flat_base(node: Any) -> Any:
     """``idx_TK`` for ``idx_TK.reshape(-1)`` / ``.view(-1)`` / ``.flatten()``; else the node."""
-    node = peel(node, {"contiguous"})
+    node = strip_casts(node, frozenset({"contiguous"}))
     if is_call(node, "reshape", "view", "flatten", "ravel"):
-        value, base = tensor_value(node), tensor_value(node.args[0])
+        value, base = tensor_val(node), tensor_val(node.args[0])
         if value is not None and base is not None and value.dim() == 1 and base.dim() == 2:
             return node.args[0]
     return node
@@ -56,7 +54,7 @@ def flat_base(node: Any) -> Any:
 
 def transposed_base(node: Any) -> Any:
     """``m_TE`` for ``m_TE.T`` / ``.t()`` / ``.transpose(0, 1)`` / ``.permute(1, 0)`` [``.contiguous()``]."""
-    node = peel(node, {"contiguous"})
+    node = strip_casts(node, frozenset({"contiguous"}))
     if not isinstance(node, fx.Node):
         return None
     name = op_name(node)
@@ -88,7 +86,7 @@ def argsort_of(order: Any) -> fx.Node | None:
 def floordiv_by(node: Any) -> tuple[fx.Node, int] | None:
     if is_call(node, "floordiv", "__floordiv__") and isinstance(node.args[1], int):
         return node.args[0], node.args[1]
-    if is_call(node, "div") and kwarg(node, "rounding_mode") == "floor" and isinstance(node.args[1], int):
+    if is_call(node, "div") and arg(node, "rounding_mode") == "floor" and isinstance(node.args[1], int):
         return node.args[0], node.args[1]
     return None
 
@@ -104,14 +102,14 @@ def match_permute(token_N: fx.Node) -> Permute:
         raise NoMatch("permute_not_matched", f"{len(gathers)} row gathers by {token_N.name}")
     x_NH = gathers[0]
     x_TH = x_NH.args[0]
-    if tensor_value(x_TH) is None or tensor_value(x_TH).dim() != 2:
+    if tensor_val(x_TH) is None or tensor_val(x_TH).dim() != 2:
         raise NoMatch("permute_not_matched", "gathered tensor is not [T, H]")
     split = floordiv_by(token_N)
     if split is not None:
         order, K = split
         ids = argsort_of(order)
         idx_TK = flat_base(ids) if ids is not None else None
-        value = tensor_value(idx_TK)
+        value = tensor_val(idx_TK)
         if idx_TK is None or value is None or value.dim() != 2 or value.shape[1] != K:
             raise NoMatch("permute_not_matched", f"{token_N.name} is not argsort(ids.flatten()) // K")
         return Permute(x_TH, idx_TK, -1, x_NH, "argsort", order=order)
@@ -120,7 +118,7 @@ def match_permute(token_N: fx.Node) -> Permute:
         base = tokens
         while is_call(base, "expand", "unsqueeze", "expand_as", "repeat", "contiguous"):
             base = base.args[0]
-        T = tensor_value(x_TH).shape[0]
+        T = tensor_val(x_TH).shape[0]
         if not (is_call(base, "arange") and tuple(base.args) in ((T,), (0, T))):
             raise NoMatch("permute_not_matched", "masked_select source is not arange(T) expanded over experts")
         map_TE = transposed_base(map_ET)
@@ -129,7 +127,7 @@ def match_permute(token_N: fx.Node) -> Permute:
             raise NoMatch("routing_map_not_topk", "routing map not proven to hold exactly K distinct experts per token")
         if not topk_indices(idx_TK):
             raise NoMatch("routing_map_not_topk", f"{idx_TK.name} is not the indices of a topk")
-        E = tensor_value(map_ET).shape[0]
+        E = tensor_val(map_ET).shape[0]
         return Permute(x_TH, idx_TK, E, x_NH, "masked_select", map_ET=map_ET)
     raise NoMatch("permute_not_matched", f"{token_N.name} is neither argsort // K nor masked_select(arange)")
 
@@ -151,7 +149,7 @@ def weighted_rows(perm: Permute) -> tuple[fx.Node, fx.Node | None, fx.Node | Non
         return None
     mul = users[0]
     col = mul.args[1] if mul.args[0] is perm.x_NH else mul.args[0]
-    cv = tensor_value(col) if isinstance(col, fx.Node) else None
+    cv = tensor_val(col) if isinstance(col, fx.Node) else None
     if cv is None or cv.dim() != 2 or cv.shape[1] != 1:
         return None
     try:
@@ -163,7 +161,7 @@ def weighted_rows(perm: Permute) -> tuple[fx.Node, fx.Node | None, fx.Node | Non
 
 def probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx.Node | None]:
     """``(probs_TK, None)`` or ``(None, probs_TE)`` for the permuted combine weight ``probs_col`` ([N, 1])."""
-    node = peel(probs_col, CASTS)
+    node = strip_casts(probs_col)
     if is_call(node, "unsqueeze") and node.args[1] in (1, -1):
         node = node.args[0]
     elif is_call(node, "view", "reshape") and tuple(node.args[1:]) in ((-1, 1), ((-1, 1),)):
@@ -173,10 +171,10 @@ def probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx.
         node = node.args[0]
     else:
         raise NoMatch("probs_not_matched", f"{probs_col.name} is not a column of permuted probs")
-    node = peel(node, CASTS)
+    node = strip_casts(node)
     if perm.kind == "argsort" and is_call(node, "getitem") and node.args[1] is perm.order:
         probs_TK = flat_base(node.args[0])
-        value, ids = tensor_value(probs_TK), tensor_value(perm.idx_TK)
+        value, ids = tensor_val(probs_TK), tensor_val(perm.idx_TK)
         if value is not None and value.dim() == 2 and tuple(value.shape) == tuple(ids.shape):
             return probs_TK, None
     if perm.kind == "masked_select" and is_call(node, "masked_select") and node.args[1] is perm.map_ET:
@@ -185,10 +183,10 @@ def probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx.
             if is_call(probs_TE, "scatter", "scatter_") and is_zeros(probs_TE.args[0]) \
                     and probs_TE.args[2] is perm.idx_TK and arg(probs_TE, 1, "dim") in (1, -1):
                 src = probs_TE.args[3] if len(probs_TE.args) > 3 else probs_TE.kwargs.get("src")
-                if isinstance(src, fx.Node) and tensor_value(src) is not None \
-                        and tuple(tensor_value(src).shape) == tuple(tensor_value(perm.idx_TK).shape):
+                if isinstance(src, fx.Node) and tensor_val(src) is not None \
+                        and tuple(tensor_val(src).shape) == tuple(tensor_val(perm.idx_TK).shape):
                     return src, None
-            value = tensor_value(probs_TE)
+            value = tensor_val(probs_TE)
             if value is not None and value.dim() == 2 and value.dtype.is_floating_point:
                 return None, probs_TE
     raise NoMatch("probs_not_matched", f"{probs_col.name} is not the routing probs permuted alongside the rows")

@@ -14,35 +14,36 @@ from moe_compile.ops._common import SUPPORTED_ALIGNMENTS
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._graph import (
     erase_dead,
+    graph_call,
+    has_unbacked_shape,
+    is_call,
     layer_name,
     op_name,
+    ops_available,
     outside_users,
+    refresh_example_values,
+    replace_uses_after,
+    tensor_val,
     topo_index,
 )
 from moe_compile.passes._host_sync import (
     HostRead,
     IntVectorEval,
-    call,
     ceil_align,
     erase_dead_host_reads,
-    has_unbacked_shape,
     host_reads,
     int_vector,
-    is_call,
     leaf_vector,
-    refresh_example_values,
-    replace_uses_after,
     same_on_samples,
     sym_expr,
-    tensor_value,
 )
 from moe_compile.passes.forms.combine import (
     UnpermuteSum,
     match_unpermute_sum,
     read_accumulate,
 )
-from moe_compile.passes.forms.counts import expert_counts, ids_base, peel, strip_casts
-from moe_compile.passes.forms.ops import CASTS, GROUPED_MM
+from moe_compile.passes.forms.counts import expert_counts, ids_base
+from moe_compile.passes.forms.ops import GROUPED_MM, is_zeros, strip_casts
 from moe_compile.passes.forms.rowwise import rowwise_region
 from moe_compile.passes.strip_host_padding.after_permute_pad import (
     strip_pad_after_permute_pad,
@@ -50,7 +51,6 @@ from moe_compile.passes.strip_host_padding.after_permute_pad import (
 from moe_compile.passes.strip_host_padding.padding import (
     Pad,
     Unpad,
-    is_zeros,
     match_pad,
     match_unpad,
 )
@@ -95,7 +95,7 @@ class Region:
 def _histogram_of(counts: Any, idx_TK: fx.Node) -> int | None:
     """``E`` when ``counts`` is the per-expert count of the ids in ``idx_TK`` (forms in ``_count_forms``)."""
     counts = strip_casts(counts)
-    value = tensor_value(counts)
+    value = tensor_val(counts)
     if value is None or value.dim() != 1 or not isinstance(value.shape[0], int):
         return None
     found = expert_counts(counts, lambda n: ids_base(n) is idx_TK)
@@ -150,20 +150,20 @@ class _Matcher:
 
         # combine source: casts, optional probs multiply, casts
         tail = {src}
-        y = peel(src, CASTS)
+        y = strip_casts(src)
         tail |= _chain_to(src, y)
         probs_TK = probs_TE = None
         if unpermute is not None:
             tail |= set(unpermute.nodes)
             if unpermute.weight_TK is not None:
-                w, ids = tensor_value(unpermute.weight_TK), tensor_value(perm.idx_TK)
+                w, ids = tensor_val(unpermute.weight_TK), tensor_val(perm.idx_TK)
                 if tuple(w.shape) != tuple(ids.shape):
                     raise NoMatch("probs_not_matched", f"combine weight {tuple(w.shape)} is not [T, K]")
                 probs_TK = unpermute.weight_TK
         if probs_TK is None and is_call(y, "mul", "__mul__") and len(y.args) == 2 \
                 and all(isinstance(a, fx.Node) for a in y.args):
             a, b = y.args
-            va, vb = tensor_value(a), tensor_value(b)
+            va, vb = tensor_val(a), tensor_val(b)
             if vb is not None and vb.dim() == 2 and vb.shape[1] == 1:
                 y, col = a, b
             elif va is not None and va.dim() == 2 and va.shape[1] == 1:
@@ -173,7 +173,7 @@ class _Matcher:
             probs_TK, probs_TE = probs_source(col, perm)
             tail.add(next(u for u in y.users if is_call(u, "mul", "__mul__") and col in u.args))
             y0 = y
-            y = peel(y, CASTS)
+            y = strip_casts(y)
             tail |= _chain_to(y0, y)
 
         # unpad block (optional), the expert region, the pad block (optional) or x_NH
@@ -208,7 +208,7 @@ class _Matcher:
         E = self._counts(sizes, perm, offs_nodes)
         perm.num_experts = E
         for node in offs_uses:
-            w = tensor_value(node.args[1])
+            w = tensor_val(node.args[1])
             if w.shape[0] != E:
                 raise NoMatch("offsets_not_matched", f"{node.name}: weight has {w.shape[0]} groups for {E} experts")
         align, noop = self._check_sizes(pad, unpad, offs_nodes, E)
@@ -239,7 +239,7 @@ class _Matcher:
             counts_node = read_tensors.pop()
         elif sizes is None:
             # no host split: the offsets must be a cumsum of a device histogram of the ids
-            base = peel(offs_nodes[0], {"to", "int", "long", "type", "contiguous"})
+            base = strip_casts(offs_nodes[0], frozenset({"to", "int", "long", "type", "contiguous"}))
             if not is_call(base, "cumsum"):
                 raise NoMatch("offsets_not_matched", f"{offs_nodes[0].name} is not a cumsum of device counts")
             counts_node = base.args[0]
@@ -304,7 +304,7 @@ class _Matcher:
         noop = pad is not None and align == 1 and bool(pad.nodes)
         for offs in offs_nodes:
             vec = int_vector(offs, self.reads, self._leaves)
-            value = tensor_value(offs)
+            value = tensor_val(offs)
             if vec is None or len(vec) != E or value is None or value.dtype != torch.int32:
                 raise NoMatch("offsets_not_matched", f"{offs.name} is not an int32 [E] expression of the counts")
             expected = [sympy.Add(*padded[: i + 1]) for i in range(E)]
@@ -338,18 +338,18 @@ def _rewrite(graph: fx.Graph, r: Region) -> str:
         if r.pre_weight is not None:
             _, pre_probs, pre_probs_TE = r.pre_weight
             if pre_probs_TE is not None:
-                pre_probs = call(graph, torch.gather, pre_probs_TE, 1, perm.idx_TK, meta_from=meta)
-        pp = call(graph, torch.ops.moe.permute_pad.default, perm.x_TH, perm.idx_TK, pre_probs,
+                pre_probs = graph_call(graph, torch.gather, pre_probs_TE, 1, perm.idx_TK, meta_from=meta)
+        pp = graph_call(graph, torch.ops.moe.permute_pad.default, perm.x_TH, perm.idx_TK, pre_probs,
                         perm.num_experts, r.align, meta_from=meta)
-        rows = call(graph, operator.getitem, pp, 0, meta_from=meta)
-        offs = call(graph, operator.getitem, pp, 2, meta_from=meta)
-        row_map = call(graph, operator.getitem, pp, 3, meta_from=meta)
+        rows = graph_call(graph, operator.getitem, pp, 0, meta_from=meta)
+        offs = graph_call(graph, operator.getitem, pp, 2, meta_from=meta)
+        row_map = graph_call(graph, operator.getitem, pp, 3, meta_from=meta)
         if pre_probs is not None:
             # pad rows: 0 * 0; real rows: the user's x * w[perm] in the rows' dtype
-            probs_M = call(graph, operator.getitem, pp, 1, meta_from=meta)
-            column = call(graph, torch.Tensor.unsqueeze, probs_M, -1, meta_from=meta)
-            column = call(graph, torch.Tensor.to, column, tensor_value(perm.x_NH).dtype, meta_from=meta)
-            rows = call(graph, torch.mul, rows, column, meta_from=meta)
+            probs_M = graph_call(graph, operator.getitem, pp, 1, meta_from=meta)
+            column = graph_call(graph, torch.Tensor.unsqueeze, probs_M, -1, meta_from=meta)
+            column = graph_call(graph, torch.Tensor.to, column, tensor_val(perm.x_NH).dtype, meta_from=meta)
+            rows = graph_call(graph, torch.mul, rows, column, meta_from=meta)
     for node in r.middle:
         node.replace_input_with(r.X, rows)
     for node in r.offs_uses:
@@ -361,11 +361,11 @@ def _rewrite(graph: fx.Graph, r: Region) -> str:
     with graph.inserting_after(r.Y if order[r.Y] > order[r.sink] else r.sink):
         probs = r.probs_TK
         if r.probs_TE_gather is not None:
-            probs = call(graph, torch.gather, r.probs_TE_gather, 1, perm.idx_TK, meta_from=meta)
-        y = call(graph, torch.ops.moe.unpad_unpermute.default, r.Y, row_map, probs, meta_from=meta)
-        out_dtype = tensor_value(r.sink).dtype
-        if tensor_value(y).dtype != out_dtype:
-            y = call(graph, torch.Tensor.to, y, out_dtype, meta_from=meta)
+            probs = graph_call(graph, torch.gather, r.probs_TE_gather, 1, perm.idx_TK, meta_from=meta)
+        y = graph_call(graph, torch.ops.moe.unpad_unpermute.default, r.Y, row_map, probs, meta_from=meta)
+        out_dtype = tensor_val(r.sink).dtype
+        if tensor_val(y).dtype != out_dtype:
+            y = graph_call(graph, torch.Tensor.to, y, out_dtype, meta_from=meta)
     r.sink.replace_all_uses_with(y)
     if r.dest is not None:
         replace_uses_after(r.dest, y, r.sink)
@@ -382,15 +382,6 @@ def _rewrite(graph: fx.Graph, r: Region) -> str:
 # ---------------------------------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------------------------------
-
-
-def _ops_available() -> bool:
-    try:
-        import moe_compile.ops  # noqa: F401 - registers torch.ops.moe.*
-
-        return hasattr(torch.ops.moe, "permute_pad") and hasattr(torch.ops.moe, "unpad_unpermute")
-    except Exception:  # noqa: BLE001 - a broken ops module must not break compilation
-        return False
 
 
 def _host_read_tensors(node: fx.Node, reads: dict[sympy.Symbol, HostRead], limit: int = 64) -> set[fx.Node]:
@@ -454,7 +445,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             ctx.skip(layer, skip.reason, skip.detail)
             touched.append(layer)
             continue
-        if not _ops_available():
+        if not ops_available("permute_pad", "unpad_unpermute"):
             ctx.skip(layer, "ops_unavailable", "torch.ops.moe.permute_pad / unpad_unpermute not registered")
             continue
         if region.pad_was_noop:
