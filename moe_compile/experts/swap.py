@@ -376,7 +376,8 @@ def _single_expert_lists(model: nn.Module) -> list[ExpertGroup]:
 def swap_expert_loops(model: nn.Module) -> list[tuple[str, str, str, str]]:
     """Swap every recognised expert-loop block of ``model`` (in place); returns explain records.
 
-    transformers ``*Experts`` modules (interface-decorated) are skipped here: the experts interface (``experts/interface.py``) covers them.
+    transformers ``*Experts`` modules (interface-decorated) are skipped here:
+    the experts interface (``experts/interface.py``) covers them.
     Records are ``(block name, "rewrite" | "skip", tag, detail)``.
     """
     records = []

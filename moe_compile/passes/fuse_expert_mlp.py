@@ -6,8 +6,8 @@ Matches (in a layer ``fuse_dispatch`` rewrote; ``offs_E`` is ``moe.permute_pad``
     ``h = middle(gu)``: any subgraph of ``gu`` alone (nothing else of the graph enters it) whose last node feeds a
     second grouped GEMM over the same ``offs_E``, and which computes a GLU of ``ops/expert_gemm.py``'s
     ``GLU_ACTIVATIONS`` (``act(gate) * up``, gate columns first): checked by running it (float casts taken out)
-    on a probe (:func:`moe_compile.experts.interface.glu_of`), not by its spelling, so ``chunk`` / slicing / ``nn.SiLU`` /
-    ``x * sigmoid(x)`` all count.
+    on a probe (:func:`moe_compile.experts.interface.glu_of`), not by its spelling, so ``chunk`` / slicing /
+    ``nn.SiLU`` / ``x * sigmoid(x)`` all count.
 
 Rewrites to:
     ``h = moe.expert_gemm(x_MK, W_ENK, offs_E, None, None, glu, M, False)[0]`` (cast to ``h``'s dtype if

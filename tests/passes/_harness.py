@@ -1,9 +1,9 @@
 """One harness for pass tests: compile, compare with eager (outputs and grads), read our report.
 
 ``check_rewrite(fn, args, expected_rewrites, ...)`` compiles ``fn`` with a fresh cache, runs it (and a
-backward when ``train``), compares with eager PyTorch within the layer's derived bound (``tests/_tolerance.py``), asserts the number of
-rewrites / skips per pass from moe_compile's report (never Inductor's global counters), and returns a
-:class:`Run` with the report and, for the Inductor backend, the generated code.
+backward when ``train``), compares with eager PyTorch within the layer's derived bound (``tests/_tolerance.py``),
+asserts the number of rewrites / skips per pass from moe_compile's report (never Inductor's global counters), and
+returns a :class:`Run` with the report and, for the Inductor backend, the generated code.
 
 Backends:
     ``"moe_compile"``: the real backend (Inductor codegen; slow on CPU, ~5-20 s per HF model).
@@ -14,10 +14,10 @@ Backends:
 
 from __future__ import annotations
 
-import re
 import contextlib
 import copy
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,10 +27,11 @@ from moe_compile import report as report_mod
 from moe_compile.config import MoECompileConfig
 from tests import _tolerance as tol
 
+
 def fresh_cache():
     """A fresh Inductor cache (match counts read 0 on a cache hit: the passes do not run)."""
     utils = torch._inductor.utils
-    fn = getattr(utils, "fresh_cache", None) or getattr(utils, "fresh_inductor_cache")
+    fn = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache
     return fn()
 
 

@@ -128,7 +128,8 @@ def test_group_limited_router_gather_becomes_scatter(T):
 def test_expert_bias_gradient_is_one_hot_gemm(sort):
     torch.manual_seed(int(sort))
     x = torch.randn(10, 12, requires_grad=True)
-    run = check_rewrite(ExpertBias(sort=sort), (x,), {}, backend="moe_compile", code_checks=[no_scatter_add, no_accumulation])
+    run = check_rewrite(ExpertBias(sort=sort), (x,), {}, backend="moe_compile",
+                        code_checks=[no_scatter_add, no_accumulation])
     details = sorted(r.detail for r in run.report.rewrites if r.pass_name == "deterministic_accumulate")
     expected = ["one-hot GEMM over 8 rows (fixed-order sum, no atomics)"]
     if sort:

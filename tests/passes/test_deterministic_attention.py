@@ -64,7 +64,8 @@ def test_flag_is_on_for_the_call_only_and_restored():
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     call()
     assert seen == [True]
-    assert (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) == before
+    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    assert flags == before
 
     def boom():
         raise RuntimeError("kernel failed")
@@ -88,7 +89,7 @@ def test_flagged_op_keeps_the_shapes_of_the_aten_op():
         args = (out, q, k, v, torch.empty(0, device="meta"), out, lse, seed, seed, 0.0, [True, True, True, False])
         try:
             expected = aten._scaled_dot_product_efficient_attention_backward.default(*args, is_causal=True)
-        except Exception as exc:  # a torch without a meta kernel for it
+        except Exception as exc:  # noqa: BLE001 - a torch without a meta kernel for it raises whatever it raises
             pytest.skip(f"no meta kernel: {exc}")
         got = op(*args, is_causal=True)
     assert [tuple(t.shape) if t is not None else None for t in got] == \

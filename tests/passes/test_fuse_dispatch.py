@@ -49,7 +49,7 @@ def small_moe(x_TH, ids_TK, w_TK, w1_EIH, w2_EHI):
     return y[inv].view(x_TH.shape[0], 2, x_TH.shape[1]).sum(dim=1)
 
 
-def small_inputs(T=6, H=16, I=8, E=4, K=2, seed=0, requires_grad=False):
+def small_inputs(T=6, H=16, I=8, E=4, K=2, seed=0, requires_grad=False):  # noqa: E741 - I: expert intermediate size
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).bfloat16().requires_grad_(requires_grad)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])

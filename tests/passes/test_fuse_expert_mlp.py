@@ -60,7 +60,7 @@ def _moe(middle, gemm: str):
     return moe
 
 
-def _inputs(dtype, T=7, H=16, I=8, seed=0):
+def _inputs(dtype, T=7, H=16, I=8, seed=0):  # noqa: E741 - I: expert intermediate size
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(dtype).requires_grad_(True)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
@@ -159,7 +159,7 @@ def test_cuda_inference_through_inductor():
     import moe_compile
     from moe_compile import report
 
-    T, H, I = 256, 128, 64
+    T, H, I = 256, 128, 64  # noqa: E741 - I: expert intermediate size
     args = [a.detach().cuda() if isinstance(a, torch.Tensor) else a for a in _inputs(torch.bfloat16, T=T, H=H, I=I)]
     fn = _moe(GLU_FORMS["silu_chunk"][0], "torch_grouped_mm")
     torch._dynamo.reset()

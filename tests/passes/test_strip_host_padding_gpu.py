@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-T, H, I, E, K, ALIGN = 24, 64, 128, 8, 2, 16
+T, H, I, E, K, ALIGN = 24, 64, 128, 8, 2, 16  # noqa: E741 - I: expert intermediate size
 TOLS = dict(atol=3e-2, rtol=3e-2)
 STRICT = {"graph_partition": False, "triton.cudagraph_or_error": True}
 

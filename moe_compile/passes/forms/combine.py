@@ -22,8 +22,8 @@ from typing import Any
 
 import torch.fx as fx
 
-from moe_compile.passes.forms import index_algebra as ia
 from moe_compile.passes._graph import arg, known_int, op_name, same_int, same_shape, tensor_val
+from moe_compile.passes.forms import index_algebra as ia
 
 _VIEWS_TKH = ("view", "reshape", "unflatten")
 _WEIGHT_CASTS = ("to", "float", "bfloat16", "half", "type_as", "double")

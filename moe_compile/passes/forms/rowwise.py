@@ -142,8 +142,8 @@ class Rowwise(NamedTuple):
 class RowwiseProof:
     """Proves nodes row-wise in ``region`` (node -> row space) under ``policy``.
 
-    ``num_experts`` (if known) is checked against grouped GEMM weights; ``training`` turns on NOTE [tail
-    rows]; ``row_independent(node)`` says a value is the same in any expert-sorted row order (fuse_dispatch:
+    ``num_experts`` (if known) is checked against grouped GEMM weights; ``training`` turns on
+    NOTE [tail rows]; ``row_independent(node)`` says a value is the same in any expert-sorted row order (fuse_dispatch:
     a function of the sorted expert ids).
     """
 

@@ -230,7 +230,8 @@ def _plan(loop: Loop, slots: list[Slot], row_inputs: dict[fx.Node, fx.Node] | No
                 is_bias = True
                 continue
             if name not in GEMMS or n.args[0] is slot.nodes[0] or _gemm_weight(n) is not slot.nodes[0]:
-                raise NoMatch("per_expert_op_unsupported", f"{n.name}: per-expert input {slot.nodes[0].name} used by {name}")
+                raise NoMatch("per_expert_op_unsupported",
+                              f"{n.name}: per-expert input {slot.nodes[0].name} used by {name}")
             if name == "linear" and _linear_bias(n) is not None and not biases:
                 raise NoMatch("per_expert_op_unsupported", f"{n.name}: linear with a per-expert bias")
         if is_bias:

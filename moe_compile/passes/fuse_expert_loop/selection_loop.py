@@ -225,7 +225,8 @@ def canonicalize(graph: fx.Graph, out: fx.Node, sels: list[Selection]) -> str:
         if w_TK is not None:
             w_flat = graph_call(graph, torch.reshape, w_TK, (-1,), meta_from=meta)
             w_S = graph_call(graph, operator.getitem, w_flat, order_S, meta_from=meta)
-            row_inputs[weight_gathers[0]] = graph_call(graph, torch.unsqueeze, w_S, -1, meta_from=meta) if column else w_S
+            w_rows = graph_call(graph, torch.unsqueeze, w_S, -1, meta_from=meta) if column else w_S
+            row_inputs[weight_gathers[0]] = w_rows
     with graph.inserting_before(last):
         values_cat = graph_call(graph, torch.cat, [s.value for s in sels], meta_from=meta)
         combined = graph_call(graph, torch.Tensor.index_add, out, 0, tok_S, values_cat, meta_from=meta)

@@ -171,7 +171,8 @@ def strip_pad_after_permute_pad(graph: fx.Graph, ctx: PassContext) -> list[str]:
         stable_topological_sort(graph)
         if m["pad"] is not None:
             ctx.skip(layer, "already_aligned",
-                     f"rows of moe.permute_pad(align={m['align']}) are already aligned: host pad removed, not padded again")
+                     f"rows of moe.permute_pad(align={m['align']}) are already aligned: host pad removed, "
+                     "not padded again")
         ctx.rewrite(layer, "moe.permute_pad rows[:host used] + host split/pad + host offsets + pad back",
                     "rows_MH + offs_E of moe.permute_pad")
         touched.append(layer)

@@ -47,7 +47,8 @@ def match_unpad(y_NH: fx.Node) -> Unpad | None:
             chunk, length = piece.args[0], piece.args[1][0].stop
         else:
             return None
-        if not (is_call(chunk, "getitem") and chunk.args[1] == i and is_call(chunk.args[0], "split", "split_with_sizes")):
+        is_chunk = is_call(chunk, "getitem") and chunk.args[1] == i
+        if not (is_chunk and is_call(chunk.args[0], "split", "split_with_sizes")):
             return None
         if split is None:
             split = chunk.args[0]

@@ -16,7 +16,8 @@ view, cat(dim=1), mm
 narrow                                 refused      ok           ok           ops
 linear/matmul in the loop body         -            -            refused      ops (the loop plans its GEMMs
                                                                               itself, before asking the prover)
-trained shared weight, training        ok           shared_      refused      tail_rows (NOTE [tail rows])
+trained shared weight, training        ok           shared_      refused      tail_rows
+(NOTE [tail rows] (moe_compile/passes/forms/rowwise.py))
                                                     param_...
 type_as / mul by a per-row tensor      refused      refused      ok           operands
 [6] + [1, 6] (rows become 1)           refused      ok           ok           operands ("aligned" counts rows)
