@@ -54,11 +54,14 @@ def _git(*args: str) -> str | None:
 
 
 def git_state() -> tuple[str | None, bool | None]:
-    """(commit, dirty) of the checkout the benchmark runs from. A copy without ``.git`` (a device machine
-    that gets the working tree only) reads the commit from ``$BENCH_COMMIT`` and leaves dirty unknown."""
+    """(commit, dirty) of the checkout the benchmark runs from. ``$BENCH_COMMIT`` wins where it is set (dirty is
+    then unknown): a device machine gets a copy of the working tree whose ``.git``, if any, can be an older
+    commit than the tree it carries."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"], None
     commit = _git("rev-parse", "HEAD")
     if commit is None:
-        return os.environ.get("BENCH_COMMIT") or None, None
+        return None, None
     status = _git("status", "--porcelain", "--untracked-files=no")
     return commit, None if status is None else bool(status)
 

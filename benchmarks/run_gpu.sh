@@ -7,9 +7,9 @@
 # than one 600 s device call, so split them, e.g. TEST_PATHS="tests/models tests/ops tests/passes" then the rest.)
 # Optional wheels (torchao, expecttest, hypothesis) in .whl/ are installed into /tmp/site first.
 # Each benchmark runs as a module (python -m benchmarks.bench_<stem> --save) and writes
-# benchmarks/results/<benchmark>[_<configuration>].json ({"env", "rows"}; env records the commit: on a copy of the
-# tree without .git, pass BENCH_COMMIT=<hash>); the files this run wrote are copied to $OUT (when set) and
-# summarised last.
+# benchmarks/results/<benchmark>[_<configuration>].json ({"env", "rows"}; env records the commit: on a device copy
+# of the tree pass BENCH_COMMIT=<hash>, as its .git, if any, may be older than the tree); the files this run wrote
+# are copied to $OUT (when set) and summarised last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true

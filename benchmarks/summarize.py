@@ -68,12 +68,17 @@ def _span(values: list[float | None], digits: int = 2) -> str:
     return low if low == high else f"{low}-{high}"
 
 
+def _unmeasured(row: Row) -> bool:
+    """A row the benchmark wrote without timing it (NaN times: its time budget ran out first)."""
+    return all(isinstance(row.get(k), float) and math.isnan(row[k]) for k in ("fwd_ms", "fwd_bwd_ms"))
+
+
 def moe_block(rows: list[Row]) -> tuple[str, str]:
     parts = []
     for model in _ordered(rows, "model"):
         mine = {v: _find(rows, model=model, variant=v) for v in ("moe", "inductor", "moe_unfused")}
-        if mine["moe"] is None:
-            continue
+        if mine["moe"] is None or _unmeasured(mine["moe"]):
+            continue  # a model the run's time budget left out
         text = f"{MODELS.get(model, model)} {_num(mine['moe']['fwd_ms'])} / {_num(mine['moe']['fwd_bwd_ms'])}"
         if mine["inductor"]:
             text += f" vs Inductor {_num(mine['inductor']['fwd_ms'])} / {_num(mine['inductor']['fwd_bwd_ms'])}"
@@ -81,7 +86,7 @@ def moe_block(rows: list[Row]) -> tuple[str, str]:
             text += (f", without `fuse_expert_mlp` {_num(mine['moe_unfused']['fwd_ms'])} / "
                      f"{_num(mine['moe_unfused']['fwd_bwd_ms'])}")
         parts.append(text)
-    ours = [r for r in rows if r.get("variant") == "moe"]
+    ours = [r for r in rows if r.get("variant") == "moe" and not _unmeasured(r)]
     deterministic = all(r.get("deterministic_fwd") and r.get("deterministic_bwd") for r in ours)
     return ("HF MoE blocks, bf16, T 4096, fwd / fwd+bwd ms, moe_compile vs plain Inductor",
             "; ".join(parts) + f". moe_compile bitwise deterministic fwd and bwd: {'yes' if deterministic else 'no'}")
