@@ -55,6 +55,16 @@ class Finding:
     source: str
 
 
+def run(graph: fx.Graph, ctx: PassContext) -> None:
+    """The post-grad audit pass: records what is left; never changes the graph."""
+    seen = set()
+    for f in find(graph):
+        if f in seen:
+            continue
+        seen.add(f)
+        report.add(report.PassRecord("audit", ctx.stage, "left", f.layer, f"{f.kind}: {f.what}", f.source))
+
+
 def _source_line(node: fx.Node) -> str:
     """``file:line: code`` of the innermost user frame of the node's stack trace."""
     trace = node.meta.get("stack_trace") or ""
@@ -92,16 +102,6 @@ def find(graph: fx.Graph) -> list[Finding]:
         elif node.meta.get("unbacked_bindings"):
             found.append(Finding(layer, "host_sync", f"{op} (unbacked size)", _source_line(node)))
     return found
-
-
-def run(graph: fx.Graph, ctx: PassContext) -> None:
-    """The post-grad audit pass: records what is left; never changes the graph."""
-    seen = set()
-    for f in find(graph):
-        if f in seen:
-            continue
-        seen.add(f)
-        report.add(report.PassRecord("audit", ctx.stage, "left", f.layer, f"{f.kind}: {f.what}", f.source))
 
 
 __all__ = ["HOST_SYNC_OPS", "Finding", "find", "run"]

@@ -3,8 +3,10 @@ every reason tag a pass's own modules can raise listed in its row."""
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
+import sys
 
 from moe_compile.passes import PASSES
 
@@ -52,3 +54,12 @@ def test_tag_scan_finds_tags():
     assert re.findall(TAG_PATTERNS[0], 'raise NoMatch("some_tag", "x")') == ["some_tag"]
     assert re.findall(TAG_PATTERNS[1], 'ctx.skip(layer, "other_tag")') == ["other_tag"]
     assert _tags(_own_modules("moe_compile.passes.fuse_dispatch:run")) >= {"descending_sort", "region_not_rowwise"}
+
+
+def test_run_is_the_first_function_of_every_pass_module():
+    """The README's rule: a reader opening a pass finds its entry point first."""
+    for entry in PASSES:
+        module = sys.modules[entry.load().__module__]
+        tree = ast.parse(pathlib.Path(module.__file__).read_text())
+        functions = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+        assert functions[:1] == ["run"], f"{module.__name__}: first function is {functions[:1]}, not run"

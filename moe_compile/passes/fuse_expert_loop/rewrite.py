@@ -27,6 +27,42 @@ from moe_compile.passes.fuse_expert_loop.selection_loop import (
 )
 
 
+def run(graph: fx.Graph, ctx: PassContext) -> None:
+    """Fuse every provable per-expert loop of ``graph`` (see the module docstring)."""
+    splits = [n for n in graph.nodes if op_name(n) in ("split", "split_with_sizes") and _host_sized(n)]
+    fused = False
+    for split in splits:
+        if split.graph is not graph:
+            continue
+        layer = layer_name(split)
+        try:
+            loop = _match_loop(split)
+        except NoMatch as skip:
+            if skip.reason != "loop_not_matched" or _has_gemm_per_chunk(split):
+                ctx.skip(layer, skip.reason, skip.detail)
+            continue
+        if not any(op_name(n) in GEMMS for n in loop.bodies[0]):
+            continue  # e.g. a per-group pad: not an expert loop (strip_host_padding's business)
+        try:
+            _, slots = signatures(loop)
+            replaced_by = rewrite_loop(graph, loop, slots)
+        except NoMatch as skip:
+            ctx.skip(layer, skip.reason, skip.detail)
+            continue
+        ctx.rewrite(layer, f"split -> {len(loop.chunks)} expert copies -> cat", replaced_by)
+        fused = True
+    for out, selections in find_selection_loops(graph):
+        layer = layer_name(selections[0].acc)
+        try:
+            replaced_by = canonicalize(graph, out, selections)
+        except NoMatch as skip:
+            ctx.skip(layer, skip.reason, skip.detail)
+            continue
+        ctx.rewrite(layer, f"{len(selections)} x (where(expert mask) -> expert copy -> index_add_)", replaced_by)
+    if fused:
+        erase_dead_host_reads(graph)
+
+
 def _chunks(split: fx.Node) -> list[fx.Node] | None:
     sizes = split.args[1] if len(split.args) > 1 else arg(split, "split_size_or_sections")
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
@@ -85,45 +121,7 @@ def _host_sized(split: fx.Node) -> bool:
     return isinstance(sizes, (list, tuple)) and any(isinstance(s, fx.Node) for s in sizes)
 
 
-def run(graph: fx.Graph, ctx: PassContext) -> None:
-    """Fuse every provable per-expert loop of ``graph`` (see the module docstring)."""
-    splits = [n for n in graph.nodes if op_name(n) in ("split", "split_with_sizes") and _host_sized(n)]
-    fused = False
-    for split in splits:
-        if split.graph is not graph:
-            continue
-        layer = layer_name(split)
-        try:
-            loop = _match_loop(split)
-        except NoMatch as skip:
-            if skip.reason != "loop_not_matched" or _has_gemm_per_chunk(split):
-                ctx.skip(layer, skip.reason, skip.detail)
-            continue
-        if not any(op_name(n) in GEMMS for n in loop.bodies[0]):
-            continue  # e.g. a per-group pad: not an expert loop (strip_host_padding's business)
-        try:
-            _, slots = signatures(loop)
-            replaced_by = rewrite_loop(graph, loop, slots)
-        except NoMatch as skip:
-            ctx.skip(layer, skip.reason, skip.detail)
-            continue
-        ctx.rewrite(layer, f"split -> {len(loop.chunks)} expert copies -> cat", replaced_by)
-        fused = True
-    for out, selections in find_selection_loops(graph):
-        layer = layer_name(selections[0].acc)
-        try:
-            replaced_by = canonicalize(graph, out, selections)
-        except NoMatch as skip:
-            ctx.skip(layer, skip.reason, skip.detail)
-            continue
-        ctx.rewrite(layer, f"{len(selections)} x (where(expert mask) -> expert copy -> index_add_)", replaced_by)
-    if fused:
-        erase_dead_host_reads(graph)
-
-
 def _has_gemm_per_chunk(split: fx.Node) -> bool:
     """True when the chunks of ``split`` feed GEMMs (an expert loop we could not match): worth a record."""
     chunks = _chunks(split) or []
     return bool(chunks) and all(any(op_name(n) in GEMMS for n in transitive_users(c)) for c in chunks[:2])
-
-

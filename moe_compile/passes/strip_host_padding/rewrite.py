@@ -92,6 +92,36 @@ class Region:
 # ---------------------------------------------------------------------------------------------------
 
 
+def run(graph: fx.Graph, ctx: PassContext) -> None:
+    """Rewrite every provable host-padded MoE region of ``graph`` (see the module docstring)."""
+    reads = host_reads(graph)
+    sinks = [n for n in graph.nodes if (op_name(n) in COMBINES or op_name(n) == "sum") and _host_sized(n)]
+    touched: list[str] = []
+    for sink in sinks:
+        if sink.graph is not graph or getattr(sink, "_erased", False):
+            continue
+        layer = layer_name(sink)
+        try:
+            region = _Matcher(graph, reads).match(sink)
+        except NoMatch as skip:
+            ctx.skip(layer, skip.reason, skip.detail)
+            touched.append(layer)
+            continue
+        if not ops_available("permute_pad", "unpad_unpermute"):
+            ctx.skip(layer, "ops_unavailable", "torch.ops.moe.permute_pad / unpad_unpermute not registered")
+            continue
+        if region.pad_was_noop:
+            ctx.skip(layer, "already_aligned", "host pad lengths are provably 0: pad removed, not padded again")
+        ctx.rewrite(layer, " + ".join(region.matched), _rewrite(graph, region))
+        touched.append(layer)
+        reads = host_reads(graph)
+    touched += strip_pad_after_permute_pad(graph, ctx)
+    remaining = erase_dead_host_reads(graph)
+    if remaining and touched:
+        ctx.skip(touched[0], "host_read_kept", f"{len(remaining)} host read(s) still feed tensor ops: "
+                 + ", ".join(n.name for n in remaining[:4]))
+
+
 def _histogram_of(counts: Any, idx_TK: fx.Node) -> int | None:
     """``E`` when ``counts`` is the per-expert count of the ids in ``idx_TK`` (forms in ``_count_forms``)."""
     counts = strip_casts(counts)
@@ -428,33 +458,3 @@ def _host_sized(sink: fx.Node) -> bool:
     else:
         return False
     return has_unbacked_shape(src) or has_unbacked_shape(token) or _offsets_from_host(src)
-
-
-def run(graph: fx.Graph, ctx: PassContext) -> None:
-    """Rewrite every provable host-padded MoE region of ``graph`` (see the module docstring)."""
-    reads = host_reads(graph)
-    sinks = [n for n in graph.nodes if (op_name(n) in COMBINES or op_name(n) == "sum") and _host_sized(n)]
-    touched: list[str] = []
-    for sink in sinks:
-        if sink.graph is not graph or getattr(sink, "_erased", False):
-            continue
-        layer = layer_name(sink)
-        try:
-            region = _Matcher(graph, reads).match(sink)
-        except NoMatch as skip:
-            ctx.skip(layer, skip.reason, skip.detail)
-            touched.append(layer)
-            continue
-        if not ops_available("permute_pad", "unpad_unpermute"):
-            ctx.skip(layer, "ops_unavailable", "torch.ops.moe.permute_pad / unpad_unpermute not registered")
-            continue
-        if region.pad_was_noop:
-            ctx.skip(layer, "already_aligned", "host pad lengths are provably 0: pad removed, not padded again")
-        ctx.rewrite(layer, " + ".join(region.matched), _rewrite(graph, region))
-        touched.append(layer)
-        reads = host_reads(graph)
-    touched += strip_pad_after_permute_pad(graph, ctx)
-    remaining = erase_dead_host_reads(graph)
-    if remaining and touched:
-        ctx.skip(touched[0], "host_read_kept", f"{len(remaining)} host read(s) still feed tensor ops: "
-                 + ", ".join(n.name for n in remaining[:4]))
