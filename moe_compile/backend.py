@@ -3,11 +3,14 @@
 Pipeline (one composite :class:`~moe_compile.passes.StagePass` per Inductor hook; the passes of each
 stage run in the order of :data:`moe_compile.passes.PASSES`):
 
-1. ``pre_grad_custom_pass`` (Dynamo's Torch IR, before AOTAutograd): host-sized padding and other
-   regions that are only visible before functionalization.
+1. ``pre_grad_custom_pass`` (Dynamo's Torch IR, before AOTAutograd): the dispatch rewrites (expert loops,
+   host-sized padding, sort-based dispatch), the expert GLU fusion, router metrics and the causal mask. Our ops'
+   registered autograd then gives the backward its rewritten form too.
 2. ``joint_custom_pre_pass`` (the joint forward+backward ATen graph in training, the forward graph in
-   inference): sort/gather dispatch and combine chains, so that the backward is rewritten too.
-3. ``post_grad_custom_post_pass``: checks and late clean-ups.
+   inference): what only the backward shows, accumulating scatters (``deterministic_*``).
+3. ``post_grad_custom_post_pass``: the read-only audit (what is left, for ``explain``).
+
+``moe_compile/passes/README.md`` has the table of passes by stage.
 
 ``mode=`` and ``options=`` behave as with the Inductor backend; option keys starting with ``"moe."``
 configure moe_compile (see :mod:`moe_compile.config`).
