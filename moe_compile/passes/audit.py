@@ -34,7 +34,7 @@ import torch.fx as fx
 from moe_compile import report
 from moe_compile.passes import PassContext
 from moe_compile.passes._graph import layer_name
-from moe_compile.passes.forms.accumulate import is_accumulating, nondeterministic_reason
+from moe_compile.passes.forms.accumulate import adds_at_most_once, is_accumulating, nondeterministic_reason
 
 aten = torch.ops.aten
 
@@ -91,7 +91,7 @@ def find(graph: fx.Graph) -> list[Finding]:
         op = getattr(node.target, "__name__", str(node.target))
         fwd = _forward_op(node)
         backward = node.meta.get("partitioner_tag") == "is_backward" or "fwd_nn_module_stack" in node.meta
-        if is_accumulating(node):
+        if is_accumulating(node) and not adds_at_most_once(node):
             tag = "embedding" if fwd is not None and "embedding" in fwd else None
             what = op + (f" [backward of {fwd}]" if backward and fwd else "") + (f" ({tag})" if tag else "")
             found.append(Finding(layer, "accumulate", what, _source_line(node)))

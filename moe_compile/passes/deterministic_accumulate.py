@@ -16,17 +16,16 @@ Matches (one :class:`~moe_compile.passes.forms.accumulate.Accumulate` per node, 
 
         b_M = index(bias_EN, [ids_M]) ...  z = full([E, N], 0); g = index_put(z, [ids_M], grad_MN, True)
 
-    (c) a ``scatter_add`` into a live tensor with indices as in (a), or of size 1 along the dim (a
-    custom router backward: PhiMoE's ``grad.scatter_add_(-1, selected_experts, g)``)::
-
-        g = scatter_add(base, -1, max_idx_T1, grad_T1)
+    A ``scatter_add`` into a live tensor with indices as in (a) (a custom router backward: PhiMoE's
+    ``grad.scatter_add_(-1, selected_experts, g)``) is left as it is: it adds at most once into each element,
+    so it is reproducible, and rewriting it changed its bits under Inductor
+    (NOTE [one add into a live tensor] (moe_compile/passes/forms/accumulate.py)).
 
 Rewrites to:
     (a) ``scatter(z, 1, topk_idx_TK, grad_TK)`` / ``index_put(z, [perm], src, False)``: plain stores, the
     same values, no atomics. (b) ``mm(one_hot_ME.T, grad_MN)``: each ``g[e]`` is a GEMM's fixed-order
     fp32 sum over the rows of expert ``e`` (bitwise reproducible; ``one_hot`` is exact in any dtype);
     ``E*M*N`` multiply-adds, memory-bound like the scatter for ``E <= 256``.
-    (c) ``scatter(base, d, idx, gather(base, d, idx) + src)``: one add per element, the same bits.
 
 Skips when (reason tags): ``base_not_zeros`` (accumulating into a live tensor), ``index_not_distinct``
 (neither rule proves the rewrite), ``too_many_rows`` (rule (b) past ``MAX_ONE_HOT_ROWS``). Accumulations
@@ -67,7 +66,8 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         if node.op != "call_function" or node.target not in acc.ACCUMULATING_FORMS:
             continue
         a = acc.read(node)
-        if a is None:
+        if a is None or (acc.adds_at_most_once(node) and not acc.is_zeros(a.base)):
+            # reproducible as it is (NOTE [one add into a live tensor] (moe_compile/passes/forms/accumulate.py))
             continue
         layer = layer_name(node)
         reason, detail = _rewrite(graph, a)
@@ -84,7 +84,7 @@ def _index_desc(a: acc.Accumulate) -> str:
 
 def _rewrite(graph: fx.Graph, a: acc.Accumulate) -> tuple[str | None, str]:
     if not acc.is_zeros(a.base):
-        return _rewrite_live(graph, a)
+        return "base_not_zeros", f"{a.kind} adds into a live tensor ({a.base}) at indices that may repeat"
     base = tensor_val(a.base)
     if acc.distinct_along(a.index, a.dim):
         with graph.inserting_before(a.node):
@@ -107,22 +107,6 @@ def _rewrite(graph: fx.Graph, a: acc.Accumulate) -> tuple[str | None, str]:
         new = _one_hot_sum(graph, a, rows)
     _replace(graph, a.node, new)
     return None, f"one-hot GEMM over {rows} rows (fixed-order sum, no atomics)"
-
-
-def _rewrite_live(graph: fx.Graph, a: acc.Accumulate) -> tuple[str | None, str]:
-    """``scatter_add(b, d, idx, src)`` into a live ``b`` with ``idx`` distinct along ``d``: each element
-    takes at most one add, so ``scatter(b, d, idx, gather(b, d, idx) + src)`` gives the same bits."""
-    index, src = tensor_val(a.index), tensor_val(a.src)
-    if a.kind != "scatter_add" or not acc.distinct_along(a.index, a.dim):
-        return "base_not_zeros", f"{a.kind} adds into a live tensor ({a.base}) at indices that may repeat"
-    if index is None or src is None or tuple(index.shape) != tuple(src.shape) or index.dtype != torch.int64:
-        return "base_not_zeros", f"{a.kind} into a live tensor with src shaped unlike its index"
-    with graph.inserting_before(a.node):
-        taken = graph_call(graph, aten.gather.default, a.base, a.dim, a.index, meta_from=a.node)
-        added = graph_call(graph, aten.add.Tensor, taken, a.src, meta_from=a.node)
-        new = graph_call(graph, aten.scatter.src, a.base, a.dim, a.index, added, meta_from=a.node)
-    _replace(graph, a.node, new)
-    return None, "gather + add + scatter (distinct indices into a live tensor, no accumulation)"
 
 
 def _bounded_by_gather(index: fx.Node, base: torch.Tensor) -> bool:

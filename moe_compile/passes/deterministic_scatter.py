@@ -29,7 +29,9 @@ Rewrites to::
 
 Fires when:
     ``config.deterministic`` is on; for every accumulation, also outside any module (the embedding) and
-    integer ones (exact in any order, but atomics still).
+    integer ones (exact in any order, but atomics still), except a ``scatter_add`` that adds at most once into
+    each element (indices distinct along its dim): any order gives its bits, and a rewrite could change them
+    (NOTE [one add into a live tensor] (moe_compile/passes/forms/accumulate.py)).
 
 Skips when (reason tags): ``inplace`` (an in-place form: the joint graph is functional, so not expected),
 ``multi_index`` (``index_put`` with several index tensors or ``None`` holes), ``bool_index``,
@@ -251,8 +253,13 @@ def _replace(graph: fx.Graph, old: fx.Node, fn: Callable[..., torch.Tensor], arg
 # The rewrites of this pass, in order: (name, matches(node), rewrite(graph, node) -> detail, raising NoMatch
 # to skip). A deterministic replacement of a library op of ``_accumulate.NONDETERMINISTIC_OPS`` (attention
 # backward) is one more row.
+def _order_dependent(node: fx.Node) -> bool:
+    """An accumulation whose bits can depend on the order of its adds (not one add per element)."""
+    return acc.is_accumulating(node) and not acc.adds_at_most_once(node)
+
+
 REWRITES: tuple[tuple[str, Callable[[fx.Node], bool], Callable[[fx.Graph, fx.Node], str]], ...] = (
-    ("accumulate", acc.is_accumulating, _rewrite_accumulate),
+    ("accumulate", _order_dependent, _rewrite_accumulate),
 )
 
 __all__ = ["REWRITES", "run"]

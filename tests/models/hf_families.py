@@ -262,7 +262,10 @@ def _within_bound(compiled: Any, eager: Any, ref32: Any, inductor: Any = None
     """Per tensor ``|compiled - fp32| <= 4 |eager_bf16 - fp32| [+ |inductor - fp32|] + 2^-8 max|fp32|``.
 
     With ``inductor``, a tensor beyond that bound that bf16 eager or plain Inductor misses by ``UNJUDGED_NOISE``
-    of its magnitude is left out and returned (NOTE [cancelling sums]).
+    of its magnitude is left out and returned (NOTE [cancelling sums]). Two cases no relative bound sees come first:
+    a tensor that is exactly zero in bf16 eager must be exactly zero compiled (the ratio is then infinite
+    otherwise), and a tensor whose float32 reference is exactly zero is always judged (half of a zero magnitude is
+    no noise level: PhiMoE's router gradient once hid there).
     """
     worst, ok, unjudged = ("", 0.0), True, []
     tensors = [("loss", compiled[0], eager[0], ref32[0], inductor[0] if inductor else None)]
@@ -271,11 +274,14 @@ def _within_bound(compiled: Any, eager: Any, ref32: Any, inductor: Any = None
     for name, got, bf16, ref, ind in tensors:
         if got is None or bf16 is None:
             return False, (f"{name}: no gradient", float("inf")), unjudged
+        if not torch.any(bf16 != 0) and torch.any(got != 0):
+            return False, (f"{name}: exactly zero in bf16 eager, not compiled", float("inf")), unjudged
         scale, eager_err = ref.abs().max().item(), (bf16 - ref).abs().max().item()
         bound = 4 * eager_err + 2**-8 * scale
         ind_err = (ind - ref).abs().max().item() if ind is not None else 0.0
         ratio = (got - ref).abs().max().item() / max(bound + ind_err, 1e-30)
-        if ratio > 1.0 and ind is not None and name != "loss" and max(ind_err, eager_err) >= UNJUDGED_NOISE * scale:
+        noise = max(ind_err, eager_err)
+        if ratio > 1.0 and ind is not None and name != "loss" and scale > 0 and noise >= UNJUDGED_NOISE * scale:
             unjudged.append(name)
             continue
         if ratio > worst[1]:

@@ -12,6 +12,7 @@ config alone skip with the reason.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.models.family_records import add_to_file
 from tests.models.hf_families import check_family, moe_families
@@ -61,7 +62,6 @@ def test_families_are_found():
 def test_bound_leaves_out_only_noise_it_cannot_judge():
     """``_within_bound`` on fresh random tensors: an error beyond the bound fails where bf16 has signal, and is
     left unjudged only where bf16 eager or plain Inductor is itself half the tensor's magnitude off."""
-    import torch
 
     from tests.models.hf_families import _within_bound
 
@@ -85,3 +85,65 @@ def test_bound_leaves_out_only_noise_it_cannot_judge():
     assert ok and unjudged == ["w"]
     ok, worst, unjudged = run(small, big, 0.5 * big)  # noisy but within the bound: judged
     assert ok and unjudged == [] and worst[0] == "w"
+
+
+def test_bound_keeps_exact_zeros():
+    """``_within_bound`` where eager or the float32 reference is exactly zero: no relative bound can judge those,
+    so a compiled value off zero fails (PhiMoE's router gradient once passed as unjudged noise)."""
+    from tests.models.hf_families import _within_bound
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    loss = torch.tensor(1.0)
+    zero, residue = torch.zeros(8, 4), 1e-4 * torch.randn(8, 4, generator=gen)
+    step = lambda w: (loss, {"w": w})  # noqa: E731
+    ok, worst, _ = _within_bound(step(residue), step(zero), step(zero), step(zero))
+    assert not ok and worst[0].startswith("w: exactly zero")
+    assert _within_bound(step(zero.clone()), step(zero), step(zero), step(zero))[0]
+    # eager nonzero but the float32 reference exactly zero: judged, not left out as noise
+    ok, worst, unjudged = _within_bound(step(100 * residue), step(residue), step(zero), step(residue))
+    assert not ok and worst[0] == "w" and unjudged == []
+
+
+def _tiny_phimoe(gen: torch.Generator) -> torch.nn.Module:
+    """PhiMoE as a new user builds it: hidden 64, 8 experts, top-2, 1 layer, 4 heads / 2 kv heads, vocab 128,
+    every weight ``randn * 0.05``, norms 1, bf16, the token embedding frozen, in training mode (its router samples
+    with Gumbel noise)."""
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+
+    config = PhimoeConfig(hidden_size=64, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    model = PhimoeForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm = "norm" in name and p.dim() == 1
+            p.copy_(torch.ones_like(p) if norm else torch.randn(p.shape, generator=gen) * 0.05)
+    model = model.to(torch.bfloat16)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    return model.train()
+
+
+def test_phimoe_router_gradient_exactly_zero_in_eager_stays_zero():
+    """With these weights PhiMoE's masked gates are often one-hot, and its router backward (``-gate * g``, then
+    ``g`` added back at the selected expert) cancels to exactly zero in eager and in plain Inductor. moe_compile
+    once turned that add into gather + add + scatter, which Inductor computed without rounding ``-gate * g``
+    first: the router gradient came out as rounding residue
+    (NOTE [one add into a live tensor] (moe_compile/passes/forms/accumulate.py)). Fresh weights are drawn until
+    eager's router gradient is exactly zero, so the check always has the case to check."""
+    pytest.importorskip("transformers.models.phimoe")
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for _ in range(40):
+        model = _tiny_phimoe(gen)
+        ids = torch.randint(0, 128, (2, 16), generator=gen)
+        router = model.model.layers[0].mlp.router.weight
+        model(input_ids=ids, labels=ids).loss.backward()
+        if torch.all(router.grad == 0):
+            break
+    else:
+        pytest.fail("no draw of weights gave an exactly zero router gradient in eager (expected ~40% of draws)")
+    router.grad = None
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend="moe_compile", fullgraph=True)(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        torch._dynamo.reset()
+    assert torch.all(router.grad == 0), f"exactly zero in eager; up to {router.grad.abs().max().item():.3g} compiled"

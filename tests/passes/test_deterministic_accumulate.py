@@ -161,10 +161,11 @@ def test_pass_off_keeps_atomics():
     assert any(accumulates(c) for c in run.code)
 
 
-def test_custom_router_backward_scatter_add_into_live_tensor():
+def test_custom_router_backward_scatter_add_into_live_tensor_is_left_as_is():
+    """PhiMoE's router backward adds once into each element of a live tensor: no rewrite, and nothing for the
+    audit to report (NOTE [one add into a live tensor] (moe_compile/passes/forms/accumulate.py))."""
     torch.manual_seed(4)
     x = torch.randn(9, 16, requires_grad=True)
-    run = check_rewrite(InLayer(MaxRouter()), (x,), {}, backend="moe_compile", code_checks=[no_accumulation])
-    details = [r.detail for r in run.report.rewrites if r.pass_name == "deterministic_accumulate"]
-    assert "gather + add + scatter (distinct indices into a live tensor, no accumulation)" in details, \
-        run.report.table()
+    run = check_rewrite(InLayer(MaxRouter()), (x,), {}, backend="moe_compile")
+    assert [r for r in run.report.rewrites if r.pass_name == "deterministic_accumulate"] == [], run.report.table()
+    assert [r for r in run.report.left if r.layer.startswith("inner")] == [], run.report.table()

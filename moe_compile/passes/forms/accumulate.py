@@ -207,6 +207,23 @@ def distinct_along(index: Any, dim: int) -> bool:
     return False
 
 
+def adds_at_most_once(node: fx.Node) -> bool:
+    """A ``scatter_add`` whose index is distinct along its dim (:func:`distinct_along`): every element of the
+    result takes at most one add, so no order of adds (atomic ones included) changes a bit. Such a node needs
+    no rewrite for determinism, and a rewrite into another form can change its bits under Inductor's fusion
+    (NOTE [one add into a live tensor])."""
+    a = read(node)
+    return a is not None and a.kind == "scatter_add" and distinct_along(a.index, a.dim)
+
+
+# NOTE [one add into a live tensor]: ``scatter_add(base, d, idx, src)`` with ``idx`` distinct along ``d`` (PhiMoE's
+# router backward: ``(masked_gates * -g).scatter_add_(-1, selected_experts, g)``) is not rewritten. As
+# ``scatter(base, d, idx, gather(base, d, idx) + src)`` it computes the same values in eager, but Inductor fuses
+# the gather with base's producer and adds in fp32 without rounding base to its dtype first, where its own
+# scatter_add stores base (rounded) and adds to that: PhiMoE's router gradient, exactly zero in eager and in plain
+# Inductor (``-1 * g + g``), came out as bf16 rounding residue. Its atomic adds add once per element: reproducible.
+
+
 def is_zeros(node: Any) -> bool:
     """A freshly created all-zero tensor (``full(..., 0)``, ``zeros``, ``new_zeros``, ``zeros_like``)."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
@@ -223,6 +240,6 @@ def is_zeros(node: Any) -> bool:
 
 
 __all__ = [
-    "ACCUMULATING_FORMS", "NONDETERMINISTIC_OPS", "Accumulate", "Nondeterministic", "distinct_along", "is_accumulating",
-    "is_zeros", "nondeterministic_reason", "read",
+    "ACCUMULATING_FORMS", "NONDETERMINISTIC_OPS", "Accumulate", "Nondeterministic", "adds_at_most_once",
+    "distinct_along", "is_accumulating", "is_zeros", "nondeterministic_reason", "read",
 ]
