@@ -265,12 +265,7 @@ def _uncumsum(form: Form) -> Form:
     return form - base
 
 
-# fuse_dispatch's matcher reads these two from here (``ia.strip_casts``, ``ia.is_zeros_creation``): the one
-# strip_casts and the one Torch-IR zeros test of :mod:`moe_compile.passes.forms.ops`.
-is_zeros_creation = is_zeros
-
-
 __all__ = [
     "ARANGE", "COUNTS", "Form", "LinearForms", "NotLinear", "expected_destination", "expected_offsets",
-    "is_zeros_creation", "padded_counts", "strip_casts",
+    "padded_counts",
 ]

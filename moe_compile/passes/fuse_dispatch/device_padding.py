@@ -30,6 +30,7 @@ from moe_compile.ops._common import static_row_bound
 from moe_compile.passes import NoMatch
 from moe_compile.passes._graph import arg, known_int, op_name, same_int, tensor_val
 from moe_compile.passes.forms import index_algebra as ia
+from moe_compile.passes.forms.ops import is_zeros
 from moe_compile.passes.fuse_dispatch.region import gather_parts, index_of_floordiv
 from moe_compile.passes.fuse_dispatch.steps import Gathers, Offsets, Padding, SortedIds
 
@@ -46,7 +47,7 @@ def sentinel_base(node: Any) -> fx.Node | None:
         first, zero = parts
         zv, fv = tensor_val(zero), tensor_val(first)
         if fv is not None and fv.dim() == 2 and zv is not None and zv.dim() == 2 and zv.shape[0] == 1 \
-                and ia.is_zeros_creation(zero):
+                and is_zeros(zero):
             return first
         return None
     if name == "pad":
@@ -114,7 +115,7 @@ def find_padding(sorted_ids: SortedIds, gathers: Gathers) -> Padding | None:
             for w in list(value.users):
                 name = op_name(w)
                 if name in ("setitem", "index_put_", "index_copy_") and w.args[0] is not value \
-                        and ia.is_zeros_creation(w.args[0]):
+                        and is_zeros(w.args[0]):
                     found = _padded_write(w.args[0], value)
                     if found is None or found[0] is not w:
                         continue
@@ -155,7 +156,7 @@ def find_padding(sorted_ids: SortedIds, gathers: Gathers) -> Padding | None:
     for g in gathers.weight_gathers:
         for w in list(g.users):
             if op_name(w) in ("setitem", "index_put_", "index_copy_") and w.args[0] is not g \
-                    and ia.is_zeros_creation(w.args[0]):
+                    and is_zeros(w.args[0]):
                 found = _padded_write(w.args[0], g)
                 if found is not None and found[0] is w and found[1] is dest:
                     writes.append(w)

@@ -29,6 +29,7 @@ from moe_compile.passes import NoMatch
 from moe_compile.passes._graph import arg, known_int, same_int, tensor_val
 from moe_compile.passes.forms import index_algebra as ia
 from moe_compile.passes.forms.counts import expert_counts, ids_base
+from moe_compile.passes.forms.ops import strip_casts
 from moe_compile.passes.fuse_dispatch.steps import (
     Gathers,
     Offsets,
@@ -52,7 +53,7 @@ def _alignment_of_offsets(form: ia.Form) -> int | None:
 
 def _is_ids(node: Any, sorted_ids: SortedIds, gathers: Gathers) -> bool:
     """The routed expert ids in any order or flattening (what counts may be computed from)."""
-    node = ia.strip_casts(node)
+    node = strip_casts(node)
     if not isinstance(node, fx.Node):
         return False
     if node in gathers.sorted_ids:

@@ -32,13 +32,12 @@ from moe_compile.passes._graph import (
     same_shape,
     tensor_val,
 )
-from moe_compile.passes.forms import index_algebra as ia
 from moe_compile.passes.forms.combine import (
     expanded_index,
     match_unpermute_sum,
     read_accumulate,
 )
-from moe_compile.passes.forms.ops import BINARY, CASTS, GROUPED_MM, UNARY
+from moe_compile.passes.forms.ops import BINARY, CASTS, GROUPED_MM, UNARY, is_zeros
 from moe_compile.passes.forms.rowwise import DISPATCH, RowwiseProof
 from moe_compile.passes.fuse_dispatch.steps import Combine, Gathers, Padding, RowRegion, SortedIds
 
@@ -89,7 +88,7 @@ def gather_parts(node: fx.Node) -> tuple[Any, Any] | None:
 
 
 def zeros_buffer_shape(node: Any) -> tuple[Any, ...] | None:
-    if not ia.is_zeros_creation(node):
+    if not is_zeros(node):
         return None
     v = tensor_val(node)
     return tuple(v.shape) if v is not None else None
