@@ -15,7 +15,6 @@ from moe_compile.backend import ConfiguredBackend
 from moe_compile.config import make_config
 from moe_compile.experts.interface import use_fused_hf_experts
 from moe_compile.experts.swap import swap_expert_loops as swap_loops
-from moe_compile.passes import check_pass_names
 
 # Dynamo graph-breaks on `.tolist()` / `.item()` and on ops with data-dependent output shapes unless
 # these are on (fullgraph=True turns them on implicitly). Host-sized padding regions are only visible
@@ -90,7 +89,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if "backend" in torch_compile_kwargs:
         raise ValueError("moe_compile.compile sets backend= itself; call torch.compile for another backend")
     config = make_config(metrics=metrics, passes=passes or {}, debug=debug, strict=strict, deterministic=deterministic)
-    check_pass_names(passes or {})
+    backend = ConfiguredBackend(config)  # checks the pass names before the model is touched
     swapped: list[Any] = []
     if swap_expert_loops and isinstance(model, torch.nn.Module):
         prepare_expert_loops(model)
@@ -98,7 +97,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if metrics and isinstance(model, torch.nn.Module):
         # hooks cover frames Dynamo runs eagerly and checkpointed blocks; the pass never counts a layer twice
         router_metrics.attach(model)
-    compiled = torch.compile(model, backend=ConfiguredBackend(config), **torch_compile_kwargs)
+    compiled = torch.compile(model, backend=backend, **torch_compile_kwargs)
     if not (capture_host_syncs or swapped):
         return compiled
     return _wrap_calls(compiled, capture_host_syncs, swapped)
