@@ -5,7 +5,8 @@ Matches (each finding becomes a ``left`` record of the :class:`~moe_compile.repo
 * ``accumulate``: an accumulating scatter (``index_put(accumulate=True)``, ``scatter_add``,
   ``index_add``, ``scatter_reduce``, ``embedding_dense_backward``; the table is
   :func:`moe_compile.passes.forms.accumulate.is_accumulating`): Inductor lowers it to atomic adds on the GPU,
-  so results can differ run to run;
+  so results can differ run to run; one that adds at most once per element is not reported
+  (:func:`moe_compile.passes.forms.accumulate.order_dependent`);
 * ``nondeterministic``: a library kernel that is not reproducible run to run on its device (attention
   backward on CUDA, ...; the table is :data:`moe_compile.passes.forms.accumulate.NONDETERMINISTIC_OPS`);
 * ``host_sync``: a value read to the host or a data-dependent shape (``_local_scalar_dense``,
@@ -34,7 +35,7 @@ import torch.fx as fx
 from moe_compile import report
 from moe_compile.passes import PassContext
 from moe_compile.passes._graph import layer_name
-from moe_compile.passes.forms.accumulate import adds_at_most_once, is_accumulating, nondeterministic_reason
+from moe_compile.passes.forms.accumulate import nondeterministic_reason, order_dependent
 
 aten = torch.ops.aten
 
@@ -91,7 +92,7 @@ def find(graph: fx.Graph) -> list[Finding]:
         op = getattr(node.target, "__name__", str(node.target))
         fwd = _forward_op(node)
         backward = node.meta.get("partitioner_tag") == "is_backward" or "fwd_nn_module_stack" in node.meta
-        if is_accumulating(node) and not adds_at_most_once(node):
+        if order_dependent(node):
             tag = "embedding" if fwd is not None and "embedding" in fwd else None
             what = op + (f" [backward of {fwd}]" if backward and fwd else "") + (f" ({tag})" if tag else "")
             found.append(Finding(layer, "accumulate", what, _source_line(node)))

@@ -253,13 +253,8 @@ def _replace(graph: fx.Graph, old: fx.Node, fn: Callable[..., torch.Tensor], arg
 # The rewrites of this pass, in order: (name, matches(node), rewrite(graph, node) -> detail, raising NoMatch
 # to skip). A deterministic replacement of a library op of ``_accumulate.NONDETERMINISTIC_OPS`` (attention
 # backward) is one more row.
-def _order_dependent(node: fx.Node) -> bool:
-    """An accumulation whose bits can depend on the order of its adds (not one add per element)."""
-    return acc.is_accumulating(node) and not acc.adds_at_most_once(node)
-
-
 REWRITES: tuple[tuple[str, Callable[[fx.Node], bool], Callable[[fx.Graph, fx.Node], str]], ...] = (
-    ("accumulate", _order_dependent, _rewrite_accumulate),
+    ("accumulate", acc.order_dependent, _rewrite_accumulate),
 )
 
 __all__ = ["REWRITES", "run"]

@@ -216,6 +216,12 @@ def adds_at_most_once(node: fx.Node) -> bool:
     return a is not None and a.kind == "scatter_add" and distinct_along(a.index, a.dim)
 
 
+def order_dependent(node: fx.Node) -> bool:
+    """An accumulation whose bits can depend on the order of its adds: what the audit reports and
+    ``deterministic_scatter`` rewrites (every accumulation but one that adds at most once per element)."""
+    return is_accumulating(node) and not adds_at_most_once(node)
+
+
 # NOTE [one add into a live tensor]: ``scatter_add(base, d, idx, src)`` with ``idx`` distinct along ``d`` (PhiMoE's
 # router backward: ``(masked_gates * -g).scatter_add_(-1, selected_experts, g)``) is not rewritten. As
 # ``scatter(base, d, idx, gather(base, d, idx) + src)`` it computes the same values in eager, but Inductor fuses
@@ -241,5 +247,5 @@ def is_zeros(node: Any) -> bool:
 
 __all__ = [
     "ACCUMULATING_FORMS", "NONDETERMINISTIC_OPS", "Accumulate", "Nondeterministic", "adds_at_most_once",
-    "distinct_along", "is_accumulating", "is_zeros", "nondeterministic_reason", "read",
+    "distinct_along", "is_accumulating", "is_zeros", "nondeterministic_reason", "order_dependent", "read",
 ]
