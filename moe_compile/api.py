@@ -22,7 +22,7 @@ from moe_compile.experts.swap import swap_expert_loops as swap_loops
 CAPTURE_FLAGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
 
 
-# The keywords from ``metrics`` to ``deterministic`` are config.OPTIONS, with their defaults, and their Args entries
+# The keywords from ``metrics`` to ``validate`` are config.OPTIONS, with their defaults, and their Args entries
 # begin with the rows' docs (tests/test_api.py checks both).
 def compile(  # noqa: A001 - mirrors torch.compile
     model: Any,
@@ -32,6 +32,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     debug: bool = False,
     strict: bool = False,
     deterministic: bool = False,
+    validate: bool = True,
     capture_host_syncs: bool = True,
     swap_expert_loops: bool = True,
     **torch_compile_kwargs: Any,
@@ -65,6 +66,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
             included) becomes a sort + fixed-order segment sum (``moe.segment_sum``). Library kernels that
             are non-deterministic themselves (attention backward on CUDA) are not changed; ``explain``
             lists them (``nondeterministic``).
+        validate: translation validation: each pass's rewrites of a graph are kept only if the graph after them
+            gives the outputs and gradients of the graph before them on real-shaped inputs (passes/_validate.py);
+            a rewrite that fails is refused (``validation_failed`` in ``explain``) and the graph compiles without it.
         capture_host_syncs: trace with ``capture_scalar_outputs`` and
             ``capture_dynamic_output_shape_ops`` on (the default).
         swap_expert_loops: for a module, first route expert loops that Dynamo cannot capture through the
@@ -88,7 +92,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     """
     if "backend" in torch_compile_kwargs:
         raise ValueError("moe_compile.compile sets backend= itself; call torch.compile for another backend")
-    config = make_config(metrics=metrics, passes=passes or {}, debug=debug, strict=strict, deterministic=deterministic)
+    config = make_config(metrics=metrics, passes=passes or {}, debug=debug, strict=strict, deterministic=deterministic,
+                         validate=validate)
     backend = ConfiguredBackend(config)  # checks the pass names before the model is touched
     swapped: list[Any] = []
     if swap_expert_loops and isinstance(model, torch.nn.Module):

@@ -34,6 +34,7 @@ from moe_compile import metrics, report
 from moe_compile.config import MoECompileConfig, split_options
 from moe_compile.ops.deterministic_flag import deterministic_sdpa
 from moe_compile.passes import check_pass_names, enabled_passes, stage_passes
+from moe_compile.passes._validate import compiling
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def compile_with_config(
     log.debug("compiling a graph of %d nodes, passes %s", len(gm.graph.nodes), enabled_passes(config))
     # SDPA is decomposed (its kernel chosen) while compile_fx traces
     hits, graphs = report.cache_hits(), report.last_report().graphs
-    with deterministic_sdpa() if config.deterministic else contextlib.nullcontext():
+    with deterministic_sdpa() if config.deterministic else contextlib.nullcontext(), compiling(example_inputs):
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
     if report.cache_hits() > hits:  # NOTE [cached compiles] (moe_compile/report.py)
         if report.last_report().graphs == graphs:  # not counted by the pre-grad passes: they did not run

@@ -82,6 +82,9 @@ _TABLE: tuple[Setting, ...] = (
             "a pass that raises fails the compile instead of falling back to plain Inductor"),
     _option("deterministic", bool, False,
             "no atomic accumulation in the generated code anywhere in the graph"),
+    _option("validate", bool, True,
+            "translation validation: each pass's rewrites of a graph are kept only if the graph after them gives "
+            "the outputs and gradients of the graph before them on real-shaped inputs (passes/_validate.py)"),
     _env("cached_launch", bool, True, "at import",
          "eager launches of moe_compile's Triton kernels through a per-kernel cache of compiled launchers "
          "(ops/_eager_launch.py); 0 takes Triton's own launch path every time"),
@@ -134,6 +137,8 @@ class MoECompileConfig:
     # Off by default: the sort + segment sum costs a sort of the indices per accumulation where Inductor's
     # atomic adds cost none; the MoE layers are deterministic without it.
     deterministic: bool = False
+    # On by default: it costs a few eager runs of each rewritten graph (benchmarks/results/validation_cost*.json).
+    validate: bool = True
 
     def pass_enabled(self, name: str, default: bool) -> bool:
         """Whether ``passes`` turns pass ``name`` on (``default`` when it does not name it). A pass that

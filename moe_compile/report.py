@@ -10,6 +10,9 @@ Semantics of a :class:`Report`, per layer (module path from ``nn_module_stack``,
 * ``skip``: ``what`` is a reason tag (``weights_before_gather``, ``region_not_rowwise``, ...), ``detail``
   a sentence ("combine not matched: weights applied before gather ...").
 * ``error``: a pass raised and the graph was restored (plain Inductor for that pass).
+* ``unchecked``: a rewrite kept without translation validation (``what`` ``validation_unavailable``, ``detail``
+  why: collectives in the graph, an op that does not run on real tensors here); a rewrite that failed validation
+  is a ``skip`` with reason ``validation_failed`` (NOTE [translation validation] (moe_compile/passes/_validate.py)).
 * ``left``: the audit (:mod:`moe_compile.passes.audit`) found an accumulating scatter, a non-deterministic library
   kernel or a host sync in a compiled graph; ``what`` is ``"<kind>: <op>"``, ``detail`` the model source
   line; :attr:`Report.clean`, :attr:`Report.deterministic`.
@@ -46,7 +49,7 @@ TABLE_WIDTH = 120
 class PassRecord:
     pass_name: str
     stage: str
-    kind: Literal["rewrite", "skip", "error", "left"]
+    kind: Literal["rewrite", "skip", "error", "left", "unchecked"]
     layer: str
     # for a rewrite: the chain that matched; for a skip: the reason tag (e.g. "weights_before_gather")
     what: str
@@ -73,6 +76,11 @@ class Report:
     @property
     def errors(self) -> list[PassRecord]:
         return [r for r in self.records if r.kind == "error"]
+
+    @property
+    def unchecked(self) -> list[PassRecord]:
+        """Rewrites kept without translation validation, with the reason."""
+        return [r for r in self.records if r.kind == "unchecked"]
 
     @property
     def left(self) -> list[PassRecord]:
@@ -129,6 +137,7 @@ class Report:
             "rewrites": len(self.rewrites),
             "skips": len(self.skips),
             "errors": len(self.errors),
+            "unchecked": len(self.unchecked),
             "left": len(self.left),
             "clean": self.clean,
             "deterministic": self.deterministic,
@@ -173,6 +182,7 @@ class Report:
         n_layers = len({r.layer for r in self.rewrites})
         summary = (f"{self.graphs} graph(s) compiled; {n_layers} layer(s) rewritten, "
                    f"{len(self.skips)} skip(s), {len(self.errors)} error(s); "
+                   + (f"{len(self.unchecked)} rewrite(s) not validated; " if self.unchecked else "")
                    + ("clean: no accumulating scatter or host sync left" if self.clean
                       else f"{len(self.left)} accumulating scatter(s) / host sync(s) left (audit)")
                    + ("; deterministic" if self.deterministic

@@ -5,7 +5,9 @@ are in ``moe_compile/passes/README.md``.
 
 A pass is a function ``run(graph: torch.fx.Graph, ctx: PassContext) -> None``. If it raises, the
 stage restores the graph as it was before that pass, logs a warning and goes on (plain Inductor for
-that pass), unless the config says ``strict``.
+that pass), unless the config says ``strict``. A pass that rewrote something is validated
+(NOTE [translation validation] (moe_compile/passes/_validate.py)): a mismatch restores the graph too, with a
+``validation_failed`` skip for each layer the pass rewrote.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from moe_compile import report
 from moe_compile.config import MoECompileConfig
+from moe_compile.passes._validate import StageValidator, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ class PassEntry:
     default: bool = True
     doc: str = ""
     requires: tuple[str, ...] = ()
+    # the rewrite claims bitwise equal outputs (validation compares floats bitwise too)
+    exact: bool = False
 
     def load(self) -> Callable[[fx.Graph, PassContext], None]:
         module, fn = self.target.split(":")
@@ -68,7 +73,7 @@ PASSES: tuple[PassEntry, ...] = (
               doc="grouped GEMM + GLU (any spelling, checked on a probe) of a rewritten layer -> moe.expert_gemm "
                   "with the GLU in its epilogue"),
     PassEntry("router_metrics", "pre_grad", "moe_compile.passes.router_metrics:run", default=True,
-              requires=("metrics",),
+              requires=("metrics",), exact=True,
               doc="with metrics=True: on-device router statistics per MoE layer (moe_compile.metrics)"),
     PassEntry("causal_mask", "pre_grad", "moe_compile.passes.causal_mask:run", default=True,
               requires=("deterministic",),
@@ -121,24 +126,36 @@ class NoMatch(Exception):
 
 @dataclasses.dataclass
 class PassContext:
-    """What a pass gets besides the graph: config, stage, and the report it writes to."""
+    """What a pass gets besides the graph: config, stage, and the records it writes: to the report directly, or,
+    when ``held`` (as :class:`StagePass` runs a pass), kept in ``records`` until the rewrites are validated."""
 
     config: MoECompileConfig
     stage: Stage
     pass_name: str
     # True for a joint forward+backward graph (training); False for forward-only graphs.
     is_training: bool
+    held: bool = False
+    records: list[report.PassRecord] = dataclasses.field(default_factory=list)
+
+    def _record(self, record: report.PassRecord) -> None:
+        self.records.append(record)
+        if not self.held:
+            report.add(record)
 
     def rewrite(self, layer: str, matched: str, replaced_by: str) -> None:
         log.info("[%s] %s: rewrote %s -> %s", self.pass_name, layer, matched, replaced_by)
-        report.add(report.PassRecord(self.pass_name, self.stage, "rewrite", layer, matched, replaced_by))
+        self._record(report.PassRecord(self.pass_name, self.stage, "rewrite", layer, matched, replaced_by))
 
     def skip(self, layer: str, reason: str, detail: Detail = "") -> None:
         """Record that ``layer`` was left alone, and why; a callable ``detail`` is formatted here."""
         if callable(detail):
             detail = detail()
         log.info("[%s] %s: skipped (%s) %s", self.pass_name, layer, reason, detail)
-        report.add(report.PassRecord(self.pass_name, self.stage, "skip", layer, reason, detail))
+        self._record(report.PassRecord(self.pass_name, self.stage, "skip", layer, reason, detail))
+
+    @property
+    def rewritten_layers(self) -> list[str]:
+        return list(dict.fromkeys(r.layer for r in self.records if r.kind == "rewrite"))
 
 
 def _copy_into(dst: fx.Graph, src: fx.Graph, placeholders: dict[fx.Node, fx.Node]) -> None:
@@ -191,9 +208,11 @@ class StagePass(CustomGraphPass):
         if self.stage == "pre_grad":
             report.graph_compiled()
         training = _is_training_graph(graph)
+        validator = StageValidator(self.stage, training) if self.config.validate else None
+        baseline: fx.Graph | None = None
         changed = False
         for entry in self.entries:
-            ctx = PassContext(self.config, self.stage, entry.name, training)
+            ctx = PassContext(self.config, self.stage, entry.name, training, held=True)
             before = _snapshot(graph)
             start = time.perf_counter()
             try:
@@ -207,10 +226,16 @@ class StagePass(CustomGraphPass):
                       "continuing without it for this graph"
                 warnings.warn(msg, stacklevel=2)
                 log.warning(msg, exc_info=log.isEnabledFor(logging.DEBUG))
+                _commit(r for r in ctx.records if r.kind != "rewrite")
                 report.add(report.PassRecord(entry.name, self.stage, "error", "<graph>", type(exc).__name__, str(exc)))
                 continue
-            changed = True
             log.debug("[%s] ran in %.1f ms", entry.name, 1e3 * (time.perf_counter() - start))
+            if validator is not None and ctx.rewritten_layers:
+                baseline = baseline or before
+                if not self._validated(validator, baseline, graph, before, entry, ctx):
+                    continue
+            _commit(ctx.records)
+            changed = True
         if changed and self.stage == "joint":
             # A replacement can leave the joint graph unsorted, and Inductor's constant folding that
             # runs right after this hook needs topological order.
@@ -220,8 +245,46 @@ class StagePass(CustomGraphPass):
         if changed and graph.owning_module is not None:
             graph.owning_module.recompile()
 
+    def _validated(self, validator: StageValidator, baseline: fx.Graph, graph: fx.Graph, before: fx.Graph,
+                   entry: PassEntry, ctx: PassContext) -> bool:
+        """Validate ``entry``'s rewrites of ``graph``; on a mismatch put ``before`` back and record why."""
+        start = time.perf_counter()
+        try:
+            verdict = validator.check(baseline, _snapshot(graph), exact=entry.exact)
+        except Unavailable as exc:
+            for layer in ctx.rewritten_layers:
+                ctx.records.append(report.PassRecord(entry.name, self.stage, "unchecked", layer,
+                                                     "validation_unavailable", str(exc)))
+            return True
+        finally:
+            log.debug("[%s] validated in %.1f ms", entry.name, 1e3 * (time.perf_counter() - start))
+        log.debug("[%s] validated: %s", entry.name, verdict)
+        if verdict.ok:
+            return True
+        if self.config.strict:
+            raise AssertionError(f"moe_compile pass {entry.name!r}: rewrite failed validation: {verdict}")
+        _restore(graph, before)
+        for layer in ctx.rewritten_layers:
+            detail = f"the rewrite changed the results; worst: {verdict}; kept the original graph"
+            if (entry.name, layer) not in _WARNED_VALIDATION:
+                _WARNED_VALIDATION.add((entry.name, layer))
+                warnings.warn(f"moe_compile pass {entry.name!r} at {layer}: {detail}", stacklevel=3)
+            log.warning("[%s] %s: validation_failed: %s", entry.name, layer, detail)
+            report.add(report.PassRecord(entry.name, self.stage, "skip", layer, "validation_failed", detail))
+        _commit(r for r in ctx.records if r.kind != "rewrite")
+        return False
+
     def uuid(self) -> str:
         return f"moe_compile:{self.stage}:{_source_hash()}:{self.config.cache_key()}"
+
+
+# (pass, layer) pairs already warned about in this process: a refused rewrite warns once
+_WARNED_VALIDATION: set[tuple[str, str]] = set()
+
+
+def _commit(records: Iterable[report.PassRecord]) -> None:
+    for r in records:
+        report.add(r)
 
 
 def stage_passes(config: MoECompileConfig) -> dict[str, StagePass]:

@@ -40,11 +40,13 @@ def passes_then_aot_eager(config: MoECompileConfig | None = None) -> Callable[..
     from torch._dynamo.backends.debugging import aot_eager
 
     from moe_compile.passes import StagePass
+    from moe_compile.passes._validate import compiling
 
     stage = StagePass("pre_grad", config or MoECompileConfig())
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        stage(gm.graph)
+        with compiling(example_inputs):  # the real inputs translation validation runs on, as the backend gives
+            stage(gm.graph)
         gm.recompile()
         return aot_eager(gm, example_inputs)
 

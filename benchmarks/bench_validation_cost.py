@@ -1,0 +1,147 @@
+"""What translation validation costs at compile time (NOTE [translation validation] (moe_compile/passes/_validate.py)).
+
+Per model: the first training step under ``torch.compile(model, backend="moe_compile")`` (compile, forward and
+backward, caches off) with ``moe.validate`` off and on, side by side in one process, and the seconds spent
+inside validation in the run with it on (``StageValidator.check``, timed around each call). Columns:
+``compile_s_off`` / ``compile_s_on`` (wall time of that first step), ``validate_s`` (time inside validation),
+``fraction`` (``validate_s / compile_s_on``), ``checks`` (validations run), ``refused`` and ``unchecked`` (rewrites
+refused, and kept without validation, in the run with it on).
+
+Models: ``--families`` the transformers families of the family matrix (tests/models/hf_families.py; tiny configs,
+bf16, on CPU or the GPU: ``--device``), and on a GPU ``--causal-lm`` the 2-layer Qwen3-MoE CausalLM of
+``bench_train_determinism`` (H 2048, E 128, top-8, batch 2 x 2048).
+
+Usage, from the repository root: ``python -m benchmarks.bench_validation_cost [--families qwen3_moe,mixtral]
+[--device cpu] [--causal-lm] [--save]``; ``--save`` writes ``benchmarks/results/validation_cost_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from benchmarks._bench_env import add_results_args, device_env, results_path, write_results
+
+
+@contextlib.contextmanager
+def timing_validation() -> Iterator[dict[str, float]]:
+    """Time every ``StageValidator.check`` call while the block is open."""
+    from moe_compile.passes import _validate
+
+    stats = {"seconds": 0.0, "checks": 0}
+    original = _validate.StageValidator.check
+
+    def check(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            stats["seconds"] += time.perf_counter() - start
+            stats["checks"] += 1
+
+    _validate.StageValidator.check = check
+    try:
+        yield stats
+    finally:
+        _validate.StageValidator.check = original
+
+
+def first_step(build: Callable[[], tuple[torch.nn.Module, dict[str, Any]]], validate: bool, device: str
+               ) -> tuple[float, dict[str, float], Any]:
+    """Compile and run one training step; (wall seconds, validation stats, report)."""
+    from moe_compile import report
+
+    model, inputs = build()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe_compile", options={"moe.validate": validate})
+    with timing_validation() as stats, report.collecting() as rep, \
+            torch._inductor.config.patch(force_disable_caches=True):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = compiled(**inputs)
+        out.loss.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    torch._dynamo.reset()
+    return seconds, stats, rep
+
+
+def family_builder(family: str, device: str) -> Callable[[], tuple[torch.nn.Module, dict[str, Any]]]:
+    from tests.models import hf_families
+
+    def build() -> tuple[torch.nn.Module, dict[str, Any]]:
+        model, inputs = hf_families.build(family)
+        return model.to(device), {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+    return build
+
+
+def causal_lm_builder() -> Callable[[], tuple[torch.nn.Module, dict[str, Any]]]:
+    from benchmarks.bench_train_determinism import build_model
+
+    def build() -> tuple[torch.nn.Module, dict[str, Any]]:
+        model = build_model(2)
+        ids = torch.randint(0, 32000, (2, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        return model, {"input_ids": ids, "labels": ids}
+
+    return build
+
+
+def measure(name: str, build: Callable[[], tuple[torch.nn.Module, dict[str, Any]]], device: str) -> dict[str, Any]:
+    off_s, _, _ = first_step(build, False, device)
+    on_s, stats, rep = first_step(build, True, device)
+    return {"model": name, "compile_s_off": round(off_s, 3), "compile_s_on": round(on_s, 3),
+            "validate_s": round(stats["seconds"], 3), "fraction": round(stats["seconds"] / on_s, 4),
+            "checks": int(stats["checks"]), "refused": sum(r.what == "validation_failed" for r in rep.skips),
+            "unchecked": len(rep.unchecked)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_results_args(parser)
+    parser.add_argument("--families", default="", help="comma-separated families; 'all' for the whole matrix")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--causal-lm", action="store_true", help="the Qwen3-MoE CausalLM (GPU)")
+    args = parser.parse_args()
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    families: list[str] = []
+    if args.families == "all":
+        from tests.models.hf_families import moe_families
+
+        families = list(moe_families())
+    elif args.families:
+        families = args.families.split(",")
+    models = [(f, family_builder(f, args.device)) for f in families]
+    if args.causal_lm:
+        models.append(("qwen3_moe_causal_lm_2x2048", causal_lm_builder()))
+    rows = []
+    for name, build in models:
+        try:
+            row = measure(name, build, args.device)
+        except Exception as exc:  # noqa: BLE001 - a family that does not build or compile here: say so, go on
+            first = str(exc).splitlines()[0][:160] if str(exc) else ""
+            row = {"model": name, "error": f"{type(exc).__name__}: {first}"}
+        rows.append(row)
+        print(row, flush=True)
+    ok = [r for r in rows if "fraction" in r]
+    if ok:
+        total_on = sum(r["compile_s_on"] for r in ok)
+        total_val = sum(r["validate_s"] for r in ok)
+        print(f"validation: {total_val:.1f} s of {total_on:.1f} s compile ({100 * total_val / total_on:.1f}%), "
+              f"worst {max(r['fraction'] for r in ok):.1%} ({max(ok, key=lambda r: r['fraction'])['model']})")
+    if args.save:
+        write_results(results_path(args, "validation_cost", args.device), rows, device_env(
+            args.device if args.device == "cpu" else None))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,471 @@
+"""Translation validation: a pass keeps its rewrites of a graph only if the graph after them computes what the
+graph before them computed.
+
+NOTE [translation validation]:
+Proofs of a match cover the forms we thought of; a rewrite that is wrong in a case nobody thought of (an index
+assumed distinct that is not, a mode the rewrite did not consider, a backward that is not the textbook one)
+passes them. So after each pass that rewrote something, :class:`StageValidator` runs the graph as it was at the
+start of the stage (the *baseline*) and the graph as the pass left it on the same inputs, and compares every
+output: forward outputs, and in training the gradients too (the pre-grad graph through autograd, with the same
+random cotangents; the joint graph has them among its outputs).
+
+* Inputs: the graph's own shapes on its device, from the real example inputs of the compile: parameters as they
+  are, float activations replaced by random values of the same mean and spread, integer and boolean inputs
+  (token ids, masks) and non-finite or mask-sized floats as they are. Expert ids come out of the graph's own
+  router. Inputs the graph mutates are cloned, attributes too (``get_attr``), so validating changes no state.
+* Every run starts from the same random seed (dropout, Gumbel sampling), inside ``fork_rng``.
+* Integer and boolean outputs must be equal, and so must floats of a pass registered ``exact``. A float tensor
+  exactly zero in the baseline must stay exactly zero, and non-finite elements must stay where they were. Other
+  floats are judged against a reference run of the baseline in higher precision (float32 for a graph in
+  16-bit floats, float64 otherwise; dtypes written in the graph are raised too): the rewritten graph's max
+  error from the reference may be ``4 x`` the baseline's own plus one rounding ``u * max|reference|`` (the
+  family matrix's bound, tests/models/hf_families.py). Where the reference cannot run (an op without a float64
+  kernel), a float is judged against the baseline alone: max error ``sqrt(u) * max|baseline|``, loose enough for
+  any reordering of sums and tight enough for a wrong expert or a dropped term.
+* A graph that validation cannot run (collectives, which would talk to other ranks; an op that fails on real
+  tensors; data-dependent sizes without real inputs) keeps the pass's rewrites, recorded as ``unchecked`` with
+  the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten, tree_map
+
+from moe_compile.passes._graph import val
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+# The baseline's own distance from the reference is multiplied by this (the family matrix's bound).
+EAGER_ERROR_FACTOR = 4.0
+# A float input whose magnitude passes this is an additive mask (finfo.min), not an activation: kept as it is.
+MASK_MAGNITUDE = 1e4
+SEED = 20261127
+
+
+class Unavailable(Exception):
+    """The graph cannot be run for validation: the rewrite is kept, recorded as unchecked with this reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileInputs:
+    """The real inputs of the graph being compiled, and the grad mode it is compiled under."""
+
+    example_inputs: tuple[Any, ...]
+    grad_enabled: bool
+
+
+_CURRENT: contextvars.ContextVar[CompileInputs | None] = contextvars.ContextVar("moe_validate_inputs", default=None)
+
+
+@contextlib.contextmanager
+def compiling(example_inputs: Sequence[Any]) -> Iterator[None]:
+    """Make ``example_inputs`` (the real tensors ``compile_fx`` gets) the inputs that validation runs on."""
+    token = _CURRENT.set(CompileInputs(tuple(example_inputs), torch.is_grad_enabled()))
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compared:
+    """One output tensor judged: its name, the error measured and the bound it had."""
+
+    name: str
+    error: float
+    bound: float
+    how: str
+
+    @property
+    def ratio(self) -> float:
+        if self.error == 0:
+            return 0.0
+        return math.inf if self.bound == 0 else self.error / self.bound
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.how} error {self.error:.3g} > bound {self.bound:.3g}" if self.ratio > 1 \
+            else f"{self.name}: {self.how} error {self.error:.3g} <= bound {self.bound:.3g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    worst: Compared | None
+
+    def __str__(self) -> str:
+        return str(self.worst) if self.worst is not None else "no output to compare"
+
+
+# ------------------------------------------------------------------------------------------ running a graph
+
+
+def _is_collective(node: fx.Node) -> bool:
+    target = node.target
+    namespace = getattr(getattr(target, "_schema", None), "name", "") or ""
+    module = getattr(target, "__module__", "") or ""
+    return namespace.startswith(("_c10d_functional::", "c10d::", "_dtensor::")) or module.startswith(
+        "torch.distributed")
+
+
+_VIEW_METHODS = frozenset({
+    "view", "reshape", "view_as", "reshape_as", "expand", "expand_as", "unsqueeze", "squeeze", "flatten",
+    "unflatten", "transpose", "permute", "t", "narrow", "select", "split", "chunk", "unbind", "movedim",
+    "swapaxes", "as_strided", "contiguous", "to", "type_as", "detach", "alias", "__getitem__", "diagonal",
+})
+
+
+def _aliases_input(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose storage ``node``'s output may share (a view's base), for walking a mutation back."""
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return [a for a, s in zip(node.args, schema.arguments) if isinstance(a, fx.Node)
+                and s.alias_info is not None]
+    name = target if node.op == "call_method" else getattr(target, "__name__", "")
+    if name in _VIEW_METHODS or target is operator.getitem:
+        return [a for a in node.args[:1] if isinstance(a, fx.Node)]
+    return []
+
+
+def _mutated_by(node: fx.Node) -> list[Any]:
+    """The arguments ``node`` writes to."""
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        written = []
+        for i, s in enumerate(schema.arguments):
+            if s.alias_info is not None and s.alias_info.is_write:
+                written.append(node.args[i] if i < len(node.args) else node.kwargs.get(s.name))
+        return written
+    if target is operator.setitem:
+        return [node.args[0]]
+    name = target if node.op == "call_method" else getattr(target, "__name__", "")
+    written = [node.kwargs["out"]] if "out" in node.kwargs else []
+    if isinstance(name, str) and name.endswith("_") and not name.startswith("_") and node.args:
+        written.append(node.args[0])
+    return written
+
+
+def mutated_sources(graph: fx.Graph) -> set[fx.Node]:
+    """Placeholders and ``get_attr`` nodes whose tensors ``graph`` writes to (through views too)."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        todo = [a for a in _mutated_by(node) if isinstance(a, fx.Node)]
+        seen: set[fx.Node] = set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op in ("placeholder", "get_attr"):
+                found.add(n)
+            elif n.op in ("call_function", "call_method"):
+                todo += _aliases_input(n)
+    return found
+
+
+def _raise_dtype(x: Any, to: torch.dtype) -> Any:
+    """A float dtype written in the graph, raised to ``to`` (16-bit ones to float32; every one to float64)."""
+    if isinstance(x, torch.dtype) and x.is_floating_point and torch.finfo(x).bits < torch.finfo(to).bits:
+        return to
+    return x
+
+
+class _Runner(fx.Interpreter):
+    """Runs a graph on real tensors: mutated attributes cloned, and in a reference run every 16-bit dtype
+    written in the graph raised to ``raise_to``."""
+
+    _LOW_METHODS = ("bfloat16", "half", "float")
+
+    def __init__(self, graph: fx.Graph, cloned: set[str], raise_to: torch.dtype | None) -> None:
+        super().__init__(graph.owning_module or torch.nn.Module(), garbage_collect_values=True, graph=graph)
+        self.cloned = cloned
+        self.raise_to = raise_to
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor):
+            if target in self.cloned:
+                value = value.clone()
+            if self.raise_to is not None and value.is_floating_point():
+                value = value.to(_raise_dtype(value.dtype, self.raise_to))
+        return value
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if self.raise_to is not None:
+            args, kwargs = tree_map(lambda x: _raise_dtype(x, self.raise_to), (args, kwargs))
+        return super().call_function(target, args, kwargs)
+
+    def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if self.raise_to is not None:
+            if target in self._LOW_METHODS and (target != "float" or self.raise_to == torch.float64):
+                target = "float" if self.raise_to == torch.float32 else "double"
+            args, kwargs = tree_map(lambda x: _raise_dtype(x, self.raise_to), (args, kwargs))
+        return super().call_method(target, args, kwargs)
+
+
+def _concrete(x: Any) -> Any:
+    if isinstance(x, torch.SymInt):
+        hint = x.node.hint
+        if hint is None:
+            raise Unavailable("a size is data-dependent (unbacked) and there is no real input for it")
+        return int(hint)
+    return x
+
+
+def _flat_inputs(values: Sequence[Any]) -> list[Any]:
+    """``values`` with tensor subclasses flattened to their inner tensors, as AOTAutograd's primals are."""
+    flat: list[Any] = []
+    for v in values:
+        if is_traceable_wrapper_subclass(v):
+            flat += _flat_inputs([getattr(v, name) for name in v.__tensor_flatten__()[0]])
+        else:
+            flat.append(v)
+    return flat
+
+
+def _matches(real: Any, fake: Any) -> bool:
+    if isinstance(fake, torch.Tensor):
+        return (isinstance(real, torch.Tensor) and real.dtype == fake.dtype and real.device == fake.device
+                and tuple(real.shape) == tuple(_concrete(s) for s in fake.shape))
+    if isinstance(fake, (int, torch.SymInt, float, bool)):
+        return isinstance(real, (int, float, bool)) and not isinstance(real, torch.Tensor)
+    return False
+
+
+def _random_like(real: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Random values with ``real``'s mean and spread (an activation), or ``real`` itself where it is not one."""
+    if real.is_floating_point() and not isinstance(real, torch.nn.Parameter) and real.numel() > 1:
+        stats = real.detach().float()
+        if bool(stats.isfinite().all()) and float(stats.abs().max()) < MASK_MAGNITUDE:
+            noise = torch.randn(real.shape, generator=generator, dtype=torch.float32, device="cpu").to(real.device)
+            out = (noise * stats.std() + stats.mean()).to(real.dtype)
+            return out.requires_grad_(real.requires_grad)
+    return real
+
+
+def _from_meta(fake: Any, generator: torch.Generator, *, scale: float) -> Any:
+    if not isinstance(fake, torch.Tensor):
+        return _concrete(fake)
+    shape = tuple(_concrete(s) for s in fake.shape)
+    if fake.is_floating_point():
+        noise = torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu") * scale
+        return noise.to(device=fake.device, dtype=fake.dtype)
+    return torch.zeros(shape, dtype=fake.dtype, device=fake.device)
+
+
+@dataclasses.dataclass
+class _Outputs:
+    """A run's outputs by name: forward outputs and, in a pre-grad training graph, input gradients."""
+
+    tensors: dict[str, Any]
+
+
+class StageValidator:
+    """Validates the rewrites of one stage of one graph against the graph as it was at the stage's start.
+
+    Built per stage run; the baseline (and its reference) run once, lazily, the first time a pass rewrote.
+    """
+
+    def __init__(self, stage: str, training: bool) -> None:
+        self.stage = stage
+        self.training = training
+        self._baseline: fx.Graph | None = None
+        self._inputs: list[Any] | None = None
+        self._cloned: set[str] = set()
+        self._base: _Outputs | None = None
+        self._ref: _Outputs | None = None
+        self._ref_error: str = ""
+        self._cotangents: list[torch.Tensor] | None = None
+        self._autograd = False
+        # an output's key (its position) -> its name in the baseline graph, for messages
+        self.labels: dict[str, str] = {}
+
+    # -- inputs
+
+    def _prepare(self, graph: fx.Graph) -> None:
+        bad = next((n for n in graph.nodes if n.op == "call_function" and _is_collective(n)), None)
+        if bad is not None:
+            raise Unavailable(f"the graph has collectives ({bad.target}); running it would talk to other ranks")
+        current = _CURRENT.get()
+        placeholders = list(graph.find_nodes(op="placeholder"))
+        fakes = [val(p) for p in placeholders]
+        generator = torch.Generator().manual_seed(SEED)
+        real = list(current.example_inputs) if current is not None else []
+        if self.stage == "pre_grad":
+            if len(real) != len(placeholders):
+                raise Unavailable(f"{len(placeholders)} placeholders but {len(real)} example inputs")
+            inputs = [_random_like(r, generator) if isinstance(r, torch.Tensor) else _concrete(r) for r in real]
+            self._autograd = current.grad_enabled and any(
+                isinstance(r, torch.Tensor) and r.requires_grad for r in real)
+        else:
+            flat = _flat_inputs(real)
+            primals = [p for p in placeholders if not p.name.startswith("tangents")]
+            inputs = []
+            for i, (p, fake) in enumerate(zip(placeholders, fakes)):
+                if p.name.startswith("tangents"):
+                    inputs.append(_from_meta(fake, generator, scale=1.0))
+                elif len(flat) == len(primals) and _matches(flat[i], fake):
+                    r = flat[i]
+                    inputs.append(_random_like(r, generator).detach() if isinstance(r, torch.Tensor) else _concrete(r))
+                else:
+                    inputs.append(_from_meta(fake, generator, scale=0.02))
+        mutated = mutated_sources(graph)
+        self._cloned = {n.target for n in mutated if n.op == "get_attr"}
+        mutated_inputs = {i for i, p in enumerate(placeholders) if p in mutated}
+        self._inputs = [x.detach().clone().requires_grad_(x.requires_grad)
+                        if i in mutated_inputs and isinstance(x, torch.Tensor) else x
+                        for i, x in enumerate(inputs)]
+        self._mutated_inputs = mutated_inputs
+
+    def _fresh_inputs(self, raise_to: torch.dtype | None) -> list[Any]:
+        """The inputs for one run: leaves of their own (no hooks of the user's tensors fire), mutated ones cloned."""
+        out = []
+        for i, x in enumerate(self._inputs or []):
+            if isinstance(x, torch.Tensor):
+                y = x.detach()
+                if i in self._mutated_inputs:
+                    y = y.clone()
+                if raise_to is not None and y.is_floating_point():
+                    y = y.to(_raise_dtype(y.dtype, raise_to))
+                x = y.requires_grad_(self._autograd and x.requires_grad and x.is_floating_point())
+            out.append(x)
+        return out
+
+    # -- runs
+
+    def _run(self, graph: fx.Graph, raise_to: torch.dtype | None = None) -> _Outputs:
+        inputs = self._fresh_inputs(raise_to)
+        devices = sorted({x.device.index or 0 for x in inputs if isinstance(x, torch.Tensor) and x.is_cuda})
+        with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(self._autograd):
+            torch.manual_seed(SEED)
+            result = _Runner(graph, self._cloned, raise_to).run(*inputs)
+            leaves, _ = tree_flatten(result)
+            out_nodes, _ = tree_flatten(next(iter(graph.find_nodes(op="output"))).args[0])
+            self.labels = {f"output {i}": f"output {i} ({n.name})" for i, n in enumerate(out_nodes)
+                           if isinstance(n, fx.Node)} if graph is self._baseline else self.labels
+            tensors = {f"output {i}": leaf for i, leaf in enumerate(leaves)}
+            if self._autograd:
+                tensors.update(self._gradients(leaves, inputs, raise_to))
+        return _Outputs({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()})
+
+    def _gradients(self, outs: list[Any], inputs: list[Any], raise_to: torch.dtype | None) -> dict[str, Any]:
+        diff_outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        wrt = [(i, x) for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not diff_outs or not wrt:
+            return {}
+        if self._cotangents is None:
+            generator = torch.Generator().manual_seed(SEED + 1)
+            self._cotangents = [torch.randn(o.shape, generator=generator).to(o.device) for o in diff_outs]
+        cot = [c.to(o.dtype) for c, o in zip(self._cotangents, diff_outs)]
+        grads = torch.autograd.grad(diff_outs, [x for _, x in wrt], cot, allow_unused=True)
+        return {f"grad of input {i}": torch.zeros_like(x) if g is None else g for (i, x), g in zip(wrt, grads)}
+
+    def _reference_dtype(self, graph: fx.Graph) -> torch.dtype:
+        dtypes = {getattr(val(n), "dtype", None) for n in graph.nodes}
+        return torch.float32 if dtypes & set(LOW_PRECISION) else torch.float64
+
+    def _ensure_baseline(self, baseline: fx.Graph) -> None:
+        if self._base is not None:
+            return
+        self._baseline = baseline
+        self._prepare(baseline)
+        try:
+            self._base = self._run(baseline)
+        except Unavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an op that does not run eagerly here: unchecked, not wrong
+            raise Unavailable(f"the graph before the rewrite does not run on real inputs ({type(exc).__name__}: "
+                              f"{_first_line(exc)})") from exc
+
+    def _reference(self) -> _Outputs | None:
+        if self._ref is None and not self._ref_error and self._baseline is not None:
+            try:
+                self._ref = self._run(self._baseline, self._reference_dtype(self._baseline))
+            except Exception as exc:  # noqa: BLE001 - no reference: judged against the baseline alone
+                self._ref_error = f"{type(exc).__name__}: {_first_line(exc)}"
+        return self._ref
+
+    # -- the check
+
+    def check(self, baseline: fx.Graph, rewritten: fx.Graph, *, exact: bool = False) -> Verdict:
+        """Run ``rewritten`` and compare it with the stage's baseline (``baseline`` the first time)."""
+        # compile-time modes (fake tensors, functionalization) are off: these runs are on real tensors
+        with _disable_current_modes():
+            return self._check(baseline, rewritten, exact)
+
+    def _check(self, baseline: fx.Graph, rewritten: fx.Graph, exact: bool) -> Verdict:
+        self._ensure_baseline(baseline)
+        try:
+            got = self._run(rewritten)
+        except Exception as exc:  # noqa: BLE001 - a rewrite that cannot run is a wrong rewrite
+            return Verdict(False, Compared(f"the rewritten graph raised {type(exc).__name__}: {_first_line(exc)}",
+                                           math.inf, 0.0, "run"))
+        assert self._base is not None
+        return judge(got.tensors, self._base.tensors, None if exact else self._reference, exact=exact,
+                     labels=self.labels)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+def judge(got: dict[str, Any], base: dict[str, Any], reference: Callable[[], _Outputs | None] | None, *,
+          exact: bool = False, labels: dict[str, str] | None = None) -> Verdict:
+    """Compare a rewritten graph's outputs ``got`` with the baseline's (see NOTE [translation validation]);
+    ``labels`` names outputs in messages."""
+    if got.keys() != base.keys():
+        return Verdict(False, Compared(f"outputs differ: {sorted(set(got) ^ set(base))}", math.inf, 0.0, "names"))
+    worst: Compared | None = None
+    ref_outputs: _Outputs | None = None
+    for key, b in base.items():
+        g, name = got[key], (labels or {}).get(key, key)
+        if not isinstance(b, torch.Tensor):
+            c = Compared(name, 0.0 if g == b else math.inf, 0.0, "value")
+        elif not isinstance(g, torch.Tensor) or g.shape != b.shape or g.dtype != b.dtype:
+            c = Compared(f"{name} (shape/dtype {getattr(g, 'shape', None)} {getattr(g, 'dtype', None)} vs "
+                         f"{tuple(b.shape)} {b.dtype})", math.inf, 0.0, "layout")
+        elif exact or not b.is_floating_point():
+            c = Compared(name, 0.0 if torch.equal(g, b) else math.inf, 0.0, "bitwise")
+        else:
+            if ref_outputs is None and reference is not None:
+                ref_outputs = reference()
+            ref = ref_outputs.tensors.get(key) if ref_outputs is not None else None
+            c = _judge_float(name, g, b, ref)
+        if worst is None or c.ratio > worst.ratio:
+            worst = c
+    return Verdict(worst is None or worst.ratio <= 1.0, worst)
+
+
+def _judge_float(name: str, got: torch.Tensor, base: torch.Tensor, ref: torch.Tensor | None) -> Compared:
+    finite = base.isfinite()
+    if not torch.equal(finite, got.isfinite()) or not torch.equal(base.isnan(), got.isnan()):
+        return Compared(name, math.inf, 0.0, "non-finite pattern")
+    if not bool((base != 0).any()) and bool((got != 0).any()):
+        return Compared(f"{name} (exactly zero before the rewrite)", float(got.abs().max()), 0.0, "zero")
+    u = torch.finfo(base.dtype).eps / 2
+    g, b = got[finite].double(), base[finite].double()
+    if g.numel() == 0:
+        return Compared(name, 0.0, 0.0, "max")
+    if ref is not None and ref.shape == base.shape:
+        r = ref[finite].double()
+        scale = float(r.abs().max())
+        bound = EAGER_ERROR_FACTOR * float((b - r).abs().max()) + u * scale
+        return Compared(name, float((g - r).abs().max()), bound, "max (vs the reference)")
+    return Compared(name, float((g - b).abs().max()), math.sqrt(u) * float(b.abs().max()), "max (vs the baseline)")
+
+
+__all__ = ["Compared", "StageValidator", "Unavailable", "Verdict", "compiling", "judge", "mutated_sources"]

@@ -1,0 +1,351 @@
+"""Translation validation (NOTE [translation validation] (moe_compile/passes/_validate.py)).
+
+Every pass gets a wrong rewrite injected (its own rewrite, then a wrong value in the forward, a wrong gradient, or
+a change of one bit where the pass claims bitwise equality): the stage must refuse it with ``validation_failed``,
+keep the original graph (results as eager's) and warn. The judge itself is checked on fresh random tensors, and
+validation must leave user state (buffers, metrics accumulators, ``.grad``) as it found it.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+from moe_compile import passes as passes_mod
+from moe_compile import report
+from moe_compile.api import CAPTURE_FLAGS
+from moe_compile.backend import ConfiguredBackend
+from moe_compile.config import make_config
+from moe_compile.passes import PASSES, PassContext, StagePass
+from moe_compile.passes._graph import tensor_val
+from moe_compile.passes._validate import judge, mutated_sources
+from tests import _tolerance as tol
+from tests.passes._harness import assert_matches_eager, compile_and_run, layer_k_dims
+
+# ------------------------------------------------------------------------------------------ the judge
+
+
+def _outputs(*tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {f"output {i}": t for i, t in enumerate(tensors)}
+
+
+def test_judge_bounds_floats_by_the_baseline_error_from_the_reference():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(64, 32, generator=g, dtype=torch.float64)
+    base = ref.to(torch.bfloat16)  # the baseline: one rounding from the reference
+    eager_err = float((base.double() - ref).abs().max())
+    bound = 4 * eager_err + 2**-8 * float(ref.abs().max())
+    # half the bound either side (bf16 rounds the result by at most u|x| more, well inside the other half)
+    within = (ref + 0.5 * bound * torch.sign(torch.randn(ref.shape, generator=g, dtype=torch.float64)))
+    beyond = ref.clone()
+    beyond[3, 5] += 1.5 * bound
+    reference = lambda: type("Out", (), {"tensors": _outputs(ref.float())})()  # noqa: E731
+    ok = judge(_outputs(within.to(torch.bfloat16)), _outputs(base), reference)
+    bad = judge(_outputs(beyond.to(torch.bfloat16)), _outputs(base), reference)
+    assert ok.ok and ok.worst.ratio <= 1, ok
+    assert not bad.ok and bad.worst.ratio > 1, bad
+
+
+def test_judge_integers_zeros_and_non_finites_exactly():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 8, (16, 2), generator=g)
+    changed = ids.clone()
+    changed[0, 0] = (changed[0, 0] + 1) % 8
+    assert judge(_outputs(ids.clone()), _outputs(ids), None).ok
+    assert not judge(_outputs(changed), _outputs(ids), None).ok
+    zero = torch.zeros(8, 4)
+    assert not judge(_outputs(torch.full((8, 4), 1e-30)), _outputs(zero), None).ok, "exact zero must stay zero"
+    x = torch.randn(8, 4, generator=g)
+    x[2, 1] = math.nan
+    y = x.clone()
+    y[2, 1] = 0.0
+    assert judge(_outputs(x.clone()), _outputs(x), None).ok
+    assert not judge(_outputs(y), _outputs(x), None).ok, "a NaN must stay where it was"
+    tiny = x + 1e-7 * torch.randn(8, 4, generator=g)
+    assert judge(_outputs(tiny), _outputs(x), None).ok
+    assert not judge(_outputs(tiny), _outputs(x), None, exact=True).ok, "exact: bitwise"
+
+
+def test_mutated_sources_follow_views():
+    def fn(buf, x):
+        buf.view(-1)[:3].add_(1)
+        return x * 2
+
+    gm = fx.symbolic_trace(fn)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    assert mutated_sources(gm.graph) == {placeholders[0]}
+
+
+def test_without_real_inputs_rewrites_are_kept_unchecked():
+    """A stage run outside a compile (no real inputs) cannot validate: the rewrite stays, marked unchecked."""
+    from tests.models.handwritten import SortIndexSelectScatterAdd
+
+    torch.manual_seed(0)
+    layer = SortIndexSelectScatterAdd()
+    gms = []
+    torch._dynamo.reset()
+    x = torch.randn(6, layer.router.shape[1], dtype=torch.bfloat16)
+    torch.compile(layer, backend=lambda gm, ex: gms.append(gm) or gm)(x)
+    with report.collecting() as rep:
+        StagePass("pre_grad", make_config())(gms[0].graph)
+    assert rep.count("fuse_dispatch") == 1
+    assert [r.what for r in rep.unchecked] == ["validation_unavailable"], rep.table()
+
+
+# ------------------------------------------------------------------------------------------ injected wrong rewrites
+
+
+def _changed_nodes(graph: fx.Graph, before: dict[fx.Node, tuple[Any, str]]) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function"
+            and before.get(n) != (n.target, repr((n.args, n.kwargs)))]
+
+
+def _float_nodes(nodes: list[fx.Node]) -> list[fx.Node]:
+    out = [n for n in nodes if (v := tensor_val(n)) is not None and v.is_floating_point() and n.users]
+    if not out:  # a node rewritten in place that returns a tuple: its float getitem users
+        out = [u for n in nodes for u in n.users if (v := tensor_val(u)) is not None and v.is_floating_point()]
+    assert out, "the pass changed no float node to corrupt"
+    return out
+
+
+def _insert_after(graph: fx.Graph, node: fx.Node, build: Callable[[fx.Node], fx.Node]) -> None:
+    with graph.inserting_before(node.next):  # in order: each node before the anchor, after the one before
+        new = build(node)
+    node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new and user not in new.all_input_nodes
+                               and not _feeds(user, new))
+
+
+def _feeds(node: fx.Node, target: fx.Node) -> bool:
+    """Whether ``node`` is among ``target``'s inputs, transitively (the corruption's own nodes)."""
+    todo, seen = list(target.all_input_nodes), set()
+    while todo:
+        n = todo.pop()
+        if n is node:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo += [i for i in n.all_input_nodes if i.meta.get("corruption")]
+    return False
+
+
+def _call(graph: fx.Graph, stage: str, torch_fn: Any, aten_fn: Any, *args: Any, like: fx.Node) -> fx.Node:
+    node = graph.call_function(torch_fn if stage == "pre_grad" else aten_fn, args)
+    key = "example_value" if "example_value" in like.meta else "val"
+    node.meta[key] = like.meta[key]
+    node.meta["corruption"] = True
+    return node
+
+
+def scale_forward(graph: fx.Graph, changed: list[fx.Node], stage: str) -> None:
+    """A wrong value: the last float result of the rewrite times 1.25 (a dropped or doubled term)."""
+    aten = torch.ops.aten
+    _insert_after(graph, _float_nodes(changed)[-1],
+                  lambda n: _call(graph, stage, torch.mul, aten.mul.Tensor, n, 1.25, like=n))
+
+
+def break_backward(graph: fx.Graph, changed: list[fx.Node], stage: str) -> None:
+    """A wrong gradient with a bitwise equal forward: ``y = x + (x - x.detach())`` doubles dx."""
+    assert stage == "pre_grad"
+    node = next(n for n in _float_nodes(changed) if tensor_val(n).requires_grad)
+
+    def build(n: fx.Node) -> fx.Node:
+        detached = _call(graph, stage, torch.Tensor.detach, None, n, like=n)
+        diff = _call(graph, stage, torch.sub, None, n, detached, like=n)
+        return _call(graph, stage, torch.add, None, n, diff, like=n)
+
+    _insert_after(graph, node, build)
+
+
+def nudge_input(graph: fx.Graph, changed: list[fx.Node], stage: str) -> None:
+    """For a pass that claims bitwise equality: one input of its op off by a relative 2^-20 (far inside any
+    float bound, but not bitwise)."""
+    inputs = [a for n in changed for a in n.all_input_nodes if a not in changed and a.op == "call_function"
+              and (v := tensor_val(a)) is not None and v.is_floating_point()]
+    _insert_after(graph, inputs[0],
+                  lambda n: _call(graph, stage, torch.mul, torch.ops.aten.mul.Tensor, n, 1 + 2**-20, like=n))
+
+
+def _inject(monkeypatch: pytest.MonkeyPatch, pass_name: str,
+            corrupt: Callable[[fx.Graph, list[fx.Node], str], None]) -> None:
+    entry = next(e for e in PASSES if e.name == pass_name)
+    module_name, fn_name = entry.target.split(":")
+    module = importlib.import_module(module_name)
+    original = getattr(module, fn_name)
+
+    def corrupted(graph: fx.Graph, ctx: PassContext) -> None:
+        before = {n: (n.target, repr((n.args, n.kwargs))) for n in graph.nodes}
+        original(graph, ctx)
+        if ctx.rewritten_layers:
+            corrupt(graph, _changed_nodes(graph, before), ctx.stage)
+
+    monkeypatch.setattr(module, fn_name, corrupted)
+
+
+def _sort_dispatch():
+    from tests.models.handwritten import SortIndexSelectScatterAdd
+
+    layer = SortIndexSelectScatterAdd()  # bf16: CPU grouped GEMMs take no other dtype
+    return layer, (torch.randn(12, layer.router.shape[1], dtype=torch.bfloat16),), {}
+
+
+def _host_padded():
+    from tests.models.host_padded import make_layer
+    from tests.passes._host_padding_checks import layer_input
+
+    return make_layer("split_pad"), (layer_input(int(torch.randint(0, 1000, ()))),), {}
+
+
+def _expert_loop():
+    from tests.models.host_padded import make_layer
+    from tests.passes._host_padding_checks import layer_input
+
+    return make_layer("loop"), (layer_input(int(torch.randint(0, 1000, ()))),), {}
+
+
+def _grouped_mm_fallback():
+    pytest.importorskip("transformers.integrations.moe")
+    from tests.passes.test_replace_grouped_mm_fallback import _inputs, experts
+
+    return experts, _inputs(seed=int(torch.randint(0, 1000, ()))), {}
+
+
+def _glu_inference():
+    pytest.importorskip("transformers.integrations.moe")
+    from tests.passes.test_fuse_expert_mlp import GLU_FORMS, _inputs, _moe
+
+    return _moe(GLU_FORMS["silu_chunk"][0], "fallback"), _inputs(torch.float32), {}
+
+
+def _routers():
+    from tests.models.router_metrics_models import RoutedStack
+
+    return RoutedStack(router="softmax"), (torch.randn(8, 16),), {}
+
+
+def _causal_attention():
+    from tests.passes.test_causal_mask import Attention
+
+    return Attention("bool"), (torch.randn(2, 12, 32),), {}
+
+
+def _group_limited_router():
+    from tests.passes.test_deterministic_accumulate import GroupLimitedRouter
+
+    return GroupLimitedRouter(), (torch.randn(16, 16, requires_grad=True),), {}
+
+
+def _embedding():
+    from tests.passes.test_deterministic_scatter import Embed
+
+    ids = torch.randint(0, 40, (3, 7))
+    ids[0, :4] = 3
+    return Embed(), (ids,), {}
+
+
+# pass -> (model, options, stage backend, corruptions); "passes+aot_eager" runs the pre-grad stage only
+CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str, tuple[Callable[..., None], ...]]] = {
+    "fuse_expert_loop": (_expert_loop, {}, "passes+aot_eager", (scale_forward, break_backward)),
+    "strip_host_padding": (_host_padded, {}, "passes+aot_eager", (scale_forward, break_backward)),
+    "fuse_dispatch": (_sort_dispatch, {}, "passes+aot_eager", (scale_forward, break_backward)),
+    "replace_grouped_mm_fallback": (_grouped_mm_fallback, {}, "passes+aot_eager", (scale_forward, break_backward)),
+    "fuse_expert_mlp": (_glu_inference, {}, "passes+aot_eager", (scale_forward,)),
+    "router_metrics": (_routers, {"metrics": True}, "passes+aot_eager", (nudge_input,)),
+    "causal_mask": (_causal_attention, {"deterministic": True}, "passes+aot_eager", (scale_forward, break_backward)),
+    "deterministic_accumulate": (_group_limited_router, {}, "moe_compile", (scale_forward,)),
+    "deterministic_scatter": (_embedding, {"deterministic": True}, "moe_compile", (scale_forward,)),
+}
+
+
+def _case_ids() -> list[Any]:
+    return [pytest.param(name, corrupt, id=f"{name}-{corrupt.__name__}")
+            for name, (_, _, _, corruptions) in CASES.items() for corrupt in corruptions]
+
+
+def test_every_rewriting_pass_has_an_injection_case():
+    """Every pass that rewrites is covered (the audit only reads; deterministic_attention's rewrite exists on
+    CUDA only: tests/passes/test_validate_gpu.py)."""
+    assert set(CASES) | {"audit", "deterministic_attention"} == {e.name for e in PASSES}
+
+
+@pytest.mark.parametrize("pass_name,corrupt", _case_ids())
+def test_wrong_rewrite_is_refused(monkeypatch, pass_name, corrupt):
+    torch.manual_seed(sum(map(ord, pass_name)))
+    build, options, backend, _ = CASES[pass_name]
+    fn, args, kwargs = build()
+    train = pass_name != "fuse_expert_mlp"  # fused in inference only
+    config = make_config(**options)
+    _inject(monkeypatch, pass_name, corrupt)
+    monkeypatch.setattr(passes_mod, "_WARNED_VALIDATION", set())  # each case sees its own warning
+    # host-sized layers are captured as moe_compile.compile captures them
+    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(CAPTURE_FLAGS):
+        warnings.simplefilter("always")
+        run = compile_and_run(fn, args, kwargs, train=train, config=config,
+                              backend=backend if backend == "passes+aot_eager" else ConfiguredBackend(config))
+    refused = [r for r in run.report.skips if r.pass_name == pass_name and r.what == "validation_failed"]
+    assert refused, run.report.table()
+    assert run.report.count(pass_name) == 0, run.report.table()
+    assert any(pass_name in str(w.message) and "changed the results" in str(w.message) for w in caught)
+    assert_matches_eager(run, fn, args, kwargs, train=train)
+
+
+# ------------------------------------------------------------------------------------------ no user state changed
+
+
+class CountingMoE(nn.Module):
+    """A sort-dispatch MoE layer that counts its calls in a buffer (state the graph mutates)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.models.handwritten import SortIndexSelectScatterAdd
+
+        self.moe = SortIndexSelectScatterAdd()
+        self.hidden = self.moe.router.shape[1]
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("seen", torch.zeros(self.hidden, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        self.seen.add_(x.detach().sum(0))
+        return self.moe(x)
+
+
+def test_validation_leaves_user_state_alone():
+    """Buffers the graph mutates see two calls' updates after two calls, and ``.grad`` two backwards' sums:
+    the validation runs (forward, reference, gradients) touched neither."""
+    torch.manual_seed(3)
+    model = CountingMoE()
+    eager = copy.deepcopy(model)
+    xs = [torch.randn(9, model.hidden, dtype=torch.bfloat16) for _ in range(2)]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=ConfiguredBackend(make_config(validate=True)))
+    with report.collecting() as rep:
+        for x in xs:
+            compiled(x).pow(2).sum().backward()
+            eager(x).pow(2).sum().backward()
+    assert rep.count("fuse_dispatch") >= 1 and not rep.unchecked, rep.table()
+    assert int(model.calls) == 2
+    assert torch.equal(model.seen, eager.seen)
+    k_dims = layer_k_dims(model.moe, xs)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        tol.assert_layer_close(p.grad, q.grad, k_dims, p.dtype, backward=True, rows=2 * len(xs[0]), what=name)
+
+
+def test_validate_off_runs_no_validation(monkeypatch):
+    from moe_compile.passes import _validate
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("validation ran with validate=False")
+
+    monkeypatch.setattr(_validate.StageValidator, "check", fail)
+    fn, args, kwargs = _sort_dispatch()
+    run = compile_and_run(fn, args, kwargs, train=True, config=make_config(validate=False))
+    assert run.report.count("fuse_dispatch") == 1 and not run.report.unchecked
