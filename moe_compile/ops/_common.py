@@ -29,7 +29,7 @@ def static_row_bound(num_routed: int, num_experts: int, align: int) -> int:
 
 
 def check_alignment(align: int, arg: str = "align") -> None:
-    if not isinstance(align, int) or align not in SUPPORTED_ALIGNMENTS:
+    if isinstance(align, bool) or not isinstance(align, int) or align not in SUPPORTED_ALIGNMENTS:
         raise ValueError(f"{arg}={align!r} is not supported; use one of {SUPPORTED_ALIGNMENTS}")
 
 
@@ -71,6 +71,18 @@ def check_int_tensor(t: torch.Tensor, arg: str, ndim: int, dtypes: tuple[torch.d
         raise ValueError(f"{arg} must have an integer dtype, got {t.dtype}")
     if t.dim() != ndim:
         raise ValueError(f"{arg} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+def check_bool(value: object, arg: str) -> None:
+    """Raise ``TypeError`` unless ``value`` is a ``bool`` (``debug`` flags: a string like ``"false"`` is truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg} must be a bool, got {value!r}")
+
+
+def check_count(value: object, arg: str, low: int = 0) -> None:
+    """Raise ``ValueError`` unless ``value`` is a plain ``int >= low`` (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> None:

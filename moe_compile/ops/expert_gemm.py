@@ -54,11 +54,14 @@ from moe_compile.ops.unpad_unpermute import unpad_unpermute
 
 
 def source_rows_reference(row_map: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """int32 ``[num_rows]``: the token of each permuted row, ``-1`` for pad and tail rows."""
+    """int32 ``[num_rows]``: the token of each permuted row, ``-1`` for pad and tail rows. Rows of the map outside
+    ``[0, num_rows)`` (a dropped entry's ``-1``) are skipped, as the kernel skips them."""
     T, K = row_map.shape[0], row_map.shape[1] // 2
-    src = torch.full((num_rows,), -1, dtype=torch.int32, device=row_map.device)
+    src = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=row_map.device)
     tokens = torch.arange(T, device=row_map.device, dtype=torch.int32).repeat_interleave(K)
-    return src.index_put((row_map[:, :K].reshape(-1).long(),), tokens)  # rows are unique: no accumulation
+    rows = row_map[:, :K].reshape(-1).long()
+    rows = torch.where((rows >= 0) & (rows < num_rows), rows, num_rows)  # into the extra last slot, dropped
+    return src.index_put((rows,), tokens)[:num_rows]  # rows are unique: no accumulation
 
 
 # the gated activations the kernels fuse (``activation`` names), each with the function of the gate it stands for
@@ -281,9 +284,10 @@ def source_rows(row_map: torch.Tensor | None, num_rows: int, kernels=None) -> to
     kernels = kernels or _kernels
     T, K = row_map.shape[0], row_map.shape[1] // 2
     src = torch.full((num_rows,), -1, dtype=torch.int32, device=row_map.device)
+    row_map = _common.unit_last_stride(row_map)
     block = 1024
     wrap_triton(kernels._source_rows_kernel)[(max(triton.cdiv(T * K, block), 1),)](
-        row_map, src, T, K, row_map.stride(0), BLOCK=block
+        row_map, src, T, K, row_map.stride(0), num_rows, BLOCK=block
     )
     return src
 

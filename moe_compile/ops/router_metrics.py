@@ -20,7 +20,11 @@ slot   name                    added per call (``T`` tokens, ``K`` top-k, ``E`` 
 5      ``max_over_mean_load``  ``max_e count_e / mean_e count_e`` (1 when perfectly balanced)
 6      ``over_capacity``       fraction of the ``T*K`` assignments beyond each expert's capacity
                                ``ceil(capacity_factor * T*K / E)`` (0 without a capacity)
-7...   ``tokens_per_expert``   ``count_e``: assignments of expert ``e`` (ids outside ``[0, E)``,
+7      ``invalid_ids``         assignments whose expert id is outside ``[0, E)``: ``T*K - sum_e count_e``
+                               (``moe.permute_pad`` drops them and poisons their tokens with NaN,
+                               NOTE [dropped entries] (moe_compile/ops/permute_pad.py); this is the
+                               count, per layer, without a host sync)
+8...   ``tokens_per_expert``   ``count_e``: assignments of expert ``e`` (ids outside ``[0, E)``,
                                e.g. non-local experts under expert parallelism, are not counted)
 =====  ======================  ================================================================
 
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-STATS = ("steps", "tokens", "lb_loss", "z_loss", "entropy", "max_over_mean_load", "over_capacity")
+STATS = ("steps", "tokens", "lb_loss", "z_loss", "entropy", "max_over_mean_load", "over_capacity", "invalid_ids")
 NUM_STATS = len(STATS)
 ACC_DTYPE = torch.float64
 
@@ -74,7 +78,8 @@ def router_stats(logits: torch.Tensor, expert_idx: torch.Tensor, capacity_factor
             over = (counts_E - capacity).clamp_min(0.0).sum() / assignments.clamp_min(1.0)
         else:
             over = torch.zeros_like(routed)
-        head = torch.stack([torch.ones_like(tokens), tokens, lb_loss, z_loss, entropy, max_over_mean, over])
+        invalid = assignments - routed
+        head = torch.stack([torch.ones_like(tokens), tokens, lb_loss, z_loss, entropy, max_over_mean, over, invalid])
         return torch.cat([head, counts_E])
 
 

@@ -288,11 +288,13 @@ def _expert_wgrad_kernel(
 
 
 @triton.jit
-def _source_rows_kernel(row_map_ptr, src_ptr, T, K, stride_t, BLOCK: tl.constexpr):
+def _source_rows_kernel(row_map_ptr, src_ptr, T, K, stride_t, num_rows, BLOCK: tl.constexpr):
     """``src[row_map[t, k]] = t`` for ``k < K`` (rows are unique: plain stores, no atomics); ``src``
-    must be pre-filled with ``-1`` (pad and tail rows)."""
+    must be pre-filled with ``-1`` (pad and tail rows). A row outside ``[0, num_rows)`` (``permute_pad``'s ``-1``
+    for a dropped expert id, NOTE [dropped entries] (moe_compile/ops/permute_pad.py)) is skipped: the token's combine
+    is NaN already (NOTE [poisoned tokens] (moe_compile/ops/unpad_unpermute.py))."""
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < T * K
     t = idx // K
-    row = tl.load(row_map_ptr + t * stride_t + idx % K, mask=mask, other=0)
-    tl.store(src_ptr + row, t.to(tl.int32), mask=mask)
+    row = tl.load(row_map_ptr + t * stride_t + idx % K, mask=mask, other=-1)
+    tl.store(src_ptr + row, t.to(tl.int32), mask=mask & (row >= 0) & (row < num_rows))

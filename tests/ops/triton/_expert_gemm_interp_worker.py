@@ -133,12 +133,22 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
         x, offs, row_map, rw, M = _setup(torch, gen, counts, extra, K, dtype, "g")
         got = eg.source_rows(row_map, M)  # CPU: the reference; the kernel directly:
         src_k = torch.full((M,), -1, dtype=torch.int32)
-        eg._kernels._source_rows_kernel[(1,)](row_map, src_k, row_map.shape[0], 2, row_map.stride(0), BLOCK=64)
+        eg._kernels._source_rows_kernel[(1,)](row_map, src_k, row_map.shape[0], 2, row_map.stride(0), M, BLOCK=64)
         assert torch.equal(src_k, got), (src_k, got)
         a = eg.gather_rows(x, got)
         for t in range(row_map.shape[0]):
             for k in range(2):
                 assert torch.equal(a[row_map[t, k]], x[t])
+        # rows outside [0, M) (a dropped entry's -1, a corrupt map): skipped, never written past src
+        bad_map = row_map.clone()
+        bad_map[0, 1], bad_map[1, 0] = -1, M + 3
+        guard = torch.full((M + 8,), -7, dtype=torch.int32)  # src is guard[4:4 + M]: stores past it would show
+        src_k = guard[4 : 4 + M].fill_(-1)
+        eg._kernels._source_rows_kernel[(1,)](bad_map, src_k, bad_map.shape[0], 2, bad_map.stride(0), M, BLOCK=64)
+        want = got.clone()
+        want[row_map[0, 1]] = want[row_map[1, 0]] = -1
+        assert torch.equal(src_k, want) and torch.equal(eg.source_rows_reference(bad_map, M), want)
+        assert (guard[:4] == -7).all() and (guard[4 + M :] == -7).all()
         return
     if kind == "row_scale_backward":
         # NOTE [standalone epilogues] (moe_compile/ops/triton/expert_epilogue.py): dx = rw * dxu, d rw = sum(a * dxu)
