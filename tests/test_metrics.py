@@ -261,3 +261,20 @@ def test_activation_checkpointing_recompute_is_not_counted():
         y.square().mean().backward()  # re-runs each block's forward, hooks included
     got = metrics.collect(per_layer=True)
     assert got["moe/layer_0/steps"] == 2 and got["moe/layer_1/steps"] == 2
+
+
+def test_op_names_every_bad_argument():
+    acc, logits, idx = new_accumulator(4, "cpu"), torch.randn(6, 4), torch.zeros(6, 2, dtype=torch.long)
+    cases = [
+        (lambda: router_metrics_(acc, logits, idx[:5]), "expert_idx must be .* one row per token of logits"),
+        (lambda: router_metrics_(acc, logits.long(), idx), "logits must be a float tensor"),
+        (lambda: router_metrics_(acc.long(), logits, idx), "acc_S must have a float dtype"),
+        (lambda: router_metrics_(acc, logits, idx, capacity_factor="1.0"), "capacity_factor must be a number"),
+        (lambda: router_metrics_(acc, logits, idx, capacity_factor=float("nan")), "capacity_factor must be a number"),
+        (lambda: router_metrics_(acc, logits, idx.bool()), "expert_idx must be an integer tensor"),
+        (lambda: router_metrics_(acc, logits.to("meta"), idx), "one device"),
+        (lambda: router_metrics_(acc, [1.0], idx), "logits must be a torch.Tensor"),
+    ]
+    for call, match in cases:
+        with pytest.raises((ValueError, TypeError), match=match):
+            call()

@@ -100,6 +100,22 @@ def check_ids_in_range(ids: torch.Tensor, low: int, high: int, arg: str) -> None
         raise ValueError(f"{arg} values must be in [{low}, {high}), got min {lo}, max {hi}")
 
 
+def check_offsets(offs: torch.Tensor, num_rows: int, arg: str = "offs_E") -> None:
+    """Host check (CPU tensors, not traced) of cumulative END offsets: non-decreasing, in ``[0, num_rows]``."""
+    if offs.numel() == 0:
+        return
+    lo, hi = int(offs.min()), int(offs.max())
+    if lo < 0 or hi > num_rows:
+        raise ValueError(f"{arg} values must be in [0, {num_rows}] (rows), got min {lo}, max {hi}")
+    if offs.numel() > 1 and bool((offs[1:] < offs[:-1]).any()):
+        raise ValueError(f"{arg} must be non-decreasing (cumulative end offsets), got {offs.tolist()}")
+
+
+def host_values(*tensors: torch.Tensor | None) -> bool:
+    """Whether the tensors' values may be read on the host for argument checks: all on CPU and none traced."""
+    return all(t is None or (t.device.type == "cpu" and not is_traced(t)) for t in tensors)
+
+
 @functools.lru_cache(maxsize=256)
 def row_block(H: int, elem_size: int, max_bytes: int = 8192) -> tuple[int, int]:
     """``(BLOCK_H, num_warps)`` for kernels that stream one row slice per program.

@@ -98,8 +98,9 @@ def _expert_gemm_kernel(
     # ---- schedule, once per program (NOTE [persistent tile schedule])
     e_idx = tl.arange(0, BLOCK_E)
     e_mask = e_idx < E
-    ends = tl.minimum(tl.load(offs_ptr + e_idx, mask=e_mask, other=0), M)
-    starts = tl.minimum(tl.load(offs_ptr + e_idx - 1, mask=e_mask & (e_idx > 0), other=0), M)
+    # offsets outside [0, M] are invalid input (checked on CPU): clamped, so no row outside the buffer is read
+    ends = tl.minimum(tl.maximum(tl.load(offs_ptr + e_idx, mask=e_mask, other=0), 0), M)
+    starts = tl.minimum(tl.maximum(tl.load(offs_ptr + e_idx - 1, mask=e_mask & (e_idx > 0), other=0), 0), M)
     counts = tl.maximum(ends - starts, 0)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tiles_end = tl.cumsum(tiles, 0)
@@ -254,8 +255,8 @@ def _expert_wgrad_kernel(
         group_n = tl.minimum(num_n - first_n, GROUP_N)
         pid_n = first_n + (t % per_group) % group_n
         pid_k = (t % per_group) // group_n
-        row_hi = tl.minimum(tl.load(offs_ptr + e), M)
-        row_lo = tl.minimum(tl.load(offs_ptr + e - 1, mask=e > 0, other=0), M)
+        row_hi = tl.minimum(tl.maximum(tl.load(offs_ptr + e), 0), M)  # (offsets outside [0, M] clamped)
+        row_lo = tl.minimum(tl.maximum(tl.load(offs_ptr + e - 1, mask=e > 0, other=0), 0), M)
         cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cols_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         n_mask = cols_n < N
