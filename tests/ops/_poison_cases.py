@@ -214,5 +214,6 @@ def check_bad_row_map(
         if with_probs:
             _nan_rows(grad_p, poisoned, f"{what}: grad probs")
             _equal(grad_p[~poisoned], grad_p_ok[~poisoned], f"{what}: grad probs of the good tokens")
-            # the kernel's dot over H runs in another order than the reference's: close, not bitwise
-            torch.testing.assert_close(grad_p.detach().cpu(), want_p, rtol=1e-4, atol=1e-4, equal_nan=True)
+            # the kernel's dot over H runs in another order than the reference's: close, not bitwise (then cast)
+            tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}.get(dtype, 1e-12)
+            torch.testing.assert_close(grad_p.detach().cpu(), want_p, rtol=tol, atol=tol, equal_nan=True)
