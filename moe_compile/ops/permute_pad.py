@@ -310,6 +310,7 @@ class _PermutePlan(NamedTuple):
     num_blocks: int
     sub: int
     chunk: int
+    drop_e_chunk: int
     block_h: int
     num_warps: int
     zero_rows: int
@@ -344,13 +345,16 @@ def _permute_plan(
         sub = min(_common.next_power_of_2(num_blocks), max(1, SCAN_TILE_ENTRIES // e_pad)) if parallel_histogram else 1
     # the rank loop's [K_PAD, CHUNK] compare tile: <= 4K entries, at most the span it has to cover
     chunk = max(16, min(_common.next_power_of_2(block_n + K), 4096 // k_pad))
+    # the dropped entries' branch (bad input only) reads the table in [K_PAD, drop_e_chunk] tiles: <= 4K entries
+    drop_e_chunk = min(e_pad, max(16, 4096 // k_pad))
     bh, warps = _common.row_block(H, elem_size, max_bytes=16384)
     bh = block_h or bh
     warps = num_warps or warps
     zero_rows = max(2, min(16, 4096 // bh, 16384 // e_pad))
     rows_grid = (T + _common.cdiv(M - N, zero_rows), _common.cdiv(H, bh))
     return _PermutePlan(
-        N, M, e_pad, k_pad, block_n, num_blocks, sub, chunk, bh, warps, zero_rows, rows_grid, parallel_histogram
+        N, M, e_pad, k_pad, block_n, num_blocks, sub, chunk, drop_e_chunk, bh, warps, zero_rows, rows_grid,
+        parallel_histogram,
     )
 
 
@@ -450,6 +454,7 @@ def _launch_triton(
     _common.launch_kernel(
         kernels._permute_rows_kernel, plan.rows_grid, *rows_args,
         K=K, K_PAD=plan.k_pad, ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, CHUNK=plan.chunk,
+        DROP_E_CHUNK=plan.drop_e_chunk,
         HAS_PROBS=probs is not None, BLOCK_H=plan.block_h, ZERO_ROWS=plan.zero_rows, IDS_IN_TABLE=copy_ids,
         USE_PDL=use_pdl, traced=traced, record=record, options=dict(num_warps=plan.num_warps, **pdl),
     )  # fmt: skip

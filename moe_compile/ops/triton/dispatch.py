@@ -195,6 +195,7 @@ def _permute_rows_kernel(
     E_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,
+    DROP_E_CHUNK: tl.constexpr,  # experts per tile of the dropped entries' branch (NOTE [dropped entries])
     HAS_PROBS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ZERO_ROWS: tl.constexpr,
@@ -243,7 +244,8 @@ def _permute_rows_kernel(
         if tl.max(bad_K.to(tl.int32), 0) > 0:  # bad input only: NOTE [dropped entries] (moe_compile/ops/permute_pad.py)
             _zero_rows_of_dropped(
                 ids_src, table_ptr, rows_ptr, probs_out_ptr, t, flat_K, bad_K, cols, col_mask, pid_h, H,
-                num_experts, num_rows, num_zero_rows, K, K_PAD, ALIGN, E_PAD, BLOCK_N, CHUNK, HAS_PROBS, BLOCK_H,
+                num_experts, num_rows, num_zero_rows, K, K_PAD, ALIGN, E_PAD, BLOCK_N, CHUNK, DROP_E_CHUNK, HAS_PROBS,
+                BLOCK_H,
             )  # fmt: skip
         if pid_h == 0:
             if HAS_PROBS:
@@ -283,17 +285,19 @@ def _zero_rows_of_dropped(
     ids_src, table_ptr, rows_ptr, probs_out_ptr, t, flat_K, bad_K, cols, col_mask, pid_h, H,
     num_experts, num_rows, num_zero_rows,
     K: tl.constexpr, K_PAD: tl.constexpr, ALIGN: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr, HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr,
+    CHUNK: tl.constexpr, E_CHUNK: tl.constexpr, HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """The token's dropped entries (``bad_K``) zero the non-real rows ``M - N + g`` (``g``: the entry's rank among
     all dropped entries, in flat order), which the zero programs do not cover;
-    NOTE [dropped entries] (moe_compile/ops/permute_pad.py)."""
-    # dropped entries before flat = flat - valid entries before it: those of the earlier blocks (the sum of
-    # before_blocks over experts) and those of its own block before it
-    experts = tl.arange(0, E_PAD)
+    NOTE [dropped entries] (moe_compile/ops/permute_pad.py). Tiles of ``[K_PAD, E_CHUNK]`` (at most 4K entries)."""
     block_K = flat_K // BLOCK_N
-    before = tl.load(table_ptr + (1 + block_K)[:, None] * E_PAD + experts[None, :], mask=bad_K[:, None], other=0)
-    valid_before_K = tl.sum(before, 1)
+    # dropped entries before flat = flat - valid entries before it: those of the earlier blocks (the sum over the
+    # experts of before_blocks) and those of its own block before it
+    valid_before_K = tl.zeros([K_PAD], dtype=tl.int32)
+    for e0 in range(0, E_PAD, E_CHUNK):
+        experts = e0 + tl.arange(0, E_CHUNK)
+        before = tl.load(table_ptr + (1 + block_K)[:, None] * E_PAD + experts[None, :], mask=bad_K[:, None], other=0)
+        valid_before_K += tl.sum(before, 1)
     block_start_K = block_K * BLOCK_N
     for j0 in range(t * K // BLOCK_N * BLOCK_N, t * K + K - 1, CHUNK):
         j = j0 + tl.arange(0, CHUNK)
@@ -302,11 +306,17 @@ def _zero_rows_of_dropped(
         earlier = (j[None, :] >= block_start_K[:, None]) & (j[None, :] < flat_K[:, None])
         valid_before_K += tl.sum((ok_j[None, :] & earlier).to(tl.int32), 1)
     j_K = num_zero_rows + (flat_K - valid_before_K)  # its place among the non-real rows
-    # the j-th non-real row (NOTE [zero rows without a memset])
-    counts = tl.load(table_ptr + experts, mask=experts < num_experts, other=0)
-    pad = (counts + (ALIGN - 1)) // ALIGN * ALIGN - counts
-    pad_before = tl.cumsum(pad, 0) - pad
-    row_K = j_K + tl.sum(tl.where(pad_before[None, :] <= j_K[:, None], counts[None, :], 0), 1)
+    # the j-th non-real row (NOTE [zero rows without a memset]): j + the counts of the experts whose pad rows start
+    # at or before it
+    row_K = j_K
+    pad_done = 0  # pad rows of the experts before the chunk
+    for e0 in range(0, E_PAD, E_CHUNK):
+        experts = e0 + tl.arange(0, E_CHUNK)
+        counts = tl.load(table_ptr + experts, mask=experts < num_experts, other=0)
+        pad = (counts + (ALIGN - 1)) // ALIGN * ALIGN - counts
+        pad_before = pad_done + tl.cumsum(pad, 0) - pad
+        row_K += tl.sum(tl.where(pad_before[None, :] <= j_K[:, None], counts[None, :], 0), 1)
+        pad_done += tl.sum(pad, 0)
     row_K = tl.where(bad_K & (row_K < num_rows), row_K, -1)
     zeros = tl.zeros([BLOCK_H], dtype=rows_ptr.dtype.element_ty)
     slots = tl.arange(0, K_PAD)

@@ -41,6 +41,8 @@ INDEX_LOOP_CASES = {
 POISON_CASES = {
     **{f"poison_ids_{kind}": ("ids", dict(kind=kind)) for kind in ("id_E", "id_minus_1", "id_2_pow_40")},
     "poison_ids_k1_align1": ("ids", dict(kind="id_E", K=1, align=1)),  # no zero programs (M = N)
+    # K_PAD 64: the dropped entries' branch reads the table in two chunks of 64 experts (E_PAD 128)
+    "poison_ids_k40_two_expert_chunks": ("ids", dict(kind="id_2_pow_40", T=6, H=8, E=100, K=40, align=8)),
     "poison_ids_int32_ids_fp16_a128": ("ids", dict(kind="id_minus_1", ids_dtype="int32", dtype="float16", align=128)),
     # several blocks of ids: dropped entries ranked across blocks; the histograms in their own kernel
     "poison_ids_parallel_histogram": ("ids", dict(kind="id_minus_1", T=37, launch=dict(block_n=8,
