@@ -519,8 +519,8 @@ def test_bad_row_map_poisons_under_compile(kind):
 
 
 def test_bad_ids_in_a_cuda_graph_replay_are_poisoned_and_counted():
-    """No host sync: a graph captured on good ids, replayed with bad ones, shows them (NaN rows, the count in the
-    router metrics); replayed with good ids again, bitwise the reference."""
+    """No host sync: a graph captured on good ids, replayed with bad ones, shows them (NaN rows, the count); the
+    router metrics count them too (eager, in sync debug mode); replayed with good ids again, bitwise the reference."""
     from moe_compile import metrics
     from moe_compile.ops.router_metrics import router_metrics_
 
@@ -533,18 +533,15 @@ def test_bad_ids_in_a_cuda_graph_replay_are_poisoned_and_counted():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up: every kernel compiled before the capture
-        router_metrics_(entry.acc_S, logits, static_ids)
         warm = permute_pad(x, static_ids, probs, num_experts=E, align=a)
         unpad_unpermute(warm.rows_MH, warm.row_map, probs)
         warm.invalid_ids()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        router_metrics_(entry.acc_S, logits, static_ids)
         out = permute_pad(x, static_ids, probs, num_experts=E, align=a)
         y = unpad_unpermute(out.rows_MH, out.row_map, probs)
         n_invalid = out.invalid_ids()
-    metrics.reset()
     bad = ids.clone()
     bad[5, 2], bad[900, 0], bad[901, 3] = E, -1, 2**40
     static_ids.copy_(bad)
@@ -553,7 +550,14 @@ def test_bad_ids_in_a_cuda_graph_replay_are_poisoned_and_counted():
     bad_T[[5, 900, 901]] = True
     assert bool(y[bad_T].isnan().all()) and not bool(y[~bad_T].isnan().any())
     assert int(n_invalid) == 3
-    assert metrics.collect()["moe/invalid_ids"] == 3
+    router_metrics_(entry.acc_S, logits, static_ids)  # warm-up, then counted once more without a host sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        router_metrics_(entry.acc_S, logits, static_ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert metrics.collect()["moe/invalid_ids"] == 3  # per step (two calls, 6 bad ids)
     static_ids.copy_(ids)
     graph.replay()
     for got, want in zip(out, _ref_tuple(x, ids, probs, E, a)):
