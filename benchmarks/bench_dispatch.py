@@ -18,8 +18,11 @@ Compares, per shape (bf16, align 32, uniform top-k routing):
 Backward rows time the ``moe::*_backward`` ops directly. Every time is the median of
 ``triton.testing.do_bench`` (L2 flushed between repetitions).
 
-Usage, from the repository root: ``python -m benchmarks.bench_dispatch [--save] [--quick]`` (``--save`` writes
-``benchmarks/results/dispatch.json``).
+Usage, from the repository root: ``python -m benchmarks.bench_dispatch [--save] [--quick] [--ours-only]
+[--compare FILE]`` (``--save`` writes ``benchmarks/results/dispatch.json``; ``--ours-only`` times only our ops, no
+PyTorch formulation and no compile; ``--compare`` prints our times next to those of another results file, e.g. a run
+of another commit's ops on the same machine: the cost of a kernel change, such as issue 35's poisoning of bad input,
+NOTE [poisoned tokens] (moe_compile/ops/unpad_unpermute.py), which no flag turns off).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import pathlib
 import sys
 import time
 
@@ -100,7 +104,7 @@ def eager_combine(rows_MH, dest_N, tok_N, order_N, probs_TK, T: int):
 GRAPH_CALLS = 10
 
 
-def run_experiment(cfg: Config, bw: float, rep: int) -> list[Result]:
+def run_experiment(cfg: Config, bw: float, rep: int, ours_only: bool = False) -> list[Result]:
     from triton.testing import do_bench
 
     from moe_compile.ops import permute_pad, static_row_bound, unpad_unpermute
@@ -155,7 +159,7 @@ def run_experiment(cfg: Config, bw: float, rep: int) -> list[Result]:
         timings[op, direction, "ours_eager"] = bench(fn)
         timings[op, direction, "ours_graph"] = bench_graph(fn)
 
-    for impl in ("torch_eager", "inductor"):
+    for impl in () if ours_only else ("torch_eager", "inductor"):
         torch._dynamo.reset()
         is_eager = impl == "torch_eager"
         permute_fn = eager_permute_pad if is_eager else torch.compile(eager_permute_pad, dynamic=False)
@@ -210,17 +214,41 @@ def summarize(results: list[Result]) -> list[dict]:
     for row in rows.values():
         row["graph_x"] = round(row["graph_us"] / row["floor_us"], 3)
         row["eager_x"] = round(row["eager_us"] / row["floor_us"], 3)
-        row["vs_torch"] = round(row["torch_us"] / row["eager_us"], 2)
-        row["vs_inductor"] = round(row["inductor_us"] / row["eager_us"], 2)
+        for key, theirs in (("vs_torch", "torch_us"), ("vs_inductor", "inductor_us")):  # absent with --ours-only
+            row[key] = round(row[theirs] / row["eager_us"], 2) if theirs in row else None
     order = ("config", "op", "dir", "floor_us", "graph_us", "graph_x", "eager_us", "eager_x", "torch_us",
              "inductor_us", "vs_torch", "vs_inductor")  # fmt: skip
-    return [{k: row[k] for k in order} for row in rows.values()]
+    return [{k: row.get(k) for k in order} for row in rows.values()]
+
+
+def compare(results: list[Result], path) -> list[dict]:
+    """Our times (graph and eager) next to the same rows of the results file ``path``: ``ratio`` = this run / that
+    one (above 1: this run is slower)."""
+    from benchmarks._bench_env import read_rows
+
+    env, rows = read_rows(path)
+    if not rows:
+        raise SystemExit(f"--compare: no results in {path}")
+    theirs = {(r["config"], r["op"], r["direction"], r["impl"]): r["time_us"] for r in rows}
+    out = []
+    for r in results:
+        other = theirs.get((r.config, r.op, r.direction, r.impl))
+        if r.impl.startswith("ours") and other is not None:
+            out.append({"config": r.config, "op": r.op, "dir": r.direction, "impl": r.impl,
+                        "this_us": round(r.time_us, 1), "that_us": round(other, 1),
+                        "ratio": round(r.time_us / other, 3)})
+    print(f"compared with {path} (commit {env.get('commit')}, {env.get('device')}, {env.get('date')}):")
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_results_args(parser)
     parser.add_argument("--quick", action="store_true", help="first shape only, fewer repetitions")
+    parser.add_argument("--ours-only", action="store_true",
+                        help="time only our ops (no PyTorch formulation, no torch.compile)")
+    parser.add_argument("--compare", type=pathlib.Path, default=None, metavar="FILE",
+                        help="print our times next to those of another dispatch results file (this run / that one)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_dispatch: no CUDA device; nothing to benchmark (this benchmark needs a GPU).")
@@ -230,7 +258,7 @@ def main() -> None:
     results: list[Result] = []
     start = time.perf_counter()
     for cfg in get_configs(args.quick):
-        results += run_experiment(cfg, bw, rep)
+        results += run_experiment(cfg, bw, rep, ours_only=args.ours_only)
         torch.cuda.empty_cache()
         print(f"{cfg.name}: done at {time.perf_counter() - start:.0f} s", flush=True)
     summary = summarize(results)
@@ -248,6 +276,13 @@ def main() -> None:
     print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
     for r in summary:
         print("  ".join(str(r.get(k)).ljust(w) for k, w in zip(keys, widths)))
+    if args.compare is not None:
+        table = compare(results, args.compare)
+        keys = list(table[0].keys()) if table else []
+        widths = [max(len(k), *(len(str(r[k])) for r in table)) for k in keys]
+        print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
+        for r in table:
+            print("  ".join(str(r[k]).ljust(w) for k, w in zip(keys, widths)))
     if any(math.isnan(r.time_us) for r in results):
         sys.exit(1)
 

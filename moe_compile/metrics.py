@@ -63,7 +63,7 @@ __all__ = ["accumulator", "attach", "collect", "detach", "forget", "inductor_pat
 
 PREFIX = "moe/"
 # Per-step averages reported for every layer (``steps`` and ``over_capacity`` are handled apart).
-_AVERAGED = ("tokens", "lb_loss", "z_loss", "entropy", "max_over_mean_load")
+_AVERAGED = ("tokens", "lb_loss", "z_loss", "entropy", "max_over_mean_load", "invalid_ids")
 _STEPS, _OVER_CAPACITY = STATS.index("steps"), STATS.index("over_capacity")
 
 
@@ -174,6 +174,8 @@ def collect(reset: bool = True, per_layer: bool = False) -> dict[str, float]:
     ``moe/max_over_mean_load`` max over mean tokens per expert (1 when balanced)
     ``moe/over_capacity``      fraction of assignments over capacity (only with a capacity)
     ``moe/tokens``             tokens routed per layer per step
+    ``moe/invalid_ids``        assignments per step whose expert id is outside ``[0, E)`` (0 unless the router
+                               produced bad ids: ``moe.permute_pad`` poisons those tokens with NaN on CUDA)
     ``moe/tokens_per_expert_min`` / ``_max``  extreme per-expert loads, per step
     ``moe/steps``              calls per layer since the reset; ``moe/layers``: layers that reported
 

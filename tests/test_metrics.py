@@ -44,6 +44,7 @@ def _hand_stats(logits_TE: torch.Tensor, idx_TK: torch.Tensor, capacity_factor: 
         "entropy": entropy,
         "max_over_mean_load": max(counts) / (sum(counts) / E),
         "over_capacity": 0.0,
+        "invalid_ids": float(T * K - sum(counts)),
     }
     if capacity_factor > 0:
         cap = math.ceil(capacity_factor * T * K / E)
@@ -88,6 +89,23 @@ def test_op_accumulates_in_place_ignores_foreign_ids_and_keeps_grads():
     valid = idx[(idx >= 0) & (idx < E)]
     assert acc[NUM_STATS:].sum().item() == 2 * valid.numel()
     assert acc[STATS.index("tokens")].item() == 20
+
+
+@pytest.mark.parametrize("bad", [6, -1, 2**40], ids=["E", "minus_1", "2_pow_40"])
+def test_op_counts_invalid_ids_per_layer(bad):
+    """Issue 35: expert ids outside [0, E), which moe.permute_pad drops and poisons on CUDA, are counted on the
+    device (``invalid_ids``) and reported per layer by collect()."""
+    g = torch.Generator().manual_seed(int(torch.seed() % 2**31))
+    T, E, K = 7, 6, 2
+    logits = torch.randn(T, E, generator=g)
+    idx = torch.topk(logits, K, dim=-1).indices
+    idx[2, 1] = idx[5, 0] = idx[5, 1] = bad
+    assert router_stats(logits, idx)[STATS.index("invalid_ids")].item() == 3
+    entry = metrics.accumulator("model.layers.4.mlp.gate", E, "cpu")
+    router_metrics_(entry.acc_S, logits, idx)
+    router_metrics_(entry.acc_S, logits, idx.clamp(0, E - 1))  # a clean step: 3 per 2 steps
+    got = metrics.collect(per_layer=True)
+    assert got["moe/layer_4/invalid_ids"] == 1.5 and got["moe/invalid_ids"] == 1.5
 
 
 def test_op_rejects_bad_arguments():
@@ -163,8 +181,9 @@ def test_aggregate_keys_without_per_layer_and_capacity():
     assert not any(k.startswith("moe/layer_") for k in got)
     assert set(got) == {
         "moe/lb_loss", "moe/z_loss", "moe/entropy", "moe/max_over_mean_load", "moe/over_capacity", "moe/tokens",
-        "moe/tokens_per_expert_min", "moe/tokens_per_expert_max", "moe/steps", "moe/layers",
+        "moe/invalid_ids", "moe/tokens_per_expert_min", "moe/tokens_per_expert_max", "moe/steps", "moe/layers",
     }
+    assert got["moe/invalid_ids"] == 0
     # granite's router picks the top-k of the logits: the same experts as top-k of the softmax
     hand = [_hand_stats(lg, torch.topk(lg, 2).indices, 1.0) for lg in oracle.router_logits(x)]
     assert got["moe/over_capacity"] == pytest.approx(sum(h["over_capacity"] for h in hand) / 2)
@@ -242,3 +261,20 @@ def test_activation_checkpointing_recompute_is_not_counted():
         y.square().mean().backward()  # re-runs each block's forward, hooks included
     got = metrics.collect(per_layer=True)
     assert got["moe/layer_0/steps"] == 2 and got["moe/layer_1/steps"] == 2
+
+
+def test_op_names_every_bad_argument():
+    acc, logits, idx = new_accumulator(4, "cpu"), torch.randn(6, 4), torch.zeros(6, 2, dtype=torch.long)
+    cases = [
+        (lambda: router_metrics_(acc, logits, idx[:5]), "expert_idx must be .* one row per token of logits"),
+        (lambda: router_metrics_(acc, logits.long(), idx), "logits must be a float tensor"),
+        (lambda: router_metrics_(acc.long(), logits, idx), "acc_S must have a float dtype"),
+        (lambda: router_metrics_(acc, logits, idx, capacity_factor="1.0"), "capacity_factor must be a number"),
+        (lambda: router_metrics_(acc, logits, idx, capacity_factor=float("nan")), "capacity_factor must be a number"),
+        (lambda: router_metrics_(acc, logits, idx.bool()), "expert_idx must be an integer tensor"),
+        (lambda: router_metrics_(acc, logits.to("meta"), idx), "one device"),
+        (lambda: router_metrics_(acc, [1.0], idx), "logits must be a torch.Tensor"),
+    ]
+    for call, match in cases:
+        with pytest.raises((ValueError, TypeError), match=match):
+            call()

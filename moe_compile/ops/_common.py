@@ -29,7 +29,7 @@ def static_row_bound(num_routed: int, num_experts: int, align: int) -> int:
 
 
 def check_alignment(align: int, arg: str = "align") -> None:
-    if not isinstance(align, int) or align not in SUPPORTED_ALIGNMENTS:
+    if isinstance(align, bool) or not isinstance(align, int) or align not in SUPPORTED_ALIGNMENTS:
         raise ValueError(f"{arg}={align!r} is not supported; use one of {SUPPORTED_ALIGNMENTS}")
 
 
@@ -73,6 +73,18 @@ def check_int_tensor(t: torch.Tensor, arg: str, ndim: int, dtypes: tuple[torch.d
         raise ValueError(f"{arg} must be {ndim}-D, got shape {tuple(t.shape)}")
 
 
+def check_bool(value: object, arg: str) -> None:
+    """Raise ``TypeError`` unless ``value`` is a ``bool`` (``debug`` flags: a string like ``"false"`` is truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg} must be a bool, got {value!r}")
+
+
+def check_count(value: object, arg: str, low: int = 0) -> None:
+    """Raise ``ValueError`` unless ``value`` is a plain ``int >= low`` (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
+
+
 def check_same_device(**tensors: torch.Tensor | None) -> None:
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:
@@ -86,6 +98,22 @@ def check_ids_in_range(ids: torch.Tensor, low: int, high: int, arg: str) -> None
     lo, hi = int(ids.min()), int(ids.max())
     if lo < low or hi >= high:
         raise ValueError(f"{arg} values must be in [{low}, {high}), got min {lo}, max {hi}")
+
+
+def check_offsets(offs: torch.Tensor, num_rows: int, arg: str = "offs_E") -> None:
+    """Host check (CPU tensors, not traced) of cumulative END offsets: non-decreasing, in ``[0, num_rows]``."""
+    if offs.numel() == 0:
+        return
+    lo, hi = int(offs.min()), int(offs.max())
+    if lo < 0 or hi > num_rows:
+        raise ValueError(f"{arg} values must be in [0, {num_rows}] (rows), got min {lo}, max {hi}")
+    if offs.numel() > 1 and bool((offs[1:] < offs[:-1]).any()):
+        raise ValueError(f"{arg} must be non-decreasing (cumulative end offsets), got {offs.tolist()}")
+
+
+def host_values(*tensors: torch.Tensor | None) -> bool:
+    """Whether the tensors' values may be read on the host for argument checks: all on CPU and none traced."""
+    return all(t is None or (t.device.type == "cpu" and not is_traced(t)) for t in tensors)
 
 
 @functools.lru_cache(maxsize=256)

@@ -54,11 +54,14 @@ from moe_compile.ops.unpad_unpermute import unpad_unpermute
 
 
 def source_rows_reference(row_map: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """int32 ``[num_rows]``: the token of each permuted row, ``-1`` for pad and tail rows."""
+    """int32 ``[num_rows]``: the token of each permuted row, ``-1`` for pad and tail rows. Rows of the map outside
+    ``[0, num_rows)`` (a dropped entry's ``-1``) are skipped, as the kernel skips them."""
     T, K = row_map.shape[0], row_map.shape[1] // 2
-    src = torch.full((num_rows,), -1, dtype=torch.int32, device=row_map.device)
+    src = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=row_map.device)
     tokens = torch.arange(T, device=row_map.device, dtype=torch.int32).repeat_interleave(K)
-    return src.index_put((row_map[:, :K].reshape(-1).long(),), tokens)  # rows are unique: no accumulation
+    rows = row_map[:, :K].reshape(-1).long()
+    rows = torch.where((rows >= 0) & (rows < num_rows), rows, num_rows)  # into the extra last slot, dropped
+    return src.index_put((rows,), tokens)[:num_rows]  # rows are unique: no accumulation
 
 
 # the gated activations the kernels fuse (``activation`` names), each with the function of the gate it stands for
@@ -281,9 +284,10 @@ def source_rows(row_map: torch.Tensor | None, num_rows: int, kernels=None) -> to
     kernels = kernels or _kernels
     T, K = row_map.shape[0], row_map.shape[1] // 2
     src = torch.full((num_rows,), -1, dtype=torch.int32, device=row_map.device)
+    row_map = _common.unit_last_stride(row_map)
     block = 1024
     wrap_triton(kernels._source_rows_kernel)[(max(triton.cdiv(T * K, block), 1),)](
-        row_map, src, T, K, row_map.stride(0), BLOCK=block
+        row_map, src, T, K, row_map.stride(0), num_rows, BLOCK=block
     )
     return src
 
@@ -305,9 +309,25 @@ def _dense_weight(w, w_scale, w_gscale, fmt: str, dtype: torch.dtype) -> torch.T
     return w
 
 
+def _check_op_args(x_SK: torch.Tensor, offs_E: torch.Tensor, row_map: torch.Tensor | None, num_rows: int) -> None:
+    """What every call of the ops checks (the wrapper checks the rest): the gather reads ``x_SK`` rows ``< T``, so
+    ``row_map`` must have one row per row of ``x_SK``; eager CPU also checks the values (``offs_E`` non-decreasing in
+    ``[0, num_rows]``, ``row_map`` rows in ``[0, num_rows)``). On CUDA the kernels clamp offsets into ``[0, M]`` and
+    skip map rows outside ``[0, M)`` (a dropped entry's ``-1``,
+    NOTE [dropped entries] (moe_compile/ops/permute_pad.py)), so nothing outside a tensor is read."""
+    if row_map is not None and row_map.shape[0] != x_SK.shape[0]:
+        raise ValueError(f"row_map must have one row per token of x_SK: row_map.shape={tuple(row_map.shape)}, "
+                         f"x_SK.shape={tuple(x_SK.shape)}")
+    if _common.host_values(offs_E, row_map):
+        _common.check_offsets(offs_E, num_rows)
+        if row_map is not None:
+            _common.check_ids_in_range(row_map[:, : row_map.shape[1] // 2], 0, num_rows, "row_map (rows)")
+
+
 def _expert_gemm_body(
     x_SK, w, w_scale, w_gscale, offs_E, row_map, row_weight_M, activation, num_rows, store_preact, fmt
 ):
+    _check_op_args(x_SK, offs_E, row_map, num_rows)
     N, N_w = _out_cols(w, activation, fmt)
     store = store_preact and activation != "none"
     src = source_rows(row_map, num_rows)
@@ -418,6 +438,7 @@ def _expert_wgrad_op(
     row_weight_M: torch.Tensor | None,
 ) -> torch.Tensor:
     M, N, K, E = dy_MN.shape[0], dy_MN.shape[1], x_SK.shape[1], offs_E.shape[0]
+    _check_op_args(x_SK, offs_E, row_map, M)
     cuda = x_SK.device.type == "cuda"
     src = source_rows(row_map, M)
     if cuda and use_triton_grouped_gemm(M, N, K, E, x_SK.dtype, x_SK.device, kind="wgrad"):
@@ -549,8 +570,11 @@ def expert_gemm(
         raise ValueError(f"activation={activation!r} is not supported; use one of {tuple(ACTIVATIONS)}")
     if fmt not in ("plain", "mxfp8", "nvfp4"):
         raise ValueError(f"fmt={fmt!r} is not supported; use 'plain', 'mxfp8' or 'nvfp4'")
-    if x_SK.dim() != 2 or not x_SK.is_floating_point():
-        raise ValueError(f"x_SK must be a 2-D float tensor, got {x_SK.dtype} {tuple(x_SK.shape)}")
+    for name, t in (("x_SK", x_SK), ("w", w), ("offs_E", offs_E)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x_SK.dim() != 2 or x_SK.dtype not in _common.FLOAT_DTYPE_SET:
+        raise ValueError(f"x_SK must be a 2-D bf16/fp16/fp32 (fp64) tensor, got {x_SK.dtype} {tuple(x_SK.shape)}")
     if w.dim() != 3:
         raise ValueError(f"w must be 3-D [E, N_w, K], got shape {tuple(w.shape)}")
     if offs_E.dim() != 1 or offs_E.dtype != torch.int32 or offs_E.shape[0] != w.shape[0]:
@@ -563,15 +587,39 @@ def expert_gemm(
     if activation != "none" and w.shape[1] % 2:
         raise ValueError(f"a gated activation needs an even number of weight rows, got w.shape[1]={w.shape[1]}")
     if row_map is not None:
-        if row_map.dim() != 2 or row_map.dtype != torch.int32 or row_map.shape[1] % 2:
-            raise ValueError(f"row_map must be int32 [T, 2K], got {row_map.dtype} {tuple(row_map.shape)}")
+        if not isinstance(row_map, torch.Tensor) or row_map.dim() != 2 or row_map.dtype != torch.int32 \
+                or row_map.shape[1] % 2 or row_map.shape[1] == 0:
+            got = f"{row_map.dtype} {tuple(row_map.shape)}" if isinstance(row_map, torch.Tensor) else row_map
+            raise ValueError(f"row_map must be int32 [T, 2K], got {got}")
+        if row_map.shape[0] != x_SK.shape[0]:
+            raise ValueError(f"row_map must have one row per token of x_SK: row_map.shape={tuple(row_map.shape)}, "
+                             f"x_SK.shape={tuple(x_SK.shape)}")
         if num_rows is None:
             raise ValueError("num_rows is required with row_map (the static row bound of permute_pad)")
+    if num_rows is not None:
+        _common.check_count(num_rows, "num_rows")
     num_rows = x_SK.shape[0] if num_rows is None else num_rows
     if row_map is None and num_rows != x_SK.shape[0]:
         raise ValueError(f"num_rows={num_rows} must equal x_SK.shape[0]={x_SK.shape[0]} without row_map")
-    if row_weight_M is not None and tuple(row_weight_M.shape) != (num_rows,):
-        raise ValueError(f"row_weight_M must have shape ({num_rows},), got {tuple(row_weight_M.shape)}")
+    if row_weight_M is not None:
+        if not isinstance(row_weight_M, torch.Tensor) or tuple(row_weight_M.shape) != (num_rows,):
+            got = tuple(getattr(row_weight_M, "shape", ()))
+            raise ValueError(f"row_weight_M must have shape ({num_rows},), got {got}")
+        if row_weight_M.dtype not in _common.FLOAT_DTYPE_SET:
+            raise ValueError(f"row_weight_M must have a float dtype, got {row_weight_M.dtype}")
+    if store_preact is not None:
+        _common.check_bool(store_preact, "store_preact")
+    if fmt == "mxfp8":
+        if w_scale is None:
+            raise ValueError("w_scale is required for fmt='mxfp8'")
+        gmm.check_mxfp8_weight(w, w_scale)
+    elif fmt == "nvfp4":
+        if w_scale is None or expert_scale_E is None:
+            raise ValueError(f"w_scale and expert_scale_E are required for fmt='nvfp4', got w_scale={type(w_scale)}, "
+                             f"expert_scale_E={type(expert_scale_E)}")
+        gmm.check_nvfp4_weight(w, w_scale, expert_scale_E)
+    _common.check_same_device(x_SK=x_SK, w=w, offs_E=offs_E, row_map=row_map, row_weight_M=row_weight_M,
+                              w_scale=w_scale, expert_scale_E=expert_scale_E)
     if store_preact is None:
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_SK, w, row_weight_M))
         store_preact = grad and activation != "none"

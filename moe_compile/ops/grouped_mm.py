@@ -369,11 +369,19 @@ def zero_rows_past(y_MN: torch.Tensor, offs_E: torch.Tensor, kernels=None) -> to
 # ===== ops =====
 
 
+def _check_offsets_on_host(offs_E: torch.Tensor, num_rows: int) -> None:
+    """Eager CPU: ``offs_E`` non-decreasing in ``[0, M]`` (``ValueError`` naming it). On CUDA the Triton kernels clamp
+    offsets into ``[0, M]`` (no read outside ``x``); ``torch._grouped_mm`` (CUTLASS) checks nothing (its contract)."""
+    if _common.host_values(offs_E):
+        _common.check_offsets(offs_E, num_rows)
+
+
 @triton_op("moe::grouped_mm", mutates_args=())
 def _grouped_mm_op(
     x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, zero_tail: bool = True
 ) -> torch.Tensor:
     if x_MK.device.type != "cuda":
+        _check_offsets_on_host(offs_E, x_MK.shape[0])
         return grouped_mm_reference(x_MK, w_ENK, offs_E)
     if _use_cutlass_bf16(x_MK, w_ENK.transpose(-2, -1)):
         y_MN = torch._grouped_mm(x_MK, w_ENK.transpose(-2, -1), offs=offs_E)
@@ -385,6 +393,7 @@ def _grouped_mm_op(
 @triton_op("moe::grouped_mm_wgrad", mutates_args=())
 def _grouped_mm_wgrad_op(dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     if x_MK.device.type != "cuda":
+        _check_offsets_on_host(offs_E, x_MK.shape[0])
         return grouped_mm_wgrad_reference(dy_MN, x_MK, offs_E)
     if _use_cutlass_bf16(dy_MN.t(), x_MK):
         return zero_empty_groups(torch._grouped_mm(dy_MN.t(), x_MK, offs=offs_E).contiguous(), offs_E)
@@ -397,6 +406,7 @@ def _grouped_mm_mxfp8_op(
     x_MK: torch.Tensor, qdata_ENK: torch.Tensor, scale_ENB: torch.Tensor, offs_E: torch.Tensor
 ) -> torch.Tensor:
     if x_MK.device.type != "cuda":
+        _check_offsets_on_host(offs_E, x_MK.shape[0])
         return grouped_mm_reference(x_MK, dequantize_mxfp8(qdata_ENK, scale_ENB, x_MK.dtype), offs_E)
     out = x_MK.new_empty(x_MK.shape[0], qdata_ENK.shape[1])
     return launch_grouped_mm(x_MK, qdata_ENK, scale_ENB, None, offs_E, out, "mxfp8")
@@ -411,6 +421,7 @@ def _grouped_mm_nvfp4_op(
     offs_E: torch.Tensor,
 ) -> torch.Tensor:
     if x_MK.device.type != "cuda":
+        _check_offsets_on_host(offs_E, x_MK.shape[0])
         w = dequantize_nvfp4(qdata_ENP, scale_ENB, expert_scale_E, x_MK.dtype)
         return grouped_mm_reference(x_MK, w, offs_E)
     out = x_MK.new_empty(x_MK.shape[0], qdata_ENP.shape[1])
@@ -458,6 +469,9 @@ _grouped_mm_nvfp4_op.register_autograd(_nvfp4_backward, setup_context=_setup_con
 
 
 def _check_common(x_MK: torch.Tensor, offs_E: torch.Tensor, num_experts: int, k: int) -> None:
+    for name, t in (("x_MK", x_MK), ("offs_E", offs_E)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if x_MK.dim() != 2:
         raise ValueError(f"x_MK must be 2-D [M, K], got shape {tuple(x_MK.shape)}")
     if x_MK.dtype not in _FLOAT_DTYPES:
@@ -470,6 +484,50 @@ def _check_common(x_MK: torch.Tensor, offs_E: torch.Tensor, num_experts: int, k:
         raise ValueError(f"x_MK.shape[1]={x_MK.shape[1]} does not match the weight's K={k}")
 
 
+def check_mxfp8_weight(qdata_ENK: torch.Tensor, scale_ENB: torch.Tensor) -> None:
+    """Raise naming the argument unless ``qdata`` / ``scale`` are an MXFP8 weight (e4m3 + e8m0 as uint8)."""
+    if not isinstance(qdata_ENK, torch.Tensor) or qdata_ENK.dim() != 3 or qdata_ENK.dtype != torch.float8_e4m3fn:
+        got = f"{qdata_ENK.dtype} {tuple(qdata_ENK.shape)}" if isinstance(qdata_ENK, torch.Tensor) else qdata_ENK
+        raise ValueError(f"qdata_ENK must be float8_e4m3fn [E, N, K], got {got}")
+    E, N, K = qdata_ENK.shape
+    if K % MX_BLOCK:
+        raise ValueError(f"qdata_ENK's K={K} must be a multiple of {MX_BLOCK} (one e8m0 scale per {MX_BLOCK} values)")
+    if (
+        not isinstance(scale_ENB, torch.Tensor)
+        or scale_ENB.dtype not in (torch.uint8, torch.float8_e8m0fnu)
+        or tuple(scale_ENB.shape) != (E, N, K // MX_BLOCK)
+    ):
+        got = f"{scale_ENB.dtype} {tuple(scale_ENB.shape)}" if isinstance(scale_ENB, torch.Tensor) else scale_ENB
+        raise ValueError(f"scale_ENB must be uint8 [{E}, {N}, {K // MX_BLOCK}], got {got}")
+    _common.check_same_device(qdata_ENK=qdata_ENK, scale_ENB=scale_ENB)
+
+
+def check_nvfp4_weight(qdata_ENP: torch.Tensor, scale_ENB: torch.Tensor, expert_scale_E: torch.Tensor) -> None:
+    """Raise naming the argument unless the three tensors are an NVFP4 weight (packed e2m1, e4m3, fp32 ``[E]``)."""
+    if not isinstance(qdata_ENP, torch.Tensor) or qdata_ENP.dim() != 3 or qdata_ENP.dtype != torch.uint8:
+        got = f"{qdata_ENP.dtype} {tuple(qdata_ENP.shape)}" if isinstance(qdata_ENP, torch.Tensor) else qdata_ENP
+        raise ValueError(f"qdata_ENP must be uint8 [E, N, K/2], got {got}")
+    E, N, K = qdata_ENP.shape[0], qdata_ENP.shape[1], qdata_ENP.shape[2] * 2
+    if K % NV_BLOCK:
+        raise ValueError(f"qdata_ENP's K={K} must be a multiple of {NV_BLOCK} (one e4m3 scale per {NV_BLOCK} values)")
+    if (
+        not isinstance(scale_ENB, torch.Tensor)
+        or scale_ENB.dtype != torch.float8_e4m3fn
+        or tuple(scale_ENB.shape) != (E, N, K // NV_BLOCK)
+    ):
+        got = f"{scale_ENB.dtype} {tuple(scale_ENB.shape)}" if isinstance(scale_ENB, torch.Tensor) else scale_ENB
+        raise ValueError(f"scale_ENB must be float8_e4m3fn [{E}, {N}, {K // NV_BLOCK}], got {got}")
+    if (
+        not isinstance(expert_scale_E, torch.Tensor)
+        or expert_scale_E.dtype != torch.float32
+        or expert_scale_E.numel() != E
+    ):
+        got = (f"{expert_scale_E.dtype} {tuple(expert_scale_E.shape)}" if isinstance(expert_scale_E, torch.Tensor)
+               else expert_scale_E)
+        raise ValueError(f"expert_scale_E must be fp32 with {E} elements, got {got}")
+    _common.check_same_device(qdata_ENP=qdata_ENP, scale_ENB=scale_ENB, expert_scale_E=expert_scale_E)
+
+
 def grouped_mm(
     x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, *, zero_tail: bool = True
 ) -> torch.Tensor:
@@ -478,18 +536,22 @@ def grouped_mm(
     Args:
         x_MK: ``[M, K]`` bf16/fp16/fp32, expert-major rows.
         w_ENK: ``[E, N, K]``, same dtype as ``x_MK``, any strides (a ``w.transpose(1, 2)`` view works).
-        offs_E: int32 ``[E]`` cumulative end offsets, on ``x_MK``'s device.
+        offs_E: int32 ``[E]`` cumulative end offsets, on ``x_MK``'s device, non-decreasing in ``[0, M]``: CPU checks
+            (``ValueError``); the Triton kernels clamp them into ``[0, M]`` (never reading outside ``x``);
+            ``torch._grouped_mm`` (bf16 on sm90/sm100) takes them as they are, as PyTorch documents.
         zero_tail: ``False`` leaves the rows ``>= offs[-1]`` (and those of ``dX``) unspecified, for callers
             that never read them (one launch less per GEMM where CUTLASS runs it).
 
     Returns:
         ``[M, N]`` in ``x_MK.dtype``. Differentiable w.r.t. ``x_MK`` and ``w_ENK`` (deterministic).
     """
-    if w_ENK.dim() != 3:
-        raise ValueError(f"w_ENK must be 3-D [E, N, K], got shape {tuple(w_ENK.shape)}")
+    if not isinstance(w_ENK, torch.Tensor) or w_ENK.dim() != 3:
+        raise ValueError(f"w_ENK must be 3-D [E, N, K], got shape {tuple(getattr(w_ENK, 'shape', ()))}")
     _check_common(x_MK, offs_E, w_ENK.shape[0], w_ENK.shape[2])
     if w_ENK.dtype != x_MK.dtype:
         raise TypeError(f"w_ENK.dtype={w_ENK.dtype} must equal x_MK.dtype={x_MK.dtype}")
+    _common.check_same_device(x_MK=x_MK, w_ENK=w_ENK, offs_E=offs_E)
+    _common.check_bool(zero_tail, "zero_tail")
     return _grouped_mm_op(x_MK, w_ENK, offs_E, zero_tail)
 
 
@@ -497,13 +559,10 @@ def grouped_mm_mxfp8(
     x_MK: torch.Tensor, qdata_ENK: torch.Tensor, scale_ENB: torch.Tensor, offs_E: torch.Tensor
 ) -> torch.Tensor:
     """Weight-only MXFP8 grouped GEMM: ``qdata_ENK`` float8_e4m3fn, ``scale_ENB`` uint8 e8m0 ``[E, N, K/32]``."""
-    if qdata_ENK.dim() != 3 or qdata_ENK.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"qdata_ENK must be float8_e4m3fn [E, N, K], got {qdata_ENK.dtype} {tuple(qdata_ENK.shape)}")
-    E, N, K = qdata_ENK.shape
-    if scale_ENB.dtype not in (torch.uint8, torch.float8_e8m0fnu) or tuple(scale_ENB.shape) != (E, N, K // MX_BLOCK):
-        got = f"{scale_ENB.dtype} {tuple(scale_ENB.shape)}"
-        raise ValueError(f"scale_ENB must be uint8 [{E}, {N}, {K // MX_BLOCK}], got {got}")
+    check_mxfp8_weight(qdata_ENK, scale_ENB)
+    E, K = qdata_ENK.shape[0], qdata_ENK.shape[2]
     _check_common(x_MK, offs_E, E, K)
+    _common.check_same_device(x_MK=x_MK, qdata_ENK=qdata_ENK, offs_E=offs_E)
     return _grouped_mm_mxfp8_op(x_MK, qdata_ENK, scale_ENB.view(torch.uint8), offs_E)
 
 
@@ -515,16 +574,10 @@ def grouped_mm_nvfp4(
     offs_E: torch.Tensor,
 ) -> torch.Tensor:
     """Weight-only NVFP4 grouped GEMM: packed uint8 ``[E, N, K/2]``, e4m3 ``[E, N, K/16]``, fp32 ``[E]``."""
-    if qdata_ENP.dim() != 3 or qdata_ENP.dtype != torch.uint8:
-        raise ValueError(f"qdata_ENP must be uint8 [E, N, K/2], got {qdata_ENP.dtype} {tuple(qdata_ENP.shape)}")
-    E, N, K = qdata_ENP.shape[0], qdata_ENP.shape[1], qdata_ENP.shape[2] * 2
-    if scale_ENB.dtype != torch.float8_e4m3fn or tuple(scale_ENB.shape) != (E, N, K // NV_BLOCK):
-        got = f"{scale_ENB.dtype} {tuple(scale_ENB.shape)}"
-        raise ValueError(f"scale_ENB must be float8_e4m3fn [{E}, {N}, {K // NV_BLOCK}], got {got}")
-    if expert_scale_E.dtype != torch.float32 or expert_scale_E.numel() != E:
-        got = f"{expert_scale_E.dtype} {tuple(expert_scale_E.shape)}"
-        raise ValueError(f"expert_scale_E must be fp32 with {E} elements, got {got}")
+    check_nvfp4_weight(qdata_ENP, scale_ENB, expert_scale_E)
+    E, K = qdata_ENP.shape[0], qdata_ENP.shape[2] * 2
     _check_common(x_MK, offs_E, E, K)
+    _common.check_same_device(x_MK=x_MK, qdata_ENP=qdata_ENP, offs_E=offs_E)
     return _grouped_mm_nvfp4_op(x_MK, qdata_ENP, scale_ENB, expert_scale_E.reshape(E), offs_E)
 
 

@@ -27,11 +27,27 @@ rows. (Adopting it would make the op data dependent and change the prob gradient
 CPU (and any non-CUDA device): :func:`permute_pad_reference`, pure PyTorch, sync-free, gathers only
 (NOTE [gather-only reference]), plus a host check that ``expert_idx`` is in ``[0, E)``. CUDA: two
 Triton launches (``moe_compile/ops/triton/dispatch.py``: the index kernel, then the permute);
-``debug=True`` adds device-side range asserts on ``expert_idx``. The op is built like a
+``debug=True`` adds device-side range asserts on ``expert_idx``; without it, an id outside ``[0, E)`` is dropped
+and its token poisoned (NOTE [dropped entries]). The op is built like a
 ``torch.library.triton_op`` (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)): under
 ``torch.compile`` on CUDA it dissolves into its kernel launches, which Inductor emits in its own code.
 Backward: ``moe::permute_pad_backward``, a gather (``dx[t] = sum_k g[row(t,k)]`` in fp32, ascending rows;
 ``dprobs[t,k] = g_probs[row(t,k)]``); never a scatter-add.
+
+NOTE [dropped entries]:
+An expert id outside ``[0, E)`` (``E``, ``-1``, ``2**40``, ...) has no segment. CPU eager raises ``ValueError``
+naming ``expert_idx``; a CPU graph asserts on the device; CUDA with ``debug=True`` asserts on the device. Otherwise
+(CUDA by default, and :func:`permute_pad_reference` itself) the entry is *dropped*: it gets no row, is in no
+count (``counts_E.sum() = N - dropped``), and its ``row_map`` row is ``-1``, listed after the token's real rows (in
+slot order). The pad rows and the tail stay zero (the token programs of dropped entries zero the ``dropped``
+non-real rows that the zero programs, sized for ``M - N``, do not reach). Every other output is bitwise that of the
+same call without the bad entries, i.e. on ``E + 1`` experts with the bad ids set to ``E``, up to the extra
+expert's rows (which follow ``offs_E[-1]``). The ``-1`` is the poison: every consumer of the map reads it as NaN
+(NOTE [poisoned tokens] (moe_compile/ops/unpad_unpermute.py)), so ``unpad_unpermute`` gives the token a NaN output
+whatever the probs (combined there, applied to the rows through ``probs_M``, or none), and the backward gives it NaN
+gradients (``grad_x[t]``, ``grad_probs[t, :]``); ``expert_gemm``'s gather through the map skips the ``-1``. Nothing
+is read on the host: ``PermutePadOut.invalid_ids()`` counts the dropped entries on the device, and the router metrics
+count them per layer (``moe/invalid_ids``, :mod:`moe_compile.metrics`).
 """
 
 from __future__ import annotations
@@ -45,6 +61,9 @@ from torch import Tensor
 from moe_compile.ops import _common, _eager_launch
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS, static_row_bound
 from moe_compile.ops.unpad_unpermute import (
+    _poison_tokens,
+    _rows_in_range,
+    _slots_in_range,
     launch_gather_sum_triton,
     place_of_slot,
     rows_by_slot,
@@ -63,6 +82,12 @@ class PermutePadOut(NamedTuple):
     row_map: Tensor  # int32 [T, 2K], opaque; input of unpad_unpermute
     counts_E: Tensor  # int32 [E] unpadded tokens per expert
 
+    def invalid_ids(self) -> Tensor:
+        """int64 0-dim tensor on the device: the routed entries whose expert id was outside ``[0, E)`` (dropped,
+        NOTE [dropped entries]), ``T*K - counts_E.sum()``; no host sync (one reduction over ``E``)."""
+        T, K = self.row_map.shape[0], self.row_map.shape[1] // 2
+        return T * K - self.counts_E.sum(dtype=torch.int64)
+
 
 # ===== reference =====
 
@@ -74,7 +99,8 @@ def permute_pad_reference(
 
     Args:
         x_TH: ``[T, H]`` token rows.
-        expert_idx_TK: ``[T, K]`` integer expert ids, assumed in ``[0, num_experts)`` (not checked here).
+        expert_idx_TK: ``[T, K]`` integer expert ids; an id outside ``[0, num_experts)`` is dropped
+            (NOTE [dropped entries]; not checked here).
         probs_TK: optional ``[T, K]`` routing probs, permuted alongside the rows.
         num_experts: ``E``.
         align: rows per expert segment are rounded up to a multiple of ``align``.
@@ -89,6 +115,9 @@ def permute_pad_reference(
     device = x_TH.device
     i64 = torch.int64
     ids_N = expert_idx_TK.reshape(N).to(i64)
+    # an id outside [0, E) sorts after every expert (key E) and is counted by none: NOTE [dropped entries]
+    valid_N = (ids_N >= 0) & (ids_N < num_experts)
+    ids_N = torch.where(valid_N, ids_N, num_experts)
     experts_E = torch.arange(num_experts, device=device, dtype=i64)
     inverse_N = None  # inverse_N[i]: the sorted position of flat entry i
     if 0 < N * N <= _common.SMALL_COMPARES:
@@ -132,14 +161,18 @@ def permute_pad_reference(
     # above, or another sort) shifted to its expert's segment
     if inverse_N is None:
         inverse_N = torch.argsort(order_N)
-    dest_TK = (inverse_N + (seg_start_E - starts_E).index_select(0, ids_N)).reshape(T, K)
+    dest_N = inverse_N + (seg_start_E - starts_E).index_select(0, ids_N.clamp_max(num_experts - 1))
+    # a dropped entry's row is -1, and it sorts after the token's real rows (in slot order): key M + k
+    slot_N = torch.arange(N, device=device, dtype=i64) % K
+    key_TK = torch.where(valid_N, dest_N, M + slot_N).reshape(T, K)
     if T * K * K <= _common.SMALL_COMPARES:
-        # NOTE [few library calls] (moe_compile/ops/_common.py): a token's rows are distinct, rank them
-        rank_TK = (dest_TK[:, None, :] < dest_TK[:, :, None]).sum(2)  # rank_TK[t, k]: k's place in t's order
+        # NOTE [few library calls] (moe_compile/ops/_common.py): a token's keys are distinct, rank them
+        rank_TK = (key_TK[:, None, :] < key_TK[:, :, None]).sum(2)  # rank_TK[t, k]: k's place in t's order
         slots_TK = place_of_slot(rank_TK)  # the slot at each place: the inverse permutation
-        sorted_rows_TK = dest_TK.gather(1, slots_TK)
+        sorted_keys_TK = key_TK.gather(1, slots_TK)
     else:
-        sorted_rows_TK, slots_TK = dest_TK.sort(dim=1)
+        sorted_keys_TK, slots_TK = key_TK.sort(dim=1)
+    sorted_rows_TK = torch.where(sorted_keys_TK < M, sorted_keys_TK, -1)
     row_map = torch.cat([sorted_rows_TK, slots_TK], dim=1).to(torch.int32)
     return PermutePadOut(rows_MH, probs_M, offs_E.to(torch.int32), row_map, counts_E.to(torch.int32))
 
@@ -151,24 +184,34 @@ def permute_pad_backward_reference(
 
     Returns ``(grad_x_TH, grad_probs_TK)``: ``grad_x[t] = sum over t's rows r (ascending) of
     grad_rows[r]`` accumulated in fp32; ``grad_probs[t, k] = grad_probs_M[row(t, k)]`` (None if
-    ``grad_probs_M`` is None).
+    ``grad_probs_M`` is None). A token with a dropped entry (row ``-1``) gets NaN gradients
+    (NOTE [poisoned tokens] (moe_compile/ops/unpad_unpermute.py)).
     """
     grad_x_TH = unpad_unpermute_reference(grad_rows_MH, row_map, None)
     if grad_probs_M is None:
         return grad_x_TH, None
-    row_of_slot_TK = rows_by_slot(row_map)
-    grad_probs_TK = grad_probs_M.index_select(0, row_of_slot_TK.reshape(-1)).reshape(row_of_slot_TK.shape)
-    return grad_x_TH, grad_probs_TK
+    M = grad_probs_M.shape[0]
+    _, rows_ok_TK = _rows_in_range(row_map, M)
+    _, slots_ok_TK = _slots_in_range(row_map)
+    row_of_slot_TK = rows_by_slot(row_map).clamp(0, max(M - 1, 0))
+    grad_probs_TK = (
+        grad_probs_M.index_select(0, row_of_slot_TK.reshape(-1)).reshape(row_of_slot_TK.shape)
+        if M > 0 else grad_probs_M.new_zeros(row_of_slot_TK.shape)
+    )
+    return grad_x_TH, _poison_tokens(grad_probs_TK, rows_ok_TK & slots_ok_TK)
 
 
 # ===== validation =====
 
 
-def _check_args(x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts: int, align: int) -> None:
+def _check_args(
+    x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts: int, align: int, debug: bool = False
+) -> None:
     # Fast path: one expression over the common case; anything off goes to the detailed checks below,
     # which raise with the message for the first failing argument.
     if (
-        isinstance(x, Tensor)
+        type(debug) is bool
+        and isinstance(x, Tensor)
         and isinstance(expert_idx, Tensor)
         and x.dtype in _common.FLOAT_DTYPE_SET
         and expert_idx.dtype in _common.INT_DTYPES
@@ -191,10 +234,12 @@ def _check_args(x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts
         )
     ):
         return
-    _check_args_detailed(x, expert_idx, probs, num_experts, align)
+    _check_args_detailed(x, expert_idx, probs, num_experts, align, debug)
 
 
-def _check_args_detailed(x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts: int, align: int) -> None:
+def _check_args_detailed(
+    x: Tensor, expert_idx: Tensor, probs: Tensor | None, num_experts: int, align: int, debug: bool = False
+) -> None:
     _common.check_float_tensor(x, "x", 2)
     _common.check_int_tensor(expert_idx, "expert_idx", 2)
     if expert_idx.shape[0] != x.shape[0]:
@@ -202,7 +247,7 @@ def _check_args_detailed(x: Tensor, expert_idx: Tensor, probs: Tensor | None, nu
             f"expert_idx must have one row per token of x: expert_idx.shape={tuple(expert_idx.shape)}, "
             f"x.shape={tuple(x.shape)}"
         )
-    if not isinstance(num_experts, int) or num_experts < 1:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
     K = expert_idx.shape[1]
     if K < 1:
@@ -218,6 +263,7 @@ def _check_args_detailed(x: Tensor, expert_idx: Tensor, probs: Tensor | None, nu
                 f"expert_idx.shape={tuple(expert_idx.shape)}"
             )
     _common.check_same_device(x=x, expert_idx=expert_idx, probs=probs)
+    _common.check_bool(debug, "debug")
 
 
 # ===== Triton launchers (CUDA; also run on CPU tensors under TRITON_INTERPRET=1 in the tests) =====
@@ -264,6 +310,7 @@ class _PermutePlan(NamedTuple):
     num_blocks: int
     sub: int
     chunk: int
+    drop_e_chunk: int
     block_h: int
     num_warps: int
     zero_rows: int
@@ -298,13 +345,16 @@ def _permute_plan(
         sub = min(_common.next_power_of_2(num_blocks), max(1, SCAN_TILE_ENTRIES // e_pad)) if parallel_histogram else 1
     # the rank loop's [K_PAD, CHUNK] compare tile: <= 4K entries, at most the span it has to cover
     chunk = max(16, min(_common.next_power_of_2(block_n + K), 4096 // k_pad))
+    # the dropped entries' branch (bad input only) reads the table in [K_PAD, drop_e_chunk] tiles: <= 4K entries
+    drop_e_chunk = min(e_pad, max(16, 4096 // k_pad))
     bh, warps = _common.row_block(H, elem_size, max_bytes=16384)
     bh = block_h or bh
     warps = num_warps or warps
     zero_rows = max(2, min(16, 4096 // bh, 16384 // e_pad))
     rows_grid = (T + _common.cdiv(M - N, zero_rows), _common.cdiv(H, bh))
     return _PermutePlan(
-        N, M, e_pad, k_pad, block_n, num_blocks, sub, chunk, bh, warps, zero_rows, rows_grid, parallel_histogram
+        N, M, e_pad, k_pad, block_n, num_blocks, sub, chunk, drop_e_chunk, bh, warps, zero_rows, rows_grid,
+        parallel_histogram,
     )
 
 
@@ -325,6 +375,7 @@ def _launch_triton(
     sub: int | None = None,
     parallel_histogram: bool | None = None,
     use_pdl: bool | None = None,
+    copy_ids: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Two launches, no host sync: the index kernel (histogram + scan), then the permute (+ zero rows); at large
     ``N`` three (``parallel_histogram``: the histograms first, one program per block).
@@ -334,7 +385,10 @@ def _launch_triton(
     launches where supported). Under a trace (fake/functional tensors) the kernels go through ``wrap_triton``, so
     Inductor launches them from its generated code. ``block_n`` / ``block_h`` / ``num_warps`` / ``sub`` (table blocks
     per index-kernel iteration, a power of two) and ``parallel_histogram`` override the plan (tests use small blocks
-    to cover several).
+    to cover several); ``copy_ids`` overrides whether the permute kernel reads the int32 copy of the ids (default:
+    on the traced path where Inductor needs it, see
+    NOTE [no load-derived store addresses on graph inputs] (moe_compile/ops/triton/dispatch.py); tests set it to run
+    that path under the interpreter).
     """
     from moe_compile.ops.triton import dispatch as kernels
 
@@ -345,6 +399,8 @@ def _launch_triton(
     if use_pdl is None:
         use_pdl = not traced and _common.pdl_supported(x.device)
     use_pdl = use_pdl and not traced
+    if copy_ids is None:
+        copy_ids = traced and _common.ttir_writes_follow_loads()
     if x.stride(1) != 1:
         x = x.contiguous()
     if not expert_idx.is_contiguous():
@@ -353,7 +409,7 @@ def _launch_triton(
         probs = probs.contiguous()
     replay_key = replayed = None
     if not traced:  # NOTE [replayed eager launches] (moe_compile/ops/_eager_launch.py)
-        replay_key = _eager_launch.replay_key((plan_args, debug, use_pdl, x.stride(0)), x, expert_idx, probs)
+        replay_key = _eager_launch.replay_key((plan_args, debug, use_pdl, copy_ids, x.stride(0)), x, expert_idx, probs)
         replayed = _REPLAYS.get(replay_key, x.get_device())
     empty = _common.eager_cuda_allocator(x, traced)
     i32 = torch.int32
@@ -362,7 +418,6 @@ def _launch_triton(
     # NOTE [one table] (moe_compile/ops/triton/dispatch.py): counts, before_blocks, seg_start, then the ids copy if
     # traced
     # NOTE [no load-derived store addresses on graph inputs] (moe_compile/ops/triton/dispatch.py)
-    copy_ids = traced and _common.ttir_writes_follow_loads()
     ids_offset = (plan.num_blocks + 2) * e_pad
     table = empty((ids_offset + (plan.N if copy_ids else 0),), i32)
     offs = empty((num_experts,), i32)
@@ -399,6 +454,7 @@ def _launch_triton(
     _common.launch_kernel(
         kernels._permute_rows_kernel, plan.rows_grid, *rows_args,
         K=K, K_PAD=plan.k_pad, ALIGN=align, E_PAD=e_pad, BLOCK_N=plan.block_n, CHUNK=plan.chunk,
+        DROP_E_CHUNK=plan.drop_e_chunk,
         HAS_PROBS=probs is not None, BLOCK_H=plan.block_h, ZERO_ROWS=plan.zero_rows, IDS_IN_TABLE=copy_ids,
         USE_PDL=use_pdl, traced=traced, record=record, options=dict(num_warps=plan.num_warps, **pdl),
     )  # fmt: skip
@@ -422,7 +478,7 @@ def _reference_tuple(x, expert_idx, probs, num_experts, align):
 def _permute_pad_cuda(x, expert_idx, probs, num_experts, align, debug=False):
     """The CUDA path: the Triton kernels, or the reference where they do not apply (empty inputs, huge E).
     Runs on CPU tensors too under ``TRITON_INTERPRET=1`` (the kernel tests)."""
-    _check_args(x, expert_idx, probs, num_experts, align)
+    _check_args(x, expert_idx, probs, num_experts, align, debug)
     if not _use_triton(x, expert_idx, num_experts):
         return _reference_tuple(x, expert_idx, probs, num_experts, align)
     return _launch_triton(x, expert_idx, probs, num_experts, align, debug)
@@ -449,7 +505,7 @@ def _permute_pad_body(
     # `probs_M` is an empty tensor when no probs are given (ops cannot return None)
     if x.device.type == "cuda":
         return _permute_pad_cuda(x, expert_idx, probs, num_experts, align, debug)
-    _check_args(x, expert_idx, probs, num_experts, align)
+    _check_args(x, expert_idx, probs, num_experts, align, debug)
     if not _common.is_traced(x):  # eager CPU: the ids are on the host anyway
         _common.check_ids_in_range(expert_idx, 0, num_experts, "expert_idx")
     else:
@@ -461,7 +517,7 @@ def _permute_pad_body(
 
 
 def _permute_pad_fake(x, expert_idx, probs, num_experts, align, debug=False):
-    _check_args(x, expert_idx, probs, num_experts, align)
+    _check_args(x, expert_idx, probs, num_experts, align, debug)
     T, H = x.shape
     K = expert_idx.shape[1]
     M = static_row_bound(T * K, num_experts, align)
@@ -565,7 +621,10 @@ def permute_pad(
 
     Args:
         x_TH: ``[T, H]`` activations, bf16/fp16/fp32.
-        expert_idx_TK: ``[T, K]`` integer expert ids in ``[0, num_experts)``.
+        expert_idx_TK: ``[T, K]`` integer expert ids in ``[0, num_experts)``. Outside it: CPU raises; CUDA
+            asserts with ``debug=True``, else drops the entry and poisons its token: its combine in
+            :func:`moe_compile.ops.unpad_unpermute` and its gradients are NaN, other tokens are unchanged
+            (NOTE [dropped entries]; count them with ``.invalid_ids()``).
         probs_TK: optional ``[T, K]`` float routing probs, permuted alongside the rows.
         num_experts: ``E`` (required), ``>= K``.
         align: segment alignment, one of ``SUPPORTED_ALIGNMENTS``.
@@ -582,8 +641,11 @@ def permute_pad(
     """
     if num_experts is None:
         raise ValueError("num_experts is required")
-    if not (isinstance(x_TH, Tensor) and isinstance(expert_idx_TK, Tensor)):
-        _check_args_detailed(x_TH, expert_idx_TK, probs_TK, num_experts, align)  # raises, naming the argument
+    if not (
+        isinstance(x_TH, Tensor) and isinstance(expert_idx_TK, Tensor) and type(num_experts) is int
+        and type(align) is int and type(debug) is bool
+    ):  # (the dispatcher would turn a bool into an int)
+        _check_args_detailed(x_TH, expert_idx_TK, probs_TK, num_experts, align, debug)  # raises, naming the argument
     # the op's kernels (and its fake, when traced) validate the arguments: checked once per call
     fast = _common.eager_fast_path(x_TH, expert_idx_TK, probs_TK)
     if fast and "cuda" not in _CUDA_KERNEL_DISABLED:

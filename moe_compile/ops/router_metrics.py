@@ -20,7 +20,11 @@ slot   name                    added per call (``T`` tokens, ``K`` top-k, ``E`` 
 5      ``max_over_mean_load``  ``max_e count_e / mean_e count_e`` (1 when perfectly balanced)
 6      ``over_capacity``       fraction of the ``T*K`` assignments beyond each expert's capacity
                                ``ceil(capacity_factor * T*K / E)`` (0 without a capacity)
-7...   ``tokens_per_expert``   ``count_e``: assignments of expert ``e`` (ids outside ``[0, E)``,
+7      ``invalid_ids``         assignments whose expert id is outside ``[0, E)``: ``T*K - sum_e count_e``
+                               (``moe.permute_pad`` drops them and poisons their tokens with NaN,
+                               NOTE [dropped entries] (moe_compile/ops/permute_pad.py); this is the
+                               count, per layer, without a host sync)
+8...   ``tokens_per_expert``   ``count_e``: assignments of expert ``e`` (ids outside ``[0, E)``,
                                e.g. non-local experts under expert parallelism, are not counted)
 =====  ======================  ================================================================
 
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-STATS = ("steps", "tokens", "lb_loss", "z_loss", "entropy", "max_over_mean_load", "over_capacity")
+STATS = ("steps", "tokens", "lb_loss", "z_loss", "entropy", "max_over_mean_load", "over_capacity", "invalid_ids")
 NUM_STATS = len(STATS)
 ACC_DTYPE = torch.float64
 
@@ -74,7 +78,8 @@ def router_stats(logits: torch.Tensor, expert_idx: torch.Tensor, capacity_factor
             over = (counts_E - capacity).clamp_min(0.0).sum() / assignments.clamp_min(1.0)
         else:
             over = torch.zeros_like(routed)
-        head = torch.stack([torch.ones_like(tokens), tokens, lb_loss, z_loss, entropy, max_over_mean, over])
+        invalid = assignments - routed
+        head = torch.stack([torch.ones_like(tokens), tokens, lb_loss, z_loss, entropy, max_over_mean, over, invalid])
         return torch.cat([head, counts_E])
 
 
@@ -109,10 +114,29 @@ def new_accumulator(num_experts: int, device: torch.device | str) -> torch.Tenso
 def router_metrics_(
     acc_S: torch.Tensor, logits: torch.Tensor, expert_idx: torch.Tensor, capacity_factor: float = 0.0
 ) -> None:
-    """Add one router call's statistics into ``acc_S`` in place (``torch.ops.moe.router_metrics_``)."""
+    """Add one router call's statistics into ``acc_S`` in place (``torch.ops.moe.router_metrics_``).
+
+    Expert ids outside ``[0, E)`` are not an error: they are counted as ``invalid_ids`` (and in no expert).
+    """
+    for name, t in (("acc_S", acc_S), ("logits", logits), ("expert_idx", expert_idx)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if logits.dim() < 1 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a float tensor [..., E], got {logits.dtype} {tuple(logits.shape)}")
     E = logits.shape[-1]
     if acc_S.dim() != 1 or acc_S.shape[0] != NUM_STATS + E:
         raise ValueError(f"acc_S must have shape [{NUM_STATS + E}] for E={E} experts, got {tuple(acc_S.shape)}")
-    if expert_idx.is_floating_point() or expert_idx.is_complex():
+    if not acc_S.is_floating_point():
+        raise ValueError(f"acc_S must have a float dtype (float64 from new_accumulator), got {acc_S.dtype}")
+    if expert_idx.is_floating_point() or expert_idx.is_complex() or expert_idx.dtype == torch.bool:
         raise TypeError(f"expert_idx must be an integer tensor, got {expert_idx.dtype}")
+    if expert_idx.dim() < 1 or expert_idx.shape[:-1].numel() != logits.shape[:-1].numel():
+        raise ValueError(f"expert_idx must be [..., K] with one row per token of logits: "
+                         f"expert_idx.shape={tuple(expert_idx.shape)}, logits.shape={tuple(logits.shape)}")
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
+            or capacity_factor != capacity_factor:
+        raise ValueError(f"capacity_factor must be a number (<= 0 for none), got {capacity_factor!r}")
+    devices = {t.device for t in (acc_S, logits, expert_idx)}
+    if len(devices) > 1:
+        raise ValueError(f"acc_S, logits and expert_idx must be on one device, got {sorted(map(str, devices))}")
     torch.ops.moe.router_metrics_(acc_S, logits, expert_idx, float(capacity_factor))

@@ -97,7 +97,7 @@ def segment_sum_backward_reference(grad_RD: Tensor, idx_N: Tensor, mask_N: Tenso
 # ===== validation =====
 
 
-def _check_args(src: Tensor, idx: Tensor, num_rows: int, mask: Tensor | None) -> None:
+def _check_args(src: Tensor, idx: Tensor, num_rows: int, mask: Tensor | None, debug: bool = False) -> None:
     if not isinstance(src, Tensor):
         raise ValueError(f"src must be a torch.Tensor, got {type(src).__name__}")
     if src.dtype not in SRC_DTYPES:
@@ -119,6 +119,7 @@ def _check_args(src: Tensor, idx: Tensor, num_rows: int, mask: Tensor | None) ->
             raise ValueError(f"mask must have one entry per entry of idx: mask.shape={tuple(mask.shape)}, "
                              f"idx.shape={tuple(idx.shape)}")
     _common.check_same_device(src=src, idx=idx, mask=mask)
+    _common.check_bool(debug, "debug")
 
 
 def _check_idx_in_range(idx: Tensor, num_rows: int, mask: Tensor | None) -> None:
@@ -170,7 +171,7 @@ def _launch_triton(src: Tensor, idx: Tensor, num_rows: int, mask: Tensor | None,
 
 def _segment_sum_body(src: Tensor, idx: Tensor, num_rows: int, mask: Tensor | None = None,
                       debug: bool = False) -> Tensor:
-    _check_args(src, idx, num_rows, mask)
+    _check_args(src, idx, num_rows, mask, debug)
     if src.device.type == "cuda":
         return _launch_triton(src, idx, num_rows, mask, debug)
     if not _common.is_traced(src):  # eager CPU: the indices are on the host anyway
@@ -179,7 +180,7 @@ def _segment_sum_body(src: Tensor, idx: Tensor, num_rows: int, mask: Tensor | No
 
 
 def _segment_sum_fake(src, idx, num_rows, mask=None, debug=False):
-    _check_args(src, idx, num_rows, mask)
+    _check_args(src, idx, num_rows, mask, debug)
     return src.new_empty(num_rows, src.shape[1])
 
 
@@ -236,5 +237,5 @@ def segment_sum(src_ND: Tensor, idx_N: Tensor, num_rows: int, mask_N: Tensor | N
         ValueError: wrong dtype/rank/shape/device, ``num_rows`` not an int ``>= 0``, or (CPU) indices out of
             range. Messages name the argument.
     """
-    _check_args(src_ND, idx_N, num_rows, mask_N)
+    _check_args(src_ND, idx_N, num_rows, mask_N, debug)
     return _SEGMENT_SUM(src_ND, idx_N, num_rows, mask_N, debug)

@@ -23,6 +23,26 @@ with its own options (contraction on), which may move a result by one rounding o
 
 The zero-prob rule (see NOTE [zero-prob rule] (moe_compile/ops/permute_pad.py)) is not applied: a ``0.0`` prob simply
 weights its row by zero.
+
+NOTE [poisoned tokens]:
+A row-map entry is *bad* when its row is outside ``[0, R)`` (``permute_pad`` writes ``-1`` for an expert id
+outside ``[0, E)``, NOTE [dropped entries] (moe_compile/ops/permute_pad.py); any other such row is a corrupt map),
+or, where the slot is read (with probs), when its slot is outside ``[0, K)``. What happens to such input:
+
+* CPU, eager: the op raises ``ValueError`` naming ``row_map`` (the host reads the map anyway).
+* CUDA with ``debug=True``: a device-side assert (no host sync).
+* CUDA by default, and every reference: no load leaves its tensor (bad rows and slots are masked or clamped), and
+  the token is *poisoned*: ``y[t]`` is NaN in every column, so the loss shows it. Backward: the token's gradients
+  are NaN too (its incoming gradient is read as NaN: ``grad_rows`` of its in-range rows and ``grad_probs[t, :]``),
+  never finite-and-wrong; ``permute_pad``'s backward, the same gather over the map, gives ``grad_x[t]`` and
+  ``grad_probs[t, :]`` NaN for a token with a dropped entry. Every other token's results are bitwise those of the
+  same call without the bad entry, and the kernels' cost on valid input is a few compares per token (nothing is
+  read back on the host).
+
+Count them on the device: ``PermutePadOut.invalid_ids()`` per call, or ``moe/invalid_ids`` from
+:mod:`moe_compile.metrics` per layer (the router's ids outside ``[0, E)``). A bad row that is not a dropped entry
+only comes from a corrupt map and has no counter: counting it would need another output of the op (an integer
+per call, reduced across programs), a schema change for a case the ops never produce themselves.
 """
 
 from __future__ import annotations
@@ -51,22 +71,50 @@ def unpad_unpermute_reference(rows_RH: Tensor, row_map: Tensor, probs_TK: Tensor
         probs_TK: optional ``[T, K]`` merging probs (in top-k slot order, like ``expert_idx``).
 
     Returns:
-        ``[T, H]`` in ``rows_RH.dtype``: fp32 accumulation in ascending row order, cast once.
+        ``[T, H]`` in ``rows_RH.dtype``: fp32 accumulation in ascending row order, cast once; NaN rows for
+        tokens with a bad entry (NOTE [poisoned tokens]).
     """
     T, K = row_map.shape[0], row_map.shape[1] // 2
-    H = rows_RH.shape[1]
+    R, H = rows_RH.shape
     acc_dtype = _acc_dtype(rows_RH.dtype)
-    rows_TK = row_map[:, :K].long()
+    rows_TK, ok_TK = _rows_in_range(row_map, R)
     probs_sorted_TK = None
     if probs_TK is not None:
-        probs_sorted_TK = probs_TK.gather(1, row_map[:, K:].long()).to(acc_dtype)
+        slots_TK, slots_ok_TK = _slots_in_range(row_map)
+        ok_TK = ok_TK & slots_ok_TK
+        probs_sorted_TK = probs_TK.gather(1, slots_TK).to(acc_dtype)
     acc_TH = torch.zeros((T, H), dtype=acc_dtype, device=rows_RH.device)
     for j in range(K):  # ascending rows: fixed, documented summation order
-        term_TH = rows_RH.index_select(0, rows_TK[:, j]).to(acc_dtype)
+        term_TH = (
+            rows_RH.index_select(0, rows_TK[:, j]).to(acc_dtype) if R > 0 else acc_TH.new_zeros(T, H)
+        )
         if probs_sorted_TK is not None:
             term_TH = term_TH * probs_sorted_TK[:, j : j + 1]
         acc_TH = acc_TH + term_TH
-    return acc_TH.to(rows_RH.dtype)
+    return _poison_tokens(acc_TH.to(rows_RH.dtype), ok_TK)
+
+
+def _rows_in_range(row_map: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+    """``(rows_TK, ok_TK)``: the row half as int64 clamped into ``[0, num_rows)`` (safe to gather with), and where
+    it was in range (NOTE [poisoned tokens])."""
+    K = row_map.shape[1] // 2
+    rows_TK = row_map[:, :K].long()
+    ok_TK = (rows_TK >= 0) & (rows_TK < num_rows)
+    return rows_TK.clamp(0, max(num_rows - 1, 0)), ok_TK
+
+
+def _slots_in_range(row_map: Tensor) -> tuple[Tensor, Tensor]:
+    """``(slots_TK, ok_TK)``: the slot half as int64 clamped into ``[0, K)``, and where it was in range."""
+    K = row_map.shape[1] // 2
+    slots_TK = row_map[:, K:].long()
+    ok_TK = (slots_TK >= 0) & (slots_TK < K)
+    return slots_TK.clamp(0, K - 1), ok_TK
+
+
+def _poison_tokens(t_TX: Tensor, ok_TK: Tensor) -> Tensor:
+    """``t_TX`` with NaN rows for the tokens that have an entry not ``ok`` (NOTE [poisoned tokens])."""
+    return torch.where(ok_TK.all(1, keepdim=True), t_TX, torch.full((), float("nan"), dtype=t_TX.dtype,
+                                                                     device=t_TX.device))
 
 
 def place_of_slot(slots_TK: Tensor) -> Tensor:
@@ -77,7 +125,8 @@ def place_of_slot(slots_TK: Tensor) -> Tensor:
     if T * K * K > _common.SMALL_COMPARES:
         return slots_TK.argsort(dim=1)
     k = torch.arange(K, device=slots_TK.device)
-    return ((slots_TK[:, None, :] == k[None, :, None]) * k[None, None, :]).sum(2)
+    # (the clamp keeps a row that is no permutation, a poisoned token's, inside [0, K): NOTE [poisoned tokens])
+    return ((slots_TK[:, None, :] == k[None, :, None]) * k[None, None, :]).sum(2).clamp_max(K - 1)
 
 
 def rows_by_slot(row_map: Tensor) -> Tensor:
@@ -103,7 +152,16 @@ def unpad_unpermute_backward_reference(
     H = grad_y_TH.shape[1]
     device = grad_y_TH.device
     acc_dtype = _acc_dtype(grad_y_TH.dtype)
-    rows_TK, slots_TK = row_map[:, :K].long(), row_map[:, K:].long()
+    # a token with a bad entry gets NaN gradients (its incoming gradient reads NaN: NOTE [poisoned tokens]); the
+    # unclamped rows decide which rows an entry writes (a row outside [0, num_rows) matches none)
+    rows_TK = row_map[:, :K].long()
+    safe_rows_TK, ok_TK = _rows_in_range(row_map, num_rows)
+    if probs_TK is not None:
+        slots_TK, slots_ok_TK = _slots_in_range(row_map)
+        ok_TK = ok_TK & slots_ok_TK
+    else:
+        slots_TK = row_map[:, K:].long()
+    grad_y_TH = _poison_tokens(grad_y_TH, ok_TK)
     if probs_TK is None:
         vals_TKH = grad_y_TH.unsqueeze(1).expand(T, K, H)
     else:
@@ -128,20 +186,24 @@ def unpad_unpermute_backward_reference(
         grad_rows_RH = grad_y_TH.new_zeros((num_rows, H))
     if probs_TK is None or rows_RH is None:
         return grad_rows_RH, None
-    z_TKH = rows_RH.index_select(0, rows_TK.reshape(-1)).reshape(T, K, H).to(acc_dtype)
+    if num_rows > 0:
+        z_TKH = rows_RH.index_select(0, safe_rows_TK.reshape(-1)).reshape(T, K, H).to(acc_dtype)
+    else:
+        z_TKH = grad_y_TH.new_zeros(T, K, H, dtype=acc_dtype)
     dots_TK = (z_TKH * grad_y_TH.to(acc_dtype).unsqueeze(1)).sum(dim=2)
     # dots are in ascending-row order; slot k's dot sits at the position of k among the token's slots
     grad_probs_TK = dots_TK.gather(1, place_of_slot(slots_TK)).to(probs_TK.dtype)
-    return grad_rows_RH, grad_probs_TK
+    return grad_rows_RH, _poison_tokens(grad_probs_TK, ok_TK)
 
 
 # ===== validation =====
 
 
-def _check_args(rows: Tensor, row_map: Tensor, probs: Tensor | None) -> None:
+def _check_args(rows: Tensor, row_map: Tensor, probs: Tensor | None, debug: bool = False) -> None:
     # Fast path over the common case; anything off goes to the detailed checks (first failing argument).
     if (
-        isinstance(rows, Tensor)
+        type(debug) is bool
+        and isinstance(rows, Tensor)
         and isinstance(row_map, Tensor)
         and rows.dtype in _common.FLOAT_DTYPE_SET
         and row_map.dtype == torch.int32
@@ -163,10 +225,10 @@ def _check_args(rows: Tensor, row_map: Tensor, probs: Tensor | None) -> None:
         )
     ):
         return
-    _check_args_detailed(rows, row_map, probs)
+    _check_args_detailed(rows, row_map, probs, debug)
 
 
-def _check_args_detailed(rows: Tensor, row_map: Tensor, probs: Tensor | None) -> None:
+def _check_args_detailed(rows: Tensor, row_map: Tensor, probs: Tensor | None, debug: bool = False) -> None:
     _common.check_float_tensor(rows, "rows", 2)
     _common.check_int_tensor(row_map, "row_map", 2, dtypes=(torch.int32,))
     width = row_map.shape[1]
@@ -180,11 +242,22 @@ def _check_args_detailed(rows: Tensor, row_map: Tensor, probs: Tensor | None) ->
                 f"row_map.shape={tuple(row_map.shape)}, got probs.shape={tuple(probs.shape)}"
             )
     _common.check_same_device(rows=rows, row_map=row_map, probs=probs)
+    _common.check_bool(debug, "debug")
 
 
-def _check_rows_in_range(row_map: Tensor, num_rows: int) -> None:
+def _check_map_values(row_map: Tensor, num_rows: int) -> None:
+    """Host checks (CPU tensors) of both halves of ``row_map``: rows in ``[0, num_rows)``; each token's slots a
+    permutation of ``0..K-1`` (NOTE [poisoned tokens] says what the device does instead)."""
     K = row_map.shape[1] // 2
     _common.check_ids_in_range(row_map[:, :K], 0, num_rows, "row_map (rows)")
+    slots = row_map[:, K:]
+    _common.check_ids_in_range(slots, 0, K, "row_map (slots)")
+    if slots.numel() and not torch.equal(slots.sort(dim=1).values, torch.arange(K, dtype=slots.dtype).expand_as(slots)):
+        bad = int((slots.sort(dim=1).values != torch.arange(K, dtype=slots.dtype)).any(1).nonzero()[0, 0])
+        raise ValueError(
+            f"row_map (slots) of each token must be a permutation of 0..{K - 1} (from permute_pad), "
+            f"got {slots[bad].tolist()} for token {bad}"
+        )
 
 
 # ===== Triton launchers (CUDA; also run on CPU tensors under TRITON_INTERPRET=1 in the tests) =====
@@ -322,7 +395,7 @@ def launch_unpad_unpermute_backward_triton(
 
 def _unpad_unpermute_cuda(rows, row_map, probs, debug=False):
     """The CUDA path (Triton; the reference for empty shapes). Runs on CPU tensors under the interpreter."""
-    _check_args(rows, row_map, probs)
+    _check_args(rows, row_map, probs, debug)
     if rows.shape[1] == 0 or row_map.shape[0] == 0:
         return unpad_unpermute_reference(rows, row_map, probs)
     return launch_gather_sum_triton(rows, row_map, probs, debug)[0]
@@ -342,14 +415,14 @@ def _unpad_unpermute_backward_cuda(grad_y, row_map, probs, rows, num_rows):
 def _unpad_unpermute_body(rows: Tensor, row_map: Tensor, probs: Tensor | None, debug: bool = False) -> Tensor:
     if rows.device.type == "cuda":
         return _unpad_unpermute_cuda(rows, row_map, probs, debug)
-    _check_args(rows, row_map, probs)
+    _check_args(rows, row_map, probs, debug)
     if not _common.is_traced(rows):  # eager CPU: the map is on the host anyway
-        _check_rows_in_range(row_map, rows.shape[0])
+        _check_map_values(row_map, rows.shape[0])
     return unpad_unpermute_reference(rows, row_map, probs)
 
 
 def _unpad_unpermute_fake(rows, row_map, probs, debug=False):
-    _check_args(rows, row_map, probs)
+    _check_args(rows, row_map, probs, debug)
     return rows.new_empty(row_map.shape[0], rows.shape[1])
 
 
@@ -440,19 +513,24 @@ def unpad_unpermute(
     Args:
         rows_RH: ``[R, H]`` rows in the layout produced by :func:`moe_compile.ops.permute_pad`
             (``R`` is usually its ``M``), bf16/fp16/fp32.
-        row_map: int32 ``[T, 2K]`` from :func:`moe_compile.ops.permute_pad`.
+        row_map: int32 ``[T, 2K]`` from :func:`moe_compile.ops.permute_pad`: rows in ``[0, R)``, each token's
+            slots a permutation of ``0..K-1``. A row outside ``[0, R)`` (``permute_pad``'s ``-1`` for a dropped
+            expert id) or, with probs, a slot outside ``[0, K)``: CPU raises; CUDA asserts with ``debug=True``,
+            else poisons the token (``y[t]`` and its gradients NaN; NOTE [poisoned tokens]).
         probs_TK: optional ``[T, K]`` float merging probs, in top-k slot order (like ``expert_idx``).
-        debug: on CUDA, add device-side asserts that ``row_map`` rows are in ``[0, R)``.
+        debug: on CUDA, add device-side asserts that ``row_map`` rows are in ``[0, R)`` (and slots in
+            ``[0, K)`` with probs).
 
     Returns:
         ``y_TH`` ``[T, H]`` in ``rows_RH.dtype``: ``y[t] = sum over t's K rows, ascending, of
         prob * row``, accumulated in fp32 and cast once.
 
     Raises:
-        ValueError: wrong dtype/rank/shape/device (messages name the argument), or (CPU) rows out of range.
+        ValueError: wrong dtype/rank/shape/device (messages name the argument), or (CPU) ``row_map`` values out
+            of range. TypeError: ``debug`` not a bool.
     """
-    if not (isinstance(rows_RH, Tensor) and isinstance(row_map, Tensor)):
-        _check_args_detailed(rows_RH, row_map, probs_TK)  # raises, naming the argument
+    if not (isinstance(rows_RH, Tensor) and isinstance(row_map, Tensor) and type(debug) is bool):
+        _check_args_detailed(rows_RH, row_map, probs_TK, debug)  # raises, naming the argument
     # the op's kernels (and its fake, when traced) validate the arguments: checked once per call
     fast = _common.eager_fast_path(rows_RH, row_map, probs_TK)
     if fast and "cuda" not in _CUDA_KERNEL_DISABLED:

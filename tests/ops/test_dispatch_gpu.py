@@ -19,6 +19,7 @@ from moe_compile.ops import (
 from tests._subprocess import run_python
 
 from ._dispatch_reference import DOT_TOLS, DTYPE_TOLS, check_invariants, make_routing
+from ._poison_cases import BAD_IDS, BAD_MAPS, check_bad_expert_ids, check_bad_row_map
 
 pytestmark = [
     pytest.mark.gpu,
@@ -439,3 +440,150 @@ def test_debug_device_assert_under_compile():
     bad = run_python(script.format(debug=True))
     assert bad.returncode != 0 and "finished" not in bad.stdout
     assert "assert" in bad.stderr.lower(), bad.stderr[-3000:]
+
+
+# ===== issue 35: bad input with debug=False is visible: NaN in the output and gradients, counted on the device =====
+# (tests/ops/_poison_cases.py: the same checks run on CPU tensors under the interpreter in
+# tests/ops/triton/test_dispatch_kernels.py, so these have run before they reach a GPU)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("kind", sorted(BAD_IDS))
+def test_bad_expert_ids_poison_their_tokens(kind, dtype):
+    """permute_pad given an expert id E, -1 or 2**40: the token's combine is NaN (probs in the combine, applied to
+    the rows, or none), its gradients too; every other token bitwise as without the bad entries; counted by
+    ``invalid_ids()`` and the router metrics."""
+    check_bad_expert_ids(DEV, kind, dtype=dtype, seed=int(torch.seed() % 2**31))
+    # many blocks of ids: the histograms in their own kernel, dropped entries ranked across blocks
+    check_bad_expert_ids(DEV, kind, T=3000, H=136, E=64, K=8, align=32, dtype=dtype, seed=int(torch.seed() % 2**31))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("kind", sorted(BAD_MAPS))
+def test_bad_row_map_poisons_its_token(kind, dtype):
+    """unpad_unpermute given a row past the rows (or negative), or with probs a slot past K (or negative): the token's
+    output and gradients are NaN, nothing is read past rows or probs, every other token is bitwise unchanged."""
+    check_bad_row_map(DEV, kind, dtype=dtype, seed=int(torch.seed() % 2**31))
+    check_bad_row_map(DEV, kind, T=2000, H=264, E=32, K=4, align=16, dtype=dtype, seed=int(torch.seed() % 2**31))
+
+
+@pytest.mark.parametrize("T", (96, 4096))  # 4096: the histogram kernel too
+@pytest.mark.parametrize("kind", sorted(BAD_IDS))
+def test_bad_expert_ids_poison_under_compile(kind, T):
+    """The kernels launched by Inductor's generated code (on torch 2.11 the permute reads the int32 copy of the
+    ids, where 2**40 must not wrap into [0, E)): the bad tokens' outputs and gradients NaN, the others as eager."""
+    H, E, K, a = 128, 8, 2, 16
+    x, ids, probs = _inputs(T, H, E, K, torch.bfloat16, seed=int(torch.seed() % 2**31))
+    w = (torch.randn(H, H, device=DEV) / 8).to(torch.bfloat16)
+    bad_value = {"id_E": E, "id_minus_1": -1, "id_2_pow_40": 2**40}[kind]
+    ids[T // 3, 1] = ids[T // 2, 0] = bad_value
+    bad_T = torch.zeros(T, dtype=torch.bool)
+    bad_T[[T // 3, T // 2]] = True
+
+    def layer(x, ids, probs):
+        out = permute_pad(x, ids, probs, num_experts=E, align=a)
+        return unpad_unpermute(torch.nn.functional.silu(out.rows_MH @ w), out.row_map, probs)
+
+    def step(fn):
+        xx, pp = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        y = fn(xx, ids, pp)
+        y.backward(torch.ones_like(y))
+        return y.detach().cpu(), xx.grad.cpu(), pp.grad.cpu()
+
+    torch._dynamo.reset()
+    got = step(torch.compile(layer, fullgraph=True))
+    torch._dynamo.reset()
+    want = step(layer)
+    for g, w_, what in zip(got, want, ("y", "grad x", "grad probs")):
+        assert bool(g[bad_T].isnan().all()), (what, "a bad token is not all NaN")
+        assert not bool(g[~bad_T].isnan().any()), (what, "NaN outside the bad tokens")
+        torch.testing.assert_close(g[~bad_T].float(), w_[~bad_T].float(), **DTYPE_TOLS[torch.bfloat16])
+
+
+@pytest.mark.parametrize("kind", ("row_R", "slot_K"))
+def test_bad_row_map_poisons_under_compile(kind):
+    T, H, E, K, a = 256, 64, 8, 2, 16
+    x, ids, probs = _inputs(T, H, E, K, torch.float32, seed=int(torch.seed() % 2**31))
+    out = permute_pad(x, ids, probs, num_experts=E, align=a)
+    row_map = out.row_map.clone()
+    row_map[7, 0 if kind == "row_R" else K] = out.rows_MH.shape[0] if kind == "row_R" else K
+    f = torch.compile(lambda z, m, p: unpad_unpermute(z * 2, m, p), fullgraph=True)
+    z = out.rows_MH.clone().requires_grad_(True)
+    y = f(z, row_map, probs)
+    (gz,) = torch.autograd.grad(y, z, torch.ones_like(y))
+    torch._dynamo.reset()
+    assert bool(y[7].isnan().all()) and not bool(y[torch.arange(T, device=DEV) != 7].isnan().any())
+    rows = row_map[7, :K].long()
+    rows = rows[(rows >= 0) & (rows < z.shape[0])]
+    assert rows.numel() and bool(gz[rows].isnan().all())
+
+
+def test_bad_ids_in_a_cuda_graph_replay_are_poisoned_and_counted():
+    """No host sync: a graph captured on good ids, replayed with bad ones, shows them (NaN rows, the count); the
+    router metrics count them too (eager, in sync debug mode); replayed with good ids again, bitwise the reference."""
+    from moe_compile import metrics
+    from moe_compile.ops.router_metrics import router_metrics_
+
+    metrics.forget()
+    T, H, E, K, a = 1024, 256, 16, 4, 32
+    x, ids, probs = _inputs(T, H, E, K, torch.bfloat16, seed=41)
+    logits = torch.randn(T, E, device=DEV)
+    entry = metrics.accumulator("model.layers.0.mlp.gate", E, DEV)
+    static_ids = ids.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: every kernel compiled before the capture
+        warm = permute_pad(x, static_ids, probs, num_experts=E, align=a)
+        unpad_unpermute(warm.rows_MH, warm.row_map, probs)
+        warm.invalid_ids()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = permute_pad(x, static_ids, probs, num_experts=E, align=a)
+        y = unpad_unpermute(out.rows_MH, out.row_map, probs)
+        n_invalid = out.invalid_ids()
+    bad = ids.clone()
+    bad[5, 2], bad[900, 0], bad[901, 3] = E, -1, 2**40
+    static_ids.copy_(bad)
+    graph.replay()
+    bad_T = torch.zeros(T, dtype=torch.bool, device=DEV)
+    bad_T[[5, 900, 901]] = True
+    assert bool(y[bad_T].isnan().all()) and not bool(y[~bad_T].isnan().any())
+    assert int(n_invalid) == 3
+    router_metrics_(entry.acc_S, logits, static_ids)  # warm-up, then counted once more without a host sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        router_metrics_(entry.acc_S, logits, static_ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert metrics.collect()["moe/invalid_ids"] == 3  # per step (two calls, 6 bad ids)
+    static_ids.copy_(ids)
+    graph.replay()
+    for got, want in zip(out, _ref_tuple(x, ids, probs, E, a)):
+        assert torch.equal(got, want)
+    assert torch.equal(y, unpad_unpermute_reference(out.rows_MH, out.row_map, probs)) and int(n_invalid) == 0
+    metrics.forget()
+
+
+def test_poisoning_needs_no_host_sync():
+    """Eager, with bad input: no call synchronises with the host (torch's sync debug mode raises on one)."""
+    T, H, E, K = 512, 128, 8, 2
+    x, ids, probs = _inputs(T, H, E, K, torch.bfloat16, seed=42)
+    ids[3, 1] = -1
+
+    def step():
+        xx, pp = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        out = permute_pad(xx, ids, pp, num_experts=E, align=16)
+        y = unpad_unpermute(out.rows_MH * out.probs_M[:, None], out.row_map, pp)
+        y.backward(torch.ones_like(y))
+        return y, xx.grad, out.invalid_ids()
+
+    step()  # every kernel compiled first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y, grad_x, count = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(count) == 1 and bool(y[3].isnan().all()) and bool(grad_x[3].isnan().all())

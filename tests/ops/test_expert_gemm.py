@@ -250,3 +250,67 @@ def test_tma_layout_of_traced_tensors():
                 assert not eg._tma_layout(x_, None, w_, False, True, rows=65)["X_TMA"]
                 assert eg._tma_layout(x_, None, w_, False, False) == off
     assert not eg._tma_enabled(torch.empty(4, 4, dtype=torch.bfloat16), "plain")  # CPU tensors: never
+
+
+# ===== issue 35: every argument checked on CPU, naming it; values too =====
+
+
+def test_more_bad_arguments_name_the_argument():
+    x, d = _dispatch(seed=int(torch.seed() % 2**31))
+    w = torch.randn(4, 16, 16)
+    M = d.rows_MH.shape[0]
+    kw = dict(row_map=d.row_map, num_rows=M)
+    bad_map = d.row_map.clone()
+    bad_map[3, 1] = M
+    cases = [
+        # a row map for other tokens than x's: the gather would read x past its end
+        (lambda: eg.expert_gemm(x[:5], w, d.offs_E, **kw), "row_map must have one row per token of x_SK"),
+        (lambda: torch.ops.moe.expert_gemm(x[:5], w, d.offs_E, d.row_map, None, "none", M, False),
+         "row_map must have one row per token of x_SK"),
+        (lambda: eg.expert_gemm(x.to(torch.float8_e4m3fn), w, d.offs_E, **kw), "x_SK must be a 2-D bf16"),
+        (lambda: eg.expert_gemm(x, w, d.offs_E, row_map=d.row_map, num_rows=-1), "num_rows must be an int >= 0"),
+        (lambda: eg.expert_gemm(x, w, d.offs_E, row_map=d.row_map, num_rows=True), "num_rows must be an int >= 0"),
+        (lambda: eg.expert_gemm(x, w, d.offs_E, store_preact="yes", **kw), "store_preact must be a bool"),
+        (lambda: eg.expert_gemm(x, w, d.offs_E, row_weight_M=torch.ones(M, dtype=torch.int64), **kw),
+         "row_weight_M must have a float dtype"),
+        (lambda: eg.expert_gemm(x, w, d.offs_E, row_weight_M=torch.ones(M, device="meta"), **kw), "one device"),
+        (lambda: eg.expert_gemm(x, w.to(torch.float8_e4m3fn), d.offs_E, w_scale=torch.zeros(4, 16, 2), fmt="mxfp8",
+                                **kw), "qdata_ENK's K=16 must be a multiple of 32"),
+        (lambda: eg.expert_gemm(x, torch.zeros(4, 16, 8, dtype=torch.uint8), d.offs_E,
+                                w_scale=torch.zeros(4, 16, 1).to(torch.float8_e4m3fn), fmt="nvfp4", **kw),
+         "expert_scale_E are required"),
+        # values, on CPU: offsets outside the rows, map rows outside the rows
+        (lambda: eg.expert_gemm(x, w, torch.tensor([2, 4, 6, M + 1], dtype=torch.int32), **kw),
+         rf"offs_E values must be in \[0, {M}\]"),
+        (lambda: eg.expert_gemm(x, w, d.offs_E, row_map=bad_map, num_rows=M),
+         rf"row_map \(rows\) values must be in \[0, {M}\)"),
+    ]
+    for call, match in cases:
+        with pytest.raises((ValueError, TypeError), match=match):
+            call()
+
+
+def test_epilogue_launchers_name_the_argument():
+    """The standalone epilogues' launchers (eager CUDA paths of expert_gemm) check shapes before a kernel could read
+    past a tensor; on CPU the checks raise before any launch."""
+    from moe_compile.ops import expert_epilogue as ee
+
+    pre, rw = torch.randn(6, 8), torch.rand(6)
+    cases = [
+        (lambda: ee.launch_epilogue(pre, 8, "swiglu", rw, torch.float32),
+         r"pre_MW must be a float tensor of shape \[6, 16\]"),
+        (lambda: ee.launch_epilogue(pre, 4, "relu", rw, torch.float32), "activation='relu'"),
+        (lambda: ee.launch_epilogue(pre, 4, "swiglu", torch.rand(5), torch.float32), r"row_weight_M .* \[6\]"),
+        (lambda: ee.launch_epilogue(pre, 4, "swiglu", rw, torch.int32), "out_dtype must be a float dtype"),
+        (lambda: ee.launch_epilogue_backward(pre, torch.randn(6, 3), rw, None, "swiglu", True),
+         r"dy_MN must be a float tensor of shape \[6, 4\]"),
+        (lambda: ee.launch_epilogue_backward(pre, torch.randn(6, 4), rw, torch.randn(6, 4), "geglu", False),
+         r"dpre_MW must be a float tensor of shape \[6, 8\]"),
+        (lambda: ee.launch_epilogue_backward(pre, torch.randn(6, 4), rw, None, "swiglu", 1), "need_row_weight_grad"),
+        (lambda: ee.launch_row_scale_backward(torch.randn(6, 7), pre, rw),
+         r"a_MK must be a float tensor of shape \[6, 8\]"),
+        (lambda: ee.launch_row_scale_backward(pre, pre, None), "row_weight_M is required"),
+    ]
+    for call, match in cases:
+        with pytest.raises((ValueError, TypeError), match=match):
+            call()

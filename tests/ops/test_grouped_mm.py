@@ -225,3 +225,43 @@ def test_compiled_grouped_mm_fp32_static_shapes():
 def test_bad_input_errors_name_the_argument(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+# ===== issue 35: every argument checked on CPU, naming it =====
+
+
+@pytest.mark.parametrize("offs,match", [
+    ([-1, 3, 5], r"offs_E values must be in \[0, 8\] \(rows\), got min -1"),
+    ([3, 5, 9], r"offs_E values must be in \[0, 8\] \(rows\), got min 3, max 9"),
+    ([3, 2, 8], "offs_E must be non-decreasing"),
+])
+def test_offsets_outside_the_rows_name_the_argument(offs, match):
+    # before: accepted silently on CPU (the CUDA kernels read rows before x for a negative offset)
+    gen = torch.Generator().manual_seed(int(torch.seed() % 2**31))
+    x, w, dy = torch.randn(8, 16, generator=gen), torch.randn(3, 4, 16, generator=gen), torch.randn(8, 4, generator=gen)
+    offs_E = torch.tensor(offs, dtype=torch.int32)
+    q, s = torch.zeros(3, 4, 32).to(torch.float8_e4m3fn), torch.full((3, 4, 1), 127, dtype=torch.uint8)
+    for call in (
+        lambda: gmm.grouped_mm(x, w, offs_E),
+        lambda: torch.ops.moe.grouped_mm(x, w, offs_E),
+        lambda: torch.ops.moe.grouped_mm_wgrad(dy, x, offs_E),
+        lambda: gmm.grouped_mm_mxfp8(torch.randn(8, 32, generator=gen), q, s, offs_E),
+    ):
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_flags_devices_and_weights_name_the_argument():
+    x, w, offs = torch.randn(4, 8), torch.randn(2, 3, 8), _offs([1, 3])
+    with pytest.raises(TypeError, match="zero_tail must be a bool"):
+        gmm.grouped_mm(x, w, offs, zero_tail="no")
+    with pytest.raises(ValueError, match="one device"):
+        gmm.grouped_mm(x, w.to("meta"), offs)
+    with pytest.raises(TypeError, match="offs_E must be a torch.Tensor"):
+        gmm.grouped_mm(x, w, [1, 3])
+    with pytest.raises(ValueError, match="qdata_ENK's K=40 must be a multiple of 32"):
+        gmm.grouped_mm_mxfp8(torch.randn(4, 40), torch.zeros(2, 3, 40).to(torch.float8_e4m3fn),
+                             torch.zeros(2, 3, 1, dtype=torch.uint8), offs)
+    with pytest.raises(ValueError, match="expert_scale_E must be fp32 with 2"):
+        gmm.grouped_mm_nvfp4(torch.randn(4, 32), torch.zeros(2, 3, 16, dtype=torch.uint8),
+                             torch.zeros(2, 3, 2).to(torch.float8_e4m3fn), torch.ones(2, dtype=torch.float64), offs)

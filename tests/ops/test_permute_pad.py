@@ -8,7 +8,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from moe_compile.ops import PermutePadOut, permute_pad, permute_pad_reference, static_row_bound, unpad_unpermute
+from moe_compile.ops import (
+    PermutePadOut,
+    permute_pad,
+    permute_pad_reference,
+    static_row_bound,
+    unpad_unpermute,
+    unpad_unpermute_reference,
+)
 
 from ._dispatch_reference import (  # noqa: F401 (_single_intra_op_thread is an autouse fixture)
     ALIGNS,
@@ -278,3 +285,44 @@ def test_reference_compares_and_library_calls_agree(T, E, K, a, monkeypatch):
     assert torch.equal(outs[0][0], rows_ref) and torch.equal(outs[0][1], probs_ref)
     for got, want in zip(outs[1], outs[0]):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bad", (8, -1, 2**40), ids=("E", "minus_1", "2_pow_40"))
+@pytest.mark.parametrize("a", (1, 16))
+def test_reference_drops_bad_ids_and_leaves_the_rest_bitwise(bad, a, monkeypatch):
+    """NOTE [dropped entries] (moe_compile/ops/permute_pad.py): the reference (the CUDA fallback, the kernels' oracle)
+    gives a bad id no row, no count and a -1 in the map, listed last; everything else is bitwise the call on E + 1
+    experts with the bad ids set to E, up to that expert's rows. Both reference paths (compares, library calls)."""
+    from moe_compile.ops import _common
+
+    T, E, K = 13, 8, 3
+    x, ids, probs = _inputs(T, 16, E, K, torch.float32, seed=int(torch.seed() % 2**31))
+    gen = torch.Generator().manual_seed(int(torch.seed() % 2**31))
+    bad_TK = torch.rand(T, K, generator=gen) < 0.25
+    bad_TK[3] = True
+    ids_bad = torch.where(bad_TK, bad, ids)
+    for small in (1 << 62, 0):
+        monkeypatch.setattr(_common, "SMALL_COMPARES", small)
+        out = permute_pad_reference(x, ids_bad, probs, E, a)
+        plus = permute_pad_reference(x, torch.where(bad_TK, E, ids), probs, E + 1, a)
+        used = int(out.offs_E[-1])
+        assert used == int(plus.offs_E[E - 1]) and out.rows_MH.shape[0] == static_row_bound(T * K, E, a)
+        assert torch.equal(out.rows_MH[:used], plus.rows_MH[:used]) and not out.rows_MH[used:].any()
+        assert torch.equal(out.probs_M[:used], plus.probs_M[:used]) and not out.probs_M[used:].any()
+        assert torch.equal(out.offs_E, plus.offs_E[:E]) and torch.equal(out.counts_E, plus.counts_E[:E])
+        rows_plus = plus.row_map[:, :K]
+        assert torch.equal(out.row_map[:, :K], torch.where(rows_plus >= used, -1, rows_plus))
+        assert torch.equal(out.row_map[:, K:], plus.row_map[:, K:])
+        assert int(out.invalid_ids()) == int(bad_TK.sum())
+        y = unpad_unpermute_reference(out.rows_MH, out.row_map, probs)
+        assert torch.equal(y.isnan().any(1), bad_TK.any(1))
+
+
+def test_bool_and_flag_arguments_name_the_argument():
+    x, ids = torch.randn(4, 8), torch.zeros(4, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="num_experts must be an int"):
+        permute_pad(x, ids, None, num_experts=True)
+    with pytest.raises(ValueError, match="align=True is not supported"):
+        permute_pad(x, ids, None, num_experts=4, align=True)
+    with pytest.raises(TypeError, match="debug must be a bool"):
+        permute_pad(x, ids, None, num_experts=4, align=1, debug="no")

@@ -142,3 +142,8 @@ def test_bad_arguments_name_the_argument(bad, match, debug):
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         segment_sum(args["src"], args["idx"], args["num_rows"], args["mask"], debug=debug)
+
+
+def test_debug_must_be_a_bool():
+    with pytest.raises(TypeError, match="debug must be a bool"):
+        segment_sum(torch.zeros(4, 2), torch.tensor([0, 1, 2, 1]), 5, None, debug="false")

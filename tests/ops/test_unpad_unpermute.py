@@ -218,3 +218,90 @@ def test_public_api_exports():
     assert all(hasattr(ops, name) for name in ops.__all__)
     for op in ("permute_pad", "unpad_unpermute", "permute_pad_backward", "unpad_unpermute_backward"):
         assert hasattr(torch.ops.moe, op)
+
+
+# ===== issue 35: bad row maps (NOTE [poisoned tokens] (moe_compile/ops/unpad_unpermute.py)) =====
+
+
+def _random_map(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    T, H, E, K, a = 7, 8, 6, 3, 8
+    ids = make_routing(T, K, E, "uniform", gen)
+    out = permute_pad_reference(torch.randn(T, H, generator=gen), ids, None, E, a)
+    rows = torch.randn(out.rows_MH.shape, generator=gen)
+    return rows, out.row_map, torch.rand(T, K, generator=gen), gen
+
+
+@pytest.mark.parametrize("slot", (3, 1000, -1), ids=("K", "K_plus_1000", "minus_1"))
+@pytest.mark.parametrize("with_probs", (True, False))
+def test_slot_half_out_of_range_names_the_argument(slot, with_probs):
+    # before: a raw IndexError from gather that does not name row_map (and none at all without probs)
+    rows, row_map, probs, gen = _random_map(int(torch.seed() % 2**31))
+    t = int(torch.randint(0, row_map.shape[0], (1,), generator=gen))
+    row_map[t, 3 + int(torch.randint(0, 3, (1,), generator=gen))] = slot
+    with pytest.raises(ValueError, match=r"row_map \(slots\) values must be in \[0, 3\)"):
+        unpad_unpermute(rows, row_map, probs if with_probs else None)
+    with pytest.raises(ValueError, match=r"row_map \(slots\)"):
+        torch.ops.moe.unpad_unpermute(rows, row_map, probs if with_probs else None)
+
+
+def test_slot_half_not_a_permutation_names_the_argument():
+    rows, row_map, probs, _ = _random_map(int(torch.seed() % 2**31))
+    row_map[2, 3:] = row_map[2, 3]  # every slot of token 2 the same (in range)
+    with pytest.raises(ValueError, match=r"row_map \(slots\) of each token must be a permutation of 0..2.* token 2"):
+        unpad_unpermute(rows, row_map, probs)
+
+
+def test_debug_must_be_a_bool():
+    rows, row_map, probs, _ = _random_map(0)
+    with pytest.raises(TypeError, match="debug must be a bool"):
+        unpad_unpermute(rows, row_map, probs, debug="false")
+    with pytest.raises(TypeError, match="debug must be a bool"):
+        permute_pad(torch.randn(4, 8), torch.zeros(4, 2, dtype=torch.int64), None, num_experts=4, debug=None)
+
+
+@pytest.mark.parametrize("bad", ("row_R", "row_minus_1", "slot_K"))
+def test_references_poison_the_token_and_leave_the_others_bitwise(bad):
+    """The references define what the CUDA kernels do with a bad entry (and what a CPU graph computes, where the map
+    is not checked on the host): the token's output and gradients are NaN, the others bitwise unchanged."""
+    from moe_compile.ops import permute_pad_backward_reference
+
+    rows, row_map, probs, gen = _random_map(int(torch.seed() % 2**31))
+    T, K, R = row_map.shape[0], row_map.shape[1] // 2, rows.shape[0]
+    bad_map = row_map.clone()
+    t = int(torch.randint(0, T, (1,), generator=gen))
+    j = int(torch.randint(0, K, (1,), generator=gen))
+    bad_map[t, j if bad.startswith("row") else K + j] = {"row_R": R, "row_minus_1": -1, "slot_K": K}[bad]
+    good = torch.arange(T) != t
+    g = torch.randn(T, rows.shape[1], generator=gen)
+    for p in (probs, None):
+        poisoned = bad.startswith("row") or p is not None
+        y, y_ok = unpad_unpermute_reference(rows, bad_map, p), unpad_unpermute_reference(rows, row_map, p)
+        assert bool(y[t].isnan().all()) == poisoned and not y[good].isnan().any()
+        assert torch.equal(y[good], y_ok[good])
+        d_rows, d_probs = unpad_unpermute_backward_reference(g, bad_map, p, rows, R)
+        d_rows_ok, d_probs_ok = unpad_unpermute_backward_reference(g, row_map, p, rows, R)
+        mine = bad_map[t, :K].long()
+        mine = mine[(mine >= 0) & (mine < R)]
+        assert bool(d_rows[mine].isnan().all()) == poisoned
+        others = row_map[good, :K].reshape(-1).long()
+        assert torch.equal(d_rows[others], d_rows_ok[others])
+        if p is not None:
+            assert bool(d_probs[t].isnan().all()) and torch.equal(d_probs[good], d_probs_ok[good])
+    # permute_pad's backward, the same gather over the map: the token's grad_x (and grad_probs) NaN
+    g_rows, g_probs = torch.randn(R, rows.shape[1], generator=gen), torch.randn(R, generator=gen)
+    gx, gp = permute_pad_backward_reference(g_rows, g_probs, bad_map)
+    gx_ok, gp_ok = permute_pad_backward_reference(g_rows, g_probs, row_map)
+    assert bool(gx[t].isnan().all()) == bad.startswith("row") and torch.equal(gx[good], gx_ok[good])
+    assert bool(gp[t].isnan().all()) and torch.equal(gp[good], gp_ok[good])
+
+
+def test_cpu_graph_poisons_a_bad_row_map():
+    """Traced on CPU the map is not read on the host: the decomposed reference poisons instead of reading past."""
+    rows, row_map, probs, _ = _random_map(5)
+    bad_map = row_map.clone()
+    bad_map[4, 0] = rows.shape[0] + 7
+    f = torch.compile(lambda z, m, p: unpad_unpermute(z, m, p), backend="aot_eager", fullgraph=True)
+    y = f(rows, bad_map, probs)
+    assert bool(y[4].isnan().all()) and not y[torch.arange(7) != 4].isnan().any()
+    torch._dynamo.reset()

@@ -93,7 +93,8 @@ def _block_ids(ids_ptr, ids_copy_ptr, blocks, N, num_experts, BLOCK_N: tl.conste
     if DEBUG:
         tl.device_assert(valid | ~in_bounds, "expert_idx out of range [0, num_experts)")
     if COPY_IDS:  # NOTE [no load-derived store addresses on graph inputs]
-        tl.store(ids_copy_ptr + offs, ids.to(tl.int32), mask=in_bounds)
+        # out-of-range ids become -1, so that the int32 copy cannot wrap an id like 2**40 into [0, E)
+        tl.store(ids_copy_ptr + offs, tl.where(valid, ids, -1).to(tl.int32), mask=in_bounds)
     return ids, valid
 
 
@@ -194,6 +195,7 @@ def _permute_rows_kernel(
     E_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,
+    DROP_E_CHUNK: tl.constexpr,  # experts per tile of the dropped entries' branch (NOTE [dropped entries])
     HAS_PROBS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ZERO_ROWS: tl.constexpr,
@@ -238,6 +240,13 @@ def _permute_rows_kernel(
             dest = tl.sum(tl.where(slots == k, dest_K, 0), 0)
             # (cols * 0 + dest): a vector, because the interpreter cannot AND a vector with a scalar mask
             tl.store(rows_ptr + dest.to(tl.int64) * H + cols, vals, mask=col_mask & ((cols * 0 + dest) >= 0))
+        bad_K = slot_mask & ~valid_K
+        if tl.max(bad_K.to(tl.int32), 0) > 0:  # bad input only: NOTE [dropped entries] (moe_compile/ops/permute_pad.py)
+            _zero_rows_of_dropped(
+                ids_src, table_ptr, rows_ptr, probs_out_ptr, t, flat_K, bad_K, cols, col_mask, pid_h, H,
+                num_experts, num_rows, num_zero_rows, K, K_PAD, ALIGN, E_PAD, BLOCK_N, CHUNK, DROP_E_CHUNK, HAS_PROBS,
+                BLOCK_H,
+            )  # fmt: skip
         if pid_h == 0:
             if HAS_PROBS:
                 p = tl.load(probs_ptr + flat_K, mask=slot_mask)
@@ -269,6 +278,54 @@ def _permute_rows_kernel(
                 tl.store(
                     probs_out_ptr + row, tl.zeros([ZERO_ROWS], dtype=probs_out_ptr.dtype.element_ty), mask=row_mask
                 )
+
+
+@triton.jit
+def _zero_rows_of_dropped(
+    ids_src, table_ptr, rows_ptr, probs_out_ptr, t, flat_K, bad_K, cols, col_mask, pid_h, H,
+    num_experts, num_rows, num_zero_rows,
+    K: tl.constexpr, K_PAD: tl.constexpr, ALIGN: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr, E_CHUNK: tl.constexpr, HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """The token's dropped entries (``bad_K``) zero the non-real rows ``M - N + g`` (``g``: the entry's rank among
+    all dropped entries, in flat order), which the zero programs do not cover;
+    NOTE [dropped entries] (moe_compile/ops/permute_pad.py). Tiles of ``[K_PAD, E_CHUNK]`` (at most 4K entries)."""
+    block_K = flat_K // BLOCK_N
+    # dropped entries before flat = flat - valid entries before it: those of the earlier blocks (the sum over the
+    # experts of before_blocks) and those of its own block before it
+    valid_before_K = tl.zeros([K_PAD], dtype=tl.int32)
+    for e0 in range(0, E_PAD, E_CHUNK):
+        experts = e0 + tl.arange(0, E_CHUNK)
+        before = tl.load(table_ptr + (1 + block_K)[:, None] * E_PAD + experts[None, :], mask=bad_K[:, None], other=0)
+        valid_before_K += tl.sum(before, 1)
+    block_start_K = block_K * BLOCK_N
+    for j0 in range(t * K // BLOCK_N * BLOCK_N, t * K + K - 1, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        ids_j = tl.load(ids_src + j, mask=j < t * K + K - 1, other=0)
+        ok_j = (ids_j >= 0) & (ids_j < num_experts)
+        earlier = (j[None, :] >= block_start_K[:, None]) & (j[None, :] < flat_K[:, None])
+        valid_before_K += tl.sum((ok_j[None, :] & earlier).to(tl.int32), 1)
+    j_K = num_zero_rows + (flat_K - valid_before_K)  # its place among the non-real rows
+    # the j-th non-real row (NOTE [zero rows without a memset]): j + the counts of the experts whose pad rows start
+    # at or before it
+    row_K = j_K
+    pad_done = 0  # pad rows of the experts before the chunk
+    for e0 in range(0, E_PAD, E_CHUNK):
+        experts = e0 + tl.arange(0, E_CHUNK)
+        counts = tl.load(table_ptr + experts, mask=experts < num_experts, other=0)
+        pad = (counts + (ALIGN - 1)) // ALIGN * ALIGN - counts
+        pad_before = pad_done + tl.cumsum(pad, 0) - pad
+        row_K += tl.sum(tl.where(pad_before[None, :] <= j_K[:, None], counts[None, :], 0), 1)
+        pad_done += tl.sum(pad, 0)
+    row_K = tl.where(bad_K & (row_K < num_rows), row_K, -1)
+    zeros = tl.zeros([BLOCK_H], dtype=rows_ptr.dtype.element_ty)
+    slots = tl.arange(0, K_PAD)
+    for k in tl.static_range(K):
+        row = tl.sum(tl.where(slots == k, row_K, 0), 0)
+        tl.store(rows_ptr + row.to(tl.int64) * H + cols, zeros, mask=col_mask & ((cols * 0 + row) >= 0))
+    if HAS_PROBS:
+        if pid_h == 0:
+            tl.store(probs_out_ptr + row_K, tl.zeros([K_PAD], dtype=probs_out_ptr.dtype.element_ty), mask=row_K >= 0)
 
 
 @triton.jit
@@ -305,6 +362,8 @@ def _unpermute_rows_kernel(
 ):
     # grid (T, cdiv(H, BLOCK_H)); y[t] = sum_j p_j * rows[row_j], rows ascending, one rounding at the end.
     # Launched with fp fusion off, so `acc + p * z` rounds like the PyTorch reference (bitwise equal).
+    # NOTE [poisoned tokens] (moe_compile/ops/unpad_unpermute.py): a row outside [0, num_rows) reads NaN, and so does
+    # the prob of a slot outside [0, K); neither load leaves its tensor.
     t = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -316,10 +375,14 @@ def _unpermute_rows_kernel(
             tl.device_assert((row >= 0) & (row < num_rows), "row_map row out of range [0, rows.shape[0])")
         row_vec = cols * 0 + row
         row_mask = col_mask & (row_vec >= 0) & (row_vec < num_rows)
-        vals = tl.load(rows_ptr + row.to(tl.int64) * H + cols, mask=row_mask, other=0.0).to(ACC_DTYPE)
+        vals = tl.load(rows_ptr + row.to(tl.int64) * H + cols, mask=row_mask, other=float("nan")).to(ACC_DTYPE)
         if HAS_PROBS:
             slot = tl.load(row_map_ptr + t * (2 * K) + K + j)
-            vals = vals * tl.load(probs_ptr + t * K + slot).to(ACC_DTYPE)
+            if DEBUG:
+                tl.device_assert((slot >= 0) & (slot < K), "row_map slot out of range [0, K)")
+            slot_ok = (slot >= 0) & (slot < K)
+            p = tl.load(probs_ptr + t * K + tl.where(slot_ok, slot, 0)).to(ACC_DTYPE)
+            vals = vals * tl.where(slot_ok, p, float("nan"))
         acc = acc + vals
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
     if GATHER_PROB_GRAD:
@@ -330,7 +393,11 @@ def _unpermute_rows_kernel(
             src_slots = tl.load(row_map_ptr + t * (2 * K) + K + slots, mask=slot_mask, other=-1)
             rows_ok = slot_mask & (rows >= 0) & (rows < num_rows)
             g = tl.load(grad_probs_M_ptr + rows, mask=rows_ok, other=0.0)
-            tl.store(grad_probs_ptr + t * K + slots, _to_slot_order(g, src_slots, slots), mask=slot_mask)
+            g = _to_slot_order(g, src_slots, slots)
+            # NOTE [poisoned tokens] (moe_compile/ops/unpad_unpermute.py)
+            bad = slot_mask & (~rows_ok | (src_slots < 0) | (src_slots >= K))
+            g = tl.where(tl.max(bad.to(tl.int32), 0) > 0, float("nan"), g)
+            tl.store(grad_probs_ptr + t * K + slots, g, mask=slot_mask)
 
 
 @triton.jit
@@ -393,13 +460,20 @@ def _unpermute_backward_kernel(
             tl.device_assert(rows_ok | ~slot_mask, "row_map row out of range [0, rows.shape[0])")
         rows64 = rows.to(tl.int64)
         src_slots = tl.load(row_map_ptr + t * (2 * K) + K + slots, mask=slot_mask, other=-1)
+        # NOTE [poisoned tokens] (moe_compile/ops/unpad_unpermute.py): a token whose forward read a bad entry (a row
+        # outside [0, num_rows), or with probs a slot outside [0, K)) gets NaN gradients
+        bad = slot_mask & ~rows_ok
         if HAS_PROBS:
-            p = tl.load(probs_ptr + t * K + src_slots, mask=slot_mask, other=0.0).to(ACC_DTYPE)
+            slot_ok = slot_mask & (src_slots >= 0) & (src_slots < K)
+            bad = bad | (slot_mask & ~slot_ok)
+            p = tl.load(probs_ptr + t * K + src_slots, mask=slot_ok, other=0.0).to(ACC_DTYPE)
+        poisoned = tl.max(bad.to(tl.int32), 0) > 0
         dots = tl.zeros([K_PAD, BLOCK_H], dtype=ACC_DTYPE)
         for h0 in range(h_start, h_end, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             col_mask = cols < H
             g = tl.load(grad_y_ptr + t * H + cols, mask=col_mask, other=0.0)
+            g = tl.where(poisoned, float("nan"), g)
             if HAS_PROBS:
                 grad_vals = (g.to(ACC_DTYPE)[None, :] * p[:, None]).to(grad_rows_ptr.dtype.element_ty)
             else:
@@ -411,6 +485,7 @@ def _unpermute_backward_kernel(
                 dots += z.to(ACC_DTYPE) * g.to(ACC_DTYPE)[None, :]
         if NEED_PROB_GRAD:
             dot = _to_slot_order(tl.sum(dots, 1), src_slots, slots)
+            dot = tl.where(poisoned, float("nan"), dot)  # (a slot no entry names would read -0.0)
             tl.store(grad_probs_ptr + t * K + slots, dot.to(grad_probs_ptr.dtype.element_ty), mask=slot_mask)
     else:
         r = (pid - num_tokens).to(tl.int64) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)

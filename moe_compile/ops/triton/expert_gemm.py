@@ -98,8 +98,9 @@ def _expert_gemm_kernel(
     # ---- schedule, once per program (NOTE [persistent tile schedule])
     e_idx = tl.arange(0, BLOCK_E)
     e_mask = e_idx < E
-    ends = tl.minimum(tl.load(offs_ptr + e_idx, mask=e_mask, other=0), M)
-    starts = tl.minimum(tl.load(offs_ptr + e_idx - 1, mask=e_mask & (e_idx > 0), other=0), M)
+    # offsets outside [0, M] are invalid input (checked on CPU): clamped, so no row outside the buffer is read
+    ends = tl.minimum(tl.maximum(tl.load(offs_ptr + e_idx, mask=e_mask, other=0), 0), M)
+    starts = tl.minimum(tl.maximum(tl.load(offs_ptr + e_idx - 1, mask=e_mask & (e_idx > 0), other=0), 0), M)
     counts = tl.maximum(ends - starts, 0)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tiles_end = tl.cumsum(tiles, 0)
@@ -254,8 +255,8 @@ def _expert_wgrad_kernel(
         group_n = tl.minimum(num_n - first_n, GROUP_N)
         pid_n = first_n + (t % per_group) % group_n
         pid_k = (t % per_group) // group_n
-        row_hi = tl.minimum(tl.load(offs_ptr + e), M)
-        row_lo = tl.minimum(tl.load(offs_ptr + e - 1, mask=e > 0, other=0), M)
+        row_hi = tl.minimum(tl.maximum(tl.load(offs_ptr + e), 0), M)  # (offsets outside [0, M] clamped)
+        row_lo = tl.minimum(tl.maximum(tl.load(offs_ptr + e - 1, mask=e > 0, other=0), 0), M)
         cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cols_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         n_mask = cols_n < N
@@ -288,11 +289,13 @@ def _expert_wgrad_kernel(
 
 
 @triton.jit
-def _source_rows_kernel(row_map_ptr, src_ptr, T, K, stride_t, BLOCK: tl.constexpr):
+def _source_rows_kernel(row_map_ptr, src_ptr, T, K, stride_t, num_rows, BLOCK: tl.constexpr):
     """``src[row_map[t, k]] = t`` for ``k < K`` (rows are unique: plain stores, no atomics); ``src``
-    must be pre-filled with ``-1`` (pad and tail rows)."""
+    must be pre-filled with ``-1`` (pad and tail rows). A row outside ``[0, num_rows)`` (``permute_pad``'s ``-1``
+    for a dropped expert id, NOTE [dropped entries] (moe_compile/ops/permute_pad.py)) is skipped: the token's combine
+    is NaN already (NOTE [poisoned tokens] (moe_compile/ops/unpad_unpermute.py))."""
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < T * K
     t = idx // K
-    row = tl.load(row_map_ptr + t * stride_t + idx % K, mask=mask, other=0)
-    tl.store(src_ptr + row, t.to(tl.int32), mask=mask)
+    row = tl.load(row_map_ptr + t * stride_t + idx % K, mask=mask, other=-1)
+    tl.store(src_ptr + row, t.to(tl.int32), mask=mask & (row >= 0) & (row < num_rows))

@@ -61,8 +61,9 @@ def _expert_tile(offs_ptr, E, M, pid_m, BLOCK_M: tl.constexpr, BLOCK_E: tl.const
     e_mask = e_idx < E
     ends = tl.load(offs_ptr + e_idx, mask=e_mask, other=0)
     starts = tl.load(offs_ptr + e_idx - 1, mask=e_mask & (e_idx > 0), other=0)
-    ends = tl.minimum(ends, M)  # offs[-1] > M is invalid input; never read past the buffer
-    starts = tl.minimum(starts, M)
+    # offsets outside [0, M] are invalid input (checked on CPU): clamped, so no row outside the buffer is read
+    ends = tl.minimum(tl.maximum(ends, 0), M)
+    starts = tl.minimum(tl.maximum(starts, 0), M)
     counts = tl.maximum(ends - starts, 0)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tiles_end = tl.cumsum(tiles, 0)
@@ -433,8 +434,8 @@ def _grouped_mm_wgrad_kernel(
     num_k_tiles = tl.cdiv(K, BLOCK_K)
     pid_n = pid_nk // num_k_tiles
     pid_k = pid_nk % num_k_tiles
-    row_hi = tl.minimum(tl.load(offs_ptr + e), M)
-    row_lo = tl.minimum(tl.load(offs_ptr + e - 1, mask=e > 0, other=0), M)
+    row_hi = tl.minimum(tl.maximum(tl.load(offs_ptr + e), 0), M)  # (offsets outside [0, M] clamped)
+    row_lo = tl.minimum(tl.maximum(tl.load(offs_ptr + e - 1, mask=e > 0, other=0), 0), M)
     cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     n_mask = cols_n < N

@@ -24,7 +24,8 @@ CASES = {
     # 40 blocks of 8 entries: past PARALLEL_HISTOGRAM_BLOCKS, so the histograms come from their own kernel
     "many_blocks_parallel_histogram": (40, 8, 16, 8, 8, "float32", True, "uniform", 8, None),
 }
-DEBUG_CASES = ("debug_assert_expert_idx", "debug_assert_expert_idx_parallel_histogram", "debug_assert_row_map")
+DEBUG_CASES = ("debug_assert_expert_idx", "debug_assert_expert_idx_parallel_histogram", "debug_assert_row_map",
+               "debug_assert_row_map_slot")
 # the index kernel's loop over table blocks, SUB at a time: (T, E, K, align, block_n, sub, parallel_histogram)
 INDEX_LOOP_CASES = {
     "index_loop_sub2_partial_last": (37, 6, 3, 16, 16, 2, False),  # 7 blocks: 4 iterations, the last half empty
@@ -34,6 +35,26 @@ INDEX_LOOP_CASES = {
     "parallel_histogram_sub2_partial_last": (37, 6, 3, 16, 16, 2, True),
     "parallel_histogram_plan_sub_e64": (40, 64, 4, 32, 32, None, True),
     "parallel_histogram_sub1_int32_ids": (20, 9, 2, 8, 16, 1, True),
+}
+# issue 35: bad input in the default mode (tests/ops/_poison_cases.py, which the GPU tests run too):
+# name: (check, keyword arguments; "launch": _launch_triton overrides for the permute)
+POISON_CASES = {
+    **{f"poison_ids_{kind}": ("ids", dict(kind=kind)) for kind in ("id_E", "id_minus_1", "id_2_pow_40")},
+    "poison_ids_k1_align1": ("ids", dict(kind="id_E", K=1, align=1)),  # no zero programs (M = N)
+    # K_PAD 64: the dropped entries' branch reads the table in two chunks of 64 experts (E_PAD 128)
+    "poison_ids_k40_two_expert_chunks": ("ids", dict(kind="id_2_pow_40", T=6, H=8, E=100, K=40, align=8)),
+    "poison_ids_int32_ids_fp16_a128": ("ids", dict(kind="id_minus_1", ids_dtype="int32", dtype="float16", align=128)),
+    # several blocks of ids: dropped entries ranked across blocks; the histograms in their own kernel
+    "poison_ids_parallel_histogram": ("ids", dict(kind="id_minus_1", T=37, launch=dict(block_n=8,
+                                                                                      parallel_histogram=True))),
+    # the traced path's int32 copy of the ids (torch 2.11): 2**40 must not wrap into [0, E)
+    "poison_ids_copy_ids_serial": ("ids", dict(kind="id_2_pow_40", T=37, launch=dict(block_n=8, sub=2,
+                                                                                     copy_ids=True))),
+    "poison_ids_copy_ids_parallel": ("ids", dict(kind="id_E", T=37, launch=dict(block_n=8, parallel_histogram=True,
+                                                                                copy_ids=True))),
+    **{f"poison_map_{kind}": ("map", dict(kind=kind)) for kind in
+       ("row_R", "row_R_plus_1000", "row_minus_5", "slot_K", "slot_K_plus_1000", "slot_minus_1")},
+    "poison_map_row_R_fp16_k1": ("map", dict(kind="row_R", K=1, dtype="float16")),
 }
 # kernel launches per op call (issue 14: the permute is at most two)
 LAUNCH_COUNTS = {"permute_pad": 2, "unpad_unpermute": 1, "permute_pad_backward": 1, "unpad_unpermute_backward": 2}
@@ -183,6 +204,42 @@ def _run_eager_autograd_case():
         raise AssertionError("double backward through the eager autograd.Function did not raise")
 
 
+def _run_poison_case(check: str, kwargs: dict) -> None:
+    """A POISON_CASES case: every output buffer starts as a sentinel (so an element no program writes shows), and
+    the permute runs with the case's launch overrides."""
+    import contextlib
+    import functools
+    import importlib
+
+    import torch
+
+    from moe_compile.ops import _common
+    from tests.ops import _poison_cases as cases
+
+    pp = importlib.import_module("moe_compile.ops.permute_pad")
+    kwargs = dict(kwargs)
+    launch = kwargs.pop("launch", {})
+    for key in ("dtype", "ids_dtype"):
+        if key in kwargs:
+            kwargs[key] = getattr(torch, kwargs[key])
+
+    def sentinel_allocator(t, traced):
+        def alloc(shape, dtype):
+            return torch.full(shape, 777 if not dtype.is_floating_point else 7.77e3, dtype=dtype, device=t.device)
+        return alloc
+
+    saved_alloc, saved_launch = _common.eager_cuda_allocator, pp._launch_triton
+    with contextlib.ExitStack() as stack:
+        stack.callback(setattr, _common, "eager_cuda_allocator", saved_alloc)
+        stack.callback(setattr, pp, "_launch_triton", saved_launch)
+        _common.eager_cuda_allocator = sentinel_allocator
+        pp._launch_triton = functools.partial(saved_launch, **launch)
+        if check == "ids":
+            cases.check_bad_expert_ids("cpu", seed=len(str(kwargs)), **kwargs)
+        else:
+            cases.check_bad_row_map("cpu", seed=len(str(kwargs)), **kwargs)
+
+
 def _count_launches() -> dict:
     """Launches per op call, counted by wrapping every kernel of the dispatch module."""
     import importlib
@@ -246,18 +303,23 @@ def _run_debug_case(name):
             bad = torch.tensor([[0, 1], [2, 3], [4, 9], [0, 1]])
         else:
             rows, _, _, row_map, _ = pp._launch_triton(x, torch.tensor([[0, 1], [2, 3], [4, 7], [0, 1]]), None, 8, 16)
-            uu.launch_gather_sum_triton(rows, row_map, None, debug=True)  # ok rows
+            probs = torch.rand(4, 2) if name.endswith("slot") else None
+            uu.launch_gather_sum_triton(rows, row_map, probs, debug=True)  # ok rows
             bad_map = row_map.clone()
-            bad_map[2, 1] = rows.shape[0]
+            if name.endswith("slot"):
+                bad_map[2, 3] = 2  # a slot past K = 2
+            else:
+                bad_map[2, 1] = rows.shape[0]
         try:
             if name.startswith("debug_assert_expert_idx"):
                 pp._launch_triton(x, bad, None, 8, 16, debug=True, **parallel)
             else:
-                uu.launch_gather_sum_triton(rows, bad_map, None, debug=True)
+                uu.launch_gather_sum_triton(rows, bad_map, probs, debug=True)
         except Exception as e:  # noqa: BLE001 - the interpreter raises the assert as an InterpreterError (message checked)
             expected = (
-                "expert_idx out of range" if name.startswith("debug_assert_expert_idx") else "row_map row out of range"
-            )
+                "expert_idx out of range" if name.startswith("debug_assert_expert_idx")
+                else "row_map slot out of range" if name.endswith("slot") else "row_map row out of range"
+            )  # fmt: skip
             assert expected in str(e), str(e)
         else:
             raise AssertionError("device_assert did not fire")
@@ -303,6 +365,7 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - the worker reports any failure to the parent test
         results["_launches"] = traceback.format_exc()
     run_cases([(name, lambda name=name: _run_debug_case(name)) for name in DEBUG_CASES], results)
+    run_cases([(name, lambda case=case: _run_poison_case(*case)) for name, case in POISON_CASES.items()], results)
     print(json.dumps(results))
 
 

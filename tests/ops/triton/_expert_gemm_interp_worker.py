@@ -40,6 +40,8 @@ CASES = {
     "wgrad_fp32_one_program_empty": ("wgrad", [0, 6, 0], 0, 16, 32, "float32", "g1"),
     "wgrad_bf16_partial_column_group": ("wgrad", [5, 3, 0, 4], 1, 40, 24, "bfloat16", "g"),
     "source_rows": ("source_rows", [3, 0, 5, 2], 3, 8, 8, "float32", ""),
+    # issue 35: offsets outside [0, M] (invalid; CPU raises) are clamped, no row outside x / dy is read
+    "bad_offs_fp32_plain_and_wgrad": ("bad_offs", [3, 0, 5, 2], 3, 24, 40, "float32", ""),
     # bitwise: same inputs twice, and 1 vs many persistent programs (each tile has one fixed owner)
     "deterministic_bf16_gather_swiglu": ("repeat", [3, 0, 5, 2], 2, 24, 64, "bfloat16", "gsr"),
     # deliberate bug: the row map shifted by one row must FAIL the derived comparison
@@ -133,12 +135,47 @@ def _run_case(eg, gmm, kind, counts, extra, N, K, dtype_name, opts):
         x, offs, row_map, rw, M = _setup(torch, gen, counts, extra, K, dtype, "g")
         got = eg.source_rows(row_map, M)  # CPU: the reference; the kernel directly:
         src_k = torch.full((M,), -1, dtype=torch.int32)
-        eg._kernels._source_rows_kernel[(1,)](row_map, src_k, row_map.shape[0], 2, row_map.stride(0), BLOCK=64)
+        eg._kernels._source_rows_kernel[(1,)](row_map, src_k, row_map.shape[0], 2, row_map.stride(0), M, BLOCK=64)
         assert torch.equal(src_k, got), (src_k, got)
         a = eg.gather_rows(x, got)
         for t in range(row_map.shape[0]):
             for k in range(2):
                 assert torch.equal(a[row_map[t, k]], x[t])
+        # rows outside [0, M) (a dropped entry's -1, a corrupt map): skipped, never written past src
+        bad_map = row_map.clone()
+        bad_map[0, 1], bad_map[1, 0] = -1, M + 3
+        guard = torch.full((M + 8,), -7, dtype=torch.int32)  # src is guard[4:4 + M]: stores past it would show
+        src_k = guard[4 : 4 + M].fill_(-1)
+        eg._kernels._source_rows_kernel[(1,)](bad_map, src_k, bad_map.shape[0], 2, bad_map.stride(0), M, BLOCK=64)
+        want = got.clone()
+        want[row_map[0, 1]] = want[row_map[1, 0]] = -1
+        assert torch.equal(src_k, want) and torch.equal(eg.source_rows_reference(bad_map, M), want)
+        assert (guard[:4] == -7).all() and (guard[4 + M :] == -7).all()
+        return
+    if kind == "bad_offs":
+        bad = offs.clone()
+        bad[0], bad[-1] = -3, M + 5
+        huge = torch.finfo(dtype).max / 4
+
+        def padded(t):
+            buf = torch.full((t.shape[0] + 16, t.shape[1]), huge, dtype=dtype)
+            buf[8 : 8 + t.shape[0]] = t
+            return buf[8 : 8 + t.shape[0]]
+
+        w = torch.randn(E, N, K, generator=gen).to(dtype)
+        y = torch.full((M, N), float("nan"), dtype=dtype)
+        eg.launch_expert_gemm(padded(x), None, w, None, None, bad, None, y, None, "none", "plain", config={})
+        want = eg.expert_gemm_reference(x, w, bad, None, None, "none")[0]
+        assert bool(torch.isfinite(y).all()), "a row outside x was read"
+        mag = tol.grouped_abs_matmul(x, w, bad)
+        tol.assert_within(y, want, tol.matmul_bound(mag, K, want, got_dtype=dtype, want_dtype=dtype))
+        dy = torch.randn(M, N, generator=gen).to(dtype)
+        out = torch.full((E, N, K), float("nan"), dtype=dtype)
+        eg.launch_expert_wgrad(padded(dy), padded(x), None, None, bad, out)
+        assert bool(torch.isfinite(out).all()), "a row outside dy / x was read"
+        want = gmm.grouped_mm_wgrad_reference(dy, x, bad)
+        tol.assert_within(out, want, tol.matmul_bound(tol.grouped_wgrad_abs(dy, x, bad), M, want, got_dtype=dtype,
+                                                      want_dtype=dtype))
         return
     if kind == "row_scale_backward":
         # NOTE [standalone epilogues] (moe_compile/ops/triton/expert_epilogue.py): dx = rw * dxu, d rw = sum(a * dxu)
@@ -395,7 +432,8 @@ def compile_sm90() -> dict:
            for n in rsb.arg_names}
     jobs["row_scale_backward"] = (rsb, sig, consts, dict(num_warps=4))
     src_k = eg._kernels._source_rows_kernel
-    sig = dict(row_map_ptr="*i32", src_ptr="*i32", T="i32", K="i32", stride_t="i32", BLOCK="constexpr")
+    sig = dict(row_map_ptr="*i32", src_ptr="*i32", T="i32", K="i32", stride_t="i32", num_rows="i32",
+               BLOCK="constexpr")
     jobs["source_rows"] = (src_k, sig, dict(BLOCK=1024), dict(num_warps=4))
     return compile_for_sm90(jobs)
 

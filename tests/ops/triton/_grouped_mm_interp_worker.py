@@ -42,6 +42,8 @@ CASES = {
     "zero_rows_past_fp32_no_tail": ("zero_rows", [64, 0, 64], 128, 40, 8, "float32"),
     "zero_rows_past_fp32_all_rows": ("zero_rows", [0, 0], 70, 1100, 8, "float32"),
     "deterministic_nvfp4": ("repeat", [3, 0, 5, 2], 12, 16, 64, "bfloat16"),
+    # issue 35: offsets outside [0, M] (invalid; CPU raises) are clamped by every kernel, none reads outside x / dy
+    "bad_offs_fp32_outside_rows": ("bad_offs", [3, 0, 5, 2], 12, 24, 40, "float32"),
     # decode kernel: (fmt, split_k, swap_ab); split-K partials + fixed-order reduction, row tiles > 1 per expert
     "decode_plain_fp32_split3_swap": ("decode:plain:3:1", [3, 0, 5, 2], 12, 24, 96, "float32"),
     "decode_mxfp8_bf16_split2": ("decode:mxfp8:2:0", [2, 0, 0, 1, 4, 0, 3], 14, 24, 128, "bfloat16"),
@@ -135,6 +137,9 @@ def _run_case(gmm, kind, counts, M, N, K, dtype_name):
     if kind.startswith("bug:"):
         _run_bug(torch, gmm, kind.split(":")[1], gen, x, offs, E, M, N, K, dtype)
         return
+    if kind == "bad_offs":
+        _run_bad_offs(torch, gmm, gen, x, offs, E, M, N, K, dtype)
+        return
     if kind == "wgrad":
         dy = torch.randn(M, N, generator=gen).to(dtype)
         dw = torch.full((E, N, K), float("nan"), dtype=dtype)
@@ -168,6 +173,38 @@ def _run_case(gmm, kind, counts, M, N, K, dtype_name):
     mag = tol.grouped_abs_matmul(x, w_ref, offs)
     _assert_close(torch, y, gmm.grouped_mm_reference(x, w_ref, offs), mag, K, _operand_rel(torch, fmt, dtype))
     assert torch.all(y[int(offs[-1]) :] == 0), "rows past offs[-1] must be zero"
+
+
+def _run_bad_offs(torch, gmm, gen, x, offs, E, M, N, K, dtype):
+    """The first offset negative, the last past ``M``: each kernel (tiled, decode with split-K, wgrad) gives the
+    reference's result (its row masks amount to the kernels' clamp into ``[0, M]``), and reads no row outside ``x`` /
+    ``dy``: both are views into buffers whose other rows are huge, which would show in the result."""
+    from tests import _tolerance as tol
+
+    bad = offs.clone()
+    bad[0], bad[-1] = -3, M + 5
+    huge = torch.finfo(dtype).max / 4
+
+    def padded(t):
+        buf = torch.full((t.shape[0] + 16, t.shape[1]), huge, dtype=dtype)
+        buf[8 : 8 + t.shape[0]] = t
+        return buf[8 : 8 + t.shape[0]]
+
+    xv = padded(x)
+    w = torch.randn(E, N, K, generator=gen).to(dtype)
+    want = gmm.grouped_mm_reference(x, w, bad)
+    mag = tol.grouped_abs_matmul(x, w, bad)
+    decode = dict(KERNEL="decode", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=2, SWAP_AB=False)
+    for config in (None, decode):
+        y = gmm.launch_grouped_mm(xv, w, None, None, bad, torch.full((M, N), float("nan"), dtype=dtype), "plain",
+                                  config=config)
+        assert bool(torch.isfinite(y).all()), ("a row outside x was read", config)
+        _assert_close(torch, y, want, mag, K)
+    dy = torch.randn(M, N, generator=gen).to(dtype)
+    dw = torch.full((E, N, K), float("nan"), dtype=dtype)
+    gmm.launch_grouped_mm_wgrad(padded(dy), xv, bad, dw)
+    assert bool(torch.isfinite(dw).all()), "a row outside dy / x was read"
+    _assert_close(torch, dw, gmm.grouped_mm_wgrad_reference(dy, x, bad), tol.grouped_wgrad_abs(dy, x, bad), M)
 
 
 def _run_bug(torch, gmm, bug, gen, x, offs, E, M, N, K, dtype):

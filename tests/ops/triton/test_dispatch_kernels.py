@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._dispatch_interp_worker import CASES, DEBUG_CASES, INDEX_LOOP_CASES, LAUNCH_COUNTS
+from ._dispatch_interp_worker import CASES, DEBUG_CASES, INDEX_LOOP_CASES, LAUNCH_COUNTS, POISON_CASES
 from ._interp import run_worker
 
 KERNELS = (
@@ -38,7 +38,8 @@ def test_launches_per_op(interpreter_results):
 
 
 @pytest.mark.parametrize(
-    "case", sorted(CASES) + list(DEBUG_CASES) + list(INDEX_LOOP_CASES) + ["eager_autograd_function"]
+    "case",
+    sorted(CASES) + list(DEBUG_CASES) + list(INDEX_LOOP_CASES) + ["eager_autograd_function"] + list(POISON_CASES),
 )
 def test_kernel_case(interpreter_results, case):
     assert interpreter_results[case] == "ok", interpreter_results[case]
