@@ -4,8 +4,9 @@ Per model: the first training step under ``torch.compile(model, backend="moe_com
 backward, caches off) with ``moe.validate`` off and on, side by side in one process, and the seconds spent
 inside validation in the run with it on (``StageValidator.check``, timed around each call). Columns:
 ``compile_s_off`` / ``compile_s_on`` (wall time of that first step), ``validate_s`` (time inside validation),
-``fraction`` (``validate_s / compile_s_on``), ``checks`` (validations run), ``refused`` and ``unchecked`` (rewrites
-refused, and kept without validation, in the run with it on).
+``fraction`` (``validate_s / compile_s_on``), ``checks`` (validations run), ``run_s`` (seconds of each graph run
+inside them: baseline, rewritten, reference, in the order they ran), ``refused`` and ``unchecked`` (rewrites
+refused, and kept without validation, in the run with it on) and ``notes`` (why).
 
 Models: ``--families`` the transformers families of the family matrix (tests/models/hf_families.py; tiny configs,
 bf16, on CPU or the GPU: ``--device``), and on a GPU ``--causal-lm`` the 2-layer Qwen3-MoE CausalLM of
@@ -33,8 +34,16 @@ def timing_validation() -> Iterator[dict[str, float]]:
     """Time every ``StageValidator.check`` call while the block is open."""
     from moe_compile.passes import _validate
 
-    stats = {"seconds": 0.0, "checks": 0}
+    stats: dict[str, Any] = {"seconds": 0.0, "checks": 0, "runs": []}
     original = _validate.StageValidator.check
+    original_run = _validate.StageValidator._run
+
+    def run(self: Any, graph: Any, raise_to: Any = None) -> Any:
+        start = time.perf_counter()
+        try:
+            return original_run(self, graph, raise_to)
+        finally:
+            stats["runs"].append(round(time.perf_counter() - start, 3))
 
     def check(self: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -45,10 +54,12 @@ def timing_validation() -> Iterator[dict[str, float]]:
             stats["checks"] += 1
 
     _validate.StageValidator.check = check
+    _validate.StageValidator._run = run
     try:
         yield stats
     finally:
         _validate.StageValidator.check = original
+        _validate.StageValidator._run = original_run
 
 
 def first_step(build: Callable[[], tuple[torch.nn.Module, dict[str, Any]]], validate: bool, device: str
@@ -99,8 +110,10 @@ def measure(name: str, build: Callable[[], tuple[torch.nn.Module, dict[str, Any]
     on_s, stats, rep = first_step(build, True, device)
     return {"model": name, "compile_s_off": round(off_s, 3), "compile_s_on": round(on_s, 3),
             "validate_s": round(stats["seconds"], 3), "fraction": round(stats["seconds"] / on_s, 4),
-            "checks": int(stats["checks"]), "refused": sum(r.what == "validation_failed" for r in rep.skips),
-            "unchecked": len(rep.unchecked)}
+            "checks": int(stats["checks"]), "run_s": stats["runs"],
+            "refused": sum(r.what == "validation_failed" for r in rep.skips), "unchecked": len(rep.unchecked),
+            "notes": [f"{r.pass_name} {r.layer}: {r.what}: {r.detail}"[:300] for r in rep.records
+                      if r.what in ("validation_failed", "validation_unavailable")]}
 
 
 def main() -> None:

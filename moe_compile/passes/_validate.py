@@ -19,9 +19,11 @@ random cotangents; the joint graph has them among its outputs).
   floats are judged against a reference run of the baseline in higher precision (float32 for a graph in
   16-bit floats, float64 otherwise; dtypes written in the graph are raised too): the rewritten graph's max
   error from the reference may be ``4 x`` the baseline's own plus one rounding ``u * max|reference|`` (the
-  family matrix's bound, tests/models/hf_families.py). Where the reference cannot run (an op without a float64
-  kernel), a float is judged against the baseline alone: max error ``sqrt(u) * max|baseline|``, loose enough for
-  any reordering of sums and tight enough for a wrong expert or a dropped term.
+  family matrix's bound, tests/models/hf_families.py). An op without a kernel in the raised precision (flash
+  attention, grouped GEMMs in float32 on CUDA) runs in the graph's own precision inside the reference run.
+  Where the reference cannot run at all, a float is judged against the baseline alone: max error
+  ``sqrt(u) * max|baseline|``, loose enough for any reordering of sums and tight enough for a wrong expert or a
+  dropped term.
 * A graph that validation cannot run (collectives, which would talk to other ranks; an op that fails on real
   tensors; data-dependent sizes without real inputs) keeps the pass's rewrites, recorded as ``unchecked`` with
   the reason.
@@ -202,6 +204,25 @@ class _Runner(fx.Interpreter):
             if self.raise_to is not None and value.is_floating_point():
                 value = value.to(_raise_dtype(value.dtype, self.raise_to))
         return value
+
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            return super().run_node(n)
+        except Exception:
+            if self.raise_to is None or n.op not in ("call_function", "call_method"):
+                raise
+        # an op without a kernel in the raised precision (flash attention, CUDA grouped GEMMs in float32): this
+        # one op runs in the graph's own precision, on its inputs rounded to it, and its result is raised again
+        with self._set_current_node(n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            own = [v.dtype for a in n.all_input_nodes
+                   if isinstance(v := val(a), torch.Tensor) and v.is_floating_point()]
+            if own:
+                args, kwargs = tree_map(lambda x: x.to(own[0]) if isinstance(x, torch.Tensor)
+                                        and x.is_floating_point() else x, (args, kwargs))
+            result = getattr(fx.Interpreter, n.op)(self, n.target, args, kwargs)
+        return tree_map(lambda x: x.to(_raise_dtype(x.dtype, self.raise_to)) if isinstance(x, torch.Tensor)
+                        and x.is_floating_point() else x, result)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if self.raise_to is not None:
