@@ -3,7 +3,8 @@
 Per model: the first training step under ``torch.compile(model, backend="moe_compile")`` (compile, forward and
 backward, caches off) with ``moe.validate`` off and on, side by side in one process, and the seconds spent
 inside validation in the run with it on (``StageValidator.check``, timed around each call). Columns:
-``compile_s_off`` / ``compile_s_on`` (wall time of that first step), ``validate_s`` (time inside validation),
+``compile_s_off`` / ``compile_s_on`` (wall time of that first step; an unrecorded compile of the first model
+comes before, so that neither side pays the process's one-time costs), ``validate_s`` (time inside validation),
 ``fraction`` (``validate_s / compile_s_on``), ``checks`` (validations run), ``run_s`` (seconds of each graph run
 inside them: baseline, rewritten, reference, in the order they ran), ``refused`` and ``unchecked`` (rewrites
 refused, and kept without validation, in the run with it on) and ``notes`` (why).
@@ -122,6 +123,7 @@ def main() -> None:
     parser.add_argument("--families", default="", help="comma-separated families; 'all' for the whole matrix")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--causal-lm", action="store_true", help="the Qwen3-MoE CausalLM (GPU)")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the unrecorded first compile")
     args = parser.parse_args()
     import warnings
 
@@ -137,6 +139,8 @@ def main() -> None:
     if args.causal_lm:
         models.append(("qwen3_moe_causal_lm_2x2048", causal_lm_builder()))
     rows = []
+    if models and not args.no_warmup:  # the process's first compile pays one-time costs: not either side's
+        first_step(models[0][1], False, args.device)
     for name, build in models:
         try:
             row = measure(name, build, args.device)
