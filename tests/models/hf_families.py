@@ -192,7 +192,8 @@ def records_of(rep: Any) -> list[list[str]]:
 def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
     """One training step of ``family`` through ``torch.compile(backend=backend, fullgraph=True)``.
 
-    Returns ``{"family", "status", "rewritten", "left", "numerics", "worst", "noise", "unjudged"}``:
+    Returns ``{"family", "status", "rewritten", "left", "numerics", "refused", "unchecked", "worst", "noise",
+    "unjudged"}``: ``refused`` / ``unchecked`` the rewrites translation validation refused / could not check,
     ``rewritten`` the experts layers the dispatch passes rewrote, ``left`` the audit's findings outside the
     token embedding, ``numerics`` whether loss and every gradient are as close to a float32 eager run as
     bf16 eager is (``|compiled - fp32| <= 4 |eager_bf16 - fp32| + 2^-8 max|fp32|`` per tensor: bf16 eager's
@@ -241,7 +242,11 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
             torch._dynamo.reset()
         ok, worst, unjudged = _within_bound(compiled, eager, ref32, inductor)
         noise = "bf16 eager + plain Inductor"
+    # translation validation is on (the default): a refusal is a wrong rewrite or a wrong judge, both ours
+    refused = sorted({f"{r.pass_name} {r.layer}: {r.detail}" for r in rep.skips if r.what == "validation_failed"})
+    unchecked = sorted({f"{r.pass_name} {r.layer}: {r.detail}" for r in rep.unchecked})
     return {"family": family, "status": "ok", "rewritten": rewritten, "left": left, "numerics": ok,
+            "refused": refused, "unchecked": unchecked,
             "worst": f"{worst[0]} ({worst[1]:.2f} of bound)", "noise": noise, "unjudged": unjudged,
             "records": records_of(rep)}
 
@@ -307,6 +312,7 @@ def main() -> None:
         rows.append(row)
         print(f"{family:24s} {row['status'][:70]:70s} rewritten={len(row.get('rewritten', []))} "
               f"left={len(row.get('left', []))} numerics={row.get('numerics')} {row.get('worst', '')} "
+              f"refused={len(row.get('refused', []))} unchecked={len(row.get('unchecked', []))} "
               f"[noise: {row.get('noise', '-')}; unjudged: {', '.join(row.get('unjudged', [])) or '-'}]", flush=True)
         for item in row.get("left", []):
             print(f"    left: {item[:200]}", flush=True)

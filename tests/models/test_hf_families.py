@@ -35,6 +35,7 @@ def _check(family: str, records_path: str | None = None) -> None:
     assert row["status"] == "ok", row["status"]
     assert row["rewritten"], f"{family}: no experts layer rewritten"
     assert row["left"] == [], "\n".join(row["left"])
+    assert row["refused"] == [] and row["unchecked"] == [], "\n".join(row["refused"] + row["unchecked"])
     assert row["numerics"], f"{family}: worst gradient {row['worst']}"
     # cancelling sums may go unjudged (NOTE [cancelling sums] (tests/models/hf_families.py)), never the rewritten
     # layers' own gradients
