@@ -230,10 +230,19 @@ def train_determinism(rows: list[Row]) -> tuple[str, str]:
     return ("Qwen3-MoE CausalLM training step: step time, and what differs from run to run", "; ".join(parts))
 
 
+def validation_cost(rows: list[Row]) -> tuple[str, str]:
+    ok = [r for r in rows if "fraction" in r]
+    parts = [f"{r['model']} {_num(100 * r['fraction'], 1)}% ({_num(r['validate_s'], 1)} of {_num(r['compile_s_on'], 1)} s)"
+             for r in ok]
+    refused = sum(r["refused"] for r in ok)
+    return ("translation validation: time inside it / first compiled training step (compile + step)",
+            "; ".join(parts) + f"; refused {refused}, unchecked {sum(r['unchecked'] for r in ok)}")
+
+
 FORMATTERS: dict[str, Callable[[list[Row]], tuple[str, str]]] = {
     "moe_block": moe_block, "loops": loops, "host_cost": host_cost, "dispatch": dispatch, "decode": decode,
     "grouped_gemm": grouped_gemm, "grouped_gemm_sweep": grouped_gemm_sweep, "grouped_weight": grouped_weight,
-    "quant_block": quant_block, "train_determinism": train_determinism,
+    "quant_block": quant_block, "train_determinism": train_determinism, "validation_cost": validation_cost,
 }
 
 
