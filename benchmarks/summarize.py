@@ -232,8 +232,8 @@ def train_determinism(rows: list[Row]) -> tuple[str, str]:
 
 def validation_cost(rows: list[Row]) -> tuple[str, str]:
     ok = [r for r in rows if "fraction" in r]
-    parts = [f"{r['model']} {_num(100 * r['fraction'], 1)}% ({_num(r['validate_s'], 1)} of {_num(r['compile_s_on'], 1)} s)"
-             for r in ok]
+    parts = [f"{r['model']} {_num(100 * r['fraction'], 1)}% "
+             f"({_num(r['validate_s'], 1)} of {_num(r['compile_s_on'], 1)} s)" for r in ok]
     refused = sum(r["refused"] for r in ok)
     return ("translation validation: time inside it / first compiled training step (compile + step)",
             "; ".join(parts) + f"; refused {refused}, unchecked {sum(r['unchecked'] for r in ok)}")
