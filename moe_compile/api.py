@@ -59,7 +59,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
         passes: ``{pass_name: bool}`` turns single passes on or off (names in ``moe_compile.passes.PASSES``);
             a pass that needs an option (metrics, deterministic) runs only with it on, whatever passes says.
         debug: device-side asserts in the dispatch kernels (expert ids in range).
-        strict: a pass that raises fails the compile instead of falling back to plain Inductor.
+        strict: a pass that raises, or a rewrite Inductor cannot compile, fails the compile instead of falling back to
+            plain Inductor.
         deterministic: no atomic accumulation in the generated code anywhere in the graph; every
             accumulating scatter that ``deterministic_accumulate`` leaves (the token embedding's backward
             included) becomes a sort + fixed-order segment sum (``moe.segment_sum``). Library kernels that

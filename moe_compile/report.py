@@ -252,6 +252,37 @@ def graph_compiled() -> None:
     _count("graphs")
 
 
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    """Where each open report (and the last-compile one) stood: see :func:`mark`."""
+
+    # (report, records, graphs, cached_graphs) of each report open at the mark
+    sizes: tuple[tuple[Report, int, int, int], ...]
+
+
+def mark() -> Mark:
+    """The current length of every open report, so that the records of a compile attempt can be read
+    (:func:`since`) or taken back (:func:`rollback`) when the backend compiles the graph again."""
+    with _LOCK:
+        return Mark(tuple((r, len(r.records), r.graphs, r.cached_graphs) for r in (_LAST, *_ACTIVE)))
+
+
+def since(at: Mark) -> list[PassRecord]:
+    """The records added since ``at`` (read from the last-compile report)."""
+    with _LOCK:
+        return list(_LAST.records[at.sizes[0][1]:])
+
+
+def rollback(at: Mark) -> None:
+    """Take back every record and graph count added since ``at``: the compile attempt they describe was
+    dropped (NOTE [fallback after a failed compile] (moe_compile/backend.py)). Records another thread added
+    meanwhile go too."""
+    with _LOCK:
+        for r, n, graphs, cached in at.sizes:
+            del r.records[n:]
+            r.graphs, r.cached_graphs = graphs, cached
+
+
 # NOTE [cached compiles]: on an AOTAutograd or FX graph cache hit some of the passes do not run (the cached code
 # has their rewrites already; the cache key includes the passes), so their records, the audit's among them, are
 # missing: on torch 2.13 an AOTAutograd hit runs no pass at all, on torch 2.11 the pre-grad passes still run.

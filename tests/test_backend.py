@@ -6,6 +6,8 @@ give outputs and grads identical to ``torch.compile(backend="inductor")``.
 
 from __future__ import annotations
 
+import unittest
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -203,6 +205,80 @@ def test_pass_that_raises_is_undone_and_compilation_goes_on(monkeypatch):
     eager, eager_grads = _run(model, x, "eager", True)
     assert_matches_eager(Run(ours, ours_grads, rep, []), model, (x,), train=True, eager=(eager, eager_grads),
                          loss_fn=lambda out: out.float().pow(2).mean())
+
+
+@torch.library.custom_op("moe_compile_test::unlowerable", mutates_args=())
+def _unlowerable(x: torch.Tensor) -> torch.Tensor:
+    """The identity, which Inductor cannot lower (below): what a rewrite that Inductor cannot compile inserts."""
+    return x.clone()
+
+
+_unlowerable.register_fake(lambda x: torch.empty_like(x))
+_unlowerable.register_autograd(lambda ctx, grad: grad)
+
+
+def _refuse_lowering(*args, **kwargs):
+    raise NotImplementedError("moe_compile_test::unlowerable has no lowering")
+
+
+torch._inductor.lowering.register_lowering(torch.ops.moe_compile_test.unlowerable.default)(_refuse_lowering)
+
+
+def _breaks_its_rewrite(run):
+    """``run`` (a pass), then an op Inductor cannot lower after the first grouped GEMM the pass inserted."""
+
+    def broken(graph, ctx):
+        before = set(graph.nodes)
+        run(graph, ctx)
+        new = next(n for n in graph.nodes if n not in before and "grouped_mm" in str(n.target))
+        with graph.inserting_after(new):
+            bad = graph.call_function(torch.ops.moe_compile_test.unlowerable.default, (new,))
+        bad.meta["example_value"] = new.meta["example_value"]
+        new.replace_all_uses_with(bad, delete_user_cb=lambda user: user is not bad)
+
+    return broken
+
+
+class LoopThenSortLayer(nn.Module):
+    """A host-sized expert loop (``fuse_expert_loop``) and a sort-based layer (``fuse_dispatch``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.models.host_padded import make_layer
+
+        self.loop = make_layer("loop", seed=0)
+        self.sort = hw.SortIndexSelectScatterAdd(hidden=16, seed=1)
+
+    def forward(self, x):
+        return self.sort(self.loop(x))
+
+
+def test_compile_failure_after_a_rewrite_falls_back_without_that_pass(monkeypatch):
+    """A pass whose rewrite Inductor cannot compile (here: an op without a lowering after its grouped GEMM) does
+    not fail the compile: the graph is compiled again from Dynamo's graph, first without each pass that rewrote it
+    alone (the last in run order first), so only the guilty pass is turned off. A warning names it, the report
+    has an ``error`` record for it and none of its rewrites, the other layer stays rewritten, and a training step
+    matches eager. With ``strict`` the failure is raised."""
+    from moe_compile.passes import fuse_expert_loop
+    from tests.passes._host_padding_checks import assert_matches_eager, layer_input, run_layer
+
+    monkeypatch.setattr(fuse_expert_loop, "run", _breaks_its_rewrite(fuse_expert_loop.run))
+    model = LoopThenSortLayer()
+    with pytest.warns(UserWarning, match="pass 'fuse_expert_loop' rewrote it"):
+        got, want = run_layer(model, layer_input(0), path="backend", train=True)
+    rep = got.records
+    assert [(r.pass_name, r.what) for r in rep.errors] == [("fuse_expert_loop", "InductorError")], rep.table()
+    assert "moe_compile_test::unlowerable has no lowering" in rep.errors[0].detail
+    assert rep.count("fuse_expert_loop") == 0 and rep.count("fuse_dispatch") == 1, rep.table()
+    assert rep.graphs == 1, rep.table()  # the attempts taken back are not counted
+    assert "fuse_expert_loop" in rep.table() and "1 error(s)" in rep.table()
+    assert_matches_eager(unittest.TestCase(), got, want)
+
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="unlowerable has no lowering"):
+        torch._dynamo.reset()
+        with fresh_cache():
+            torch.compile(model, backend="moe_compile", fullgraph=True, options={"moe.strict": True})(layer_input(0))
+    torch._dynamo.reset()
 
 
 def test_user_defined_kernels_are_launched_statically_unless_the_user_says_otherwise():
