@@ -189,6 +189,8 @@ def explain(model: Any, *args: Any, backward: bool | None = None, compile_option
     """
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
     saved_grads = [p.grad for p in params]
+    for p in params:  # the backward below would add into the saved .grad tensors in place
+        p.grad = None
     torch._dynamo.reset()
     compiled = compile(model, **(compile_options or {}))
     try:

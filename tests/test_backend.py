@@ -133,6 +133,18 @@ def test_explain_without_moe():
     assert rep.to_dict()["summary"]["rewrites"] == 0
 
 
+def test_explain_leaves_existing_gradients_as_they_were():
+    """``explain`` runs a backward: it once added into the model's existing ``.grad`` tensors in place, so that the
+    gradients it restored afterwards had its own loss's gradient in them."""
+    model = MLP()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    saved = [p.grad for p in model.parameters()]
+    moe_compile.explain(model, torch.randn(2, 16))
+    for p, g in zip(model.parameters(), saved, strict=True):
+        assert p.grad is g and torch.equal(g, torch.ones_like(g))
+
+
 def test_report_groups_repeated_records():
     from moe_compile.report import PassRecord, Report
 
