@@ -104,8 +104,8 @@ def compile_with_config(
     inductor_options: dict[str, Any] | None = None,
 ) -> Any:
     """``compile_fx`` with moe_compile's passes; a graph that Inductor cannot compile after our rewrites is
-    compiled again without the pass that broke it, unless ``config.strict`` (NOTE [fallback after a failed
-    compile])."""
+    compiled again without the pass that broke it, unless ``config.strict``
+    (NOTE [fallback after a failed compile])."""
     if config.strict:
         return _compile(gm, example_inputs, config, mode, inductor_options)
     original = _snapshot(gm.graph)  # the pre-grad passes rewrite gm.graph in place

@@ -111,9 +111,9 @@ def test_qwen3_norm_topk_prob_both_values(norm_topk_prob):
 def test_jetmoe_host_loops_compile_and_match_eager(path):
     """JetMoE's layer holds four host-sized expert loops (two routers' ``.tolist()`` counts). Once the first loop
     was rewritten, the refresh of the example values below it gave the later loops' host reads fresh unbacked
-    symbols, and AOTAutograd failed with ``PendingUnbackedSymbolNotFound`` (issue 35; NOTE [refresh keeps unbacked
-    bindings] (moe_compile/passes/_graph.py)). Through ``moe_compile.compile`` and through the backend with
-    ``fullgraph=True``: every loop is rewritten, and one training step matches eager."""
+    symbols, and AOTAutograd failed with ``PendingUnbackedSymbolNotFound`` (issue 35;
+    NOTE [refresh keeps unbacked bindings] (moe_compile/passes/_graph.py)). Through ``moe_compile.compile`` and
+    through the backend with ``fullgraph=True``: every loop is rewritten, and one training step matches eager."""
     import moe_compile
     from moe_compile import report
     from tests.models.hf_models import build_jetmoe
