@@ -6,7 +6,9 @@ imports nothing of moe_compile: passes, the backend and ``explain`` all write to
 Semantics of a :class:`Report`, per layer (module path from ``nn_module_stack``, e.g.
 ``model.layers.0.mlp.experts``; ``<graph>`` for code outside any module):
 
-* ``rewrite``: ``what`` is the chain that matched, ``detail`` what replaced it.
+* ``rewrite``: ``what`` is the chain that matched, ``detail`` what replaced it. A rewrite that is no MoE rewrite
+  (``moe=False``: a generic one, bitwise neutral against plain Inductor, or one ``deterministic=True`` asks for) is
+  shown as ``non-MoE`` and counted apart (:attr:`Report.other_rewrites`).
 * ``skip``: ``what`` is a reason tag (``weights_before_gather``, ``region_not_rowwise``, ...), ``detail``
   a sentence ("combine not matched: weights applied before gather ...").
 * ``error``: a pass raised and the graph was restored (plain Inductor for that pass).
@@ -52,6 +54,9 @@ class PassRecord:
     what: str
     # for a rewrite: what replaced it; for a skip or error: the human-readable detail
     detail: str
+    # for a rewrite: False when it is no MoE rewrite (a scatter with distinct indices made a plain store, which
+    # changes no bit against plain Inductor; what deterministic=True asks for, anywhere in the graph)
+    moe: bool = True
 
 
 @dataclasses.dataclass
@@ -65,6 +70,16 @@ class Report:
     @property
     def rewrites(self) -> list[PassRecord]:
         return [r for r in self.records if r.kind == "rewrite"]
+
+    @property
+    def moe_rewrites(self) -> list[PassRecord]:
+        """The rewrites of MoE layers (expert dispatch, routing); :attr:`other_rewrites` are the rest."""
+        return [r for r in self.rewrites if r.moe]
+
+    @property
+    def other_rewrites(self) -> list[PassRecord]:
+        """Rewrites that are no MoE rewrite (:attr:`PassRecord.moe` False), shown apart by :meth:`table`."""
+        return [r for r in self.rewrites if not r.moe]
 
     @property
     def skips(self) -> list[PassRecord]:
@@ -119,7 +134,7 @@ class Report:
         layers = {
             layer: [
                 {"pass": r.pass_name, "stage": r.stage, "kind": r.kind, "what": r.what, "detail": r.detail,
-                 "count": n}
+                 "count": n, **({"moe": r.moe} if r.kind == "rewrite" else {})}
                 for r, n in entries
             ]
             for layer, entries in self.grouped().items()
@@ -132,7 +147,8 @@ class Report:
             "left": len(self.left),
             "clean": self.clean,
             "deterministic": self.deterministic,
-            "rewritten_layers": sorted({r.layer for r in self.rewrites}, key=_natural_key),
+            "other_rewrites": len(self.other_rewrites),
+            "rewritten_layers": sorted({r.layer for r in self.moe_rewrites}, key=_natural_key),
         }
         return {"graphs": self.graphs, "cached_graphs": self.cached_graphs, "summary": summary, "layers": layers}
 
@@ -151,7 +167,8 @@ class Report:
         rows, details = [], []
         for layer, entries in self.grouped().items():
             for i, (r, n) in enumerate(entries):
-                result = r.kind if n == 1 else f"{r.kind} x{n}"
+                kind = r.kind if r.kind != "rewrite" or r.moe else "non-MoE"  # a rewrite, counted apart
+                result = kind if n == 1 else f"{kind} x{n}"
                 what = short_chain(r.what) if r.kind == "rewrite" else r.what
                 rows.append([layer if i == 0 else "", r.pass_name, result, what])
                 details.append(r.detail)
@@ -170,9 +187,10 @@ class Report:
             if detail:
                 out += textwrap.wrap(detail, width, initial_indent=indent + "  ", subsequent_indent=indent + "    ",
                                      break_on_hyphens=False)
-        n_layers = len({r.layer for r in self.rewrites})
-        summary = (f"{self.graphs} graph(s) compiled; {n_layers} layer(s) rewritten, "
-                   f"{len(self.skips)} skip(s), {len(self.errors)} error(s); "
+        n_layers, others = len({r.layer for r in self.moe_rewrites}), len(self.other_rewrites)
+        summary = (f"{self.graphs} graph(s) compiled; {n_layers} MoE layer(s) rewritten, "
+                   + (f"{others} non-MoE rewrite(s), " if others else "")
+                   + f"{len(self.skips)} skip(s), {len(self.errors)} error(s); "
                    + ("clean: no accumulating scatter or host sync left" if self.clean
                       else f"{len(self.left)} accumulating scatter(s) / host sync(s) left (audit)")
                    + ("; deterministic" if self.deterministic

@@ -129,9 +129,10 @@ class PassContext:
     # True for a joint forward+backward graph (training); False for forward-only graphs.
     is_training: bool
 
-    def rewrite(self, layer: str, matched: str, replaced_by: str) -> None:
+    def rewrite(self, layer: str, matched: str, replaced_by: str, moe: bool = True) -> None:
+        """Record a rewrite; ``moe=False`` for one that is no MoE rewrite (``report.PassRecord.moe``)."""
         log.info("[%s] %s: rewrote %s -> %s", self.pass_name, layer, matched, replaced_by)
-        report.add(report.PassRecord(self.pass_name, self.stage, "rewrite", layer, matched, replaced_by))
+        report.add(report.PassRecord(self.pass_name, self.stage, "rewrite", layer, matched, replaced_by, moe))
 
     def skip(self, layer: str, reason: str, detail: Detail = "") -> None:
         """Record that ``layer`` was left alone, and why; a callable ``detail`` is formatted here."""
