@@ -37,6 +37,7 @@ from moe_compile import metrics, report
 from moe_compile.config import MoECompileConfig, split_options
 from moe_compile.ops.deterministic_flag import deterministic_sdpa
 from moe_compile.passes import PASSES, _restore, _snapshot, check_pass_names, enabled_passes, stage_passes
+from moe_compile.passes._graph import layer_name
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ def compile_with_config(
     """``compile_fx`` with moe_compile's passes; a graph that Inductor cannot compile after our rewrites is
     compiled again without the pass that broke it, unless ``config.strict``
     (NOTE [fallback after a failed compile])."""
+    report.saw_layers({layer_name(n) for n in gm.graph.nodes if n.op not in ("placeholder", "output")})
     if config.strict:
         return _compile(gm, example_inputs, config, mode, inductor_options)
     original = _snapshot(gm.graph)  # the pre-grad passes rewrite gm.graph in place

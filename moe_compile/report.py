@@ -18,8 +18,10 @@ Semantics of a :class:`Report`, per layer (module path from ``nn_module_stack``,
 * ``module`` stage records (passes ``experts_impl``, ``swap_expert_loops``): expert loops that Dynamo cannot
   capture, routed through the fused ops before compiling (``rewrite``: swapped / interfaced, with what), or
   left alone (``skip`` with a reason tag: ``probe_mismatch``, ``no_router``, ``expert_parallel``, ...).
-* ``explain`` also lists experts modules of the model that no compiled graph contained
-  (``not_in_graph``: e.g. transformers' eager experts loop, which Dynamo never captures).
+* ``explain`` also gives every experts layer of the model that no record accounts for a skip: ``not_in_graph``
+  (no compiled graph contained it: e.g. an eager experts loop, which Dynamo never captures) or
+  ``dispatch_form_unknown`` (in a graph, no pass recognised its dispatch); :attr:`Report.graph_layers` says
+  which layers the graphs contained.
 
 The same record can appear once per compiled graph (recompiles, forward and backward graphs);
 :meth:`Report.table` and :meth:`Report.to_dict` show it once with a count, ``records`` keeps them all.
@@ -66,6 +68,8 @@ class Report:
     # compiles that Inductor's caches served (AOTAutograd or FX graph cache hits): their joint and post-grad
     # passes (the audit among them) did not run, so their records are missing (NOTE [cached compiles])
     cached_graphs: int = 0
+    # the module paths of the nodes of every graph the backend was given (explain: which layers a graph contained)
+    graph_layers: set[str] = dataclasses.field(default_factory=set)
 
     @property
     def rewrites(self) -> list[PassRecord]:
@@ -268,6 +272,13 @@ def _count(field: str) -> None:
 
 def graph_compiled() -> None:
     _count("graphs")
+
+
+def saw_layers(layers: set[str]) -> None:
+    """Note the module paths of a graph the backend was given (:attr:`Report.graph_layers`)."""
+    with _LOCK:
+        for report in (_LAST, *_ACTIVE):
+            report.graph_layers |= layers
 
 
 @dataclasses.dataclass(frozen=True)

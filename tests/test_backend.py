@@ -181,6 +181,64 @@ def test_explain_lists_experts_not_in_any_graph():
     assert (swap.kind, swap.what) == ("skip", "unknown_expert_mlp")
 
 
+def _tiny_dbrx():
+    from transformers import DbrxConfig, DbrxForCausalLM
+
+    config = DbrxConfig(d_model=32, n_heads=4, n_layers=1, max_seq_len=64, vocab_size=128,
+                        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2})
+    return DbrxForCausalLM(config), ["transformer.blocks.0.ffn.experts"]
+
+
+def _tiny_switch_encoder():
+    from transformers import SwitchTransformersConfig, SwitchTransformersEncoderModel
+
+    config = SwitchTransformersConfig(vocab_size=128, d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=4,
+                                      num_experts=4, encoder_sparse_step=1, expert_capacity=16)
+    return SwitchTransformersEncoderModel(config), ["encoder.block.0.layer.1.mlp.experts"]
+
+
+@pytest.mark.parametrize("make", [_tiny_dbrx, _tiny_switch_encoder], ids=["dbrx", "switch_transformers"])
+def test_explain_gives_every_expert_layer_left_alone_a_reason(make):
+    """DBRX (2-D ``[E*I, H]`` expert weights) and SwitchTransformers (a ModuleDict of experts) loop over their
+    experts with a ``nonzero`` trip count: Dynamo runs the loop outside any graph, and no pass or swap reads their
+    layouts. ``explain`` once said "0 skip(s)" for them; every experts layer now has a skip with a reason tag and
+    what the layer looks like."""
+    pytest.importorskip("transformers")
+    from moe_compile.experts.discovery import find_expert_layers
+
+    torch.manual_seed(0)
+    model, experts = make()
+    assert [layer.name for layer in find_expert_layers(model)] == experts
+    ids = torch.randint(0, 128, (2, 8))
+    rep = moe_compile.explain(model, input_ids=ids, backward=False)
+    for name in experts:
+        [rec] = [r for r in rep.records if r.layer == name]
+        assert (rec.kind, rec.what) == ("skip", "not_in_graph"), rep.table()
+        assert type(model.get_submodule(name)).__name__ in rec.detail and "swap_expert_loops" in rec.detail
+    assert rep.moe_rewrites == [] and f"{len(experts)} skip(s)" in rep.table(), rep.table()
+
+
+def test_expert_layers_are_found_in_every_layout():
+    """``find_expert_layers``: stacked and ModuleList experts (``find_expert_weights``) and the layouts nothing
+    rewrites: SwitchTransformers' ModuleDict (encoder and decoder), DBRX's ``*Experts`` module of 2-D weights."""
+    pytest.importorskip("transformers")
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    from moe_compile.experts.discovery import find_expert_layers
+    from tests.models.host_padded import make_layer
+
+    config = SwitchTransformersConfig(vocab_size=128, d_model=32, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+                                      num_heads=4, num_experts=4, encoder_sparse_step=2, decoder_sparse_step=2)
+    found = find_expert_layers(SwitchTransformersForConditionalGeneration(config))
+    assert [f.name for f in found] == ["encoder.block.1.layer.1.mlp.experts", "decoder.block.1.layer.2.mlp.experts"]
+    assert all("ModuleDict of 4 SwitchTransformersDenseActDense" in f.seen for f in found)
+    assert [f.name for f in find_expert_layers(_tiny_dbrx()[0])] == ["transformer.blocks.0.ffn.experts"]
+    assert [(f.name, f.seen.split(" (")[1].split(":")[0]) for f in find_expert_layers(make_layer("loop"))] == \
+        [("experts", "module_list")]
+    assert find_expert_layers(MLP()) == []
+
+
 def test_explain_matches_layers_of_frames_compiled_below_the_root():
     """transformers' CausalLM is compiled frame by frame: records name ``layers.0.mlp.experts`` (relative to
     ``model.model``); the experts modules are in the graph, so none is reported ``not_in_graph``."""
