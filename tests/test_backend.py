@@ -219,6 +219,26 @@ def test_explain_gives_every_expert_layer_left_alone_a_reason(make):
     assert rep.moe_rewrites == [] and f"{len(experts)} skip(s)" in rep.table(), rep.table()
 
 
+class DenseExperts(nn.Module):
+    """Every token through every expert, weighted by a softmax (a soft MoE): in the graph, but no dispatch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(16, 4)
+        self.w = nn.Parameter(torch.randn(4, 16, 16) / 4)
+
+    def forward(self, x):
+        return torch.einsum("te,eoh,th->to", self.gate(x).softmax(-1), self.w, x)
+
+
+def test_explain_tags_an_expert_layer_in_a_graph_that_no_pass_recognises():
+    model = nn.Sequential(nn.Linear(16, 16), DenseExperts())
+    rep = moe_compile.explain(model, torch.randn(3, 16), backward=False, compile_options={"swap_expert_loops": False})
+    [rec] = [r for r in rep.records if r.layer == "1"]
+    assert (rec.kind, rec.what) == ("skip", "dispatch_form_unknown"), rep.table()
+    assert rec.detail.startswith("DenseExperts (stacked: w [4, 16, 16])"), rec.detail
+
+
 def test_expert_layers_are_found_in_every_layout():
     """``find_expert_layers``: stacked and ModuleList experts (``find_expert_weights``) and the layouts nothing
     rewrites: SwitchTransformers' ModuleDict (encoder and decoder), DBRX's ``*Experts`` module of 2-D weights."""
