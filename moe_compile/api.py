@@ -13,7 +13,8 @@ from moe_compile import metrics as router_metrics
 from moe_compile import report
 from moe_compile.backend import ConfiguredBackend
 from moe_compile.config import make_config
-from moe_compile.experts.interface import use_fused_hf_experts
+from moe_compile.experts.discovery import find_expert_layers
+from moe_compile.experts.interface import is_hf_experts, use_fused_hf_experts
 from moe_compile.experts.swap import swap_expert_loops as swap_loops
 
 # Dynamo graph-breaks on `.tolist()` / `.item()` and on ops with data-dependent output shapes unless
@@ -60,7 +61,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
         passes: ``{pass_name: bool}`` turns single passes on or off (names in ``moe_compile.passes.PASSES``);
             a pass that needs an option (metrics, deterministic) runs only with it on, whatever passes says.
         debug: device-side asserts in the dispatch kernels (expert ids in range).
-        strict: a pass that raises fails the compile instead of falling back to plain Inductor.
+        strict: a pass that raises, or a rewrite Inductor cannot compile, fails the compile instead of falling back to
+            plain Inductor.
         deterministic: no atomic accumulation in the generated code anywhere in the graph; every
             accumulating scatter that ``deterministic_accumulate`` leaves (the token embedding's backward
             included) becomes a sort + fixed-order segment sum (``moe.segment_sum``). Library kernels that
@@ -185,14 +187,16 @@ def explain(model: Any, *args: Any, backward: bool | None = None, compile_option
 
     Runs one forward (and one backward if the output requires grad, unless ``backward=False``) so that
     both the forward and the joint graph are compiled. ``model`` is not modified (its ``.grad`` fields
-    are restored). Caches are bypassed, so every pass runs. Experts modules of ``model`` that no
-    compiled graph contained get a ``not_in_graph`` skip.
+    are restored). Caches are bypassed, so every pass runs. Every experts layer of ``model`` that no record
+    accounts for gets a skip with its reason (``not_in_graph``, ``dispatch_form_unknown``).
     ``compile_options`` are keywords of ``moe_compile.compile`` (``{"deterministic": True}``: what is left
     with the option on; :attr:`Report.nondeterministic` lists the sources per layer).
     Returns a :class:`Report`: ``print(report)`` shows a table, ``report.to_dict()`` a dict.
     """
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
     saved_grads = [p.grad for p in params]
+    for p in params:  # the backward below would add into the saved .grad tensors in place
+        p.grad = None
     torch._dynamo.reset()
     compiled = compile(model, **(compile_options or {}))
     try:
@@ -213,16 +217,33 @@ def explain(model: Any, *args: Any, backward: bool | None = None, compile_option
         torch._dynamo.reset()
     if isinstance(model, torch.nn.Module):
         rep.records[:0] = report.module_records(model)
-        seen = {r.layer for r in rep.records}
-        for name, module in model.named_modules():
-            if not name or not _is_experts_module(module) or any(_same_module(name, layer) for layer in seen):
-                continue
-            rep.records.append(report.PassRecord(
-                "explain", "-", "skip", name, "not_in_graph",
-                f"{type(module).__name__} is in no compiled graph (graph break, or an eager per-expert loop that "
-                "Dynamo does not capture; transformers: set_experts_implementation('grouped_mm'))",
-            ))
+        rep.records += _unaccounted_expert_layers(model, rep)
     return rep
+
+
+def _unaccounted_expert_layers(model: torch.nn.Module, rep: report.Report) -> list[report.PassRecord]:
+    """A skip for every experts layer of ``model`` (``find_expert_layers``) that no rewrite, skip or error accounts
+    for: ``not_in_graph`` when no compiled graph contained it, else ``dispatch_form_unknown`` (no pass recognised
+    its dispatch); the detail says what the layer looks like."""
+    accounted = {r.layer for r in rep.records if r.kind in ("skip", "error") or (r.kind == "rewrite" and r.moe)}
+    records = []
+    for layer in find_expert_layers(model):
+        if any(_same_module(layer.name, seen) for seen in accounted):
+            continue
+        if any(_inside(layer.name, seen) for seen in rep.graph_layers):
+            tag, why = "dispatch_form_unknown", "is in a compiled graph, but no pass recognised its dispatch"
+        else:
+            hint = "transformers: set_experts_implementation('grouped_mm')" if is_hf_experts(layer.module) else \
+                "swap_expert_loops reads no such layout: it takes stacked [E, N, K] weights or a ModuleList of experts"
+            tag, why = "not_in_graph", ("is in no compiled graph (graph break, or an eager per-expert loop that Dynamo "
+                                        f"does not capture; {hint})")
+        records.append(report.PassRecord("explain", "-", "skip", layer.name, tag, f"{layer.seen} {why}"))
+    return records
+
+
+def _inside(name: str, layer: str) -> bool:
+    """Whether record path ``layer`` is module ``name`` or inside it (paths relative as in :func:`_same_module`)."""
+    return any(path == layer or layer.startswith(path + ".") for path in _suffixes(name))
 
 
 def _same_module(name: str, layer: str) -> bool:
@@ -240,9 +261,3 @@ def _suffixes(name: str) -> list[str]:
     """``"a.b.c"`` -> ``["a.b.c", "b.c", "c"]``."""
     parts = name.split(".")
     return [".".join(parts[i:]) for i in range(len(parts))]
-
-
-def _is_experts_module(module: torch.nn.Module) -> bool:
-    """transformers' ``*Experts`` modules (stacked expert weights) and similar."""
-    name = type(module).__name__
-    return name.endswith("Experts") and any(p.dim() == 3 for p in module.parameters(recurse=False))

@@ -19,13 +19,16 @@ configure moe_compile (see :mod:`moe_compile.config`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+from torch._guards import detect_fake_mode
 from torch._inductor import async_compile
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.cudagraph_trees import reset_cudagraph_trees
@@ -33,7 +36,8 @@ from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 from moe_compile import metrics, report
 from moe_compile.config import MoECompileConfig, split_options
 from moe_compile.ops.deterministic_flag import deterministic_sdpa
-from moe_compile.passes import check_pass_names, enabled_passes, stage_passes
+from moe_compile.passes import PASSES, _restore, _snapshot, check_pass_names, enabled_passes, stage_passes
+from moe_compile.passes._graph import layer_name
 from moe_compile.passes._validate import compiling
 
 log = logging.getLogger(__name__)
@@ -101,6 +105,55 @@ def compile_with_config(
     mode: str | None = None,
     inductor_options: dict[str, Any] | None = None,
 ) -> Any:
+    """``compile_fx`` with moe_compile's passes; a graph that Inductor cannot compile after our rewrites is
+    compiled again without the pass that broke it, unless ``config.strict``
+    (NOTE [fallback after a failed compile])."""
+    report.saw_layers({layer_name(n) for n in gm.graph.nodes if n.op not in ("placeholder", "output")})
+    if config.strict:
+        return _compile(gm, example_inputs, config, mode, inductor_options)
+    original = _snapshot(gm.graph)  # the pre-grad passes rewrite gm.graph in place
+    shape_env = getattr(detect_fake_mode(example_inputs), "shape_env", None)
+    pending = _pending_unbacked(shape_env)
+    start = report.mark()
+    try:
+        return _compile(gm, example_inputs, config, mode, inductor_options)
+    except _NOT_FAILURES:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any compile failure after a rewrite falls back
+        failure = exc
+    records = [r for r in report.since(start) if r.kind == "rewrite"]
+    rewrote = _passes_that_rewrote(records)
+    if not rewrote:
+        raise failure
+    layers = {name: sorted({r.layer for r in records if r.pass_name == name}) for name in rewrote}
+    tries = [rewrote] if len(rewrote) == 1 else [[name] for name in reversed(rewrote)] + [rewrote]
+    for off in tries:
+        _restore_graph(gm, original, shape_env, pending)
+        report.rollback(start)
+        retry = dataclasses.replace(config, passes=tuple(sorted({**dict(config.passes), **dict.fromkeys(off, False)}
+                                                                   .items())))
+        try:
+            compiled = _compile(gm, example_inputs, retry, mode, inductor_options)
+        except _NOT_FAILURES:
+            raise
+        except Exception:  # noqa: BLE001 - not this pass alone: try the next
+            log.debug("compiling again without %s failed too", off, exc_info=True)
+            continue
+        _record_fallback(off, layers, failure)
+        return compiled
+    _restore_graph(gm, original, shape_env, pending)
+    report.rollback(start)
+    log.warning("moe_compile: compiling again without the passes that rewrote this graph (%s) failed too", rewrote)
+    raise failure
+
+
+def _compile(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: MoECompileConfig,
+    mode: str | None,
+    inductor_options: dict[str, Any] | None,
+) -> Any:
     patches = inductor_patches(config, mode, dict(inductor_options or {}))
     _restart_workers_without_static_launch()
     log.debug("compiling a graph of %d nodes, passes %s", len(gm.graph.nodes), enabled_passes(config))
@@ -113,6 +166,58 @@ def compile_with_config(
             report.graph_compiled()
         report.graph_from_cache()
     return compiled
+
+
+# NOTE [fallback after a failed compile]: a pass that raises is rolled back by its stage (StagePass), but a pass
+# can also return a graph that Inductor then fails to compile (issue 35: JetMoE's second host loop got unbacked
+# symbols that no node bound, and AOTAutograd's trace raised). Plain Inductor compiles the user's graph, so
+# moe_compile must too. When compile_fx raises and passes recorded rewrites in this attempt, the backend
+# restores the graph as Dynamo gave it (the pre-grad passes rewrote it in place; unbacked symbols the attempt left
+# pending in the shape env are dropped), takes back the attempt's records, and compiles again with passes turned
+# off: with one pass that rewrote, without it; with several, without each alone, the last in run order first (a
+# later pass acts on what the earlier ones produced, and the joint stage comes last), and then without all of them.
+# The first attempt that compiles is kept, with a warning and an ``error`` record per pass turned off (explain
+# shows them); the other passes' rewrites stay. If no pass rewrote the graph, or every attempt fails, the first
+# failure is raised as it is: it is not ours to hide. ``strict`` raises at once. Only compile_fx's own call is
+# covered: a backward that AOTAutograd compiles lazily, at the first backward call, is not retried.
+# Dynamo's control-flow exceptions pass through untouched.
+_NOT_FAILURES = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame)
+
+
+def _passes_that_rewrote(records: Sequence[report.PassRecord]) -> list[str]:
+    """The graph passes (run order) with a rewrite among ``records``."""
+    names = {r.pass_name for r in records if r.kind == "rewrite"}
+    return [e.name for e in PASSES if e.name in names]
+
+
+def _pending_unbacked(shape_env: Any) -> tuple[list[Any], list[Any]] | None:
+    if shape_env is None:
+        return None
+    return list(shape_env.pending_fresh_unbacked_symbols), list(shape_env.ignorable_fresh_unbacked_symbols)
+
+
+def _restore_graph(gm: torch.fx.GraphModule, original: torch.fx.Graph, shape_env: Any,
+                   pending: tuple[list[Any], list[Any]] | None) -> None:
+    """Put Dynamo's graph back into ``gm`` and the shape env's pending unbacked symbols as they were."""
+    _restore(gm.graph, original)
+    gm.recompile()
+    if shape_env is not None and pending is not None:
+        shape_env.pending_fresh_unbacked_symbols[:] = pending[0]
+        shape_env.ignorable_fresh_unbacked_symbols[:] = pending[1]
+
+
+def _record_fallback(off: Sequence[str], layers: dict[str, list[str]], failure: Exception) -> None:
+    stages = {e.name: e.stage for e in PASSES}
+    first_line = (str(failure).strip().splitlines() or [""])[0][:300]
+    for name in off:
+        where = "layers " + ", ".join(layers[name]) if layers[name] else "<graph>"
+        msg = (f"moe_compile: Inductor could not compile the graph after pass {name!r} rewrote it ({where}): "
+               f"{type(failure).__name__}: {first_line}; compiled it again without {name!r}")
+        warnings.warn(msg, stacklevel=3)
+        log.warning(msg)
+        detail = f"Inductor could not compile the graph this pass rewrote ({where}): {first_line}; compiled again " \
+                 "without it"
+        report.add(report.PassRecord(name, stages[name], "error", "<graph>", type(failure).__name__, detail))
 
 
 def moe_backend(

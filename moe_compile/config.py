@@ -79,7 +79,8 @@ _TABLE: tuple[Setting, ...] = (
     _option("debug", bool, False,
             "device-side asserts in the dispatch kernels (expert ids in range)"),
     _option("strict", bool, False,
-            "a pass that raises fails the compile instead of falling back to plain Inductor"),
+            "a pass that raises, or a rewrite Inductor cannot compile, fails the compile instead of falling back to "
+            "plain Inductor"),
     _option("deterministic", bool, False,
             "no atomic accumulation in the generated code anywhere in the graph"),
     _option("validate", bool, True,

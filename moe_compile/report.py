@@ -6,7 +6,9 @@ imports nothing of moe_compile: passes, the backend and ``explain`` all write to
 Semantics of a :class:`Report`, per layer (module path from ``nn_module_stack``, e.g.
 ``model.layers.0.mlp.experts``; ``<graph>`` for code outside any module):
 
-* ``rewrite``: ``what`` is the chain that matched, ``detail`` what replaced it.
+* ``rewrite``: ``what`` is the chain that matched, ``detail`` what replaced it. A rewrite that is no MoE rewrite
+  (``moe=False``: a generic one, bitwise neutral against plain Inductor, or one ``deterministic=True`` asks for) is
+  shown as ``non-MoE`` and counted apart (:attr:`Report.other_rewrites`).
 * ``skip``: ``what`` is a reason tag (``weights_before_gather``, ``region_not_rowwise``, ...), ``detail``
   a sentence ("combine not matched: weights applied before gather ...").
 * ``error``: a pass raised and the graph was restored (plain Inductor for that pass).
@@ -19,8 +21,10 @@ Semantics of a :class:`Report`, per layer (module path from ``nn_module_stack``,
 * ``module`` stage records (passes ``experts_impl``, ``swap_expert_loops``): expert loops that Dynamo cannot
   capture, routed through the fused ops before compiling (``rewrite``: swapped / interfaced, with what), or
   left alone (``skip`` with a reason tag: ``probe_mismatch``, ``no_router``, ``expert_parallel``, ...).
-* ``explain`` also lists experts modules of the model that no compiled graph contained
-  (``not_in_graph``: e.g. transformers' eager experts loop, which Dynamo never captures).
+* ``explain`` also gives every experts layer of the model that no record accounts for a skip: ``not_in_graph``
+  (no compiled graph contained it: e.g. an eager experts loop, which Dynamo never captures) or
+  ``dispatch_form_unknown`` (in a graph, no pass recognised its dispatch); :attr:`Report.graph_layers` says
+  which layers the graphs contained.
 
 The same record can appear once per compiled graph (recompiles, forward and backward graphs);
 :meth:`Report.table` and :meth:`Report.to_dict` show it once with a count, ``records`` keeps them all.
@@ -55,6 +59,9 @@ class PassRecord:
     what: str
     # for a rewrite: what replaced it; for a skip or error: the human-readable detail
     detail: str
+    # for a rewrite: False when it is no MoE rewrite (a scatter with distinct indices made a plain store, which
+    # changes no bit against plain Inductor; what deterministic=True asks for, anywhere in the graph)
+    moe: bool = True
 
 
 @dataclasses.dataclass
@@ -64,10 +71,22 @@ class Report:
     # compiles that Inductor's caches served (AOTAutograd or FX graph cache hits): their joint and post-grad
     # passes (the audit among them) did not run, so their records are missing (NOTE [cached compiles])
     cached_graphs: int = 0
+    # the module paths of the nodes of every graph the backend was given (explain: which layers a graph contained)
+    graph_layers: set[str] = dataclasses.field(default_factory=set)
 
     @property
     def rewrites(self) -> list[PassRecord]:
         return [r for r in self.records if r.kind == "rewrite"]
+
+    @property
+    def moe_rewrites(self) -> list[PassRecord]:
+        """The rewrites of MoE layers (expert dispatch, routing); :attr:`other_rewrites` are the rest."""
+        return [r for r in self.rewrites if r.moe]
+
+    @property
+    def other_rewrites(self) -> list[PassRecord]:
+        """Rewrites that are no MoE rewrite (:attr:`PassRecord.moe` False), shown apart by :meth:`table`."""
+        return [r for r in self.rewrites if not r.moe]
 
     @property
     def skips(self) -> list[PassRecord]:
@@ -127,7 +146,7 @@ class Report:
         layers = {
             layer: [
                 {"pass": r.pass_name, "stage": r.stage, "kind": r.kind, "what": r.what, "detail": r.detail,
-                 "count": n}
+                 "count": n, **({"moe": r.moe} if r.kind == "rewrite" else {})}
                 for r, n in entries
             ]
             for layer, entries in self.grouped().items()
@@ -141,7 +160,8 @@ class Report:
             "left": len(self.left),
             "clean": self.clean,
             "deterministic": self.deterministic,
-            "rewritten_layers": sorted({r.layer for r in self.rewrites}, key=_natural_key),
+            "other_rewrites": len(self.other_rewrites),
+            "rewritten_layers": sorted({r.layer for r in self.moe_rewrites}, key=_natural_key),
         }
         return {"graphs": self.graphs, "cached_graphs": self.cached_graphs, "summary": summary, "layers": layers}
 
@@ -160,7 +180,8 @@ class Report:
         rows, details = [], []
         for layer, entries in self.grouped().items():
             for i, (r, n) in enumerate(entries):
-                result = r.kind if n == 1 else f"{r.kind} x{n}"
+                kind = r.kind if r.kind != "rewrite" or r.moe else "non-MoE"  # a rewrite, counted apart
+                result = kind if n == 1 else f"{kind} x{n}"
                 what = short_chain(r.what) if r.kind == "rewrite" else r.what
                 rows.append([layer if i == 0 else "", r.pass_name, result, what])
                 details.append(r.detail)
@@ -179,9 +200,10 @@ class Report:
             if detail:
                 out += textwrap.wrap(detail, width, initial_indent=indent + "  ", subsequent_indent=indent + "    ",
                                      break_on_hyphens=False)
-        n_layers = len({r.layer for r in self.rewrites})
-        summary = (f"{self.graphs} graph(s) compiled; {n_layers} layer(s) rewritten, "
-                   f"{len(self.skips)} skip(s), {len(self.errors)} error(s); "
+        n_layers, others = len({r.layer for r in self.moe_rewrites}), len(self.other_rewrites)
+        summary = (f"{self.graphs} graph(s) compiled; {n_layers} MoE layer(s) rewritten, "
+                   + (f"{others} non-MoE rewrite(s), " if others else "")
+                   + f"{len(self.skips)} skip(s), {len(self.errors)} error(s); "
                    + (f"{len(self.unchecked)} rewrite(s) not validated; " if self.unchecked else "")
                    + ("clean: no accumulating scatter or host sync left" if self.clean
                       else f"{len(self.left)} accumulating scatter(s) / host sync(s) left (audit)")
@@ -260,6 +282,44 @@ def _count(field: str) -> None:
 
 def graph_compiled() -> None:
     _count("graphs")
+
+
+def saw_layers(layers: set[str]) -> None:
+    """Note the module paths of a graph the backend was given (:attr:`Report.graph_layers`)."""
+    with _LOCK:
+        for report in (_LAST, *_ACTIVE):
+            report.graph_layers |= layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    """Where each open report (and the last-compile one) stood: see :func:`mark`."""
+
+    # (report, records, graphs, cached_graphs) of each report open at the mark
+    sizes: tuple[tuple[Report, int, int, int], ...]
+
+
+def mark() -> Mark:
+    """The current length of every open report, so that the records of a compile attempt can be read
+    (:func:`since`) or taken back (:func:`rollback`) when the backend compiles the graph again."""
+    with _LOCK:
+        return Mark(tuple((r, len(r.records), r.graphs, r.cached_graphs) for r in (_LAST, *_ACTIVE)))
+
+
+def since(at: Mark) -> list[PassRecord]:
+    """The records added since ``at`` (read from the last-compile report)."""
+    with _LOCK:
+        return list(_LAST.records[at.sizes[0][1]:])
+
+
+def rollback(at: Mark) -> None:
+    """Take back every record and graph count added since ``at``: the compile attempt they describe was
+    dropped (NOTE [fallback after a failed compile] (moe_compile/backend.py)). Records another thread added
+    meanwhile go too."""
+    with _LOCK:
+        for r, n, graphs, cached in at.sizes:
+            del r.records[n:]
+            r.graphs, r.cached_graphs = graphs, cached
 
 
 # NOTE [cached compiles]: on an AOTAutograd or FX graph cache hit some of the passes do not run (the cached code

@@ -6,6 +6,8 @@ give outputs and grads identical to ``torch.compile(backend="inductor")``.
 
 from __future__ import annotations
 
+import unittest
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -131,6 +133,18 @@ def test_explain_without_moe():
     assert rep.to_dict()["summary"]["rewrites"] == 0
 
 
+def test_explain_leaves_existing_gradients_as_they_were():
+    """``explain`` runs a backward: it once added into the model's existing ``.grad`` tensors in place, so that the
+    gradients it restored afterwards had its own loss's gradient in them."""
+    model = MLP()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    saved = [p.grad for p in model.parameters()]
+    moe_compile.explain(model, torch.randn(2, 16))
+    for p, g in zip(model.parameters(), saved, strict=True):
+        assert p.grad is g and torch.equal(g, torch.ones_like(g))
+
+
 def test_report_groups_repeated_records():
     from moe_compile.report import PassRecord, Report
 
@@ -165,6 +179,84 @@ def test_explain_lists_experts_not_in_any_graph():
     # moe_compile.compile's expert-loop swap looked at the block and left it alone, saying why
     [swap] = [r for r in rep.records if r.pass_name == "swap_expert_loops"]
     assert (swap.kind, swap.what) == ("skip", "unknown_expert_mlp")
+
+
+def _tiny_dbrx():
+    from transformers import DbrxConfig, DbrxForCausalLM
+
+    config = DbrxConfig(d_model=32, n_heads=4, n_layers=1, max_seq_len=64, vocab_size=128,
+                        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2})
+    return DbrxForCausalLM(config), ["transformer.blocks.0.ffn.experts"]
+
+
+def _tiny_switch_encoder():
+    from transformers import SwitchTransformersConfig, SwitchTransformersEncoderModel
+
+    config = SwitchTransformersConfig(vocab_size=128, d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=4,
+                                      num_experts=4, encoder_sparse_step=1, expert_capacity=16)
+    return SwitchTransformersEncoderModel(config), ["encoder.block.0.layer.1.mlp.experts"]
+
+
+@pytest.mark.parametrize("make", [_tiny_dbrx, _tiny_switch_encoder], ids=["dbrx", "switch_transformers"])
+def test_explain_gives_every_expert_layer_left_alone_a_reason(make):
+    """DBRX (2-D ``[E*I, H]`` expert weights) and SwitchTransformers (a ModuleDict of experts) loop over their
+    experts with a ``nonzero`` trip count: Dynamo runs the loop outside any graph, and no pass or swap reads their
+    layouts. ``explain`` once said "0 skip(s)" for them; every experts layer now has a skip with a reason tag and
+    what the layer looks like."""
+    pytest.importorskip("transformers")
+    from moe_compile.experts.discovery import find_expert_layers
+
+    torch.manual_seed(0)
+    model, experts = make()
+    assert [layer.name for layer in find_expert_layers(model)] == experts
+    ids = torch.randint(0, 128, (2, 8))
+    rep = moe_compile.explain(model, input_ids=ids, backward=False)
+    for name in experts:
+        [rec] = [r for r in rep.records if r.layer == name]
+        assert (rec.kind, rec.what) == ("skip", "not_in_graph"), rep.table()
+        assert type(model.get_submodule(name)).__name__ in rec.detail and "swap_expert_loops" in rec.detail
+    assert rep.moe_rewrites == [] and f"{len(experts)} skip(s)" in rep.table(), rep.table()
+
+
+class DenseExperts(nn.Module):
+    """Every token through every expert, weighted by a softmax (a soft MoE): in the graph, but no dispatch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(16, 4)
+        self.w = nn.Parameter(torch.randn(4, 16, 16) / 4)
+
+    def forward(self, x):
+        return torch.einsum("te,eoh,th->to", self.gate(x).softmax(-1), self.w, x)
+
+
+def test_explain_tags_an_expert_layer_in_a_graph_that_no_pass_recognises():
+    model = nn.Sequential(nn.Linear(16, 16), DenseExperts())
+    rep = moe_compile.explain(model, torch.randn(3, 16), backward=False, compile_options={"swap_expert_loops": False})
+    [rec] = [r for r in rep.records if r.layer == "1"]
+    assert (rec.kind, rec.what) == ("skip", "dispatch_form_unknown"), rep.table()
+    assert rec.detail.startswith("DenseExperts (stacked: w [4, 16, 16])"), rec.detail
+
+
+def test_expert_layers_are_found_in_every_layout():
+    """``find_expert_layers``: stacked and ModuleList experts (``find_expert_weights``) and the layouts nothing
+    rewrites: SwitchTransformers' ModuleDict (encoder and decoder), DBRX's ``*Experts`` module of 2-D weights."""
+    pytest.importorskip("transformers")
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    from moe_compile.experts.discovery import find_expert_layers
+    from tests.models.host_padded import make_layer
+
+    config = SwitchTransformersConfig(vocab_size=128, d_model=32, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+                                      num_heads=4, num_experts=4, encoder_sparse_step=2, decoder_sparse_step=2)
+    found = find_expert_layers(SwitchTransformersForConditionalGeneration(config))
+    assert [f.name for f in found] == ["encoder.block.1.layer.1.mlp.experts", "decoder.block.1.layer.2.mlp.experts"]
+    assert all("ModuleDict of 4 SwitchTransformersDenseActDense" in f.seen for f in found)
+    assert [f.name for f in find_expert_layers(_tiny_dbrx()[0])] == ["transformer.blocks.0.ffn.experts"]
+    assert [(f.name, f.seen.split(" (")[1].split(":")[0]) for f in find_expert_layers(make_layer("loop"))] == \
+        [("experts", "module_list")]
+    assert find_expert_layers(MLP()) == []
 
 
 def test_explain_matches_layers_of_frames_compiled_below_the_root():
@@ -203,6 +295,80 @@ def test_pass_that_raises_is_undone_and_compilation_goes_on(monkeypatch):
     eager, eager_grads = _run(model, x, "eager", True)
     assert_matches_eager(Run(ours, ours_grads, rep, []), model, (x,), train=True, eager=(eager, eager_grads),
                          loss_fn=lambda out: out.float().pow(2).mean())
+
+
+@torch.library.custom_op("moe_compile_test::unlowerable", mutates_args=())
+def _unlowerable(x: torch.Tensor) -> torch.Tensor:
+    """The identity, which Inductor cannot lower (below): what a rewrite that Inductor cannot compile inserts."""
+    return x.clone()
+
+
+_unlowerable.register_fake(lambda x: torch.empty_like(x))
+_unlowerable.register_autograd(lambda ctx, grad: grad)
+
+
+def _refuse_lowering(*args, **kwargs):
+    raise NotImplementedError("moe_compile_test::unlowerable has no lowering")
+
+
+torch._inductor.lowering.register_lowering(torch.ops.moe_compile_test.unlowerable.default)(_refuse_lowering)
+
+
+def _breaks_its_rewrite(run):
+    """``run`` (a pass), then an op Inductor cannot lower after the first grouped GEMM the pass inserted."""
+
+    def broken(graph, ctx):
+        before = set(graph.nodes)
+        run(graph, ctx)
+        new = next(n for n in graph.nodes if n not in before and "grouped_mm" in str(n.target))
+        with graph.inserting_after(new):
+            bad = graph.call_function(torch.ops.moe_compile_test.unlowerable.default, (new,))
+        bad.meta["example_value"] = new.meta["example_value"]
+        new.replace_all_uses_with(bad, delete_user_cb=lambda user: user is not bad)
+
+    return broken
+
+
+class LoopThenSortLayer(nn.Module):
+    """A host-sized expert loop (``fuse_expert_loop``) and a sort-based layer (``fuse_dispatch``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.models.host_padded import make_layer
+
+        self.loop = make_layer("loop", seed=0)
+        self.sort = hw.SortIndexSelectScatterAdd(hidden=16, seed=1)
+
+    def forward(self, x):
+        return self.sort(self.loop(x))
+
+
+def test_compile_failure_after_a_rewrite_falls_back_without_that_pass(monkeypatch):
+    """A pass whose rewrite Inductor cannot compile (here: an op without a lowering after its grouped GEMM) does
+    not fail the compile: the graph is compiled again from Dynamo's graph, first without each pass that rewrote it
+    alone (the last in run order first), so only the guilty pass is turned off. A warning names it, the report
+    has an ``error`` record for it and none of its rewrites, the other layer stays rewritten, and a training step
+    matches eager. With ``strict`` the failure is raised."""
+    from moe_compile.passes import fuse_expert_loop
+    from tests.passes._host_padding_checks import assert_matches_eager, layer_input, run_layer
+
+    monkeypatch.setattr(fuse_expert_loop, "run", _breaks_its_rewrite(fuse_expert_loop.run))
+    model = LoopThenSortLayer()
+    with pytest.warns(UserWarning, match="pass 'fuse_expert_loop' rewrote it"):
+        got, want = run_layer(model, layer_input(0), path="backend", train=True)
+    rep = got.records
+    assert [(r.pass_name, r.what) for r in rep.errors] == [("fuse_expert_loop", "InductorError")], rep.table()
+    assert "moe_compile_test::unlowerable has no lowering" in rep.errors[0].detail
+    assert rep.count("fuse_expert_loop") == 0 and rep.count("fuse_dispatch") == 1, rep.table()
+    assert rep.graphs == 1, rep.table()  # the attempts taken back are not counted
+    assert "fuse_expert_loop" in rep.table() and "1 error(s)" in rep.table()
+    assert_matches_eager(unittest.TestCase(), got, want)
+
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="unlowerable has no lowering"):
+        torch._dynamo.reset()
+        with fresh_cache():
+            torch.compile(model, backend="moe_compile", fullgraph=True, options={"moe.strict": True})(layer_input(0))
+    torch._dynamo.reset()
 
 
 def test_user_defined_kernels_are_launched_statically_unless_the_user_says_otherwise():

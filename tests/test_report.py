@@ -18,6 +18,8 @@ RECORDS = [
                "fp32 accumulate)"),
     *[PassRecord("replace_grouped_mm_fallback", "pre_grad", "rewrite", "model.layers.0.mlp.experts",
                  "transformers.grouped_mm_fallback (offs.tolist() host sync)", "moe.grouped_mm (sync-free)")] * 2,
+    PassRecord("deterministic_accumulate", "joint", "rewrite", "model.layers.0.mlp.gate",
+               "scatter_add(accumulate) [aten.topk]", "scatter (distinct indices, no accumulation)", moe=False),
     PassRecord("fuse_dispatch", "pre_grad", "skip", "bad", "weights_before_gather",
                "combine not matched: weights applied before gather (rows_1 gathers already-weighted [T*K, H] rows by "
                "perm)"),
@@ -44,8 +46,20 @@ model.layers.0.mlp.experts  fuse_dispatch                rewrite     sort + gath
                             replace_grouped_mm_fallback  rewrite x2  transformers.grouped_mm_fallback (offs.tolist()
                                                                        host sync)
                               moe.grouped_mm (sync-free)
-2 graph(s) compiled; 1 layer(s) rewritten, 1 skip(s), 0 error(s); clean: no accumulating scatter or host sync left; 1
-  non-deterministic source(s) left""")
+model.layers.0.mlp.gate     deterministic_accumulate     non-MoE     scatter_add(accumulate) [aten.topk]
+                              scatter (distinct indices, no accumulation)
+2 graph(s) compiled; 1 MoE layer(s) rewritten, 1 non-MoE rewrite(s), 1 skip(s), 0 error(s); clean: no accumulating
+  scatter or host sync left; 1 non-deterministic source(s) left""")
+
+
+def test_rewrites_that_are_not_moe_are_counted_apart():
+    """A rewrite that is no MoE rewrite (``moe=False``: a distinct-index scatter made a plain store) is marked in the
+    table, counted apart in the summary, and not among the rewritten (MoE) layers of ``to_dict``."""
+    rep = Report(list(RECORDS), graphs=2)
+    assert [r.pass_name for r in rep.other_rewrites] == ["deterministic_accumulate"]
+    assert "1 MoE layer(s) rewritten, 1 non-MoE rewrite(s)," in " ".join(rep.table().split())
+    summary = rep.to_dict()["summary"]
+    assert summary["rewritten_layers"] == ["model.layers.0.mlp.experts"] and summary["other_rewrites"] == 1
 
 
 def test_narrow_table_still_fits():

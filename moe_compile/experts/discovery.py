@@ -11,6 +11,9 @@ Two layouts are recognised (``E`` experts, ``N`` output features, ``K`` input fe
   items are all ``nn.Linear`` of one shape, or modules of one class with the same ``nn.Linear``
   children (same paths, shapes and bias presence), e.g. ``experts[e].w1 / w2 / w3``.
 
+:func:`find_expert_layers` also finds the experts modules in other layouts (a ``*Experts`` class, a ``ModuleDict``
+of experts), which nothing rewrites but ``explain`` must account for.
+
 Nothing here imports torchao or changes the model; passes and ``quantize_experts`` share it.
 """
 
@@ -91,6 +94,64 @@ def find_expert_weights(
         groups.append(group)
         claimed.append(name)
     return groups
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """A module that holds the experts of one MoE layer, in whatever layout (what ``explain`` accounts for).
+
+    Attributes:
+        name: qualified module name in the model.
+        module: the module.
+        seen: what it looks like, in a few words (its class and weights), for a reason's detail.
+    """
+
+    name: str
+    module: nn.Module
+    seen: str
+
+
+def find_expert_layers(model: nn.Module) -> list[ExpertLayer]:
+    """Every module that holds experts, outermost first: the groups of :func:`find_expert_weights`, and the
+    experts containers in layouts it does not read: a class named ``*Experts`` (transformers' naming: DBRX's 2-D
+    ``[E*I, H]`` weights), or an ``nn.ModuleDict`` / ``nn.ModuleList`` whose attribute name contains "expert" and
+    holds two or more modules of one class (SwitchTransformers' ``experts["expert_0"]``)."""
+    groups = {g.name: g for g in find_expert_weights(model)}
+    found: list[ExpertLayer] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(f.name + ".") for f in found):
+            continue
+        group = groups.get(name)
+        if group is not None:
+            what = ", ".join(f"{lin.path or 'linear'} [{lin.num_experts}, {lin.out_features}, {lin.in_features}]"
+                             for lin in group.linears)
+            found.append(ExpertLayer(name, module, f"{type(module).__name__} ({group.kind}: {what})"))
+        elif type(module).__name__.endswith("Experts") or _is_expert_container(name, module):
+            found.append(ExpertLayer(name, module, _describe(module)))
+    return found
+
+
+def _is_expert_container(name: str, module: nn.Module) -> bool:
+    if not isinstance(module, (nn.ModuleDict, nn.ModuleList)) or not _EXPERT_NAME.search(name.rsplit(".", 1)[-1]):
+        return False
+    children = list(module.children())
+    return len(children) >= 2 and len({type(c) for c in children}) == 1
+
+
+def _describe(module: nn.Module) -> str:
+    """``"SwitchTransformersExperts (ModuleDict of 4 SwitchTransformersDenseActDense: wi [64, 32], ...)"``."""
+    children = list(module.children())
+    if isinstance(module, (nn.ModuleDict, nn.ModuleList)) and children:
+        container = "ModuleDict" if isinstance(module, nn.ModuleDict) else "ModuleList"
+        return (f"{type(module).__name__} ({container} of {len(children)} {type(children[0]).__name__}: "
+                f"{_shapes(children[0])})")
+    return f"{type(module).__name__} ({_shapes(module)})"
+
+
+def _shapes(module: nn.Module, limit: int = 3) -> str:
+    params = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
+    shown = ", ".join(f"{n} {list(shape)}" for n, shape in params[:limit])
+    return (shown + (f", ... ({len(params)} parameters)" if len(params) > limit else "")) or "no parameters"
 
 
 def _as_stacked(name: str, attr: str, module: nn.Module) -> ExpertGroup | None:

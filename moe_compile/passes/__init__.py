@@ -142,9 +142,10 @@ class PassContext:
         if not self.held:
             report.add(record)
 
-    def rewrite(self, layer: str, matched: str, replaced_by: str) -> None:
+    def rewrite(self, layer: str, matched: str, replaced_by: str, moe: bool = True) -> None:
+        """Record a rewrite; ``moe=False`` for one that is no MoE rewrite (``report.PassRecord.moe``)."""
         log.info("[%s] %s: rewrote %s -> %s", self.pass_name, layer, matched, replaced_by)
-        self._record(report.PassRecord(self.pass_name, self.stage, "rewrite", layer, matched, replaced_by))
+        self._record(report.PassRecord(self.pass_name, self.stage, "rewrite", layer, matched, replaced_by, moe))
 
     def skip(self, layer: str, reason: str, detail: Detail = "") -> None:
         """Record that ``layer`` was left alone, and why; a callable ``detail`` is formatted here."""

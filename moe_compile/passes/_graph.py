@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, overload
 
 import torch
@@ -281,16 +281,46 @@ def graph_call(graph: fx.Graph, target: Any, *args: Any, meta_from: fx.Node | No
 
 def refresh_example_values(nodes: Iterable[fx.Node]) -> None:
     """Recompute ``meta["example_value"]`` of ``nodes`` (given in graph order) from their inputs (Dynamo IR);
-    a node whose value cannot be recomputed keeps its old one."""
+    a node whose value cannot be recomputed keeps its old one, and so does a node that binds an unbacked
+    symbol (NOTE [refresh keeps unbacked bindings])."""
     for node in nodes:
-        if node.op not in ("call_function", "call_method"):
+        if node.op not in ("call_function", "call_method") or node.meta.get("unbacked_bindings"):
             continue
         try:
-            value = fake_eval(node.target, node.args, node.kwargs, method=node.op == "call_method")
+            with _no_fresh_unbacked_symbols(node) as fresh:
+                value = fake_eval(node.target, node.args, node.kwargs, method=node.op == "call_method")
         except Exception:  # noqa: BLE001 - stale metadata is tolerable; AOTAutograd re-traces anyway
+            continue
+        if fresh:
             continue
         node.meta["example_value"] = value
         node.meta.pop("val", None)
+
+
+# NOTE [refresh keeps unbacked bindings]: a node that makes a data-dependent value (``C[i].item()`` of a
+# ``.tolist()``, ``nonzero``) binds a fresh unbacked symbol (``u0``), recorded in its ``unbacked_bindings`` meta,
+# and every later node's value is written in that symbol. Evaluating such a node again allocates another symbol
+# (``u8``) that no node binds: the fake mode's shape env keeps it as pending, and AOTAutograd's trace of the
+# graph then fails with ``PendingUnbackedSymbolNotFound`` (JetMoE, two host-sized loops: the rewrite of the first
+# refreshed everything downstream, the second loop's ``.tolist()`` reads included, issue 35). The old value stays
+# right: a rewrite changes how a value is computed, never which data it depends on. So such a node keeps its
+# value, and a refresh that would allocate a fresh unbacked symbol anyway is undone and keeps the old one.
+
+
+@contextlib.contextmanager
+def _no_fresh_unbacked_symbols(node: fx.Node) -> Iterator[list[Any]]:
+    """Yield a list that holds, after the block, the unbacked symbols the block allocated; they are taken off the
+    shape env's pending list (no node binds them)."""
+    mode = fake_mode_of(fx.node.map_arg((node.args, node.kwargs), val))
+    pending = getattr(getattr(mode, "shape_env", None), "pending_fresh_unbacked_symbols", None)
+    before = len(pending) if pending is not None else 0
+    fresh: list[Any] = []
+    try:
+        yield fresh
+    finally:
+        if pending is not None and len(pending) > before:
+            fresh.extend(pending[before:])
+            del pending[before:]
 
 
 def ops_available(*names: str) -> bool:

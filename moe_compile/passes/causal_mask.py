@@ -56,7 +56,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         node.args = (args["query"], args["key"], args["value"])
         node.kwargs = kwargs
         ctx.rewrite(layer_name(node), "scaled_dot_product_attention(attn_mask=<causal constant>)",
-                    "scaled_dot_product_attention(is_causal=True) (flash: deterministic backward)")
+                    "scaled_dot_product_attention(is_causal=True) (flash: deterministic backward)", moe=False)
 
 
 def _check_causal(mask: fx.Node, dropout_p) -> None:

@@ -11,10 +11,20 @@ Matches (one :class:`~moe_compile.passes.forms.accumulate.Accumulate` per node, 
 
         z = full([T, E], 0); g = scatter_add(z, 1, topk_idx_TK, grad_TK)
 
-    (b) a 1-D index into a small first dim (``E <= MAX_ONE_HOT_ROWS``), whose values a forward gather
-    of a tensor with that first dim already bounds::
+    (b) a 1-D index into a small first dim (``E <= MAX_ONE_HOT_ROWS``) that is a routing choice (the expert ids
+    a ``topk`` over ``E`` scores picks: ``forms.accumulate.routing_choice``) and that a forward gather of a tensor
+    with that first dim uses: an expert dispatch's backward (a per-expert bias or scale gathered by expert id)::
 
         b_M = index(bias_EN, [ids_M]) ...  z = full([E, N], 0); g = index_put(z, [ids_M], grad_MN, True)
+
+    The same gather by the user's own indices (an embedding-like table: ``table[idx]``, ``index_add_`` into a
+    5-row table) is no expert dispatch and is left to Inductor: rule (b) sums in another order than Inductor's
+    scatter, so it would change the gradient's bits where the model has no MoE layer at all (issue 35).
+
+Outside MoE layers only rule (a) fires: it stores the values Inductor's scatter-add into zeros computes (each
+element takes one add to zero), bitwise the same up to the sign of a zero, which Inductor's own code does not keep
+either (its C++ is compiled with ``-fno-signed-zeros``). Its records say ``moe=False`` (``explain`` lists them
+apart from the MoE rewrites): it is no MoE rewrite, wherever it happens.
 
     A ``scatter_add`` into a live tensor with indices as in (a) (a custom router backward: PhiMoE's
     ``grad.scatter_add_(-1, selected_experts, g)``) is left as it is: it adds at most once into each element,
@@ -28,7 +38,8 @@ Rewrites to:
     ``E*M*N`` multiply-adds, memory-bound like the scatter for ``E <= 256``.
 
 Skips when (reason tags): ``base_not_zeros`` (accumulating into a live tensor), ``index_not_distinct``
-(neither rule proves the rewrite), ``too_many_rows`` (rule (b) past ``MAX_ONE_HOT_ROWS``). Accumulations
+(neither rule proves the rewrite), ``not_expert_ids`` (rule (b)'s gather, by indices that are no routing choice),
+``too_many_rows`` (rule (b) past ``MAX_ONE_HOT_ROWS``). Accumulations
 outside any module (``<graph>``) are skipped silently, as is the token embedding's backward
 (``embedding_dense_backward``), which is left to Inductor.
 
@@ -72,14 +83,15 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         layer = layer_name(node)
         reason, detail = _rewrite(graph, a)
         if reason is None:
-            ctx.rewrite(layer, f"{a.kind}(accumulate) [{_index_desc(a)}]", detail)
+            one_hot = detail.startswith("one-hot")  # rule (b): proven an expert dispatch's backward
+            ctx.rewrite(layer, f"{a.kind}(accumulate) [{_index_desc(a)}]", detail, moe=one_hot)
         elif layer != "<graph>":
             ctx.skip(layer, reason, detail)
 
 
 def _index_desc(a: acc.Accumulate) -> str:
     src = a.index.args[0] if isinstance(a.index, fx.Node) and op_name(a.index) == "getitem" else a.index
-    return op_name(src) if isinstance(src, fx.Node) else "?"
+    return (op_name(src) or src.name) if isinstance(src, fx.Node) else "?"
 
 
 def _rewrite(graph: fx.Graph, a: acc.Accumulate) -> tuple[str | None, str]:
@@ -103,6 +115,9 @@ def _rewrite(graph: fx.Graph, a: acc.Accumulate) -> tuple[str | None, str]:
         return "index_not_distinct", f"{a.kind} with indices that may repeat ({_index_desc(a)})"
     if rows > MAX_ONE_HOT_ROWS:
         return "too_many_rows", f"{a.kind} into {rows} rows (one-hot GEMM limit {MAX_ONE_HOT_ROWS})"
+    if not acc.routing_choice(a.index, rows):
+        return "not_expert_ids", f"{a.kind} into {rows} rows by indices that are no routing choice " \
+                                 f"({_index_desc(a)}): not an expert dispatch, left to Inductor"
     with graph.inserting_before(a.node):
         new = _one_hot_sum(graph, a, rows)
     _replace(graph, a.node, new)

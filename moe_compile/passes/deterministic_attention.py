@@ -41,4 +41,5 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         if node.op == "call_function" and node.target in WRAPPED:
             before = op_name(node)
             node.target = WRAPPED[node.target]
-            ctx.rewrite(layer_name(node), before, f"{op_name(node)} (torch's deterministic flag on for the call)")
+            ctx.rewrite(layer_name(node), before, f"{op_name(node)} (torch's deterministic flag on for the call)",
+                        moe=False)

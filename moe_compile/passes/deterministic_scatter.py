@@ -81,7 +81,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             except NoMatch as skip:
                 ctx.skip(layer, skip.reason, skip.detail)
                 continue
-            ctx.rewrite(layer, f"{op_name(node)} ({name})", detail)
+            ctx.rewrite(layer, f"{op_name(node)} ({name})", detail, moe=False)  # deterministic=True: anywhere
 
 
 # ===== accumulating scatters -> moe.segment_sum =====

@@ -184,3 +184,24 @@ def _block_class(family: str):
 def block_output(out: Any) -> torch.Tensor:
     """The hidden-states tensor of a block's output (some blocks return a tuple)."""
     return out[0] if isinstance(out, tuple) else out
+
+
+def build_jetmoe(dtype: torch.dtype = torch.float32, seed: int = 0, batch: int = 2, seq: int = 8
+                 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A tiny ``JetMoeForCausalLM`` (1 layer, hidden 32, 4 experts, top-2) and its inputs (labels included).
+
+    Its layer has four host-sized expert loops (``expert_size.tolist()`` + ``split`` through ``weight[e]``): two in
+    the attention experts (``map`` and ``reduce``) and two in the MLP experts, read from two routers.
+    """
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    config = JetMoeConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_key_value_heads=2,
+                          kv_channels=8, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                          max_position_embeddings=64, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = JetMoeForCausalLM(config)
+    init_params_(model, seed)
+    model = model.to(dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    input_ids = torch.randint(1, VOCAB, (batch, seq), generator=gen)
+    return model, {"input_ids": input_ids, "labels": torch.randint(1, VOCAB, (batch, seq), generator=gen)}

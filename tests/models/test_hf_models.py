@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 
 from tests.models.hf_models import FAMILIES, build_causal_lm  # noqa: E402
 from tests.passes._harness import (  # noqa: E402
+    Run,
     assert_matches_eager,
     assert_report,
     compile_and_run,
@@ -104,3 +105,32 @@ def test_qwen3_norm_topk_prob_both_values(norm_topk_prob):
     run = compile_and_run(model, (), inputs, train=True)
     assert_report(run.report, {"fuse_dispatch": 2 * run.report.graphs})
     assert_matches_eager(run, model, (), inputs, train=True, eager=eager)
+
+
+@pytest.mark.parametrize("path", ["api", "fullgraph"])
+def test_jetmoe_host_loops_compile_and_match_eager(path):
+    """JetMoE's layer holds four host-sized expert loops (two routers' ``.tolist()`` counts). Once the first loop
+    was rewritten, the refresh of the example values below it gave the later loops' host reads fresh unbacked
+    symbols, and AOTAutograd failed with ``PendingUnbackedSymbolNotFound`` (issue 35;
+    NOTE [refresh keeps unbacked bindings] (moe_compile/passes/_graph.py)). Through ``moe_compile.compile`` and
+    through the backend with ``fullgraph=True``: every loop is rewritten, and one training step matches eager."""
+    import moe_compile
+    from moe_compile import report
+    from tests.models.hf_models import build_jetmoe
+
+    model, inputs = build_jetmoe(dtype=torch.float32)
+    model.train(True)
+    eager = run_once(model, (), inputs, train=True)
+    torch._dynamo.reset()
+    compiled = moe_compile.compile(model) if path == "api" else \
+        torch.compile(model, backend="moe_compile", fullgraph=True)
+    try:
+        with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True):
+            out, grads = run_once(compiled, (), inputs, train=True)
+    finally:
+        torch._dynamo.reset()
+    assert rep.errors == [], rep.table()
+    loops = sorted(r.layer.split("layers.0.")[-1] for r in rep.rewrites if r.pass_name == "fuse_expert_loop")
+    assert loops == ["mlp.input_linear", "mlp.output_linear", "self_attention.experts.input_linear",
+                     "self_attention.experts.output_linear"], rep.table()
+    assert_matches_eager(Run(out, grads, rep, []), model, (), inputs, train=True, eager=eager)

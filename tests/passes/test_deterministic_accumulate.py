@@ -169,3 +169,57 @@ def test_custom_router_backward_scatter_add_into_live_tensor_is_left_as_is():
     run = check_rewrite(InLayer(MaxRouter()), (x,), {}, backend="moe_compile")
     assert [r for r in run.report.rewrites if r.pass_name == "deterministic_accumulate"] == [], run.report.table()
     assert [r for r in run.report.left if r.layer.startswith("inner")] == [], run.report.table()
+
+
+class UserTable(nn.Module):
+    """No MoE layer: a 5-row table gathered by the user's own indices, and an ``index_add_`` into a 5-row table by
+    them. The gather's backward is an ``index_put(accumulate=True)`` into zeros, as an embedding's."""
+
+    def __init__(self, gen: torch.Generator, rows: int = 5, n: int = 16):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(rows, n, generator=gen))
+        self.proj = nn.Linear(n, n)
+
+    def forward(self, x_TN: torch.Tensor, idx_T: torch.Tensor) -> torch.Tensor:
+        h_TN = self.proj(x_TN) + self.table[idx_T]
+        return torch.zeros(self.table.shape, dtype=h_TN.dtype).index_add_(0, idx_T, h_TN)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_user_table_outside_moe_layers_is_bitwise_plain_inductor(dtype):
+    """The one-hot GEMM rule once fired on this model (its indices bound by the gather) and changed the bits of the
+    output and of the table's gradient against plain Inductor, while ``explain`` listed MoE rewrites (issue 35). Now
+    moe_compile gives plain Inductor's bits, and ``explain`` lists no MoE rewrite. One thread: CPU Inductor adds an
+    accumulating scatter atomically from several threads, so its own bits vary from run to run otherwise."""
+    import moe_compile
+    from tests.passes._harness import fresh_cache
+
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    model = UserTable(gen).to(dtype)
+    x, idx = torch.randn(64, 16, generator=gen).to(dtype), torch.randint(0, 5, (64,), generator=gen)
+
+    def step(backend):
+        torch._dynamo.reset()
+        model.zero_grad(set_to_none=True)
+        with fresh_cache():
+            out = torch.compile(model, backend=backend)(x, idx)
+            out.float().pow(2).sum().backward()
+        torch._dynamo.reset()
+        return [out, *(p.grad for p in model.parameters())]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ours, plain = step("moe_compile"), step("inductor")
+        rep = moe_compile.explain(model, x, idx)
+    finally:
+        torch.set_num_threads(threads)
+    for i, (a, b) in enumerate(zip(ours, plain, strict=True)):
+        assert torch.equal(_bits(a), _bits(b)), f"seed {seed}: tensor {i} differs by {(a - b).abs().max().item():.3g}"
+    assert rep.moe_rewrites == [] and rep.to_dict()["summary"]["rewritten_layers"] == [], rep.table()
+    assert "0 MoE layer(s) rewritten" in rep.table(), rep.table()

@@ -69,6 +69,18 @@ class CompiledLoopTest(unittest.TestCase):
             self.assertEqual(forward["aten._grouped_mm.default"], 3)
             self.assertEqual(forward["aten.cat.default"] + forward["aten.stack.default"], copies, regroup)
 
+    def test_two_stacked_host_loop_layers_training_fullgraph(self):
+        """Two host-sized loops in one graph: rewriting the first refreshes the example values downstream, the
+        second layer's ``.tolist()`` reads among them; they once got fresh unbacked symbols that no node bound,
+        and AOTAutograd failed with ``PendingUnbackedSymbolNotFound`` (issue 35)."""
+        model = torch.nn.Sequential(make_layer("loop", seed=0), make_layer("loop", seed=1))
+        got, want = run_layer(model, layer_input(5), path="backend", train=True)
+        assert_matches_eager(self, got, want)
+        self.assertEqual(got.records.errors, [])
+        rewritten = sorted({r.layer for r in got.records.rewrites if r.pass_name == "fuse_expert_loop"})
+        self.assertEqual(rewritten, ["0", "1"], got.records.table())
+        self.assertEqual(op_counts(got.graphs[0])["aten._grouped_mm.default"], 6)
+
     def test_negative_control_pass_off_keeps_host_syncs(self):
         model = make_layer("loop", num_experts=2, top_k=1)
         check_pass_off_keeps_host_syncs(self, model, layer_input(2), "fuse_expert_loop")

@@ -207,6 +207,70 @@ def distinct_along(index: Any, dim: int) -> bool:
     return False
 
 
+# ops whose output values are values of their first argument (moved, repeated, sorted or left out): a property of
+# every value of the input (each is a routing choice) holds for every value of the output
+_VALUE_MOVING = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand", "aten.squeeze", "aten.unsqueeze",
+                 "aten.permute", "aten.t", "aten.transpose", "aten.slice", "aten.select", "aten.index", "aten.gather",
+                 "aten.repeat", "aten.repeat_interleave", "aten.contiguous", "aten.flatten"}
+# the positions these ops pick along ``dim`` of their input: (the getitem index of the positions, or None for the
+# output itself; the position of ``dim`` in the op's arguments; its default)
+_CHOOSERS = {"aten.topk": (1, 2, -1), "aten.max": (1, 1, None), "aten.argmax": (None, 1, None),
+             "aten.sort": (1, 1, -1)}
+
+
+def routing_choice(index: Any, rows: int) -> bool:
+    """True when every value of ``index`` is a position that a ``topk`` / ``max`` / ``argmax`` / ``sort`` picked
+    along a dim of ``rows`` candidates (a router's expert ids: top-k over ``E`` scores), through value-moving views
+    and gathers, integer casts, ``sort`` values and a clamp to ``[0, rows)``.
+
+    What :mod:`~moe_compile.passes.deterministic_accumulate`'s one-hot rule asks of an index into a ``rows``-row
+    table: a table gathered by such an index is a per-expert tensor (``bias_EN[ids]``), and its backward an expert
+    dispatch's; a table gathered by the user's own indices (an embedding) is not.
+    """
+    node = _strip_copies(index)
+    seen = 0
+    while isinstance(node, fx.Node) and seen < 64:
+        seen += 1
+        name = op_name(node)
+        if name in _VALUE_MOVING and node.args:
+            node = _strip_copies(node.args[0])
+        elif name in ("aten.clamp", "aten.clamp_min", "aten.clamp_max") and _clamps_into(node, rows):
+            node = _strip_copies(node.args[0])
+        elif name == "getitem" and isinstance(node.args[0], fx.Node) and op_name(node.args[0]) in _CHOOSERS:
+            producer, which = node.args[0], node.args[1]
+            if op_name(producer) == "aten.sort" and which == 0:  # the sorted values: the same values
+                node = _strip_copies(producer.args[0])
+                continue
+            return which == _CHOOSERS[op_name(producer)][0] and _chooses_among(producer, rows)
+        elif name == "aten.argmax":
+            return _chooses_among(node, rows)
+        else:
+            return False
+    return False
+
+
+def _chooses_among(chooser: fx.Node, rows: int) -> bool:
+    """Whether ``chooser`` (a :data:`_CHOOSERS` op) picks along a dim of exactly ``rows`` entries."""
+    _, dim_pos, default = _CHOOSERS[op_name(chooser)]
+    src = tensor_val(chooser.args[0])
+    dim = chooser.kwargs.get("dim", chooser.args[dim_pos] if len(chooser.args) > dim_pos else default)
+    if src is None or src.dim() == 0:
+        return False
+    if dim is None:  # argmax over the flattened input
+        return src.dim() == 1 and known_int(src.shape[0]) == rows
+    d = _norm_dim(dim, src.dim())
+    return d is not None and d < src.dim() and known_int(src.shape[d]) == rows
+
+
+def _clamps_into(node: fx.Node, rows: int) -> bool:
+    """A clamp of ids to ``[0, rows - 1]`` or a part of it: the identity on routing choices."""
+    name = op_name(node)
+    low = arg(node, 1, "min") if name in ("aten.clamp", "aten.clamp_min") else None
+    high = arg(node, 2, "max") if name == "aten.clamp" else arg(node, 1, "max") if name == "aten.clamp_max" else None
+    return all(b is None or (isinstance(b, int) and 0 <= b <= rows - 1) for b in (low, high)) and \
+        (low is None or low <= 0) and (high is None or high >= rows - 1)
+
+
 def adds_at_most_once(node: fx.Node) -> bool:
     """A ``scatter_add`` whose index is distinct along its dim (:func:`distinct_along`): every element of the
     result takes at most one add, so no order of adds (atomic ones included) changes a bit. Such a node needs
@@ -248,4 +312,5 @@ def is_zeros(node: Any) -> bool:
 __all__ = [
     "ACCUMULATING_FORMS", "NONDETERMINISTIC_OPS", "Accumulate", "Nondeterministic", "adds_at_most_once",
     "distinct_along", "is_accumulating", "is_zeros", "nondeterministic_reason", "order_dependent", "read",
+    "routing_choice",
 ]
