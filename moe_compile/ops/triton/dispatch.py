@@ -195,7 +195,8 @@ def _permute_rows_kernel(
     E_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,
-    DROP_E_CHUNK: tl.constexpr,  # experts per tile of the dropped entries' branch (NOTE [dropped entries])
+    # experts per tile of the dropped entries' branch (NOTE [dropped entries] (moe_compile/ops/permute_pad.py))
+    DROP_E_CHUNK: tl.constexpr,
     HAS_PROBS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ZERO_ROWS: tl.constexpr,
