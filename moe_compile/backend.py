@@ -111,7 +111,8 @@ def compile_with_config(
     report.saw_layers({layer_name(n) for n in gm.graph.nodes if n.op not in ("placeholder", "output")})
     if config.strict:
         return _compile(gm, example_inputs, config, mode, inductor_options)
-    original = _snapshot(gm.graph)  # the pre-grad passes rewrite gm.graph in place
+    # the pre-grad passes rewrite gm.graph in place (a graph without an output node has nothing to restore)
+    original = _snapshot(gm.graph) if gm.graph.find_nodes(op="output") else None
     shape_env = getattr(detect_fake_mode(example_inputs), "shape_env", None)
     pending = _pending_unbacked(shape_env)
     start = report.mark()
@@ -123,7 +124,7 @@ def compile_with_config(
         failure = exc
     records = [r for r in report.since(start) if r.kind == "rewrite"]
     rewrote = _passes_that_rewrote(records)
-    if not rewrote:
+    if not rewrote or original is None:
         raise failure
     layers = {name: sorted({r.layer for r in records if r.pass_name == name}) for name in rewrote}
     tries = [rewrote] if len(rewrote) == 1 else [[name] for name in reversed(rewrote)] + [rewrote]

@@ -194,7 +194,7 @@ class RecordingContext:
         self.records: list[tuple[str, str, str, str]] = []
         self.is_training = training
 
-    def rewrite(self, layer: str, matched: str, replaced_by: str) -> None:
+    def rewrite(self, layer: str, matched: str, replaced_by: str, moe: bool = True) -> None:
         self.records.append(("rewrite", layer, matched, replaced_by))
 
     def skip(self, layer: str, reason: str, detail: str = "") -> None:
