@@ -33,7 +33,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     debug: bool = False,
     strict: bool = False,
     deterministic: bool = False,
-    validate: bool = True,
+    validate: bool = False,
     capture_host_syncs: bool = True,
     swap_expert_loops: bool = True,
     **torch_compile_kwargs: Any,
@@ -70,7 +70,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
             lists them (``nondeterministic``).
         validate: translation validation: each pass's rewrites of a graph are kept only if the graph after them
             gives the outputs and gradients of the graph before them on real-shaped inputs (passes/_validate.py);
-            a rewrite that fails is refused (``validation_failed`` in ``explain``) and the graph compiles without it.
+            off by default: it costs more than a tenth of a GPU compile (benchmarks/results/validation_cost_*.json).
+            A rewrite that fails is refused (``validation_failed`` in ``explain``) and the graph compiles without it.
         capture_host_syncs: trace with ``capture_scalar_outputs`` and
             ``capture_dynamic_output_shape_ops`` on (the default).
         swap_expert_loops: for a module, first route expert loops that Dynamo cannot capture through the

@@ -83,9 +83,13 @@ _TABLE: tuple[Setting, ...] = (
             "plain Inductor"),
     _option("deterministic", bool, False,
             "no atomic accumulation in the generated code anywhere in the graph"),
-    _option("validate", bool, True,
+    _option("validate", bool, False,
             "translation validation: each pass's rewrites of a graph are kept only if the graph after them gives "
-            "the outputs and gradients of the graph before them on real-shaped inputs (passes/_validate.py)"),
+            "the outputs and gradients of the graph before them on real-shaped inputs (passes/_validate.py); off "
+            "by default: it costs more than a tenth of a GPU compile (benchmarks/results/validation_cost_*.json)"),
+    _env("validate_all", bool, False, "per compile",
+         "1 turns translation validation on for every compile, as validate=True does (the test suite and the "
+         "family matrix set it)"),
     _env("cached_launch", bool, True, "at import",
          "eager launches of moe_compile's Triton kernels through a per-kernel cache of compiled launchers "
          "(ops/_eager_launch.py); 0 takes Triton's own launch path every time"),
@@ -138,8 +142,9 @@ class MoECompileConfig:
     # Off by default: the sort + segment sum costs a sort of the indices per accumulation where Inductor's
     # atomic adds cost none; the MoE layers are deterministic without it.
     deterministic: bool = False
-    # On by default: it costs a few eager runs of each rewritten graph (benchmarks/results/validation_cost*.json).
-    validate: bool = True
+    # Off by default: a few eager runs of each rewritten graph, more than a tenth of a GPU compile
+    # (benchmarks/results/validation_cost_cuda.json); MOE_COMPILE_VALIDATE_ALL=1 turns it on everywhere.
+    validate: bool = False
 
     def pass_enabled(self, name: str, default: bool) -> bool:
         """Whether ``passes`` turns pass ``name`` on (``default`` when it does not name it). A pass that

@@ -20,6 +20,10 @@ settings.register_profile(
 settings.register_profile("derandomize", parent=settings.get_profile("moe_compile"), derandomize=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "moe_compile"))
 
+# Every compile in the suite validates its rewrites (moe_compile.config: validate is off by default, for its cost
+# on the GPU); a refusal shows as a warning and a validation_failed record that the tests' report checks see.
+os.environ.setdefault("MOE_COMPILE_VALIDATE_ALL", "1")
+
 _SESSION_SEED: list[int] = []
 
 

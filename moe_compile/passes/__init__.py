@@ -26,7 +26,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from moe_compile import report
-from moe_compile.config import MoECompileConfig
+from moe_compile.config import MoECompileConfig, env_setting
 from moe_compile.passes._validate import StageValidator, Unavailable
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,8 @@ class StagePass(CustomGraphPass):
         if self.stage == "pre_grad":
             report.graph_compiled()
         training = _is_training_graph(graph)
-        validator = StageValidator(self.stage, training) if self.config.validate else None
+        validate = self.config.validate or env_setting("validate_all")
+        validator = StageValidator(self.stage, training) if validate else None
         baseline: fx.Graph | None = None
         changed = False
         for entry in self.entries:

@@ -10,6 +10,7 @@ cannot be built or run from a config alone raise :class:`Unbuildable` with the r
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 import re
 from typing import Any
@@ -302,6 +303,7 @@ def main() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
+    os.environ.setdefault("MOE_COMPILE_VALIDATE_ALL", "1")  # the matrix validates every rewrite, as the suite does
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("families", nargs="*")
     parser.add_argument("--json", type=pathlib.Path)
