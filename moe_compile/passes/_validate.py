@@ -212,16 +212,21 @@ class _Runner(fx.Interpreter):
             if self.raise_to is None or n.op not in ("call_function", "call_method"):
                 raise
         # an op without a kernel in the raised precision (flash attention, CUDA grouped GEMMs in float32): this
-        # one op runs in the graph's own precision, on its inputs rounded to it, and its result is raised again
-        with self._set_current_node(n):
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            own = [v.dtype for a in n.all_input_nodes
-                   if isinstance(v := val(a), torch.Tensor) and v.is_floating_point()]
-            if own:
-                args, kwargs = tree_map(lambda x: x.to(own[0]) if isinstance(x, torch.Tensor)
-                                        and x.is_floating_point() else x, (args, kwargs))
-            result = getattr(fx.Interpreter, n.op)(self, n.target, args, kwargs)
-        return tree_map(lambda x: x.to(_raise_dtype(x.dtype, self.raise_to)) if isinstance(x, torch.Tensor)
+        # one op runs in the graph's own precision, each input rounded to its dtype in the graph, and its float
+        # results are raised again
+        saved = {}
+        for a in n.all_input_nodes:
+            value, meta = self.env.get(a), val(a)
+            if isinstance(value, torch.Tensor) and isinstance(meta, torch.Tensor) and value.is_floating_point() \
+                    and value.dtype != meta.dtype:
+                saved[a], self.env[a] = value, value.to(meta.dtype)
+        raise_to, self.raise_to = self.raise_to, None  # the op's own dtype arguments as written
+        try:
+            result = super().run_node(n)
+        finally:
+            self.env.update(saved)
+            self.raise_to = raise_to
+        return tree_map(lambda x: x.to(_raise_dtype(x.dtype, raise_to)) if isinstance(x, torch.Tensor)
                         and x.is_floating_point() else x, result)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
