@@ -132,24 +132,27 @@ def load(src: str, name: str = "fuzz_layer") -> types.ModuleType:
 # ---- the layer ---------------------------------------------------------------------------------------------
 
 
+ACT_MODULES = {"swiglu": "nn.SiLU()", "swiglu_manual": "SigmoidGate()", "geglu": "nn.GELU()",
+               "geglu_tanh": "nn.GELU(approximate='tanh')", "gelu": "nn.GELU()", "relu": "nn.ReLU()"}
+
+
 def _expert_module(spec: Spec) -> str:
+    """``Expert``: one MLP of ``nn.Linear`` projections and an ``act_fn`` module (transformers 4.x's layout)."""
     bias = spec.bias
     if spec.gated:
         body = (f"        self.gate_proj = nn.Linear(hidden, inter, bias={bias})\n"
                 f"        self.up_proj = nn.Linear(hidden, inter, bias={bias})\n"
                 f"        self.down_proj = nn.Linear(inter, hidden, bias={bias})\n")
-        fwd = f"self.down_proj({ACT[spec.mlp].format('self.gate_proj(x)')} * self.up_proj(x))"
-        if spec.mlp == "swiglu_manual":
-            fwd = "self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))"
+        fwd = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
     else:
         body = (f"        self.fc1 = nn.Linear(hidden, inter, bias={bias})\n"
                 f"        self.fc2 = nn.Linear(inter, hidden, bias={bias})\n")
-        fwd = f"self.fc2({ACT[spec.mlp].format('self.fc1(x)')})"
+        fwd = "self.fc2(self.act_fn(self.fc1(x)))"
     extra = ""
     if spec.mlp == "swiglu_manual":
-        extra = "\n    @staticmethod\n    def _act(g):\n        return g * torch.sigmoid(g)\n"
-    return (f"\nclass Expert(nn.Module):\n    def __init__(self, hidden, inter):\n        super().__init__()\n{body}"
-            f"{extra}\n    def forward(self, x):\n        return {fwd}\n")
+        extra = ("\nclass SigmoidGate(nn.Module):\n    def forward(self, g):\n        return g * torch.sigmoid(g)\n\n")
+    return (f"{extra}\nclass Expert(nn.Module):\n    def __init__(self, hidden, inter):\n        super().__init__()\n"
+            f"{body}        self.act_fn = {ACT_MODULES[spec.mlp]}\n\n    def forward(self, x):\n        return {fwd}\n")
 
 
 def _param(name: str, scale: str, shape: str) -> str:

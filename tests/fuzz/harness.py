@@ -254,6 +254,8 @@ def _mode(backend: str) -> Iterator[None]:
 
 def compile_layer(layer: torch.nn.Module, spec: Spec, backend: str, *, moe: bool) -> Callable[..., Any]:
     """``layer`` compiled by the spec's entry, with moe_compile (``moe``) or without its passes."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
     import moe_compile
     from moe_compile.api import CAPTURE_FLAGS
 
@@ -262,9 +264,18 @@ def compile_layer(layer: torch.nn.Module, spec: Spec, backend: str, *, moe: bool
         if moe:
             return moe_compile.compile(layer)
         compiled = torch.compile(layer, backend=plain)
+        flags = dict(CAPTURE_FLAGS)
 
         def call(*args: Any) -> Any:
-            with torch._dynamo.config.patch(**CAPTURE_FLAGS):
+            # as moe_compile.compile does (NOTE [capture fallback] (moe_compile/api.py)): a loop over
+            # data-dependent values cannot be traced with the host reads captured; then trace without them
+            try:
+                with torch._dynamo.config.patch(**flags):
+                    return compiled(*args)
+            except GuardOnDataDependentSymNode:
+                if not flags:
+                    raise
+                flags.clear()
                 return compiled(*args)
 
         return call
