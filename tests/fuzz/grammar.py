@@ -111,6 +111,8 @@ class Spec:
     x_grad: bool = True
     frozen: str = "none"  # none | router | experts | all: parameters with requires_grad off
     entry: str = "fullgraph"  # torch.compile(fullgraph=True) | torch.compile() | moe_compile.compile()
+    dynamic: bool = False  # compiled with dynamic=True
+    second_call: str = "none"  # none | same_shape | new_shape: a second call on other tokens (three more of them)
     # router
     router: str = "param"  # param: F.linear(x, self.router) | linear: self.gate = nn.Linear(H, E)
     router_dtype: str = "fp32"  # fp32: logits.float() | act | linear_fp32: F.linear(x.float(), w.float())
@@ -221,6 +223,8 @@ def draw(choose: Choose) -> Spec:
     c["shared"] = choose("shared", ("none", "none", "plain", "gated"))
     c["rows_fn"] = choose("rows_fn", ("none", "none", "grad_scale"))
     c["entry"] = choose("entry", _entries(dispatch, host))
+    c["dynamic"] = choose("dynamic", (False, False, True))
+    c["second_call"] = choose("second_call", ("none", "same_shape", "new_shape"))
     return Spec(**c)
 
 

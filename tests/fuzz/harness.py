@@ -121,13 +121,12 @@ def check_module(module: types.ModuleType, spec: Spec, backend: str = "passes", 
     wide = torch.float64 if dtype == torch.float32 else torch.float32
     layer = module.Layer(dtype=dtype, seed=spec.seed)
     freeze(layer, spec)
-    x = make_input(spec, dtype)
     ref_layer = copy.deepcopy(layer).to(wide)
     try:
-        eager = run_step(layer, layer, x, spec)
+        eager = run_calls(layer, layer, spec, dtype)
     except Exception as exc:  # noqa: BLE001 - a layer that does not run eagerly is the generator's bug
         return Result(spec, backend, "generator_error", detail=_first_line(exc), seconds=time.perf_counter() - start)
-    ref = run_step(ref_layer, ref_layer, x.to(wide), spec)
+    ref = run_calls(ref_layer, ref_layer, spec, dtype, wide)
     from moe_compile import report
 
     moe_layer = copy.deepcopy(layer)
@@ -137,7 +136,7 @@ def check_module(module: types.ModuleType, spec: Spec, backend: str = "passes", 
     rewrites = sorted({f"{r.pass_name}" for r in records if r.kind == "rewrite"})
     skips = sorted({f"{r.pass_name}:{r.what}" for r in records if r.kind == "skip"})
     result = Result(spec, backend, "ok", rewrites=rewrites, skips=skips)
-    outs = tuple(n for n in eager if n.startswith("out"))
+    outs = tuple(n for n in eager if n.rpartition(":")[2].startswith("out"))
     plain = None
     if error is not None:
         plain, plain_error = _compiled_step(copy.deepcopy(layer), spec, backend, moe=False)
@@ -177,12 +176,26 @@ def _first_line(exc: BaseException) -> str:
 # ---- inputs, modes and one step --------------------------------------------------------------------------
 
 
-def make_input(spec: Spec, dtype: torch.dtype) -> torch.Tensor:
-    """``[T, H]`` (or ``[B, T/B, H]`` with ``batch3d``) standard normal tokens, seeded by the spec."""
-    gen = torch.Generator().manual_seed(spec.seed + 1)
-    T, H = spec.tokens, spec.hidden
+def make_input(spec: Spec, dtype: torch.dtype, call: int = 0) -> torch.Tensor:
+    """``[T, H]`` (or ``[B, T/B, H]`` with ``batch3d``) standard normal tokens, seeded by the spec and the call
+    (a second call has other tokens; with ``second_call="new_shape"``, three more of them)."""
+    gen = torch.Generator().manual_seed(spec.seed + 1 + 7 * call)
+    T, H = spec.tokens + (3 if call and spec.second_call == "new_shape" else 0), spec.hidden
     shape = (T, H) if not spec.batch3d else ((2, T // 2, H) if T % 2 == 0 else (1, T, H))
     return torch.randn(shape, generator=gen).to(dtype)
+
+
+def run_calls(fn: Callable[..., Any], layer: torch.nn.Module, spec: Spec, dtype: torch.dtype,
+              wide: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """:func:`run_step` on the first input and, with ``second_call``, on a second one (its tensors prefixed
+    ``call1:``): the compiled graph must hold for routing it was not traced on, and for a new token count (a
+    recompile with symbolic sizes)."""
+    tensors = {}
+    for call in range(2 if spec.second_call != "none" else 1):
+        x = make_input(spec, dtype, call)
+        step = run_step(fn, layer, x.to(wide or dtype), spec)
+        tensors.update({(f"call{call}:" if call else "") + name: t for name, t in step.items()})
+    return tensors
 
 
 def freeze(layer: torch.nn.Module, spec: Spec) -> None:
@@ -260,10 +273,11 @@ def compile_layer(layer: torch.nn.Module, spec: Spec, backend: str, *, moe: bool
     from moe_compile.api import CAPTURE_FLAGS
 
     plain = _plain_passes_backend if backend == "passes" else "inductor"
+    dynamic = True if spec.dynamic else None
     if spec.entry == "moe_compile":
         if moe:
-            return moe_compile.compile(layer)
-        compiled = torch.compile(layer, backend=plain)
+            return moe_compile.compile(layer, dynamic=dynamic)
+        compiled = torch.compile(layer, backend=plain, dynamic=dynamic)
         flags = dict(CAPTURE_FLAGS)
 
         def call(*args: Any) -> Any:
@@ -279,7 +293,8 @@ def compile_layer(layer: torch.nn.Module, spec: Spec, backend: str, *, moe: bool
                 return compiled(*args)
 
         return call
-    return torch.compile(layer, backend="moe_compile" if moe else plain, fullgraph=spec.entry == "fullgraph")
+    return torch.compile(layer, backend="moe_compile" if moe else plain, fullgraph=spec.entry == "fullgraph",
+                         dynamic=dynamic)
 
 
 def _compiled_step(layer: torch.nn.Module, spec: Spec, backend: str, *, moe: bool
@@ -288,8 +303,7 @@ def _compiled_step(layer: torch.nn.Module, spec: Spec, backend: str, *, moe: boo
     try:
         with _mode(backend):
             fn = compile_layer(layer, spec, backend, moe=moe)
-            x = make_input(spec, DTYPES[spec.dtype])
-            return run_step(fn, layer, x, spec), None
+            return run_calls(fn, layer, spec, DTYPES[spec.dtype]), None
     except Exception as exc:  # noqa: BLE001 - a compile failure is a finding, reported with its message
         return None, _first_line(exc)
     finally:

@@ -106,7 +106,7 @@ def corpus_row(index: int, spec: Any, backend: str) -> dict[str, Any]:
     steps = result.steps
     if not steps:
         return {"layer": f"corpus[{index}]", "status": result.kind, "spec": str(spec), "rewrites": result.rewrites}
-    outs = tuple(n for n in steps["eager"] if n.startswith("out"))
+    outs = tuple(n for n in steps["eager"] if n.rpartition(":")[2].startswith("out"))
     row = compare(f"corpus[{index}]", steps["eager"], steps["ref"], steps["compiled"], steps["plain"],
                   DTYPES[spec.dtype], result.rewrites, outs)
     return {**row, "spec": str(spec)}
