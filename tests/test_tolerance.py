@@ -4,6 +4,8 @@ Each test computes a grouped GEMM through ``moe_compile``'s ops (CPU paths) twic
 one thing perturbed on purpose, and checks both against an independent float64 loop over experts: the right
 one passes the derived comparison and the perturbed one fails it. Hypothesis draws the inputs (seed,
 shapes, routing); a failure prints the example and the blob that replays it (``tests/conftest.py``).
+The last tests check ``within_eager_bound`` (a compiled step against eager's own distance from a reference)
+the same way: a value past the bound, or off an exact zero, fails.
 """
 
 from __future__ import annotations
@@ -172,3 +174,74 @@ def test_gamma():
     assert tol.gamma(96) == pytest.approx(96 * u / (1 - 96 * u), rel=1e-12)
     assert tol.accumulation_rel(96) == pytest.approx(2 * tol.gamma(96), rel=1e-12)
     assert tol.unit_roundoff(torch.bfloat16) == 2.0**-8 and tol.unit_roundoff(torch.bfloat16, truncate=True) == 2.0**-7
+
+
+def test_bound_leaves_out_only_noise_it_cannot_judge():
+    """``within_eager_bound`` on fresh random tensors: an error beyond the bound fails where bf16 has signal, and is
+    left unjudged only where bf16 eager or plain Inductor is itself half the tensor's magnitude off."""
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ref = torch.randn(64, 32, generator=gen)
+    scale = ref.abs().max().item()
+    noise = torch.randn(64, 32, generator=gen)
+    small, big = 1e-3 * scale * noise / noise.abs().max(), 0.6 * scale * noise / noise.abs().max()
+
+    def run(eager_err, ind_err, got_err):
+        loss = torch.tensor(1.0)
+        step = lambda err: {"loss": loss, "w": ref + err}  # noqa: E731
+        return tol.within_eager_bound(step(got_err), step(eager_err), step(0.0), step(ind_err))
+
+    bound = 4 * small.abs().max().item() + 2**-8 * scale + small.abs().max().item()
+    ok, worst, unjudged = run(small, small, 2 * bound / scale * ref)  # wrong by 2x the bound, bf16 has signal
+    assert not ok and worst[0] == "w" and unjudged == []
+    ok, _, unjudged = run(small, small, 0.5 * bound / scale * ref)  # within the bound
+    assert ok and unjudged == []
+    ok, _, unjudged = run(small, big, 3 * big)  # beyond the bound, but plain Inductor is 0.6x off: no signal
+    assert ok and unjudged == ["w"]
+    ok, worst, unjudged = run(small, big, 0.5 * big)  # noisy but within the bound: judged
+    assert ok and unjudged == [] and worst[0] == "w"
+
+
+def test_bound_keeps_exact_zeros():
+    """``within_eager_bound`` where eager or the float32 reference is exactly zero: no relative bound can judge those,
+    so a compiled value off zero fails (PhiMoE's router gradient once passed as unjudged noise)."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    loss = torch.tensor(1.0)
+    zero, residue = torch.zeros(8, 4), 1e-4 * torch.randn(8, 4, generator=gen)
+    step = lambda w: {"loss": loss, "w": w}  # noqa: E731
+    ok, worst, _ = tol.within_eager_bound(step(residue), step(zero), step(zero), step(zero))
+    assert not ok and worst[0].startswith("w: exactly zero")
+    assert tol.within_eager_bound(step(zero.clone()), step(zero), step(zero), step(zero))[0]
+    # eager nonzero but the float32 reference exactly zero: judged, not left out as noise
+    ok, worst, unjudged = tol.within_eager_bound(step(100 * residue), step(residue), step(zero), step(residue))
+    assert not ok and worst[0] == "w" and unjudged == []
+
+
+def test_bound_keeps_structural_zeros():
+    """An element exactly zero in eager and in the reference (an expert no token reached, a masked entry) must stay
+    exactly zero compiled, however small the residue and however large the rest of the tensor; where plain
+    Inductor's element is not zero either, the residue is the compile's, not the rewrite's."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ref = torch.randn(8, 4, generator=gen)
+    row = int(torch.randint(0, 8, (), generator=gen))
+    ref[row] = 0
+    eager = ref + 1e-3 * torch.randn(8, 4, generator=gen)
+    eager[row] = 0
+    got = eager.clone()
+    got[row, 1] = 1e-30
+    ok, worst, _ = tol.within_eager_bound({"w": got}, {"w": eager}, {"w": ref})
+    assert not ok and "exactly zero in eager and the reference" in worst[0]
+    assert tol.within_eager_bound({"w": got}, {"w": eager}, {"w": ref}, {"w": got})[0]
+    assert tol.within_eager_bound({"w": eager.clone()}, {"w": eager}, {"w": ref})[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_bound_floor_is_one_rounding_in_the_compute_dtype(dtype):
+    """Where eager is exactly the reference, the bound is one rounding of the largest value in ``dtype``."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ref = torch.randn(16, dtype=F64, generator=gen)
+    floor = tol.unit_roundoff(dtype) * ref.abs().max().item()
+    sign = torch.sign(torch.randn(16, dtype=F64, generator=gen))
+    for factor, ok in ((0.9, True), (1.1, False)):
+        got = ref + factor * floor * sign
+        assert tol.within_eager_bound({"w": got}, {"w": ref}, {"w": ref}, dtype=dtype)[0] is ok

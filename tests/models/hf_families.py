@@ -197,15 +197,9 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
     "unjudged"}``: ``refused`` / ``unchecked`` the rewrites translation validation refused / could not check,
     ``rewritten`` the experts layers the dispatch passes rewrote, ``left`` the audit's findings outside the
     token embedding, ``numerics`` whether loss and every gradient are as close to a float32 eager run as
-    bf16 eager is (``|compiled - fp32| <= 4 |eager_bf16 - fp32| + 2^-8 max|fp32|`` per tensor: bf16 eager's
-    own error is the noise of this computation, and the compiled step may sum in another order, so the
-    bound scales with it instead of a fixed tolerance), ``worst`` the tensor closest to failing that bound.
-    Where that fails, plain Inductor's own distance from fp32 is added to the bound (``noise`` says so): it
-    is the compile's noise on this model (its upcasts and fusions, or a routing choice that flips), which the
-    rewrite does not change; and a tensor still beyond that bound that bf16 eager or plain Inductor misses by
-    half its magnitude or more is not judged (``unjudged`` names them): it is a sum that cancels to below
-    bf16's rounding of its terms, so every bf16 computation of it is noise, and one draw of that noise cannot
-    bound another (NOTE [cancelling sums]).
+    bf16 eager is (:func:`tests._tolerance.within_eager_bound` states the bound), ``worst`` the tensor closest
+    to failing it. Where that fails, plain Inductor's own distance from fp32 is added to the bound (``noise``
+    says so), and ``unjudged`` names the tensors left out as noise (NOTE [cancelling sums] (tests/_tolerance.py)).
     """
     import copy
 
@@ -252,48 +246,15 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
             "records": records_of(rep)}
 
 
-# NOTE [cancelling sums]: some gradients are sums whose terms cancel to far below bf16's rounding of the
-# terms (hy_v4_vl's hc_head.hc_scale: fp32 -9.2e-5; bf16 eager -5.6e-5, plain Inductor -2.0e-4, the rewrite
-# without and with its references traced +/-1e-4..2e-4; over seeds 1-4 every one of them is 0.2x to 5x of
-# the value away). One draw of that noise is no bound on another: such a tensor carries no signal in bf16 and
-# cannot judge a rewrite. A wrong rewrite still shows, in the loss and in every tensor that bf16 computes
-# (the experts' and the router's weights, the embeddings). Only a tensor beyond the bound is left out: where a
-# compile flips a routing choice (hy_v3: plain Inductor's expert gradients 0.6x of their magnitude off), the
-# rewrite's error is that same flip and the bound with Inductor's term judges it.
-UNJUDGED_NOISE = 0.5  # a reference bf16 computation this far from fp32, relative to max|fp32|, has no signal
-
-
 def _within_bound(compiled: Any, eager: Any, ref32: Any, inductor: Any = None
                   ) -> tuple[bool, tuple[str, float], list[str]]:
-    """Per tensor ``|compiled - fp32| <= 4 |eager_bf16 - fp32| [+ |inductor - fp32|] + 2^-8 max|fp32|``.
+    """:func:`tests._tolerance.within_eager_bound` on ``(loss, grads)`` steps in bf16 (the loss always judged)."""
+    from tests._tolerance import within_eager_bound
 
-    With ``inductor``, a tensor beyond that bound that bf16 eager or plain Inductor misses by ``UNJUDGED_NOISE``
-    of its magnitude is left out and returned (NOTE [cancelling sums]). Two cases no relative bound sees come first:
-    a tensor that is exactly zero in bf16 eager must be exactly zero compiled (the ratio is then infinite
-    otherwise), and a tensor whose float32 reference is exactly zero is always judged (half of a zero magnitude is
-    no noise level: PhiMoE's router gradient once hid there).
-    """
-    worst, ok, unjudged = ("", 0.0), True, []
-    tensors = [("loss", compiled[0], eager[0], ref32[0], inductor[0] if inductor else None)]
-    tensors += [(n, compiled[1].get(n), eager[1].get(n), g, inductor[1].get(n) if inductor else None)
-                for n, g in ref32[1].items()]
-    for name, got, bf16, ref, ind in tensors:
-        if got is None or bf16 is None:
-            return False, (f"{name}: no gradient", float("inf")), unjudged
-        if not torch.any(bf16 != 0) and torch.any(got != 0):
-            return False, (f"{name}: exactly zero in bf16 eager, not compiled", float("inf")), unjudged
-        scale, eager_err = ref.abs().max().item(), (bf16 - ref).abs().max().item()
-        bound = 4 * eager_err + 2**-8 * scale
-        ind_err = (ind - ref).abs().max().item() if ind is not None else 0.0
-        ratio = (got - ref).abs().max().item() / max(bound + ind_err, 1e-30)
-        noise = max(ind_err, eager_err)
-        if ratio > 1.0 and ind is not None and name != "loss" and scale > 0 and noise >= UNJUDGED_NOISE * scale:
-            unjudged.append(name)
-            continue
-        if ratio > worst[1]:
-            worst = (name, ratio)
-        ok = ok and ratio <= 1.0
-    return ok, worst, unjudged
+    def named(step: Any) -> dict[str, torch.Tensor]:
+        return {"loss": step[0], **step[1]}
+
+    return within_eager_bound(named(compiled), named(eager), named(ref32), named(inductor) if inductor else None)
 
 
 def main() -> None:

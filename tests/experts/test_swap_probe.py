@@ -1,0 +1,55 @@
+"""What the probe before a swap must see (NOTE [probe before swap] (moe_compile/experts/swap.py)): blocks whose
+forward the fused path matches on a small eval-mode probe but not in use, found by the fuzzer (``tests/fuzz``).
+
+Each block is a generated expert loop (``tests/fuzz/emit.py``: a ``gate`` router, ``nn.ModuleList`` experts, a
+loop over the experts hit; its forward takes ``[B, S, H]``) with one thing the fused path does not do.
+``moe_compile.compile`` must leave it alone with the tag, and the compiled layer must then match eager (forward and
+backward) within the fuzzer's bound.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from moe_compile.experts.swap import swap_expert_loops
+from tests.fuzz.emit import build
+from tests.fuzz.grammar import Spec
+from tests.fuzz.harness import check
+
+BLOCK = dict(tokens=8, batch3d=True, hidden=16, inter=16, experts=4, top_k=2, dispatch="hit_loop", select="one_hot",
+             combine="index_add", weight="rows_act", layout="module_list", router="linear", entry="moe_compile",
+             renorm="none", weights_dtype="act", mlp="swiglu_manual")
+
+CASES = {
+    # the block's forward reads [T, H] tokens only: the [2, 3, H] probe raised out of moe_compile.compile
+    "tokens_only": ({"batch3d": False}, None),
+    # a custom autograd function in the router (a gradient scaled by 0.5): the forward is the candidate's
+    "grad_scale_logits": ({"router_fn": "grad_scale_logits"}, "probe_grad_mismatch"),
+    "grad_scale_weights": ({"router_fn": "grad_scale_weights"}, "probe_grad_mismatch"),
+    "grad_scale_expert_rows": ({"rows_fn": "grad_scale"}, "probe_grad_mismatch"),
+    # a load-balancing loss returned in training only: the eval probe never saw it
+    "aux_loss_in_training": ({"aux_loss": True}, "probe_mismatch"),
+    # DeepSeek-V3's selection bias (0.1 * randn per expert): changes some tokens' experts, none of a 6-token probe's
+    "selection_bias": ({"expert_bias": True, "top_k": 1}, ("probe_mismatch", "probe_grad_mismatch")),
+}
+
+
+def _spec(changes: dict) -> Spec:
+    return Spec(seed=random.SystemRandom().randrange(2**16), **{**BLOCK, **changes})
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_swap_refuses_what_the_fused_path_does_not_compute(case):
+    changes, tag = CASES[case]
+    spec = _spec(changes)
+    records = swap_expert_loops(build(spec))
+    tags = (tag,) if isinstance(tag, str) else tag
+    if tag is None:
+        assert [r[1:3] for r in records] == [("rewrite", "expert_loop_swapped")], records
+    else:
+        assert len(records) == 1 and records[0][1] == "skip" and records[0][2] in tags, records
+    result = check(spec, "passes")
+    assert result.kind == "ok", result.failure_message()
+    assert ("swap_expert_loops" in result.rewrites) == (tag is None), result.summary()
