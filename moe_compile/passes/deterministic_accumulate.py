@@ -49,6 +49,8 @@ Stage:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
@@ -138,11 +140,14 @@ def _bounded_by_gather(index: fx.Node, base: torch.Tensor) -> bool:
 
 def _one_hot_sum(graph: fx.Graph, a: acc.Accumulate, rows: int) -> fx.Node:
     base = tensor_val(a.base)
+    # the row width from the table's static shape: reshape(M, -1) with an unbacked M (rows from a per-expert
+    # torch.where) makes the tracer assume M != 0, a runtime assert that fires for an expert with no token
+    width = math.prod(base.shape[1:])
 
     def one_hot_sum(index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         idx_M = index.reshape(-1).remainder(rows)  # index_put wraps negative indices
         one_hot_ME = (idx_M.unsqueeze(1) == torch.arange(rows, device=idx_M.device)).to(src.dtype)
-        summed = one_hot_ME.t() @ src.reshape(idx_M.shape[0], -1)
+        summed = one_hot_ME.t() @ src.reshape(idx_M.shape[0], width)
         return summed.reshape(base.shape).to(base.dtype)
 
     return insert_traced(graph, one_hot_sum, (a.index, a.src), meta_from=a.node)
