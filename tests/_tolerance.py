@@ -242,7 +242,8 @@ def eager_bound_errors(compiled: Step, eager: Step, ref: Step, inductor: Step | 
     (plain Inductor's step) adds its own distance: its upcasts and fusions, or a routing choice it flips, are the
     compile's noise on this model, which a rewrite does not change.
 
-    Exact zeros come first, where no relative bound sees anything: a tensor exactly zero in ``eager`` must be
+    A tensor that eager computes with an inf or a NaN (an fp16 overflow) is not judged (``note``: eager not
+    finite). Exact zeros come first, where no relative bound sees anything: a tensor exactly zero in ``eager`` must be
     exactly zero compiled, and an element exactly zero in both ``eager`` and ``ref`` (a structural zero: an expert
     no token reached, a masked entry) must be exactly zero compiled, unless plain Inductor's is not either.
     """
@@ -253,6 +254,10 @@ def eager_bound_errors(compiled: Step, eager: Step, ref: Step, inductor: Step | 
         if got is None or low is None or got.shape != want.shape:
             what = "missing" if got is None or low is None else f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
             rows.append(TensorError(name, float("nan"), float("nan"), None, 0.0, 0.0, float("nan"), what))
+            continue
+        if not bool(torch.isfinite(low).all()):
+            # eager overflowed (fp16): its own error is unbounded, so it bounds nothing
+            rows.append(TensorError(name, 0.0, float("inf"), None, 0.0, float("inf"), 0.0, "eager not finite"))
             continue
         got, low, want = got.double(), low.double(), want.double()
         ind = ind.double() if ind is not None else None
@@ -288,6 +293,9 @@ def within_eager_bound(compiled: Step, eager: Step, ref: Step, inductor: Step | 
     """
     worst, ok, unjudged = ("", 0.0), True, []
     for row in eager_bound_errors(compiled, eager, ref, inductor, dtype=dtype):
+        if row.note == "eager not finite":
+            unjudged.append(row.name)
+            continue
         if row.ratio != row.ratio:  # nan: missing
             return False, (f"{row.name}: {row.note}", float("inf")), unjudged
         if row.ratio == float("inf"):

@@ -112,6 +112,7 @@ class Spec:
     frozen: str = "none"  # none | router | experts | all: parameters with requires_grad off
     entry: str = "fullgraph"  # torch.compile(fullgraph=True) | torch.compile() | moe_compile.compile()
     dynamic: bool = False  # compiled with dynamic=True
+    validate: bool = False  # translation validation (moe_compile.config's validate; off for users by default)
     second_call: str = "none"  # none | same_shape | new_shape: a second call on other tokens (three more of them)
     # router
     router: str = "param"  # param: F.linear(x, self.router) | linear: self.gate = nn.Linear(H, E)
@@ -224,6 +225,7 @@ def draw(choose: Choose) -> Spec:
     c["rows_fn"] = choose("rows_fn", ("none", "none", "grad_scale"))
     c["entry"] = choose("entry", _entries(dispatch, host))
     c["dynamic"] = choose("dynamic", (False, False, True))
+    c["validate"] = choose("validate", (False, True))
     c["second_call"] = choose("second_call", ("none", "same_shape", "new_shape"))
     return Spec(**c)
 

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import os
 import re
 import time
 import types
@@ -44,10 +45,11 @@ _ROUTER_PARAMS = ("router", "gate.")
 @dataclasses.dataclass
 class Result:
     """The verdict on one layer. ``kind``: ``ok``, ``numerics`` (outside the bound), ``crash`` (moe_compile fails
-    where the compile without it works), ``pass_error`` (a pass raised and was rolled back), ``both_fail`` (the
-    compile fails with and without moe_compile: not ours to judge), ``generator_error`` (eager fails: the
-    generator wrote a broken layer). ``known`` names the entry of :data:`tests.fuzz.known.KNOWN` that explains a
-    failure."""
+    where the compile without it works), ``pass_error`` (a pass raised, or its rewrite failed Inductor's compile,
+    and was rolled back), ``validation_refused`` (translation validation refused a rewrite: a wrong rewrite caught,
+    or a right one refused), ``both_fail`` (the compile fails with and without moe_compile: not ours to judge),
+    ``generator_error`` (eager fails: the generator wrote a broken layer). ``known`` names the entry of
+    :data:`tests.fuzz.known.KNOWN` that explains a failure."""
 
     spec: Spec
     backend: str
@@ -161,6 +163,11 @@ def check_module(module: types.ModuleType, spec: Spec, backend: str = "passes", 
         elif any(r.kind == "error" for r in records):
             result.kind = "pass_error"
             result.detail = "; ".join(f"{r.pass_name}: {r.what} {r.detail[:200]}" for r in records if r.kind == "error")
+        elif any(r.kind == "skip" and r.what == "validation_failed" for r in records):
+            # translation validation caught a wrong rewrite (or refused a right one): either is a bug to find
+            result.kind = "validation_refused"
+            result.detail = "; ".join(f"{r.pass_name}: {r.detail[:300]}" for r in records
+                                      if r.kind == "skip" and r.what == "validation_failed")
     result.seconds = time.perf_counter() - start
     result.steps = {"eager": eager, "ref": ref, "compiled": compiled, "plain": plain}
     if not result.ok:
@@ -251,12 +258,15 @@ def _plain_passes_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _mode(backend: str) -> Iterator[None]:
-    """Caches off (every pass runs; no cached code stands in); in ``"passes"``, Inductor's codegen replaced."""
+def _mode(backend: str, validate: bool) -> Iterator[None]:
+    """Caches off (every pass runs; no cached code stands in); translation validation on or off; in ``"passes"``,
+    Inductor's codegen replaced."""
     from torch._inductor.compile_fx import compile_fx
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._inductor.config.patch(force_disable_caches=True))
+        # translation validation as the spec says (the test suite turns it on for every compile; users have it off)
+        stack.enter_context(unittest.mock.patch.dict(os.environ, {"MOE_COMPILE_VALIDATE_ALL": str(int(validate))}))
         if backend == "passes":
             import moe_compile.backend
 
@@ -301,7 +311,7 @@ def _compiled_step(layer: torch.nn.Module, spec: Spec, backend: str, *, moe: boo
                    ) -> tuple[dict[str, torch.Tensor] | None, str | None]:
     torch._dynamo.reset()
     try:
-        with _mode(backend):
+        with _mode(backend, spec.validate):
             fn = compile_layer(layer, spec, backend, moe=moe)
             return run_calls(fn, layer, spec, DTYPES[spec.dtype]), None
     except Exception as exc:  # noqa: BLE001 - a compile failure is a finding, reported with its message

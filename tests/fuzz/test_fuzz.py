@@ -97,3 +97,19 @@ def test_printed_script_reproduces_the_check():
     again = check_module(load(text, "fuzz_script"), spec)
     assert direct.kind == again.kind == "ok" and "fuse_dispatch" in direct.rewrites
     assert [(r.name, r.compiled) for r in direct.rows] == [(r.name, r.compiled) for r in again.rows]
+
+
+def test_never_worse_table_on_corpus_layers(capsys):
+    """The never-worse script's rows: every tensor's error next to eager's and the compile without our passes, the
+    worst one named, the ratio the bound's (here two corpus layers with moe_compile's eager-kernel pipeline)."""
+    from tests.fuzz import never_worse
+
+    rows = never_worse.main(["--no-families", "--corpus", "2", "--backend", "passes"])
+    printed = capsys.readouterr().out
+    assert len(rows) == 2 and all(r["layer"] in printed for r in rows)
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        worst = max(row["tensors"], key=lambda t: t["moe_ratio"])
+        assert row["worst"] == worst["name"] and row["moe_err"] == worst["moe_err"]
+        assert row["verdict"] == ("ok" if row["judged_worst"][1] <= 1 else "WORSE")
