@@ -10,7 +10,6 @@ fails the fuzz tests and is printed as a standalone script.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -41,21 +40,6 @@ KNOWN: tuple[Known, ...] = (
           "(top-1 routing renormalised, w / w.sum() == 1: the router's gradient) and to rounding residue in "
           "Inductor's fused kernels (tests/fuzz/findings/inductor_zero_residue.py)",
           _no_worse_than_plain_inductor),
-    Known("one_hot_sum_unbacked_rows", "moe_compile",
-          "deterministic_accumulate's one-hot GEMM (rule (b)) on the backward of x[tok] with tok from a per-expert "
-          "torch.where: its traced src.reshape(M, -1) makes the tracer assume the unbacked row count M != 0, and "
-          "Inductor's runtime assert Ne(uN, 0) fires when an expert gets no token (plain Inductor runs). Open: the "
-          "fix belongs in deterministic_accumulate.py (owned by another change): reshape to an explicit width, "
-          "src.reshape(M, prod(base.shape[1:])) computed outside the traced function "
-          "(tests/fuzz/findings/one_hot_sum_unbacked_rows.py)",
-          lambda r: r.kind == "crash" and "deterministic_accumulate" in r.rewrites
-          and re.search(r"Ne\(u\d+, 0\)", r.detail) is not None),
-    Known("host_loops_pending_unbacked", "moe_compile",
-          "two or more host-sized expert loops in one graph (stacked split loops, transformers JetMoE): "
-          "fuse_expert_loop rewrites them, then Inductor fails with PendingUnbackedSymbolNotFound and no fallback "
-          "runs (issue 35, items 5; fixed by that change in fuse_expert_loop and the backend's fallback)",
-          lambda r: r.kind == "crash" and "PendingUnbackedSymbolNotFound" in r.detail
-          and "fuse_expert_loop" in r.rewrites),
 )
 
 

@@ -60,4 +60,5 @@ with torch._inductor.config.patch(force_disable_caches=True):
     cot = torch.randn(1, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     (compiled(x).double() * cot).sum().backward()
 print(backend, "ok")
-# torch 2.13.0+cpu: moe_compile -> RuntimeError: Ne(u0, 0) (from the generated code); inductor -> ok
+# torch 2.13.0+cpu: at dccff49 moe_compile -> RuntimeError: Ne(u0, 0) (from the generated code), inductor -> ok;
+# from cdff8a9 on both ok
