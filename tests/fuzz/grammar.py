@@ -77,7 +77,8 @@ ENTRIES = ("fullgraph", "default", "moe_compile")
 
 
 # The spellings the passes are documented to know (README, "What the passes recognise"): half of the draws keep to
-# them, so that rewrites are frequent; the other half take any spelling.
+# them (and a loop over the experts hit gets what the swap reads), so that rewrites are frequent; the other half
+# take any spelling.
 TAME: dict[str, tuple[Any, ...]] = {
     "dispatch": ("sorted", "masked", "loop", "hit_loop"),
     "permute": ("sort", "sort_stable", "argsort_stable", "argsort", "argsort_method_gather"),
@@ -86,6 +87,7 @@ TAME: dict[str, tuple[Any, ...]] = {
     "gather": ("index", "index_select", "gather"),
     "combine": ("index_add", "scatter_add", "index_put_acc", "inverse_gather_sum", "scatter_unpermute_sum",
                 "argsort_gather_sum") + LOOP_COMBINES,
+    "exec": ("grouped_mm", "hf_fallback"),
     "router_fn": ("none",),
     "rows_fn": ("none",),
 }
@@ -183,11 +185,15 @@ Choose = Callable[[str, Sequence[Any]], Any]
 
 def draw(choose: Choose) -> Spec:
     """A spec whose choices are made by ``choose(name, options)``; every spec drawn is a coherent layer."""
-    if choose("tame", (True, False)):
-        wild = choose
+    wild, tame = choose, choose("tame", (True, False))
+    pinned: dict[str, tuple[Any, ...]] = {}
 
-        def choose(name: str, options: Sequence[Any]) -> Any:
-            return wild(name, [o for o in options if o in TAME[name]] if name in TAME else options)
+    def choose(name: str, options: Sequence[Any]) -> Any:
+        if tame and name in TAME:
+            options = [o for o in options if o in TAME[name]]
+        if tame and name in pinned:
+            options = [o for o in options if o in pinned[name]] or options
+        return wild(name, options)
 
     c: dict[str, Any] = {"seed": choose("seed", range(1 << 16))}
     c["dtype"] = dtype = choose("dtype", ("bf16", "bf16", "fp16", "fp32"))
@@ -203,6 +209,8 @@ def draw(choose: Choose) -> Spec:
     c["x_grad"] = choose("x_grad", (True, False)) if mode != "eval" else False
     c["frozen"] = choose("frozen", ("none", "none", "router", "experts", "all")) if mode != "eval" else "none"
     dispatch = c["dispatch"] = choose("dispatch", DISPATCHES + ("sorted", "sorted", "loop"))
+    if dispatch == "hit_loop":  # what moe_compile.compile's swap reads: a gate Linear, a ModuleList of experts
+        pinned.update(router=("linear",), layout=("module_list",))
     _draw_router(choose, c, E, K)
     c["aux_loss"] = choose("aux_loss", (False, True)) if mode == "train" else False
     host = False
