@@ -78,6 +78,10 @@ PASSES: tuple[PassEntry, ...] = (
     PassEntry("causal_mask", "pre_grad", "moe_compile.passes.causal_mask:run", default=True,
               requires=("deterministic",),
               doc="with deterministic=True: a constant causal attn_mask -> is_causal=True (flash attention)"),
+    PassEntry("pad_attention_value", "pre_grad", "moe_compile.passes.pad_attention_value:run", default=True,
+              requires=("deterministic",),
+              doc="with deterministic=True: SDPA with a value head dim below the query's (MLA) -> value "
+                  "zero-padded, output sliced (flash attention)"),
     PassEntry("deterministic_accumulate", "joint", "moe_compile.passes.deterministic_accumulate:run", default=True,
               doc="scatter-adds into zeros: plain scatters for distinct (top-k/sort) indices, one-hot GEMMs "
                   "for per-expert gathers' backward (no atomics)"),

@@ -1,7 +1,7 @@
 """GPU: ``moe_compile.compile(model, deterministic=True)`` trains bitwise reproducibly.
 
-Two transformers MoE causal LMs (Qwen3-MoE: softmax top-k router; Mixtral), SDPA attention (FlashAttention-2
-on sm80+), bf16, AdamW: 10 training steps from the same initial state, twice, give bitwise identical losses
+Three transformers MoE causal LMs (Qwen3-MoE: softmax top-k router; Mixtral; DeepSeek-V3: MLA, whose value head
+dim differs from the query's), SDPA attention (FlashAttention-2 on sm80+), bf16, AdamW: 10 training steps from the same initial state, twice, give bitwise identical losses
 and parameters. The plain-Inductor control (same model, same steps) differs: the embedding backward and
 FlashAttention's dQ are atomic adds there, so the check can fail. Sizes are small but not tiny: a vocab of
 256 gives each token row several additions, 1024-token sequences give each dQ tile several key blocks.
@@ -28,7 +28,15 @@ def _model(family: str) -> torch.nn.Module:
     common = dict(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
                   num_experts_per_tok=4, use_cache=False, tie_word_embeddings=False)
-    if family == "qwen3_moe":
+    if family == "deepseek_v3":  # MLA: q/k head dim 48 + 16, value head dim 64 (padded to 80 by pad_attention_value)
+        common.pop("head_dim")
+        cfg = transformers.DeepseekV3Config(
+            n_routed_experts=16, moe_intermediate_size=256, n_shared_experts=1, n_group=1, topk_group=1,
+            first_k_dense_replace=0, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=48, qk_rope_head_dim=16,
+            v_head_dim=64, rope_scaling=None, **common)
+        cfg.num_key_value_heads = cfg.num_attention_heads
+        cls = transformers.DeepseekV3ForCausalLM
+    elif family == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(num_experts=16, moe_intermediate_size=256, norm_topk_prob=True,
                                           decoder_sparse_step=1, mlp_only_layers=[], **common)
         cls = transformers.Qwen3MoeForCausalLM
@@ -66,7 +74,7 @@ def _twice(model, compiled) -> tuple[bool, list[str]]:
     return all(torch.equal(a, b) for a, b in zip(losses_a, losses_b)), differ
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_deterministic_training_is_bitwise_reproducible(family):
     torch._dynamo.reset()
     model = _model(family)
@@ -79,6 +87,9 @@ def test_deterministic_training_is_bitwise_reproducible(family):
     assert same_losses and not differ, f"parameters differ run to run: {differ}"
     assert rep.cached_graphs == 0 and rep.deterministic, rep.table()
     assert any(r.pass_name == "deterministic_attention" for r in rep.rewrites), rep.table()
+    if family == "deepseek_v3":  # MLA runs as flash attention (its deterministic backward is the cheap one)
+        assert [r for r in rep.rewrites if r.pass_name == "pad_attention_value"], rep.table()
+        assert all("flash" in r.what for r in rep.rewrites if r.pass_name == "deterministic_attention"), rep.table()
 
 
 def test_plain_inductor_control_is_not_reproducible():
