@@ -1,10 +1,11 @@
 """GPU: ``moe_compile.compile(model, deterministic=True)`` trains bitwise reproducibly.
 
 Three transformers MoE causal LMs (Qwen3-MoE: softmax top-k router; Mixtral; DeepSeek-V3: MLA, whose value head
-dim differs from the query's), SDPA attention (FlashAttention-2 on sm80+), bf16, AdamW: 10 training steps from the same initial state, twice, give bitwise identical losses
-and parameters. The plain-Inductor control (same model, same steps) differs: the embedding backward and
-FlashAttention's dQ are atomic adds there, so the check can fail. Sizes are small but not tiny: a vocab of
-256 gives each token row several additions, 1024-token sequences give each dQ tile several key blocks.
+dim differs from the query's), SDPA attention (FlashAttention-2 on sm80+), bf16, AdamW: 10 training steps from the
+same initial state, twice, give bitwise identical losses and parameters. The plain-Inductor control (same model,
+same steps) differs: the embedding backward and FlashAttention's dQ are atomic adds there, so the check can fail.
+Sizes are small but not tiny: a vocab of 256 gives each token row several additions, 1024-token sequences give each
+dQ tile several key blocks.
 """
 
 from __future__ import annotations

@@ -55,6 +55,24 @@ def test_judge_bounds_floats_by_the_baseline_error_from_the_reference():
     assert not bad.ok and bad.worst.ratio > 1, bad
 
 
+def test_judge_gives_a_small_tensor_one_rounding_of_the_graphs_lowest_precision():
+    """A loss (fp32 scalar) computed from bf16 logits: its baseline may sit on the reference by chance, so its bound
+    adds one bf16 rounding of its magnitude; without a bf16 output in the graph it does not, and an error past
+    that rounding is refused either way."""
+    g = torch.Generator().manual_seed(1)
+    loss_ref = 1 + torch.rand((), generator=g, dtype=torch.float64)
+    logits = torch.randn(128, 16, generator=g, dtype=torch.float64)
+    u_bf16 = 2.0**-8
+    base = {"loss": loss_ref.float(), "logits": logits.to(torch.bfloat16)}
+    reference = lambda: type("Out", (), {"tensors": {"loss": loss_ref.float(), "logits": logits.float()}})()  # noqa: E731
+    within = {"loss": (loss_ref * (1 + 0.5 * u_bf16)).float(), "logits": logits.to(torch.bfloat16)}
+    beyond = {"loss": (loss_ref * (1 + 2 * u_bf16)).float(), "logits": logits.to(torch.bfloat16)}
+    assert judge(within, base, reference).ok
+    assert not judge(beyond, base, reference).ok
+    fp32_only = lambda d: {"loss": d["loss"]}  # noqa: E731
+    assert not judge(fp32_only(within), fp32_only(base), reference).ok
+
+
 def test_judge_integers_zeros_and_non_finites_exactly():
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 8, (16, 2), generator=g)
