@@ -55,22 +55,26 @@ def test_judge_bounds_floats_by_the_baseline_error_from_the_reference():
     assert not bad.ok and bad.worst.ratio > 1, bad
 
 
-def test_judge_gives_a_small_tensor_one_rounding_of_the_graphs_lowest_precision():
-    """A loss (fp32 scalar) computed from bf16 logits: its baseline may sit on the reference by chance, so its bound
-    adds one bf16 rounding of its magnitude; without a bf16 output in the graph it does not, and an error past
-    that rounding is refused either way."""
+def test_judge_gives_a_small_tensor_the_graphs_noise():
+    """A loss (fp32 scalar) next to bf16 logits: the loss's baseline sits on the reference (one sample, near zero
+    by chance), so its bound is 4x the graph's noise (the logits' relative error) plus one bf16 rounding, of its
+    magnitude; without the bf16 logits in the graph it is fp32's rounding alone."""
     g = torch.Generator().manual_seed(1)
     loss_ref = 1 + torch.rand((), generator=g, dtype=torch.float64)
     logits = torch.randn(128, 16, generator=g, dtype=torch.float64)
-    u_bf16 = 2.0**-8
+    noise = float((logits.to(torch.bfloat16).double() - logits).abs().max() / logits.abs().max())
+    bound = (4 * noise + 2.0**-8) * float(loss_ref)
     base = {"loss": loss_ref.float(), "logits": logits.to(torch.bfloat16)}
     reference = lambda: type("Out", (), {"tensors": {"loss": loss_ref.float(), "logits": logits.float()}})()  # noqa: E731
-    within = {"loss": (loss_ref * (1 + 0.5 * u_bf16)).float(), "logits": logits.to(torch.bfloat16)}
-    beyond = {"loss": (loss_ref * (1 + 2 * u_bf16)).float(), "logits": logits.to(torch.bfloat16)}
-    assert judge(within, base, reference).ok
-    assert not judge(beyond, base, reference).ok
-    fp32_only = lambda d: {"loss": d["loss"]}  # noqa: E731
-    assert not judge(fp32_only(within), fp32_only(base), reference).ok
+
+    def with_loss(err: float) -> dict[str, torch.Tensor]:
+        return {"loss": (loss_ref + err).float(), "logits": logits.to(torch.bfloat16)}
+
+    assert judge(with_loss(0.9 * bound), base, reference).ok
+    refused = judge(with_loss(1.1 * bound), base, reference)
+    assert not refused.ok and refused.worst.name == "loss"
+    only_loss = {"loss": base["loss"]}
+    assert not judge({"loss": with_loss(0.9 * bound)["loss"]}, only_loss, reference).ok
 
 
 def test_judge_integers_zeros_and_non_finites_exactly():
