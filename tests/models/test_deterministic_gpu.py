@@ -29,12 +29,12 @@ def _model(family: str) -> torch.nn.Module:
     common = dict(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
                   num_experts_per_tok=4, use_cache=False, tie_word_embeddings=False)
-    if family == "deepseek_v3":  # MLA: q/k head dim 48 + 16, value head dim 64 (padded to 80 by pad_attention_value)
+    if family == "deepseek_v3":  # MLA: q/k head dim 48 + 16, value head dim 32 (padded to 64 by pad_attention_value)
         common.pop("head_dim")
         cfg = transformers.DeepseekV3Config(
             n_routed_experts=16, moe_intermediate_size=256, n_shared_experts=1, n_group=1, topk_group=1,
             first_k_dense_replace=0, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=48, qk_rope_head_dim=16,
-            v_head_dim=64, rope_scaling=None, **common)
+            v_head_dim=32, rope_scaling=None, **common)
         cfg.num_key_value_heads = cfg.num_attention_heads
         cls = transformers.DeepseekV3ForCausalLM
     elif family == "qwen3_moe":

@@ -259,6 +259,12 @@ def _causal_attention():
     return Attention("bool"), (torch.randn(2, 12, 32),), {}
 
 
+def _mla_attention():
+    from tests.passes.test_pad_attention_value import MLAttention
+
+    return MLAttention(), (torch.randn(2, 12, 32),), {}
+
+
 def _group_limited_router():
     from tests.passes.test_deterministic_accumulate import GroupLimitedRouter
 
@@ -282,6 +288,8 @@ CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str, tuple[Callable[..
     "fuse_expert_mlp": (_glu_inference, {}, "passes+aot_eager", (scale_forward,)),
     "router_metrics": (_routers, {"metrics": True}, "passes+aot_eager", (nudge_input,)),
     "causal_mask": (_causal_attention, {"deterministic": True}, "passes+aot_eager", (scale_forward, break_backward)),
+    "pad_attention_value": (_mla_attention, {"deterministic": True}, "passes+aot_eager",
+                            (scale_forward, break_backward)),
     "deterministic_accumulate": (_group_limited_router, {}, "moe_compile", (scale_forward,)),
     "deterministic_scatter": (_embedding, {"deterministic": True}, "moe_compile", (scale_forward,)),
 }
