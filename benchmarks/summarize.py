@@ -225,9 +225,14 @@ def quant_block(rows: list[Row]) -> tuple[str, str]:
 
 
 def train_determinism(rows: list[Row]) -> tuple[str, str]:
-    parts = [f"{r['variant']} {_num(r['step_ms'])} ms, atomic kernels {r['atomic_kernels']}, gradients differing "
-             f"{r['grads_differ']} / {r['params']}" for r in rows]
-    return ("Qwen3-MoE CausalLM training step: step time, and what differs from run to run", "; ".join(parts))
+    model = rows[0].get("model", "qwen3_moe")
+    ranks = rows[0].get("world_size", 1)
+    parts = [f"{r['variant']} {_num(r['step_ms'])} ms (gradients differing {r['grads_differ']} / {r['params']}"
+             + (f", after AdamW {r['adamw_params_differ']}" if "adamw_params_differ" in r else "") + ")"
+             for r in rows]
+    where = f", FSDP2 over {ranks} GPUs" if ranks > 1 else ""
+    return (f"{MODELS.get(model, model)} CausalLM training step{where}: step time, and what differs from run to run",
+            "; ".join(parts))
 
 
 def validation_cost(rows: list[Row]) -> tuple[str, str]:

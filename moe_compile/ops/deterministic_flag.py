@@ -5,9 +5,9 @@ Some library kernels have a deterministic mode that they pick at call time from 
 over the key blocks in a fixed order instead of with atomic adds, and so does the memory-efficient
 attention backward. Turning the flag on for a whole step changes every other op too (some raise, some
 pick slower kernels; a Qwen3-MoE training step took almost twice as long, as SDPA then traced to the math
-backend: benchmarks/results/train_determinism.json, ``moe_det_algos`` against ``moe``). Each op here has the
-schema of the aten op it wraps, so a pass swaps a node's target and keeps its arguments
-(:mod:`moe_compile.passes.deterministic_scatter`).
+backend: benchmarks/results/train_determinism_qwen3_moe.json and its siblings, ``inductor_det`` against
+``inductor``). Each op here has the schema of the aten op it wraps, so a pass swaps a node's target and keeps its
+arguments (:mod:`moe_compile.passes.deterministic_scatter`).
 
 The ops are defined when this module is imported (compiled code from Inductor's cache calls them by
 name), for the wrapped ops this torch has.
