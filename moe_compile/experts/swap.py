@@ -24,7 +24,9 @@ the probe and of every parameter that requires one, with a random cotangent (a c
 router or on the expert outputs shows only there). Otherwise the block is left alone, and ``explain`` says why
 (``probe_mismatch``, ``probe_grad_mismatch``, ``probe_failed``, ``no_router``, ...). A probe cannot prove that a
 block computes what the fused path computes; it finds the differences the fuzzer found (``tests/fuzz``): a custom
-backward, an output only in training, a selection bias that changes some tokens' experts.
+backward, an output only in training, a selection bias that changes some tokens' experts. A block routed by ``gate``
+that holds any other tensor (a selection bias, a counter) is not probed at all (``block_state_unused``): a probe can
+miss the few tokens such a tensor moves.
 
 NOTE [grouped views]: ``nn.ModuleList`` experts keep their per-expert ``nn.Parameter`` objects (same identity, so
 optimizers and their state stay valid; same ``state_dict`` keys and values). Each projection's weights are copied
@@ -356,8 +358,24 @@ def _plan_block(block: nn.Module, group: ExpertGroup) -> _Plan:
     gate = getattr(block, "gate", None)
     if not has_route and not (isinstance(gate, nn.Linear) and gate.out_features == E and isinstance(top_k, int)):
         raise NotSwappable("no_router", "no route(x) method and no gate Linear(H, E) with top_k")
+    if not has_route:
+        _check_no_other_state(block, group)
     glu = glu_of(_gated_middle(act, 1)) if gated else None
     return _Plan(names, gated, act, E, None if has_route else top_k, glu=glu)
+
+
+def _check_no_other_state(block: nn.Module, group: ExpertGroup) -> None:
+    """A block routed by ``gate`` + ``top_k`` must hold no tensor besides the gate's and the experts': the fused
+    path reads no other, so any other (a selection bias, a load counter the forward updates) is routing or a side
+    effect it would drop, whether or not a probe happens to show it (fuzzer finding: a selection bias of 0.1 that
+    changed no probe token's expert and one token of eight in the model)."""
+    experts = next((name for name, m in block.named_modules() if m is group.module), None)
+    owners = ("gate.",) + ((experts + ".",) if experts else ())
+    other = [n for n, _ in (*block.named_parameters(), *block.named_buffers()) if not n.startswith(owners)]
+    if other:
+        raise NotSwappable("block_state_unused", f"the block holds {', '.join(other[:4])}"
+                                                 f"{' ...' if len(other) > 4 else ''}, which the fused path (gate, "
+                                                 "softmax top-k, experts) does not read")
 
 
 def swap_block(block: nn.Module, group: ExpertGroup) -> str:
