@@ -30,6 +30,11 @@ too; ``realize_reads_threshold = 1`` happens to avoid it by realising the softma
 guarantees). A user's own ``cpp.simdlen`` in ``options=`` wins (a ``skip`` record says so). The backend records a
 non-MoE ``rewrite`` (pass ``inductor_workaround``) per layer with the pattern, and logs it.
 
+Caches: the patch is applied inside the backward's compile, so Inductor's FX graph cache keys it, but the AOTAutograd
+cache key (taken outside) does not name it. It needs not: whether a graph gets it depends only on that graph,
+``options=``, the torch version and moe_compile's sources, which that key holds (the stage passes' uuid hashes every
+file of the package).
+
 Retire it when the torch that moe_compile pins contains PR 185855: the control test in
 ``tests/test_cpu_miscompile.py`` then skips ("no longer miscompiles"), and :data:`FIXED_IN` set to that version
 turns the workaround off for it and later versions (its tests stay: they check that the gradients are right).
