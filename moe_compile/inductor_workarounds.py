@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from moe_compile import report
 from moe_compile.passes._graph import arg, layer_name, op_name, val
@@ -120,16 +121,20 @@ def _selects_across_rows(node: fx.Node) -> bool:
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         return False
     name = op_name(node) or ""
-    if name == "getitem":  # advanced indexing by a tensor
+    if name == "getitem":  # advanced indexing by a tensor: rows of a view whose last dim is not contiguous
         index = node.args[1]
         parts = index if isinstance(index, (tuple, list)) else (index,)
-        return any(isinstance(val(p), torch.Tensor) for p in parts) and not x.is_contiguous()
-    pos, default = _SELECT[name]
-    dim = arg(node, pos, "dim", default)
+        dim: Any = -1
+        if not any(isinstance(val(p), torch.Tensor) for p in parts):
+            return False
+    else:
+        pos, default = _SELECT[name]
+        dim = arg(node, pos, "dim", default)
     if not isinstance(dim, int):
         return False
     dim %= x.dim()
-    return x.shape[dim] != 1 and x.stride(dim) != 1
+    # sizes and strides may be symbolic (dynamic shapes): decide without adding guards
+    return not statically_known_true(x.shape[dim] == 1) and not statically_known_true(x.stride(dim) == 1)
 
 
 def find(gm: fx.GraphModule, inductor_options: dict[str, Any] | None = None) -> Found | None:

@@ -187,7 +187,8 @@ def _scores() -> torch.Tensor:
     lambda s: torch.sort(F.softmax(s, -1).permute(1, 0))[0],
     lambda s: F.softmax(s, -1).mT.gather(1, torch.zeros(8, 2, dtype=torch.long)),
     lambda s: F.softmax(s, -1).t().max(-1)[0],
-], ids=["topk_t", "transpose_values", "T_method", "sort_permute", "gather_mT", "max_t"])
+    lambda s: F.softmax(s, -1).t()[torch.arange(8)[:, None], torch.zeros(8, 2, dtype=torch.long)],
+], ids=["topk_t", "transpose_values", "T_method", "sort_permute", "gather_mT", "max_t", "index_t"])
 def test_recognised_spellings(fn):
     assert _found(fn, _scores()) is not None
 
@@ -201,6 +202,12 @@ def test_recognised_spellings(fn):
 def test_other_graphs_keep_vectorisation(fn, grad):
     s = _scores().requires_grad_(grad)
     assert _found(fn, s) is None
+
+
+def test_recognised_with_dynamic_shapes():
+    s = _scores()
+    torch._dynamo.mark_dynamic(s, 0)
+    assert _found(lambda s: torch.topk(torch.softmax(s, -1).t(), 4)[0], s) is not None
 
 
 def test_user_simdlen_wins_and_is_reported():
