@@ -10,6 +10,9 @@ stage run in the order of :data:`moe_compile.passes.PASSES`):
    inference): what only the backward shows, accumulating scatters (``deterministic_*``).
 3. ``post_grad_custom_post_pass``: the read-only audit (what is left, for ``explain``).
 
+Besides the passes, a graph that would hit a known Inductor miscompile gets the config patch that avoids it, for the
+graphs that need it (:mod:`moe_compile.inductor_workarounds`).
+
 ``moe_compile/passes/README.md`` has the table of passes by stage.
 
 ``mode=`` and ``options=`` behave as with the Inductor backend; option keys starting with ``"moe."``
@@ -30,10 +33,10 @@ import torch
 from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
 from torch._guards import detect_fake_mode
 from torch._inductor import async_compile
-from torch._inductor.compile_fx import compile_fx
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
-from moe_compile import metrics, report
+from moe_compile import inductor_workarounds, metrics, report
 from moe_compile.config import MoECompileConfig, split_options
 from moe_compile.ops.deterministic_flag import deterministic_sdpa
 from moe_compile.passes import PASSES, _restore, _snapshot, check_pass_names, enabled_passes, stage_passes
@@ -158,10 +161,13 @@ def _compile(
     patches = inductor_patches(config, mode, dict(inductor_options or {}))
     _restart_workers_without_static_launch()
     log.debug("compiling a graph of %d nodes, passes %s", len(gm.graph.nodes), enabled_passes(config))
+    # known Inductor miscompiles this graph would hit (moe_compile/inductor_workarounds.py): found on Dynamo's graph,
+    # before the pre-grad passes rewrite it; the fix is a config patch of the backward graph's compile
+    inner = inductor_workarounds.apply(inductor_workarounds.find(gm, inductor_options), compile_fx_inner)
     # SDPA is decomposed (its kernel chosen) while compile_fx traces
     hits, graphs = report.cache_hits(), report.last_report().graphs
     with deterministic_sdpa() if config.deterministic else contextlib.nullcontext(), compiling(example_inputs):
-        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
     if report.cache_hits() > hits:  # NOTE [cached compiles] (moe_compile/report.py)
         if report.last_report().graphs == graphs:  # not counted by the pre-grad passes: they did not run
             report.graph_compiled()
