@@ -7,6 +7,10 @@ loss and every gradient are as close to a float32 eager run as bf16 eager is
 whose routers and experts hold every form the families use (their backward has the accumulating
 scatters the passes must remove); ``-m slow`` runs them all. Families that cannot be built from a
 config alone skip with the reason.
+
+The families outside the experts interface (:data:`tests.models.hf_families.OUTSIDE`) get the same step and
+judgement through ``moe_compile.compile``, graph breaks allowed where Dynamo cannot capture them whole, and every
+experts layer must be rewritten or carry explain's reason tag.
 """
 
 from __future__ import annotations
