@@ -84,7 +84,7 @@ OUTSIDE: dict[str, Outside] = {
         "scores), no dispatch; plus a shared expert", {"interleave_moe_layer_step": 1, "no_rope_layers": [1]}),
     "longcat_flash": Outside(
         "LongcatFlashExperts: an eager per-expert loop that includes zero-compute (identity) experts",
-        {"num_layers": 1, "expert_ffn_hidden_size": 32, "zero_expert_num": 2}),
+        {"num_layers": 1, "expert_ffn_hidden_size": 32, "zero_expert_num": 2, "qk_head_dim": 32}),
     "nllb_moe": Outside(
         "NllbMoeSparseMLP: top-2 capacity routing (one-hot dispatch mask, a ModuleDict of dense experts run on "
         "masked tokens)",
@@ -189,12 +189,13 @@ def _outside_plan(spec: Outside, config: Any, model_type: str) -> tuple[Any, Any
         MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     )
 
+    if getattr(config, "text_config", None) is not None:  # a multimodal family: its text model
+        config = config.text_config
+        model_type = config.model_type
     if spec.cls is not None:
         cls = _class(spec.cls)
         if cls is None:
             raise Unbuildable(f"transformers has no {spec.cls}")
-        if spec.kind == "base" and getattr(config, "text_config", None) is not None:
-            config = config.text_config
         return cls, _shrink(config), spec.kind
     for mapping, kind in ((MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "lm"), (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
                                                                       "seq2seq")):
