@@ -217,9 +217,25 @@ def explain(model: Any, *args: Any, backward: bool | None = None, compile_option
             p.grad = g
         torch._dynamo.reset()
     if isinstance(model, torch.nn.Module):
-        rep.records[:0] = report.module_records(model)
-        rep.records += _unaccounted_expert_layers(model, rep)
+        account_expert_layers(model, rep)
     return rep
+
+
+def account_expert_layers(model: torch.nn.Module, rep: report.Report) -> dict[str, str]:
+    """Put ``model``'s module-level records (``moe_compile.compile``'s loop swaps) and a skip for every experts
+    layer no record accounts for (:func:`_unaccounted_expert_layers`) into ``rep``, as ``explain`` does; returns
+    each experts layer's outcome: ``"rewritten"``, or its skip and error tags (``"not_in_graph"``, ...) joined by
+    ``", "``."""
+    rep.records[:0] = report.module_records(model)
+    rep.records += _unaccounted_expert_layers(model, rep)
+    outcomes = {}
+    for layer in find_expert_layers(model):
+        mine = [r for r in rep.records if _same_module(layer.name, r.layer)]
+        if any(r.kind == "rewrite" and r.moe for r in mine):
+            outcomes[layer.name] = "rewritten"
+        else:
+            outcomes[layer.name] = ", ".join(sorted({r.what for r in mine if r.kind in ("skip", "error")}))
+    return outcomes
 
 
 def _unaccounted_expert_layers(model: torch.nn.Module, rep: report.Report) -> list[report.PassRecord]:

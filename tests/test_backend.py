@@ -257,6 +257,12 @@ def test_expert_layers_are_found_in_every_layout():
     assert [(f.name, f.seen.split(" (")[1].split(":")[0]) for f in find_expert_layers(make_layer("loop"))] == \
         [("experts", "module_list")]
     assert find_expert_layers(MLP()) == []
+    # Doge's retrieval experts: rows of nn.Embedding tables, num_experts on the module
+    from transformers import DogeConfig, DogeModel
+
+    doge = DogeModel(DogeConfig(vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                num_attention_heads=4, num_key_value_heads=4, is_moe=True, num_experts=16))
+    assert [f.name for f in find_expert_layers(doge)] == ["layers.0.mlp"]
 
 
 def test_explain_matches_layers_of_frames_compiled_below_the_root():

@@ -12,7 +12,7 @@ Two layouts are recognised (``E`` experts, ``N`` output features, ``K`` input fe
   children (same paths, shapes and bias presence), e.g. ``experts[e].w1 / w2 / w3``.
 
 :func:`find_expert_layers` also finds the experts modules in other layouts (a ``*Experts`` class, a ``ModuleDict``
-of experts), which nothing rewrites but ``explain`` must account for.
+of experts, experts as rows of embedding tables), which nothing rewrites but ``explain`` must account for.
 
 Nothing here imports torchao or changes the model; passes and ``quantize_experts`` share it.
 """
@@ -115,7 +115,8 @@ def find_expert_layers(model: nn.Module) -> list[ExpertLayer]:
     """Every module that holds experts, outermost first: the groups of :func:`find_expert_weights`, and the
     experts containers in layouts it does not read: a class named ``*Experts`` (transformers' naming: DBRX's 2-D
     ``[E*I, H]`` weights), or an ``nn.ModuleDict`` / ``nn.ModuleList`` whose attribute name contains "expert" and
-    holds two or more modules of one class (SwitchTransformers' ``experts["expert_0"]``)."""
+    holds two or more modules of one class (SwitchTransformers' ``experts["expert_0"]``), or a module whose experts are
+    rows of ``nn.Embedding`` tables (Doge)."""
     groups = {g.name: g for g in find_expert_weights(model)}
     found: list[ExpertLayer] = []
     for name, module in model.named_modules():
@@ -126,9 +127,18 @@ def find_expert_layers(model: nn.Module) -> list[ExpertLayer]:
             what = ", ".join(f"{lin.path or 'linear'} [{lin.num_experts}, {lin.out_features}, {lin.in_features}]"
                              for lin in group.linears)
             found.append(ExpertLayer(name, module, f"{type(module).__name__} ({group.kind}: {what})"))
-        elif type(module).__name__.endswith("Experts") or _is_expert_container(name, module):
+        elif type(module).__name__.endswith("Experts") or _is_expert_container(name, module) \
+                or _is_expert_table(module):
             found.append(ExpertLayer(name, module, _describe(module)))
     return found
+
+
+def _is_expert_table(module: nn.Module) -> bool:
+    """Experts as rows of lookup tables: a module declaring ``num_experts`` ``E >= 2`` with an ``nn.Embedding`` child
+    of ``E`` rows (Doge's retrieval experts: ``down_embed`` / ``up_embed [E, H]`` read by expert id)."""
+    num_experts = getattr(module, "num_experts", None)
+    return isinstance(num_experts, int) and num_experts >= 2 and any(
+        isinstance(c, nn.Embedding) and c.num_embeddings == num_experts for c in module.children())
 
 
 def _is_expert_container(name: str, module: nn.Module) -> bool:

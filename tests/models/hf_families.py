@@ -5,10 +5,16 @@
 or base model of its text config) from the family's config class with generic tiny overrides: every MoE attribute under
 each of its names (experts 8, top-k 2, groups that divide them, every layer sparse), hidden 64, one layer. Families that
 cannot be built or run from a config alone raise :class:`Unbuildable` with the reason.
+
+:func:`outside_interface_families` lists the MoE families whose experts do not go through that interface (their
+own dispatch code, :data:`OUTSIDE` says why per family); the same builder makes them, with per-family config
+overrides, an encoder-decoder (``kind="seq2seq"``: ids in, labels to the decoder) or a vision backbone
+(``kind="vision"``: images and a dataset index in, trained on its feature maps) where the family is one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import pathlib
@@ -39,6 +45,78 @@ TINY: dict[str, Any] = {
 
 class Unbuildable(Exception):
     """A family that cannot be built or run from a config alone (the message says why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Outside:
+    """A family outside the experts interface: why, and how to build it where :data:`TINY` is not enough.
+
+    Attributes:
+        why: what its experts code is, in a few words (why the interface does not cover it).
+        overrides: config attributes set after :data:`TINY` (a dotted name reaches into a sub-config): what makes
+            the model tiny, makes its layers MoE, and turns dropout off (eager and compiled steps must agree).
+        cls: the model class where the auto mappings name none for the config (``None``: look it up).
+        kind: with ``cls``: ``"lm"``, ``"base"`` (the text base model on ``text_config``) or ``"vision"``.
+    """
+
+    why: str
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    cls: str | None = None
+    kind: str = "lm"
+
+
+_NO_DROPOUT = {"dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "encoder_layerdrop": 0.0,
+               "decoder_layerdrop": 0.0, "dropout_rate": 0.0}
+
+OUTSIDE: dict[str, Outside] = {
+    "dbrx": Outside(
+        "DbrxExperts: w1/v1/w2 as 2-D [E*I, H] parameters, an eager one-hot + nonzero loop over the experts hit",
+        # transformers 5.24's DbrxAttention reads attn_config.rope_theta, which the config class no longer has, and
+        # clamps by clip_qkv even where it is None (the default; released checkpoints set 8)
+        {"ffn_config.hidden_size": HIDDEN, "ffn_config.ffn_hidden_size": 32, "ffn_config.moe_num_experts": EXPERTS,
+         "ffn_config.moe_top_k": TOP_K, "attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0,
+         "max_seq_len": 64}),
+    "jetmoe": Outside(
+        "JetMoeParallelExperts: stacked [E, N, K] weights run by a split-by-counts loop (MLP), and a mixture of "
+        "attention heads (MoA) whose experts are the query/output projections"),
+    "llama4": Outside(
+        "Llama4TextExperts: every token through every expert (bmm over [E, T, H] inputs scaled by the router "
+        "scores), no dispatch; plus a shared expert", {"interleave_moe_layer_step": 1, "no_rope_layers": [1]}),
+    "longcat_flash": Outside(
+        "LongcatFlashExperts: an eager per-expert loop that includes zero-compute (identity) experts",
+        {"num_layers": 1, "expert_ffn_hidden_size": 32, "zero_expert_num": 2, "qk_head_dim": 32}),
+    "nllb_moe": Outside(
+        "NllbMoeSparseMLP: top-2 capacity routing (one-hot dispatch mask, a ModuleDict of dense experts run on "
+        "masked tokens)",
+        {**_NO_DROPOUT, "d_model": HIDDEN, "encoder_layers": 1, "decoder_layers": 1, "encoder_ffn_dim": 64,
+         "decoder_ffn_dim": 64, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "expert_capacity": 16,
+         "encoder_sparse_step": 1, "decoder_sparse_step": 1, "moe_token_dropout": 0.0, "tie_word_embeddings": True}),
+    "step3p7": Outside(
+        "Step3p7Experts: an eager per-expert loop (not decorated), stacked [E, 2I, H] weights",
+        {"share_expert_dim": 32, "intermediate_size": 64}, cls="Step3p7TextModel", kind="base"),
+    "switch_transformers": Outside(
+        "SwitchTransformersExperts: top-1 capacity routing (cumsum positions), a ModuleDict of dense experts",
+        {**_NO_DROPOUT, "d_model": HIDDEN, "d_kv": 16, "d_ff": 64, "num_heads": 4, "num_layers": 2,
+         "num_decoder_layers": 2, "num_sparse_encoder_layers": 1, "num_sparse_decoder_layers": 1,
+         "expert_capacity": 16, "tie_word_embeddings": True, "decoder_start_token_id": 0}),
+    "doge": Outside(
+        "DogeCDMoE: product-key retrieval of single-neuron experts from nn.Embedding tables (16 experts, 4 keys)",
+        {"is_moe": True, "num_experts": 16}),
+    "vitpose_backbone": Outside(
+        "VitPoseNaiveMoe: a ModuleList of per-dataset linears, every one run on every token and masked by the "
+        "dataset index (ViTPose++)",
+        {"num_experts": 2, "part_features": 16, "image_size": [32, 32], "patch_size": [8, 8], "mlp_ratio": 2,
+         "out_indices": [1]}, cls="VitPoseBackbone", kind="vision"),
+}
+
+
+def outside_interface_families() -> tuple[str, ...]:
+    """The MoE families of :data:`OUTSIDE` that the installed transformers has: their experts are their own code,
+    not transformers' experts interface (``use_experts_implementation``), so :func:`moe_families` does not find them
+    and the interface's fused path does not cover them; :attr:`Outside.why` says what each one's experts are."""
+    from transformers import CONFIG_MAPPING
+
+    return tuple(f for f in OUTSIDE if f in CONFIG_MAPPING or f.replace("_", "-") in CONFIG_MAPPING)
 
 
 @functools.cache
@@ -82,6 +160,10 @@ def _plan(family: str) -> tuple[Any, Any, str]:
         config = CONFIG_MAPPING[model_type]()
     except Exception as exc:  # noqa: BLE001 - a config that needs arguments
         raise Unbuildable(f"config() fails: {type(exc).__name__}: {str(exc)[:120]}") from None
+    spec = OUTSIDE.get(family)
+    if spec is not None:
+        cls, config, kind = _outside_plan(spec, config, model_type)
+        return cls, _override(config, spec.overrides), kind
     text = getattr(config, "text_config", None)
     text_type = getattr(text, "model_type", None)
     if text_type:
@@ -98,6 +180,40 @@ def _plan(family: str) -> tuple[Any, Any, str]:
     if lm is None:
         raise Unbuildable("no causal LM class and no text config (encoder-only or multimodal family)")
     return lm, _shrink(config), "lm"
+
+
+def _outside_plan(spec: Outside, config: Any, model_type: str) -> tuple[Any, Any, str]:
+    """:func:`_plan` for a family of :data:`OUTSIDE`: its named class, else its causal LM, else its seq2seq LM."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    if getattr(config, "text_config", None) is not None:  # a multimodal family: its text model
+        config = config.text_config
+        model_type = config.model_type
+    if spec.cls is not None:
+        cls = _class(spec.cls)
+        if cls is None:
+            raise Unbuildable(f"transformers has no {spec.cls}")
+        return cls, _shrink(config), spec.kind
+    for mapping, kind in ((MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "lm"), (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+                                                                      "seq2seq")):
+        cls = _class(mapping.get(model_type))
+        if cls is not None:
+            return cls, _shrink(config), kind
+    raise Unbuildable("no causal or seq2seq LM class")
+
+
+def _override(config: Any, overrides: dict[str, Any]) -> Any:
+    for dotted, value in overrides.items():
+        *path, attr = dotted.split(".")
+        target = functools.reduce(getattr, path, config)
+        try:
+            setattr(target, attr, value)
+        except Exception as exc:  # noqa: BLE001 - an override the config refuses: the spec is wrong
+            raise Unbuildable(f"config refuses {dotted}={value!r}: {_first_line(exc)}") from None
+    return config
 
 
 def tiny_config(family: str):
@@ -131,16 +247,19 @@ def _shrink(config: Any) -> Any:
 
 
 class _HiddenStateLoss(torch.nn.Module):
-    """A text base model trained on ``mean(hidden ** 2)`` (composite families without a text LM head)."""
+    """A model without a head trained on ``mean(out ** 2)``: a text base model (composite families without a text
+    LM head) on its last hidden state, a vision backbone on its last feature map."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+    def forward(self, labels: torch.Tensor | None = None, **inputs: Any) -> Any:
         from transformers.modeling_outputs import CausalLMOutput
 
-        hidden = self.model(input_ids=input_ids).last_hidden_state
+        dtype = next(self.model.parameters()).dtype  # images in the model's precision (the fp32 copy's too)
+        out = self.model(**{k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()})
+        hidden = out.last_hidden_state if "last_hidden_state" in out else out.feature_maps[-1]
         return CausalLMOutput(loss=hidden.float().pow(2).mean())
 
 
@@ -153,15 +272,21 @@ def build(family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tu
         model = cls(config)
     except Exception as exc:  # noqa: BLE001 - families needing more than a config
         raise Unbuildable(f"{cls.__name__}(config) fails: {type(exc).__name__}: {_first_line(exc)}") from None
-    if not any(type(m).__name__.endswith("Experts") for m in model.modules()):
+    # (a family of OUTSIDE is MoE by its overrides: whether its experts are found is the test's question)
+    if family not in OUTSIDE and not any(type(m).__name__.endswith("Experts") for m in model.modules()):
         raise Unbuildable("no experts module after the tiny config (MoE layers not enabled by any known attribute)")
     init_params_(model, seed)
     model = model.to(dtype)
-    if kind == "base":
+    if kind in ("base", "vision"):
         model = _HiddenStateLoss(model)
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (2, 8), generator=gen)
-    inputs = {"input_ids": ids, "labels": ids.clone()}
+    if kind == "vision":  # images of the config's size, each from one dataset (ViTPose++ picks experts by it)
+        size = tuple(config.image_size)
+        inputs = {"pixel_values": torch.randn(2, config.num_channels, *size, generator=gen),
+                  "dataset_index": torch.arange(2) % config.num_experts}
+    else:  # causal LM: labels are the ids; seq2seq: the model shifts the labels into the decoder's inputs
+        ids = torch.randint(3, VOCAB, (2, 8), generator=gen)
+        inputs = {"input_ids": ids, "labels": ids.clone()}
     try:
         with torch.no_grad():
             model(**inputs)
@@ -203,7 +328,6 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
     """
     import copy
 
-    from moe_compile import report
 
     try:
         model, inputs = build(family)
@@ -212,17 +336,31 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
     model.train()
     ref32 = _loss_and_grads(copy.deepcopy(model).float(), inputs)
     eager = _loss_and_grads(model, inputs)
-    torch._dynamo.reset()
-    compiled_model = torch.compile(model, backend=backend, fullgraph=True)
+    outside = family in OUTSIDE and backend == "moe_compile"
+    plain = copy.deepcopy(model) if outside else model  # moe_compile.compile may swap the model's expert loops
+    breaks = ""
     try:
-        with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True):
-            compiled = _loss_and_grads(model, inputs, compiled_model)
-    except torch._dynamo.exc.Unsupported as exc:  # Dynamo cannot capture the model whole: no backend sees it
-        return {"family": family, "status": f"skip: Dynamo cannot capture it (fullgraph): {_first_line(exc)}"}
+        try:
+            compiled, rep = _compiled_step(model, inputs, backend, outside, fullgraph=True)
+        # Dynamo cannot capture the model whole: a graph break, or (fullgraph captures host reads) a guard on a
+        # data-dependent value, e.g. a loop over `nonzero()`'s rows
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
+            user_error = isinstance(exc, torch._dynamo.exc.UserError)
+            if user_error and (not outside or "data-dependent" not in str(exc)):
+                raise  # the backend fails (below)
+            if not outside:  # the interface families must be captured whole: no backend sees a model Dynamo breaks
+                return {"family": family, "status": f"skip: Dynamo cannot capture it (fullgraph): {_first_line(exc)}"}
+            breaks = _first_line(exc)
+            compiled, rep = _compiled_step(model, inputs, backend, outside, fullgraph=False)
     except Exception as exc:  # noqa: BLE001 - the backend fails
         return {"family": family, "status": f"compile fails: {type(exc).__name__}: {_first_line(exc)}"}
     finally:
         torch._dynamo.reset()
+    layers = {}
+    if outside:  # every experts layer: rewritten, or the reason explain gives
+        from moe_compile.api import account_expert_layers
+
+        layers = account_expert_layers(model, rep)
     rewritten = sorted({r.layer for r in rep.rewrites if r.pass_name in ("fuse_dispatch", "strip_host_padding")})
     left = sorted({f"{r.layer}: {r.what} @ {r.detail}" for r in rep.left if "(embedding)" not in r.what})
     ok, worst, unjudged = _within_bound(compiled, eager, ref32)
@@ -232,7 +370,7 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
         # fp32 as we are, that distance is this model's compile noise, not the rewrite's error
         torch._dynamo.reset()
         try:
-            inductor = _loss_and_grads(model, inputs, torch.compile(model, fullgraph=True))
+            inductor = _loss_and_grads(plain, inputs, torch.compile(plain, fullgraph=not breaks))
         finally:
             torch._dynamo.reset()
         ok, worst, unjudged = _within_bound(compiled, eager, ref32, inductor)
@@ -243,7 +381,22 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
     return {"family": family, "status": "ok", "rewritten": rewritten, "left": left, "numerics": ok,
             "refused": refused, "unchecked": unchecked,
             "worst": f"{worst[0]} ({worst[1]:.2f} of bound)", "noise": noise, "unjudged": unjudged,
-            "records": records_of(rep)}
+            "records": records_of(rep), "layers": layers, "graph_breaks": breaks}
+
+
+def _compiled_step(model: torch.nn.Module, inputs: dict[str, Any], backend: str, outside: bool, fullgraph: bool
+                   ) -> tuple[tuple[torch.Tensor, dict[str, torch.Tensor]], Any]:
+    """One step of ``model`` compiled by ``backend`` and the report of its compile. A family outside the experts
+    interface goes through ``moe_compile.compile`` (as a user's would: expert loops Dynamo cannot capture are
+    swapped first), the others through ``torch.compile(backend=...)``."""
+    import moe_compile
+    from moe_compile import report
+
+    torch._dynamo.reset()
+    fn = moe_compile.compile(model, fullgraph=fullgraph) if outside else \
+        torch.compile(model, backend=backend, fullgraph=fullgraph)
+    with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True):
+        return _loss_and_grads(model, inputs, fn), rep
 
 
 def _within_bound(compiled: Any, eager: Any, ref32: Any, inductor: Any = None
@@ -270,7 +423,7 @@ def main() -> None:
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
     rows = []
-    for family in args.families or moe_families():
+    for family in args.families or (*moe_families(), *outside_interface_families()):
         row = check_family(family)
         rows.append(row)
         print(f"{family:24s} {row['status'][:70]:70s} rewritten={len(row.get('rewritten', []))} "
@@ -279,6 +432,10 @@ def main() -> None:
               f"[noise: {row.get('noise', '-')}; unjudged: {', '.join(row.get('unjudged', [])) or '-'}]", flush=True)
         for item in row.get("left", []):
             print(f"    left: {item[:200]}", flush=True)
+        for layer, outcome in row.get("layers", {}).items():
+            print(f"    experts {layer}: {outcome or 'NO REASON'}", flush=True)
+        if row.get("graph_breaks"):
+            print(f"    graph breaks (fullgraph=False): {row['graph_breaks'][:200]}", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         import transformers

@@ -7,6 +7,10 @@ loss and every gradient are as close to a float32 eager run as bf16 eager is
 whose routers and experts hold every form the families use (their backward has the accumulating
 scatters the passes must remove); ``-m slow`` runs them all. Families that cannot be built from a
 config alone skip with the reason.
+
+The families outside the experts interface (:data:`tests.models.hf_families.OUTSIDE`) get the same step and
+judgement through ``moe_compile.compile``, graph breaks allowed where Dynamo cannot capture them whole, and every
+experts layer must be rewritten or carry explain's reason tag.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import pytest
 import torch
 
 from tests.models.family_records import add_to_file
-from tests.models.hf_families import check_family, moe_families
+from tests.models.hf_families import OUTSIDE, check_family, moe_families, outside_interface_families
 
 pytest.importorskip("transformers")
 
@@ -52,6 +56,45 @@ def test_family_training_step(family, request):
 @pytest.mark.parametrize("family", [f for f in moe_families() if f not in DEFAULT_FAMILIES])
 def test_every_family_training_step(family, request):
     _check(family, request.config.getoption("family_records"))
+
+
+# the families outside the experts interface (tests.models.hf_families.OUTSIDE says why each is); the default run
+# checks the cheapest
+DEFAULT_OUTSIDE = ("vitpose_backbone",)
+
+
+def _check_outside(family: str, records_path: str | None = None) -> None:
+    """A family outside the experts interface, through ``moe_compile.compile``: the step compiles (whole where
+    Dynamo can capture it, else with graph breaks, which the row names), loss and gradients are within the
+    bound, and every experts layer is rewritten or carries explain's reason tag."""
+    row = check_family(family)
+    if records_path:
+        entry = {"status": row["status"]} if row["status"] != "ok" else {"status": "ok", "records": row["records"]}
+        add_to_file(records_path, family, entry)
+    if row["status"].startswith("skip"):
+        pytest.skip(row["status"])
+    assert row["status"] == "ok", row["status"]
+    assert row["layers"], f"{family} ({OUTSIDE[family].why}): no experts layer found, so explain accounts for none"
+    untagged = [layer for layer, outcome in row["layers"].items() if not outcome]
+    assert untagged == [], f"{family}: experts layers neither rewritten nor given a reason: {untagged}"
+    assert row["refused"] == [] and row["unchecked"] == [], "\n".join(row["refused"] + row["unchecked"])
+    assert row["numerics"], f"{family}: worst gradient {row['worst']}"
+
+
+@pytest.mark.parametrize("family", [f for f in DEFAULT_OUTSIDE if f in outside_interface_families()])
+def test_outside_family_training_step(family, request):
+    _check_outside(family, request.config.getoption("family_records"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [f for f in outside_interface_families() if f not in DEFAULT_OUTSIDE])
+def test_every_outside_family_training_step(family, request):
+    _check_outside(family, request.config.getoption("family_records"))
+
+
+def test_outside_families_are_found():
+    assert {"dbrx", "jetmoe", "llama4", "switch_transformers", "nllb_moe"} <= set(outside_interface_families())
+    assert not set(outside_interface_families()) & set(moe_families())
 
 
 def test_families_are_found():
