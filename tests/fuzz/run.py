@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if result.kind != "ok":
                 print(result.summary(), flush=True)
                 if args.scripts:
-                    header = "".join(f"# {line}\n" for line in result.summary().splitlines())
+                    header = "".join(f"# {line}".rstrip() + "\n" for line in result.summary().splitlines())
                     path = args.scripts / f"{args.backend}-{args.seed}-{i}-{result.kind}.py"
                     path.write_text(header + script(spec, args.backend))
             if out:

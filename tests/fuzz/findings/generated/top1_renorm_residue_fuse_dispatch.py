@@ -4,12 +4,12 @@
 #   tensor: |moe - ref| |eager - ref| |plain - ref| bound ratio
 #     grad:blocks.0.gate.weight: 1.3e-07 1.03e-07 1.03e-07 5.14e-07 inf 8 element(s) exactly zero in eager and the reference, not compiled (first at (2, 0): -2.96e-08)
 #     grad:blocks.1.gate.weight: 2.77e-08 0 0 0 inf exactly zero in eager, not compiled
-#     call1:grad:blocks.1.b1_EI: 0.0312 0.0234 0.0234 0.127 0.246 
-#     call1:grad:blocks.0.gate.weight: 1.04e-07 1.04e-07 1.04e-07 5.2e-07 0.2 
-#     call1:grad:blocks.0.s_up: 0.102 0.102 0.102 0.522 0.195 
-#     call1:grad:blocks.0.s_gate: 0.0279 0.0279 0.0279 0.144 0.194 
-#     grad:blocks.0.s_gate: 0.026 0.026 0.026 0.136 0.191 
-#     call1:grad:blocks.0.w2_EHI: 0.106 0.106 0.106 0.558 0.191 
+#     call1:grad:blocks.1.b1_EI: 0.0312 0.0234 0.0234 0.127 0.246
+#     call1:grad:blocks.0.gate.weight: 1.04e-07 1.04e-07 1.04e-07 5.2e-07 0.2
+#     call1:grad:blocks.0.s_up: 0.102 0.102 0.102 0.522 0.195
+#     call1:grad:blocks.0.s_gate: 0.0279 0.0279 0.0279 0.144 0.194
+#     grad:blocks.0.s_gate: 0.026 0.026 0.026 0.136 0.191
+#     call1:grad:blocks.0.w2_EHI: 0.106 0.106 0.106 0.558 0.191
 """MoE layer written by tests.fuzz: seed=22,tokens=5,hidden=8,inter=16,top_k=1,depth=2,x_grad=False,second_call=new_shape,router=linear,score=sigmoid,renorm=sum_inplace,flatten=flatten,permute=argsort,gather=index_select,counts=one_hot_TK_sum,offsets=cumsum_to,layout=stacked_sep,mlp=geglu,bias=True,weight=rows_act,combine=scatter_add,shared=gated"""
 
 import itertools  # noqa: F401
