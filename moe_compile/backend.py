@@ -163,11 +163,14 @@ def _compile(
     log.debug("compiling a graph of %d nodes, passes %s", len(gm.graph.nodes), enabled_passes(config))
     # known Inductor miscompiles this graph would hit (moe_compile/inductor_workarounds.py): found on Dynamo's graph,
     # before the pre-grad passes rewrite it; the fix is a config patch of the backward graph's compile
-    inner = inductor_workarounds.apply(inductor_workarounds.find(gm, inductor_options), compile_fx_inner)
+    found = inductor_workarounds.find(gm, inductor_options)
+    inner = inductor_workarounds.apply(found, compile_fx_inner)
+    # compile_fx's own inner compile unless a workaround patches it (a caller's compile_fx may bring its own)
+    extra = {"inner_compile": inner} if inner is not compile_fx_inner else {}
     # SDPA is decomposed (its kernel chosen) while compile_fx traces
     hits, graphs = report.cache_hits(), report.last_report().graphs
     with deterministic_sdpa() if config.deterministic else contextlib.nullcontext(), compiling(example_inputs):
-        compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches, **extra)
     if report.cache_hits() > hits:  # NOTE [cached compiles] (moe_compile/report.py)
         if report.last_report().graphs == graphs:  # not counted by the pre-grad passes: they did not run
             report.graph_compiled()

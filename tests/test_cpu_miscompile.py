@@ -232,6 +232,28 @@ def test_patch_reaches_the_backward_graph_only():
     assert seen == {False: torch._inductor.config.cpp.simdlen, True: 1}
 
 
+def test_graphs_without_the_pattern_get_compile_fx_as_called(monkeypatch):
+    """The backend names no ``inner_compile`` where no workaround applies: a caller's ``compile_fx`` (the fuzzer's
+    eager-kernel mode) keeps its own, and where one applies it gets the patched one."""
+    import moe_compile.backend as backend
+
+    calls: list[bool] = []
+
+    def recording_compile_fx(gm, example_inputs, **kwargs):
+        calls.append("inner_compile" in kwargs)
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+
+    monkeypatch.setattr(backend, "compile_fx", recording_compile_fx)
+    token_choice = lambda s: torch.topk(torch.softmax(s, -1), 2)[0].sum()  # noqa: E731
+    expert_choice = lambda s: torch.topk(torch.softmax(s, -1).t(), 4)[0].sum()  # noqa: E731
+    for fn in (token_choice, expert_choice):
+        torch._dynamo.reset()
+        torch.compile(fn, backend="moe_compile")(_scores().requires_grad_(True)).backward()
+    assert calls == [False, True]
+
+
 def test_retired_on_a_fixed_torch(monkeypatch):
     monkeypatch.setattr(iw, "FIXED_IN", (2, 14))
     assert iw.needed("2.13.0+cpu") and not iw.needed("2.14.0") and not iw.needed("3.0.1")
