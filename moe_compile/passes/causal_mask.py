@@ -32,17 +32,14 @@ import torch.fx as fx
 
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._graph import layer_name, val
-
-SDPA = torch._C._nn.scaled_dot_product_attention
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+from moe_compile.passes.forms.ops import SDPA, SDPA_POSITIONAL, sdpa_args
 
 
 def run(graph: fx.Graph, ctx: PassContext) -> None:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not SDPA:
             continue
-        args = dict(zip(_SDPA_ARGS, node.args))
-        args.update(node.kwargs)
+        args = sdpa_args(node)
         mask = args.get("attn_mask")
         if not isinstance(mask, fx.Node) or args.get("is_causal", False):
             continue
@@ -51,7 +48,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         except NoMatch as skip:
             ctx.skip(layer_name(node), skip.reason, skip.detail)
             continue
-        kwargs = {name: args[name] for name in args if name not in _SDPA_ARGS[:3]}
+        kwargs = {name: args[name] for name in args if name not in SDPA_POSITIONAL[:3]}
         kwargs.update(attn_mask=None, is_causal=True)
         node.args = (args["query"], args["key"], args["value"])
         node.kwargs = kwargs

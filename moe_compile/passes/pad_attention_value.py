@@ -32,9 +32,8 @@ import torch.nn.functional as F
 
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._graph import graph_call, known_int, layer_name, refresh_example_values, tensor_val
+from moe_compile.passes.forms.ops import SDPA, sdpa_args
 
-SDPA = torch._C._nn.scaled_dot_product_attention
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 # the largest head dim FlashAttention-2 (and torch's SDPA flash backend) takes
 FLASH_MAX_HEAD_DIM = 256
 
@@ -43,8 +42,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not SDPA:
             continue
-        args = dict(zip(_SDPA_ARGS, node.args))
-        args.update(node.kwargs)
+        args = sdpa_args(node)
         q, v = tensor_val(args["query"]), tensor_val(args["value"])
         if q is None or v is None or q.dim() < 1 or v.dim() < 1:
             continue

@@ -10,6 +10,7 @@ fails the fuzz tests and is printed as a standalone script.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -40,8 +41,6 @@ RESIDUE_FRACTION = 2.0**-16
 
 
 def _router_gradient(name: str) -> bool:
-    import re
-
     from tests.fuzz.harness import _ROUTER_PARAMS
 
     param = re.sub(r"^(call\d+:)?grad:(blocks\.\d+\.)?", "", name)

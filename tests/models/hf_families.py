@@ -328,7 +328,6 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
     """
     import copy
 
-
     try:
         model, inputs = build(family)
     except Unbuildable as exc:

@@ -29,7 +29,9 @@ pytest.importorskip("transformers")
 DEFAULT_FAMILIES = ("deepseek_v3", "gpt_oss")
 
 
-def _check(family: str, records_path: str | None = None) -> None:
+def _stepped(family: str, records_path: str | None) -> dict:
+    """:func:`check_family`'s row, recorded (``--family-records``); skips a family that cannot be built, fails one
+    whose step does not run."""
     row = check_family(family)
     if records_path:
         entry = {"status": row["status"]} if row["status"] != "ok" else {"status": "ok", "records": row["records"]}
@@ -37,6 +39,11 @@ def _check(family: str, records_path: str | None = None) -> None:
     if row["status"].startswith("skip"):
         pytest.skip(row["status"])
     assert row["status"] == "ok", row["status"]
+    return row
+
+
+def _check(family: str, records_path: str | None = None) -> None:
+    row = _stepped(family, records_path)
     assert row["rewritten"], f"{family}: no experts layer rewritten"
     assert row["left"] == [], "\n".join(row["left"])
     assert row["refused"] == [] and row["unchecked"] == [], "\n".join(row["refused"] + row["unchecked"])
@@ -67,13 +74,7 @@ def _check_outside(family: str, records_path: str | None = None) -> None:
     """A family outside the experts interface, through ``moe_compile.compile``: the step compiles (whole where
     Dynamo can capture it, else with graph breaks, which the row names), loss and gradients are within the
     bound, and every experts layer is rewritten or carries explain's reason tag."""
-    row = check_family(family)
-    if records_path:
-        entry = {"status": row["status"]} if row["status"] != "ok" else {"status": "ok", "records": row["records"]}
-        add_to_file(records_path, family, entry)
-    if row["status"].startswith("skip"):
-        pytest.skip(row["status"])
-    assert row["status"] == "ok", row["status"]
+    row = _stepped(family, records_path)
     assert row["layers"], f"{family} ({OUTSIDE[family].why}): no experts layer found, so explain accounts for none"
     untagged = [layer for layer, outcome in row["layers"].items() if not outcome]
     assert untagged == [], f"{family}: experts layers neither rewritten nor given a reason: {untagged}"

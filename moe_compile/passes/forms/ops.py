@@ -2,13 +2,15 @@
 shared by every pass that proves a region row-wise. One place: add an op here and every pass knows it.
 
 Also the two Torch-IR tests built directly on them: :func:`strip_casts` and :func:`is_zeros` (a fresh
-all-zero tensor; ATen IR has its own, :func:`moe_compile.passes.forms.accumulate.is_zeros`).
+all-zero tensor; ATen IR has its own, :func:`moe_compile.passes.forms.accumulate.is_zeros`); and the attention
+passes' reading of an SDPA call (:data:`SDPA`, :func:`sdpa_args`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from moe_compile.passes._graph import arg, op_name
@@ -42,6 +44,18 @@ REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "prod", "norm", "var", "s
 ALONG_DIM = frozenset({"softmax", "log_softmax", "glu", "normalize", "cumsum", "cumprod"})
 SPLITS = frozenset({"chunk", "split", "tensor_split", "unbind", "split_with_sizes"})
 LAST_DIM_SPLITS = frozenset({"chunk", "split", "unbind", "tensor_split", "narrow"})
+
+
+# ``F.scaled_dot_product_attention`` as Dynamo's graph calls it, and its positional parameters
+SDPA = torch._C._nn.scaled_dot_product_attention
+SDPA_POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+
+
+def sdpa_args(node: fx.Node) -> dict[str, Any]:
+    """An SDPA call's arguments by name (positional ones named, keywords as given)."""
+    args = dict(zip(SDPA_POSITIONAL, node.args))
+    args.update(node.kwargs)
+    return args
 
 
 def strip_casts(node: Any, casts: frozenset[str] = CASTS) -> Any:
