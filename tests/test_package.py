@@ -177,7 +177,8 @@ def test_passes_that_need_an_option_are_off_without_it():
     """``requires``: not listed, not run, even when ``passes=`` turns them on; on with the option."""
     needing = {e.name: e.requires for e in passes_mod.PASSES if e.requires}
     assert needing == {"router_metrics": ("metrics",), "causal_mask": ("deterministic",),
-                       "pad_attention_value": ("deterministic",), "deterministic_scatter": ("deterministic",),
+                       "pad_attention_value": ("deterministic",), "masked_attention": ("deterministic",),
+                       "deterministic_scatter": ("deterministic",),
                        "deterministic_attention": ("deterministic",)}
     off = make_config(passes=dict.fromkeys(needing, True))
     assert not set(needing) & set(passes_mod.enabled_passes(off))

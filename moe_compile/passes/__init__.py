@@ -82,6 +82,10 @@ PASSES: tuple[PassEntry, ...] = (
               requires=("deterministic",),
               doc="with deterministic=True: SDPA with a value head dim below the query's (MLA) -> value "
                   "zero-padded, output sliced (flash attention)"),
+    PassEntry("masked_attention", "pre_grad", "moe_compile.passes.masked_attention:run", default=True,
+              requires=("deterministic",),
+              doc="with deterministic=True: SDPA with an attn_mask left -> moe.masked_attention (dQ and dK/dV in "
+                  "separate kernels, no atomics)"),
     PassEntry("deterministic_accumulate", "joint", "moe_compile.passes.deterministic_accumulate:run", default=True,
               doc="scatter-adds into zeros: plain scatters for distinct (top-k/sort) indices, one-hot GEMMs "
                   "for per-expert gathers' backward (no atomics)"),

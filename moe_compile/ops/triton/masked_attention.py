@@ -1,0 +1,233 @@
+"""Triton kernels for ``moe::masked_attention``: attention under a mask tensor, forward and a backward without atomics.
+
+Kernels only: the launcher (layouts, strides, grids, block sizes) lives in ``moe_compile/ops/masked_attention.py``.
+Shapes: ``B`` batch, ``H`` query heads, ``G = H / Hkv`` query heads per key/value head, ``M`` queries, ``N`` keys,
+``Dk`` query/key head dim, ``Dv`` value head dim. Scores are kept in the base-2 domain (``s * log2(e)``), so the
+softmax runs on ``exp2``, and the forward stores each row's ``lse = m + log2(l)`` (row max ``m``, row sum ``l``);
+the backward recomputes ``p = exp2(s - lse)``.
+
+NOTE [large finite mask values]:
+A mask of ``finfo.min`` (older transformers, much user code) absorbs the scores: in a row that allows only such
+entries every score is ``finfo.min``, and SDPA attends uniformly over the row. The mask tile is clamped to
+``-finfo(fp32).max`` in the log2 domain (``finfo.min * log2(e)`` would overflow to ``-inf`` and empty the row), so
+the forward does the same. Such an ``m`` absorbs ``log2(l)`` too, so ``lse = m`` and the backward's ``p`` is 1
+instead of ``1 / N``: torch's SDPA kernels store the same ``lse`` and give the same gradient there (``N`` times the
+textbook one, measured on CPU), which is what a rewrite must keep.
+
+NOTE [attention backward in a fixed order]:
+FlashAttention-2 and memory-efficient attention add each key block's share of ``dQ`` into ``dQ`` with atomic adds,
+so the order of the adds differs run to run. Here ``dQ`` and ``dK``/``dV`` come from two kernels: a ``dQ`` program
+owns a block of queries and walks the key blocks in order; a ``dK``/``dV`` program owns a block of keys of one
+key/value head and walks the ``G`` query heads of its group, and for each the query blocks, in order. Every output
+element has one writer and a fixed sequence of adds, so the backward is bitwise reproducible; the price is
+computing ``softmax(q k^T)`` once more (each kernel recomputes the probabilities it needs).
+
+NOTE [blocks the mask removes]:
+Each program loads the mask tile of the block it is about to compute and skips the block when the mask allows
+nothing in it (a causal mask: about half the blocks). The tile costs ``BLOCK_M * BLOCK_N`` bytes (bool masks) per
+block, far less than the key and value tiles it saves. A row the mask allows nothing in gets output 0 and
+``lse = +inf``, so its probabilities are exactly 0 in the backward and its gradients exactly 0 (torch's SDPA
+gives such rows 0 too).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+MASK_BOOL = 0  # mask tile: nonzero allows (a bool mask viewed as uint8)
+MASK_ADDITIVE = 1  # mask tile: a float added to the scores (-inf forbids)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, IEEE_DOT: tl.constexpr):
+    """``a @ b`` accumulated in fp32; with ``IEEE_DOT`` (fp32 data, and always under ``TRITON_INTERPRET=1``, whose
+    ``tl.dot`` returns garbage for bf16) both operands are upcast and multiplied without TF32."""
+    if IEEE_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _mask_tile(mask_ptr, offs_m, offs_n, stride_mm, stride_mn, M, N, MASK_KIND: tl.constexpr):
+    """``(allowed [BLOCK_M, BLOCK_N] bool, bias [BLOCK_M, BLOCK_N] fp32 in the log2 domain)``."""
+    inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ptrs = mask_ptr + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
+    if MASK_KIND == 0:
+        allowed = (tl.load(ptrs, mask=inside, other=0) != 0) & inside
+        bias = tl.zeros(allowed.shape, dtype=tl.float32)
+    else:
+        raw = tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32)
+        allowed = (raw > float("-inf")) & inside
+        # NOTE [large finite mask values]
+        bias = tl.where(allowed, tl.maximum(raw * 1.4426950408889634, -3.4028234663852886e38), float("-inf"))
+    return allowed, bias
+
+
+@triton.jit
+def _masked_attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr,
+    scale_log2, M, N, H, G,
+    sqb, sqh, sqm, sqd,
+    skb, skh, skn, skd,
+    svb, svh, svn, svd,
+    smb, smh, smm, smn,
+    sob, soh, som, sod,
+    DK: tl.constexpr, DV: tl.constexpr, MASK_KIND: tl.constexpr, IEEE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """Program ``(m block, b * H + h)``: online softmax over the key blocks in order; writes ``o`` and ``lse``
+    (``[B, H, M]``)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_dk[None, :] * sqd,
+                mask=(offs_m[:, None] < M) & (offs_dk[None, :] < DK), other=0.0)
+    k_base = k_ptr + b * skb + hk * skh
+    v_base = v_ptr + b * svb + hk * svh
+    mask_base = mask_ptr + b * smb + h * smh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for start_n in range(0, N, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        allowed, bias = _mask_tile(mask_base, offs_m, offs_n, smm, smn, M, N, MASK_KIND)
+        if tl.max(allowed.to(tl.int32)) > 0:
+            k = tl.load(k_base + offs_n[:, None] * skn + offs_dk[None, :] * skd,
+                        mask=(offs_n[:, None] < N) & (offs_dk[None, :] < DK), other=0.0)
+            s = _dot(q, tl.trans(k), IEEE_DOT) * scale_log2 + bias
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                        mask=(offs_n[:, None] < N) & (offs_dv[None, :] < DV), other=0.0)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
+            m_i = m_new
+    some = l_i > 0.0
+    out = acc / tl.where(some, l_i, 1.0)[:, None]
+    lse = tl.where(some, m_i + tl.log2(tl.where(some, l_i, 1.0)), float("inf"))
+    tl.store(o_ptr + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod,
+             out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_dv[None, :] < DV))
+    tl.store(lse_ptr + bh * M + offs_m, lse, mask=offs_m < M)
+
+
+@triton.jit
+def _masked_attention_dq_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    scale_log2, scale, M, N, H, G,
+    sqb, sqh, sqm, sqd,
+    skb, skh, skn, skd,
+    svb, svh, svn, svd,
+    smb, smh, smm, smn,
+    sdob, sdoh, sdom, sdod,
+    DK: tl.constexpr, DV: tl.constexpr, MASK_KIND: tl.constexpr, IEEE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """Program ``(m block, b * H + h)``: ``dq = scale * sum over key blocks (in order) of ds @ k``; ``dq`` is
+    contiguous ``[B, H, M, Dk]``."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < M
+    q = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_dk[None, :] * sqd,
+                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    do = tl.load(do_ptr + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :] * sdod,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    lse = tl.load(lse_ptr + bh * M + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(delta_ptr + bh * M + offs_m, mask=row_ok, other=0.0)
+    k_base = k_ptr + b * skb + hk * skh
+    v_base = v_ptr + b * svb + hk * svh
+    mask_base = mask_ptr + b * smb + h * smh
+    dq = tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32)
+    for start_n in range(0, N, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        allowed, bias = _mask_tile(mask_base, offs_m, offs_n, smm, smn, M, N, MASK_KIND)
+        if tl.max(allowed.to(tl.int32)) > 0:
+            k = tl.load(k_base + offs_n[:, None] * skn + offs_dk[None, :] * skd,
+                        mask=(offs_n[:, None] < N) & (offs_dk[None, :] < DK), other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                        mask=(offs_n[:, None] < N) & (offs_dv[None, :] < DV), other=0.0)
+            s = _dot(q, tl.trans(k), IEEE_DOT) * scale_log2 + bias
+            p = tl.where(allowed, tl.exp2(s - lse[:, None]), 0.0)
+            dp = _dot(do, tl.trans(v), IEEE_DOT)
+            ds = p * (dp - delta[:, None])
+            dq += _dot(ds.to(k.dtype), k, IEEE_DOT)
+    dq = dq * scale
+    tl.store(dq_ptr + bh * M * DK + offs_m[:, None] * DK + offs_dk[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dk[None, :] < DK))
+
+
+@triton.jit
+def _masked_attention_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    scale_log2, scale, M, N, H, G,
+    sqb, sqh, sqm, sqd,
+    skb, skh, skn, skd,
+    svb, svh, svn, svd,
+    smb, smh, smm, smn,
+    sdob, sdoh, sdom, sdod,
+    DK: tl.constexpr, DV: tl.constexpr, MASK_KIND: tl.constexpr, IEEE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """Program ``(n block, b * Hkv + hk)``: ``dk``, ``dv`` of a key block summed over the group's query heads and
+    the query blocks, in order; ``dk``/``dv`` are contiguous ``[B, Hkv, N, D]``."""
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    Hkv = H // G
+    b = bhk // Hkv
+    hk = bhk % Hkv
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = offs_n < N
+    k = tl.load(k_ptr + b * skb + hk * skh + offs_n[:, None] * skn + offs_dk[None, :] * skd,
+                mask=col_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    v = tl.load(v_ptr + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    for g in range(0, G):
+        h = hk * G + g
+        q_base = q_ptr + b * sqb + h * sqh
+        do_base = do_ptr + b * sdob + h * sdoh
+        mask_base = mask_ptr + b * smb + h * smh
+        row_base = (b * H + h) * M
+        for start_m in range(0, M, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            allowed, bias = _mask_tile(mask_base, offs_m, offs_n, smm, smn, M, N, MASK_KIND)
+            if tl.max(allowed.to(tl.int32)) > 0:
+                row_ok = offs_m < M
+                q = tl.load(q_base + offs_m[:, None] * sqm + offs_dk[None, :] * sqd,
+                            mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+                do = tl.load(do_base + offs_m[:, None] * sdom + offs_dv[None, :] * sdod,
+                             mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                lse = tl.load(lse_ptr + row_base + offs_m, mask=row_ok, other=float("inf"))
+                delta = tl.load(delta_ptr + row_base + offs_m, mask=row_ok, other=0.0)
+                s = _dot(q, tl.trans(k), IEEE_DOT) * scale_log2 + bias
+                p = tl.where(allowed, tl.exp2(s - lse[:, None]), 0.0)
+                dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE_DOT)
+                dp = _dot(do, tl.trans(v), IEEE_DOT)
+                ds = p * (dp - delta[:, None])
+                dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE_DOT)
+    dk = dk * scale
+    out_row = bhk * N + offs_n
+    tl.store(dk_ptr + out_row[:, None] * DK + offs_dk[None, :], dk.to(dk_ptr.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_dk[None, :] < DK))
+    tl.store(dv_ptr + out_row[:, None] * DV + offs_dv[None, :], dv.to(dv_ptr.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_dv[None, :] < DV))
+
