@@ -244,10 +244,26 @@ def validation_cost(rows: list[Row]) -> tuple[str, str]:
             "; ".join(parts) + f"; refused {refused}, unchecked {sum(r['unchecked'] for r in ok)}")
 
 
+def attention(rows: list[Row]) -> tuple[str, str]:
+    parts = []
+    for shape in _ordered(rows, "shape"):
+        for mask in _ordered([r for r in rows if r["shape"] == shape], "mask"):
+            got = {r["variant"]: r for r in rows if r["shape"] == shape and r["mask"] == mask}
+            ours = got.get("moe_masked_attention_compiled") or got.get("moe_masked_attention")
+            cells = [f"{name} {_num(got[key]['ms'])}" for key, name in (
+                ("sdpa_masked", "SDPA"), ("sdpa_masked_deterministic", "SDPA det."),
+                ("moe_masked_attention_compiled", "ours"), ("sdpa_flash_is_causal", "flash causal")) if key in got]
+            repro = "reproducible" if ours and ours["bitwise_reproducible"] else "NOT reproducible"
+            parts.append(f"{shape} {mask}: " + " / ".join(cells) + f" ({repro})")
+    return "masked attention fwd+bwd ms, bf16: SDPA (mem-efficient) / with the deterministic flag / " \
+           "moe.masked_attention / flash is_causal", "; ".join(parts)
+
+
 FORMATTERS: dict[str, Callable[[list[Row]], tuple[str, str]]] = {
     "moe_block": moe_block, "loops": loops, "host_cost": host_cost, "dispatch": dispatch, "decode": decode,
     "grouped_gemm": grouped_gemm, "grouped_gemm_sweep": grouped_gemm_sweep, "grouped_weight": grouped_weight,
-    "quant_block": quant_block, "train_determinism": train_determinism, "validation_cost": validation_cost,
+    "quant_block": quant_block, "attention": attention, "train_determinism": train_determinism,
+    "validation_cost": validation_cost,
 }
 
 

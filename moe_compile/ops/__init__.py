@@ -8,7 +8,7 @@ from moe_compile.ops import (
     # the package imports it as `from moe_compile.ops import grouped_mm as gmm`.
     grouped_mm,
     # the module (its wrapper is `masked_attention.masked_attention`), imported to define moe.masked_attention
-    masked_attention,
+    masked_attention,  # noqa: F401
 )
 from moe_compile.ops._common import SUPPORTED_ALIGNMENTS, static_row_bound
 from moe_compile.ops.expert_gemm import use_triton_grouped_gemm

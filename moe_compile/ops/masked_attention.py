@@ -1,4 +1,4 @@
-"""``torch.ops.moe.masked_attention``: scaled dot-product attention under a mask tensor, with a backward in a fixed order.
+"""``torch.ops.moe.masked_attention``: SDPA under a mask tensor, with a backward in a fixed order.
 
 Shapes: ``B`` batch, ``H`` query heads, ``Hkv`` key/value heads (``H % Hkv == 0``; query head ``h`` reads key/value
 head ``h // (H / Hkv)``, SDPA's ``enable_gqa``), ``M`` queries, ``N`` keys, ``Dk`` query/key head dim, ``Dv`` value

@@ -1,4 +1,4 @@
-"""With ``deterministic=True``: attention under a mask tensor runs ``moe.masked_attention`` (a backward without atomics).
+"""With ``deterministic=True``: attention under a mask tensor runs ``moe.masked_attention`` (no atomics).
 
 SDPA with an ``attn_mask`` runs memory-efficient attention (flash takes no mask), whose deterministic backward is
 several times slower than its default one. A mask reaches SDPA wherever ``causal_mask`` cannot prove it causal: a

@@ -51,7 +51,8 @@ def _model(family: str) -> torch.nn.Module:
         return cls(cfg).to(torch.bfloat16).train()
 
 
-def _train(model, compiled, init: dict, ids: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
+def _train(model, compiled, init: dict, ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+           ) -> tuple[list[torch.Tensor], dict]:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(init[name])
@@ -59,18 +60,22 @@ def _train(model, compiled, init: dict, ids: torch.Tensor) -> tuple[list[torch.T
     losses = []
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)
-        loss = compiled(input_ids=ids, labels=ids).loss
+        loss = compiled(input_ids=ids, attention_mask=attention_mask, labels=ids).loss
         loss.backward()
         opt.step()
         losses.append(loss.detach().clone())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _twice(model, compiled) -> tuple[bool, list[str]]:
+def _twice(model, compiled, padded: bool = False) -> tuple[bool, list[str]]:
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     ids = torch.randint(0, 256, (2, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    losses_a, params_a = _train(model, compiled, init, ids)
-    losses_b, params_b = _train(model, compiled, init, ids)
+    mask = None
+    if padded:  # left padding in the second sequence: the mask reaches SDPA (moe.masked_attention)
+        mask = torch.ones(2, 1024, dtype=torch.long, device="cuda")
+        mask[1, :100] = 0
+    losses_a, params_a = _train(model, compiled, init, ids, mask)
+    losses_b, params_b = _train(model, compiled, init, ids, mask)
     differ = [n for n in params_a if not torch.equal(params_a[n], params_b[n])]
     return all(torch.equal(a, b) for a, b in zip(losses_a, losses_b)), differ
 
@@ -91,6 +96,16 @@ def test_deterministic_training_is_bitwise_reproducible(family):
     if family == "deepseek_v3":  # MLA runs as flash attention (its deterministic backward is the cheap one)
         assert [r for r in rep.rewrites if r.pass_name == "pad_attention_value"], rep.table()
         assert all("flash" in r.what for r in rep.rewrites if r.pass_name == "deterministic_attention"), rep.table()
+
+
+def test_padding_mask_runs_masked_attention_reproducibly():
+    torch._dynamo.reset()
+    model = _model("qwen3_moe")
+    with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True):
+        compiled = moe_compile.compile(model, deterministic=True, fullgraph=True)
+        same_losses, differ = _twice(model, compiled, padded=True)
+    assert same_losses and not differ, f"parameters differ run to run: {differ}"
+    assert [r for r in rep.rewrites if r.pass_name == "masked_attention"] and rep.deterministic, rep.table()
 
 
 def test_plain_inductor_control_is_not_reproducible():

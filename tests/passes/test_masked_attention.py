@@ -1,4 +1,4 @@
-"""``masked_attention`` (``deterministic=True``): SDPA with a mask left after ``causal_mask`` runs ``moe.masked_attention``.
+"""``masked_attention`` (``deterministic=True``): SDPA with a mask left -> ``moe.masked_attention``.
 
 A padding mask from an input (bool and additive), a sliding window built in the graph, GQA through ``enable_gqa``
 and MLA head dims are rewritten, and outputs and every gradient match eager within the derived bound; dropout, a
