@@ -102,7 +102,7 @@ def _masked_attention_fwd_kernel(
         if tl.max(allowed.to(tl.int32)) > 0:
             k = tl.load(k_base + offs_n[:, None] * skn + offs_dk[None, :] * skd,
                         mask=(offs_n[:, None] < N) & (offs_dk[None, :] < DK), other=0.0)
-            s = _dot(q, tl.trans(k), IEEE_DOT) * scale_log2 + bias
+            s = (_dot(q, tl.trans(k), IEEE_DOT) * scale_log2).to(tl.float32) + bias
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -162,12 +162,12 @@ def _masked_attention_dq_kernel(
                         mask=(offs_n[:, None] < N) & (offs_dk[None, :] < DK), other=0.0)
             v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
                         mask=(offs_n[:, None] < N) & (offs_dv[None, :] < DV), other=0.0)
-            s = _dot(q, tl.trans(k), IEEE_DOT) * scale_log2 + bias
+            s = (_dot(q, tl.trans(k), IEEE_DOT) * scale_log2).to(tl.float32) + bias
             p = tl.where(allowed, tl.exp2(s - lse[:, None]), 0.0)
             dp = _dot(do, tl.trans(v), IEEE_DOT)
             ds = p * (dp - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, IEEE_DOT)
-    dq = dq * scale
+    dq = (dq * scale).to(tl.float32)
     tl.store(dq_ptr + bh * M * DK + offs_m[:, None] * DK + offs_dk[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dk[None, :] < DK))
 
@@ -218,13 +218,13 @@ def _masked_attention_dkdv_kernel(
                              mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
                 lse = tl.load(lse_ptr + row_base + offs_m, mask=row_ok, other=float("inf"))
                 delta = tl.load(delta_ptr + row_base + offs_m, mask=row_ok, other=0.0)
-                s = _dot(q, tl.trans(k), IEEE_DOT) * scale_log2 + bias
+                s = (_dot(q, tl.trans(k), IEEE_DOT) * scale_log2).to(tl.float32) + bias
                 p = tl.where(allowed, tl.exp2(s - lse[:, None]), 0.0)
                 dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE_DOT)
                 dp = _dot(do, tl.trans(v), IEEE_DOT)
                 ds = p * (dp - delta[:, None])
                 dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE_DOT)
-    dk = dk * scale
+    dk = (dk * scale).to(tl.float32)
     out_row = bhk * N + offs_n
     tl.store(dk_ptr + out_row[:, None] * DK + offs_dk[None, :], dk.to(dk_ptr.dtype.element_ty),
              mask=col_ok[:, None] & (offs_dk[None, :] < DK))
