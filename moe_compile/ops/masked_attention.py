@@ -143,7 +143,8 @@ def check_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, dtyp
     for size, want in zip(reversed(mask.shape), reversed(full)):
         if size not in (1, want):
             raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to [B, H, M, N] = {list(full)}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    # comparisons only (Dynamo traces them; NaN fails both)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
         raise ValueError(f"scale must be a finite float > 0, got {scale!r}")
     _common.check_same_device(query=q, key=k, value=v, mask=mask)
 
