@@ -56,13 +56,13 @@ def _variants(mask):
     compiled = torch.compile(lambda q, k, v, m: ma.masked_attention(q, k, v, m), fullgraph=True)
 
     @contextlib.contextmanager
-    def deterministic():
-        before = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    def deterministic():  # as moe_compile's deterministic_attention calls the backward: the flag on, not warn_only
+        before, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True)
         try:
             yield
         finally:
-            torch.use_deterministic_algorithms(before)
+            torch.use_deterministic_algorithms(before, warn_only=warn)
 
     return {
         "sdpa_masked": (lambda q, k, v: _sdpa(q, k, v, mask), contextlib.nullcontext),
@@ -74,21 +74,22 @@ def _variants(mask):
     }
 
 
-def _step(fn, q, k, v, grad):
+def _step(fn, q, k, v, grad, backward_ctx=contextlib.nullcontext):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = fn(q, k, v)
-    out.backward(grad)
+    with backward_ctx():
+        out.backward(grad)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _time_ms(fn, q, k, v, grad, reps: int = 20) -> float:
+def _time_ms(fn, q, k, v, grad, backward_ctx=contextlib.nullcontext, reps: int = 20) -> float:
     for _ in range(3):
-        _step(fn, q, k, v, grad)
+        _step(fn, q, k, v, grad, backward_ctx)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        _step(fn, q, k, v, grad)
+        _step(fn, q, k, v, grad, backward_ctx)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -108,9 +109,8 @@ def run(shape: str, mask_kind: str) -> list[dict]:
     for variant, (fn, ctx) in _variants(mask).items():
         if variant == "sdpa_flash_is_causal" and (mask_kind != "causal" or Dk != Dv):
             continue
-        with ctx():
-            ms = _time_ms(fn, q, k, v, grad)
-            a, b = _step(fn, q, k, v, grad), _step(fn, q, k, v, grad)
+        ms = _time_ms(fn, q, k, v, grad, ctx)
+        a, b = _step(fn, q, k, v, grad, ctx), _step(fn, q, k, v, grad, ctx)
         err = max((a[n].float() - ref[n]).abs().max().item() for n in ref)
         if variant == "sdpa_masked":
             eager_err = err
@@ -125,12 +125,51 @@ def run(shape: str, mask_kind: str) -> list[dict]:
     return rows
 
 
+# launch plans tried by --sweep: (BLOCK_M, BLOCK_N, num_warps) per kernel
+SWEEP = {
+    "fwd": [(128, 64, 8), (128, 128, 8), (64, 64, 4), (128, 32, 4), (64, 128, 8)],
+    "dq": [(64, 64, 8), (128, 32, 8), (128, 64, 8), (64, 32, 4), (128, 32, 4)],
+    "dkdv": [(64, 64, 8), (32, 128, 8), (64, 128, 8), (32, 64, 4), (64, 32, 4)],
+}
+
+
+def sweep(shape: str) -> list[dict]:
+    """Each kernel alone under each launch plan of :data:`SWEEP` (causal mask), median ms."""
+    from triton.testing import do_bench
+
+    dims = SHAPES[shape]
+    q, k, v, mask, grad = _inputs(**dims, mask_kind="causal", gen=torch.Generator("cuda").manual_seed(0))
+    scale = dims["Dk"] ** -0.5
+    out, stats = ma.launch_forward(q, k, v, mask, scale)
+    rows = []
+    for kernel, plans in SWEEP.items():
+        for plan in plans:
+            if kernel == "fwd":
+                call = lambda p=plan: ma.launch_forward(q, k, v, mask, scale, blocks=p)  # noqa: E731
+            elif kernel == "dq":
+                call = lambda p=plan: ma.launch_backward(grad, q, k, v, mask, out, stats, scale, blocks_dq=p)  # noqa: E731
+            else:
+                call = lambda p=plan: ma.launch_backward(grad, q, k, v, mask, out, stats, scale, blocks_dkdv=p)  # noqa: E731
+            try:
+                ms = do_bench(call, warmup=5, rep=30, return_mode="median")
+            except Exception as exc:  # noqa: BLE001 - a plan that does not fit (shared memory) is reported, not fatal
+                print(f"sweep {kernel} {plan}: {type(exc).__name__}")
+                continue
+            rows.append({"shape": shape, "mask": "causal", "variant": f"sweep_{kernel}", "plan": list(plan),
+                         "ms": ms})
+            print(f"sweep {shape} {kernel:5s} {plan}: {ms:.3f} ms")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--sweep", action="store_true", help="time each kernel under several launch plans first")
     _bench_env.add_results_args(parser)
     args = parser.parse_args()
     rows = []
+    if args.sweep:
+        rows += sweep("qwen3_moe")
     for shape in args.shapes.split(","):
         for mask_kind in ("causal", "causal_padded"):
             rows += run(shape, mask_kind)

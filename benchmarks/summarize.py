@@ -248,7 +248,7 @@ def attention(rows: list[Row]) -> tuple[str, str]:
     parts = []
     for shape in _ordered(rows, "shape"):
         for mask in _ordered([r for r in rows if r["shape"] == shape], "mask"):
-            got = {r["variant"]: r for r in rows if r["shape"] == shape and r["mask"] == mask}
+            got = {r["variant"]: r for r in rows if r["shape"] == shape and r["mask"] == mask and "plan" not in r}
             ours = got.get("moe_masked_attention_compiled") or got.get("moe_masked_attention")
             cells = [f"{name} {_num(got[key]['ms'])}" for key, name in (
                 ("sdpa_masked", "SDPA"), ("sdpa_masked_deterministic", "SDPA det."),

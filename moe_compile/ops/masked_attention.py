@@ -59,24 +59,25 @@ def _scores(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> tuple[Tensor, T
     return s.masked_fill(~allowed, float("-inf")), allowed
 
 
-def _softmax(s: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(s2, p, lse)``: the scores in the log2 domain (finite ones clamped to the accumulator's range), the softmax
-    over keys (0 in rows nothing is allowed in) and ``lse = m + log2(l)`` as the kernel keeps it (``+inf`` in such
-    rows; NOTE [large finite mask values] (moe_compile/ops/triton/masked_attention.py))."""
+def _softmax(s: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor]:
+    """``(p, stats)``: the softmax over keys (0 in rows nothing is allowed in) and ``[m, log2(l)]`` as the kernel keeps
+    them, ``[2, B, H, M]`` fp32 (row max in the log2 domain, finite scores clamped to fp32's range, 0 in such rows;
+    ``log2`` of the row sum, ``+inf`` there: NOTE [large finite mask values]
+    (moe_compile/ops/triton/masked_attention.py))."""
     some = allowed.any(-1, keepdim=True)
-    s2 = torch.where(allowed, (s * LOG2E).clamp_min(-torch.finfo(s.dtype).max), float("-inf"))
+    s2 = torch.where(allowed, (s * LOG2E).clamp_min(-torch.finfo(torch.float32).max), float("-inf"))
     row_max = torch.where(some, s2.amax(-1, keepdim=True), 0.0)
     e = torch.exp2(s2 - row_max)
     total = torch.where(some, e.sum(-1, keepdim=True), 1.0)
-    lse = torch.where(some, row_max + torch.log2(total), float("inf"))
-    return s2, e / total, lse
+    log_l = torch.where(some, torch.log2(total), float("inf"))
+    return e / total, torch.stack([row_max.squeeze(-1), log_l.squeeze(-1)]).float()
 
 
 def masked_attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Pure-PyTorch forward (the CPU kernel and the test oracle): ``(out, lse)``; see the module docstring."""
-    _, p, lse = _softmax(*_scores(q, k, mask, scale))
+    """Pure-PyTorch forward (the CPU kernel and the test oracle): ``(out, stats)``; see the module docstring."""
+    p, stats = _softmax(*_scores(q, k, mask, scale))
     out = torch.matmul(p, _grouped(v, q.shape[1]).to(p.dtype)).to(q.dtype)
-    return _sdpa_layout(out), lse.squeeze(-1).clamp_min(-torch.finfo(torch.float32).max).float()
+    return _sdpa_layout(out), stats
 
 
 def _sdpa_layout(out_BHMD: Tensor) -> Tensor:
@@ -92,11 +93,9 @@ def _head_sum(t_BHND: Tensor, kv_heads: int) -> Tensor:
 
 def masked_attention_backward_reference(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
                                         scale: float, out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` by the softmax backward formulas in fp32, with the probabilities recomputed from ``lse`` as
-    the kernels (and SDPA's) do, ``p = exp2(s2 - lse)``, and ``ds = p * (dp - rowsum(dO * O))`` on the forward's
-    rounded ``out`` when given."""
-    s2, p, lse = _softmax(*_scores(q, k, mask, scale))
-    p = torch.exp2(s2 - lse)
+    """``(dq, dk, dv)`` by the softmax backward formulas in fp32, ``ds = p * (dp - rowsum(dO * O))``, on the forward's
+    rounded ``out`` when given (as the kernels)."""
+    p, _ = _softmax(*_scores(q, k, mask, scale))
     acc = p.dtype
     do = grad_out.to(acc)
     vg = _grouped(v, q.shape[1]).to(acc)
@@ -159,6 +158,28 @@ def _mask_strides(mask: Tensor) -> tuple[int, int, int, int]:
     return tuple(0 if size == 1 else int(stride) for size, stride in zip(shape, strides))
 
 
+def block_ranges(mask: Tensor, M: int, N: int, block_m: int, block_n: int, by_keys: bool = False
+                 ) -> tuple[Tensor, Tensor, int, int]:
+    """NOTE [blocks the mask removes] (moe_compile/ops/triton/masked_attention.py): ``(lo, hi, stride_b, stride_h)``,
+    int32 ``[Bm, Hm, R]`` (``Bm``/``Hm`` the mask's own batch and head sizes): for each block of queries (``R`` of
+    them), the key blocks ``[lo, hi)`` between the first and the last that the mask allows anything in; with
+    ``by_keys``, the same for each block of keys over the query blocks. Empty ranges are ``[0, 0)``."""
+    mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    Bm, Hm = mask4.shape[0], mask4.shape[1]
+    allowed = (mask4 if mask4.dtype == torch.bool else mask4 > float("-inf")).expand(Bm, Hm, M, N)
+    MB, NB = _common.cdiv(M, block_m), _common.cdiv(N, block_n)
+    padded = torch.nn.functional.pad(allowed.to(torch.uint8), (0, NB * block_n - N, 0, MB * block_m - M))
+    any_MN = padded.view(Bm, Hm, MB, block_m, NB, block_n).amax(dim=(3, 5)) > 0
+    if by_keys:
+        any_MN = any_MN.transpose(2, 3)
+    blocks = any_MN.shape[-1]
+    index = torch.arange(blocks, device=mask.device, dtype=torch.int32)
+    hi = torch.where(any_MN, index + 1, 0).amax(-1).to(torch.int32)
+    lo = torch.minimum(torch.where(any_MN, index, blocks).amin(-1).to(torch.int32), hi)
+    rows = any_MN.shape[2]
+    return lo.contiguous(), hi.contiguous(), 0 if Bm == 1 else Hm * rows, 0 if Hm == 1 else rows
+
+
 def launch_plan(dk: int, dv: int, dtype: torch.dtype) -> dict:
     """Block sizes and warps per kernel: ``{"fwd" | "dq" | "dkdv": (BLOCK_M, BLOCK_N, num_warps)}`` and the dims'
     blocks. Larger head dims take smaller tiles (the fp32 accumulators live in registers)."""
@@ -187,31 +208,35 @@ def _ieee_dot(t: Tensor) -> bool:
 
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, *,
                    blocks: tuple[int, int, int] | None = None) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` by the forward kernel (``lse``: ``[B, H, M]`` fp32, log2 domain)."""
+    """``(out, stats)`` by the forward kernel (``stats``: ``[2, B, H, M]`` fp32, the row max and ``log2`` of the row
+    sum)."""
     from moe_compile.ops.triton import masked_attention as kernels
 
     (B, H, Hkv, M, N, Dk, Dv), strides = _common_args(q, k, v, mask)
     plan = launch_plan(Dk, Dv, q.dtype)
     bm, bn, warps = blocks or plan["fwd"]
     out = torch.empty((B, M, H, Dv), dtype=q.dtype, device=q.device).transpose(1, 2)
-    lse = torch.empty((B, H, M), dtype=torch.float32, device=q.device)
+    stats = torch.empty((2, B, H, M), dtype=torch.float32, device=q.device)
     if B * H * M == 0:
-        return out, lse
-    if N == 0:  # no keys: every row is empty
-        return out.zero_(), lse.fill_(float("inf"))
+        return out, stats
+    if N == 0:  # no keys: every row is empty (row max 0, log2 of the sum +inf)
+        empty = torch.zeros((B, H, M), dtype=torch.float32, device=q.device)
+        return out.zero_(), torch.stack([empty, empty + float("inf")])
+    lo, hi, srb, srh = block_ranges(mask, M, N, bm, bn)
     kind = kernels.MASK_BOOL if mask.dtype == torch.bool else kernels.MASK_ADDITIVE
     _common.launch_kernel(
         kernels._masked_attention_fwd_kernel, (_common.cdiv(M, bm), B * H),
-        q, k, v, mask, out, lse, scale * LOG2E, M, N, H, H // Hkv, *strides,
+        q, k, v, mask, out, stats, lo, hi, scale * LOG2E, M, N, H, H // Hkv, B * H * M, srb, srh, lo.shape[-1],
+        *strides,
         *_common.static_ints(*out.stride()),
         DK=Dk, DV=Dv, MASK_KIND=kind, IEEE_DOT=_ieee_dot(q), BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_DK=plan["BLOCK_DK"], BLOCK_DV=plan["BLOCK_DV"],
         traced=q.is_cuda and _common.is_traced(q), options=dict(num_warps=warps),
     )  # fmt: skip
-    return out, lse
+    return out, stats
 
 
-def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, out: Tensor, lse: Tensor,
+def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, out: Tensor, stats: Tensor,
                     scale: float, *, blocks_dq: tuple[int, int, int] | None = None,
                     blocks_dkdv: tuple[int, int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` by the ``dQ`` kernel and the ``dK``/``dV`` kernel (no atomics)."""
@@ -225,22 +250,26 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Ten
     if B * H * M == 0 or N == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()
-    lse = lse.contiguous()
+    stats = stats.contiguous()
     kind = kernels.MASK_BOOL if mask.dtype == torch.bool else kernels.MASK_ADDITIVE
     shared = dict(DK=Dk, DV=Dv, MASK_KIND=kind, IEEE_DOT=_ieee_dot(q), BLOCK_DK=plan["BLOCK_DK"],
                   BLOCK_DV=plan["BLOCK_DV"])
     traced = q.is_cuda and _common.is_traced(q)
     do_strides = _common.static_ints(*grad_out.stride())
     bm, bn, warps = blocks_dq or plan["dq"]
+    lo, hi, srb, srh = block_ranges(mask, M, N, bm, bn)
     _common.launch_kernel(
         kernels._masked_attention_dq_kernel, (_common.cdiv(M, bm), B * H),
-        q, k, v, mask, grad_out, lse, delta, dq, scale * LOG2E, scale, M, N, H, H // Hkv, *strides, *do_strides,
+        q, k, v, mask, grad_out, stats, delta, dq, lo, hi, scale * LOG2E, scale, M, N, H, H // Hkv, B * H * M, srb, srh,
+        lo.shape[-1], *strides, *do_strides,
         BLOCK_M=bm, BLOCK_N=bn, **shared, traced=traced, options=dict(num_warps=warps),
     )  # fmt: skip
     bm, bn, warps = blocks_dkdv or plan["dkdv"]
+    lo, hi, srb, srh = block_ranges(mask, M, N, bm, bn, by_keys=True)
     _common.launch_kernel(
         kernels._masked_attention_dkdv_kernel, (_common.cdiv(N, bn), B * Hkv),
-        q, k, v, mask, grad_out, lse, delta, dk, dv, scale * LOG2E, scale, M, N, H, H // Hkv, *strides, *do_strides,
+        q, k, v, mask, grad_out, stats, delta, dk, dv, lo, hi, scale * LOG2E, scale, M, N, H, H // Hkv, B * H * M, srb,
+        srh, lo.shape[-1], *strides, *do_strides,
         BLOCK_M=bm, BLOCK_N=bn, **shared, traced=traced, options=dict(num_warps=warps),
     )  # fmt: skip
     return dq, dk, dv
@@ -261,7 +290,7 @@ def _forward_fake(query, key, value, mask, scale):
     check_args(query, key, value, mask, scale)
     B, H, M, _ = query.shape
     out = query.new_empty(B, M, H, value.shape[3]).transpose(1, 2)
-    return out, query.new_empty(B, H, M, dtype=torch.float32)
+    return out, query.new_empty(2, B, H, M, dtype=torch.float32)
 
 
 _forward_op = _common.dispatch_triton_op(
@@ -273,20 +302,20 @@ _forward_op = _common.dispatch_triton_op(
 
 
 def _backward_body(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor, out: Tensor,
-                   lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                   stats: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     if query.device.type == "cuda":
-        return launch_backward(grad_out, query, key, value, mask, out, lse, scale)
+        return launch_backward(grad_out, query, key, value, mask, out, stats, scale)
     return masked_attention_backward_reference(grad_out, query, key, value, mask, scale, out)
 
 
-def _backward_fake(grad_out, query, key, value, mask, out, lse, scale):
+def _backward_fake(grad_out, query, key, value, mask, out, stats, scale):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 _backward_op = _common.dispatch_triton_op(
     "moe::masked_attention_backward",
     _backward_body,
-    schema="(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor mask, Tensor out, Tensor lse, "
+    schema="(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor mask, Tensor out, Tensor stats, "
            "float scale) -> (Tensor, Tensor, Tensor)",
     fake=_backward_fake,
 )
@@ -294,16 +323,16 @@ _backward_op = _common.dispatch_triton_op(
 
 def _setup_context(ctx, inputs, output) -> None:
     query, key, value, mask, scale = inputs
-    out, lse = output
+    out, stats = output
     ctx.scale = scale
-    ctx.save_for_backward(query, key, value, mask, out, lse)
+    ctx.save_for_backward(query, key, value, mask, out, stats)
 
 
-def _backward(ctx, grad_out, grad_lse):
-    query, key, value, mask, out, lse = ctx.saved_tensors
+def _backward(ctx, grad_out, grad_stats):
+    query, key, value, mask, out, stats = ctx.saved_tensors
     if grad_out is None:
         return None, None, None, None, None
-    dq, dk, dv = _BACKWARD(grad_out, query, key, value, mask, out, lse, ctx.scale)
+    dq, dk, dv = _BACKWARD(grad_out, query, key, value, mask, out, stats, ctx.scale)
     return dq, dk, dv, None, None
 
 

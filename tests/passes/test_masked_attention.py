@@ -43,9 +43,11 @@ class GQAttention(nn.Module):
         return self.out(o.transpose(1, 2).reshape(B, S, D))
 
 
-def _keep(B=2, S=12):
+def _keep(B=2, S=12, left=True):
+    """A padding mask: three padded tokens in the second sequence, on the left (with a causal mask its first query
+    rows then allow nothing) or on the right."""
     keep = torch.ones(B, S, dtype=torch.bool)
-    keep[1, :3] = False
+    keep[1, slice(0, 3) if left else slice(S - 3, S)] = False
     return keep
 
 
@@ -60,10 +62,23 @@ def _run(model, args, config=DETERMINISTIC):
 def test_padding_mask_is_rewritten(dtype, mask):
     torch.manual_seed(0)
     model = Attention(mask).to(dtype)
-    run = _run(model, (torch.randn(2, 12, 32, dtype=dtype), _keep()))
+    # right padding for the additive mask: left-padded rows would hold only finfo.min (next test)
+    run = _run(model, (torch.randn(2, 12, 32, dtype=dtype), _keep(left=mask == "bool")))
     assert_report(run.report, {"causal_mask": 0, "masked_attention": 1}, {"causal_mask": ["mask_from_inputs"]})
     rewrite = next(r for r in run.report.records if r.pass_name == "masked_attention" and r.kind == "rewrite")
     assert "[2, 1, 12, 12]" in rewrite.what and "moe.masked_attention" in rewrite.detail
+
+
+def test_rows_of_only_finfo_min_are_refused_on_cpu():
+    """An additive mask whose rows hold only ``finfo.min`` (left padding under a causal mask): SDPA attends uniformly
+    over such a row, and torch's CPU flash kernel's gradient there is N times the textbook one, which
+    ``moe.masked_attention`` gives (as the CUDA kernels do: NOTE [large finite mask values]
+    (moe_compile/ops/triton/masked_attention.py)). Translation validation sees the difference and keeps SDPA."""
+    torch.manual_seed(0)
+    model, args = Attention("additive"), (torch.randn(2, 12, 32), _keep(left=True))
+    run = compile_and_run(model, args, train=True, config=make_config(deterministic=True), fullgraph=True)
+    assert_report(run.report, {"masked_attention": 0}, {"masked_attention": ["validation_failed"]})
+    assert_matches_eager(run, model, args, train=True)
 
 
 def test_sliding_window_is_rewritten():

@@ -3,16 +3,17 @@
 Kernels only: the launcher (layouts, strides, grids, block sizes) lives in ``moe_compile/ops/masked_attention.py``.
 Shapes: ``B`` batch, ``H`` query heads, ``G = H / Hkv`` query heads per key/value head, ``M`` queries, ``N`` keys,
 ``Dk`` query/key head dim, ``Dv`` value head dim. Scores are kept in the base-2 domain (``s * log2(e)``), so the
-softmax runs on ``exp2``, and the forward stores each row's ``lse = m + log2(l)`` (row max ``m``, row sum ``l``);
-the backward recomputes ``p = exp2(s - lse)``.
+softmax runs on ``exp2``. The forward stores each row's max ``m`` and ``log2`` of its sum ``l`` apart,
+``stats = [m, log2(l)]`` (``[2, B, H, M]``); the backward recomputes ``p = exp2((s - m) - log2(l))``.
 
 NOTE [large finite mask values]:
 A mask of ``finfo.min`` (older transformers, much user code) absorbs the scores: in a row that allows only such
 entries every score is ``finfo.min``, and SDPA attends uniformly over the row. The mask tile is clamped to
 ``-finfo(fp32).max`` in the log2 domain (``finfo.min * log2(e)`` would overflow to ``-inf`` and empty the row), so
-the forward does the same. Such an ``m`` absorbs ``log2(l)`` too, so ``lse = m`` and the backward's ``p`` is 1
-instead of ``1 / N``: torch's SDPA kernels store the same ``lse`` and give the same gradient there (``N`` times the
-textbook one, measured on CPU), which is what a rewrite must keep.
+the forward does the same. Such an ``m`` would absorb ``log2(l)`` in ``m + log2(l)``, which is why the two are kept
+apart: the backward's ``p`` is then ``1 / N`` there, the textbook gradient, as torch's math backend and the CUDA
+memory-efficient kernel give it (H200, torch 2.11). torch's CPU flash kernel keeps ``m + log2(l)`` and gives ``N``
+times that; on CPU translation validation refuses a rewrite that meets such a row with a gradient.
 
 NOTE [attention backward in a fixed order]:
 FlashAttention-2 and memory-efficient attention add each key block's share of ``dQ`` into ``dQ`` with atomic adds,
@@ -23,10 +24,13 @@ element has one writer and a fixed sequence of adds, so the backward is bitwise 
 computing ``softmax(q k^T)`` once more (each kernel recomputes the probabilities it needs).
 
 NOTE [blocks the mask removes]:
-Each program loads the mask tile of the block it is about to compute and skips the block when the mask allows
-nothing in it (a causal mask: about half the blocks). The tile costs ``BLOCK_M * BLOCK_N`` bytes (bool masks) per
-block, far less than the key and value tiles it saves. A row the mask allows nothing in gets output 0 and
-``lse = +inf``, so its probabilities are exactly 0 in the backward and its gradients exactly 0 (torch's SDPA
+The launcher reduces the mask to blocks (``BLOCK_M x BLOCK_N``, per batch and head of the mask) and gives each
+program the range of blocks along its loop that the mask allows anything in: key blocks ``[lo, hi)`` for a block of
+queries, query blocks for a block of keys. A program walks only that range (a causal mask: about half the blocks),
+with no branch in the loop, so the loads stay pipelined. Inside the range each block's mask tile is applied
+elementwise (``BLOCK_M * BLOCK_N`` bytes for a bool mask, far less than the key and value tiles); a block inside the
+range that allows nothing is computed and contributes exact zeros (causal and padding masks have none). A row the mask allows nothing in gets output 0 and
+``log2(l) = +inf``, so its probabilities are exactly 0 in the backward and its gradients exactly 0 (torch's SDPA
 gives such rows 0 too).
 """
 
@@ -68,8 +72,8 @@ def _mask_tile(mask_ptr, offs_m, offs_n, stride_mm, stride_mn, M, N, MASK_KIND: 
 
 @triton.jit
 def _masked_attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr,
-    scale_log2, M, N, H, G,
+    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, stats_ptr, lo_ptr, hi_ptr,
+    scale_log2, M, N, H, G, BHM, srb, srh, R,
     sqb, sqh, sqm, sqd,
     skb, skh, skn, skd,
     svb, svh, svn, svd,
@@ -78,8 +82,9 @@ def _masked_attention_fwd_kernel(
     DK: tl.constexpr, DV: tl.constexpr, MASK_KIND: tl.constexpr, IEEE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    """Program ``(m block, b * H + h)``: online softmax over the key blocks in order; writes ``o`` and ``lse``
-    (``[B, H, M]``)."""
+    """Program ``(m block, b * H + h)``: online softmax over its key blocks ``[lo, hi)`` in order; writes ``o`` and
+    ``stats``. ``lo``/``hi`` are ``[Bm, Hm, R]`` (``R`` query blocks; strides ``srb``/``srh``, 0 where the mask
+    broadcasts)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -96,35 +101,38 @@ def _masked_attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for start_n in range(0, N, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+    lo = tl.load(lo_ptr + b * srb + h * srh + pid_m)
+    hi = tl.load(hi_ptr + b * srb + h * srh + pid_m)
+    for block_n in range(lo, hi):
+        offs_n = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
         allowed, bias = _mask_tile(mask_base, offs_m, offs_n, smm, smn, M, N, MASK_KIND)
-        if tl.max(allowed.to(tl.int32)) > 0:
-            k = tl.load(k_base + offs_n[:, None] * skn + offs_dk[None, :] * skd,
-                        mask=(offs_n[:, None] < N) & (offs_dk[None, :] < DK), other=0.0)
-            s = (_dot(q, tl.trans(k), IEEE_DOT) * scale_log2).to(tl.float32) + bias
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                        mask=(offs_n[:, None] < N) & (offs_dv[None, :] < DV), other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
-            m_i = m_new
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_dk[None, :] * skd,
+                    mask=(offs_n[:, None] < N) & (offs_dk[None, :] < DK), other=0.0)
+        s = (_dot(q, tl.trans(k), IEEE_DOT) * scale_log2).to(tl.float32) + bias
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                    mask=(offs_n[:, None] < N) & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
+        m_i = m_new
     some = l_i > 0.0
     out = acc / tl.where(some, l_i, 1.0)[:, None]
-    lse = tl.where(some, m_i + tl.log2(tl.where(some, l_i, 1.0)), float("inf"))
+    m_out = tl.where(some, m_i, 0.0)
+    log_l = tl.where(some, tl.log2(tl.where(some, l_i, 1.0)), float("inf"))
     tl.store(o_ptr + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod,
              out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_dv[None, :] < DV))
-    tl.store(lse_ptr + bh * M + offs_m, lse, mask=offs_m < M)
+    tl.store(stats_ptr + bh * M + offs_m, m_out, mask=offs_m < M)
+    tl.store(stats_ptr + BHM + bh * M + offs_m, log_l, mask=offs_m < M)
 
 
 @triton.jit
 def _masked_attention_dq_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-    scale_log2, scale, M, N, H, G,
+    q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, stats_ptr, delta_ptr, dq_ptr, lo_ptr, hi_ptr,
+    scale_log2, scale, M, N, H, G, BHM, srb, srh, R,
     sqb, sqh, sqm, sqd,
     skb, skh, skn, skd,
     svb, svh, svn, svd,
@@ -148,25 +156,27 @@ def _masked_attention_dq_kernel(
                 mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
     do = tl.load(do_ptr + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :] * sdod,
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    lse = tl.load(lse_ptr + bh * M + offs_m, mask=row_ok, other=float("inf"))
+    m_row = tl.load(stats_ptr + bh * M + offs_m, mask=row_ok, other=0.0)
+    log_l = tl.load(stats_ptr + BHM + bh * M + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + bh * M + offs_m, mask=row_ok, other=0.0)
     k_base = k_ptr + b * skb + hk * skh
     v_base = v_ptr + b * svb + hk * svh
     mask_base = mask_ptr + b * smb + h * smh
     dq = tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32)
-    for start_n in range(0, N, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+    lo = tl.load(lo_ptr + b * srb + h * srh + pid_m)
+    hi = tl.load(hi_ptr + b * srb + h * srh + pid_m)
+    for block_n in range(lo, hi):
+        offs_n = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
         allowed, bias = _mask_tile(mask_base, offs_m, offs_n, smm, smn, M, N, MASK_KIND)
-        if tl.max(allowed.to(tl.int32)) > 0:
-            k = tl.load(k_base + offs_n[:, None] * skn + offs_dk[None, :] * skd,
-                        mask=(offs_n[:, None] < N) & (offs_dk[None, :] < DK), other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                        mask=(offs_n[:, None] < N) & (offs_dv[None, :] < DV), other=0.0)
-            s = (_dot(q, tl.trans(k), IEEE_DOT) * scale_log2).to(tl.float32) + bias
-            p = tl.where(allowed, tl.exp2(s - lse[:, None]), 0.0)
-            dp = _dot(do, tl.trans(v), IEEE_DOT)
-            ds = p * (dp - delta[:, None])
-            dq += _dot(ds.to(k.dtype), k, IEEE_DOT)
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_dk[None, :] * skd,
+                    mask=(offs_n[:, None] < N) & (offs_dk[None, :] < DK), other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                    mask=(offs_n[:, None] < N) & (offs_dv[None, :] < DV), other=0.0)
+        s = (_dot(q, tl.trans(k), IEEE_DOT) * scale_log2).to(tl.float32) + bias
+        p = tl.where(allowed, tl.exp2((s - m_row[:, None]) - log_l[:, None]), 0.0)
+        dp = _dot(do, tl.trans(v), IEEE_DOT)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, IEEE_DOT)
     dq = (dq * scale).to(tl.float32)
     tl.store(dq_ptr + bh * M * DK + offs_m[:, None] * DK + offs_dk[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dk[None, :] < DK))
@@ -174,8 +184,8 @@ def _masked_attention_dq_kernel(
 
 @triton.jit
 def _masked_attention_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    scale_log2, scale, M, N, H, G,
+    q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr, lo_ptr, hi_ptr,
+    scale_log2, scale, M, N, H, G, BHM, srb, srh, R,
     sqb, sqh, sqm, sqd,
     skb, skh, skn, skd,
     svb, svh, svn, svd,
@@ -207,23 +217,25 @@ def _masked_attention_dkdv_kernel(
         do_base = do_ptr + b * sdob + h * sdoh
         mask_base = mask_ptr + b * smb + h * smh
         row_base = (b * H + h) * M
-        for start_m in range(0, M, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
+        lo = tl.load(lo_ptr + b * srb + h * srh + pid_n)
+        hi = tl.load(hi_ptr + b * srb + h * srh + pid_n)
+        for block_m in range(lo, hi):
+            offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
             allowed, bias = _mask_tile(mask_base, offs_m, offs_n, smm, smn, M, N, MASK_KIND)
-            if tl.max(allowed.to(tl.int32)) > 0:
-                row_ok = offs_m < M
-                q = tl.load(q_base + offs_m[:, None] * sqm + offs_dk[None, :] * sqd,
-                            mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-                do = tl.load(do_base + offs_m[:, None] * sdom + offs_dv[None, :] * sdod,
-                             mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-                lse = tl.load(lse_ptr + row_base + offs_m, mask=row_ok, other=float("inf"))
-                delta = tl.load(delta_ptr + row_base + offs_m, mask=row_ok, other=0.0)
-                s = (_dot(q, tl.trans(k), IEEE_DOT) * scale_log2).to(tl.float32) + bias
-                p = tl.where(allowed, tl.exp2(s - lse[:, None]), 0.0)
-                dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE_DOT)
-                dp = _dot(do, tl.trans(v), IEEE_DOT)
-                ds = p * (dp - delta[:, None])
-                dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE_DOT)
+            row_ok = offs_m < M
+            q = tl.load(q_base + offs_m[:, None] * sqm + offs_dk[None, :] * sqd,
+                        mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * sdom + offs_dv[None, :] * sdod,
+                         mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            m_row = tl.load(stats_ptr + row_base + offs_m, mask=row_ok, other=0.0)
+            log_l = tl.load(stats_ptr + BHM + row_base + offs_m, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_ptr + row_base + offs_m, mask=row_ok, other=0.0)
+            s = (_dot(q, tl.trans(k), IEEE_DOT) * scale_log2).to(tl.float32) + bias
+            p = tl.where(allowed, tl.exp2((s - m_row[:, None]) - log_l[:, None]), 0.0)
+            dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE_DOT)
+            dp = _dot(do, tl.trans(v), IEEE_DOT)
+            ds = p * (dp - delta[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE_DOT)
     dk = (dk * scale).to(tl.float32)
     out_row = bhk * N + offs_n
     tl.store(dk_ptr + out_row[:, None] * DK + offs_dk[None, :], dk.to(dk_ptr.dtype.element_ty),
