@@ -57,7 +57,8 @@ def _variants(mask):
 
     @contextlib.contextmanager
     def deterministic():  # as moe_compile's deterministic_attention calls the backward: the flag on, not warn_only
-        before, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        before = torch.are_deterministic_algorithms_enabled()
+        warn = torch.is_deterministic_algorithms_warn_only_enabled()
         torch.use_deterministic_algorithms(True)
         try:
             yield

@@ -29,9 +29,9 @@ program the range of blocks along its loop that the mask allows anything in: key
 queries, query blocks for a block of keys. A program walks only that range (a causal mask: about half the blocks),
 with no branch in the loop, so the loads stay pipelined. Inside the range each block's mask tile is applied
 elementwise (``BLOCK_M * BLOCK_N`` bytes for a bool mask, far less than the key and value tiles); a block inside the
-range that allows nothing is computed and contributes exact zeros (causal and padding masks have none). A row the mask allows nothing in gets output 0 and
-``log2(l) = +inf``, so its probabilities are exactly 0 in the backward and its gradients exactly 0 (torch's SDPA
-gives such rows 0 too).
+range that allows nothing is computed and contributes exact zeros (causal and padding masks have none). A row the
+mask allows nothing in gets output 0 and ``log2(l) = +inf``, so its probabilities are exactly 0 in the backward and
+its gradients exactly 0 (torch's SDPA gives such rows 0 too).
 """
 
 from __future__ import annotations
