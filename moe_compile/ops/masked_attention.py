@@ -47,25 +47,31 @@ def _grouped(t_BHkvND: Tensor, heads: int) -> Tensor:
     return t_BHkvND.repeat_interleave(heads // t_BHkvND.shape[1], dim=1)
 
 
+def allowed_by(mask: Tensor) -> Tensor:
+    """Where a float mask allows: its value times ``log2(e)`` in fp32 is not ``-inf`` (NOTE [large finite mask values]
+    (moe_compile/ops/triton/masked_attention.py))."""
+    return (mask.float() * LOG2E) > float("-inf")
+
+
 def _scores(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """``(s, allowed)``: ``scale q k^T + mask`` in the accumulator dtype, ``-inf`` where forbidden."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     s = torch.matmul(q.to(acc), _grouped(k, q.shape[1]).to(acc).transpose(-1, -2)) * scale
     if mask.dtype == torch.bool:
         allowed = mask.expand_as(s)
-    else:
+    else:  # NOTE [large finite mask values] (moe_compile/ops/triton/masked_attention.py)
+        allowed = allowed_by(mask).expand_as(s)
         s = s + mask.to(acc)
-        allowed = s > float("-inf")
     return s.masked_fill(~allowed, float("-inf")), allowed
 
 
 def _softmax(s: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor]:
     """``(p, stats)``: the softmax over keys (0 in rows nothing is allowed in) and ``[m, log2(l)]`` as the kernel keeps
-    them, ``[2, B, H, M]`` fp32 (row max in the log2 domain, finite scores clamped to fp32's range, 0 in such rows;
+    them, ``[2, B, H, M]`` fp32 (row max in the log2 domain, 0 in such rows;
     ``log2`` of the row sum, ``+inf`` there: NOTE [large finite mask values]
     (moe_compile/ops/triton/masked_attention.py))."""
     some = allowed.any(-1, keepdim=True)
-    s2 = torch.where(allowed, (s * LOG2E).clamp_min(-torch.finfo(torch.float32).max), float("-inf"))
+    s2 = torch.where(allowed, s * LOG2E, float("-inf"))
     row_max = torch.where(some, s2.amax(-1, keepdim=True), 0.0)
     e = torch.exp2(s2 - row_max)
     total = torch.where(some, e.sum(-1, keepdim=True), 1.0)
@@ -166,7 +172,7 @@ def block_ranges(mask: Tensor, M: int, N: int, block_m: int, block_n: int, by_ke
     ``by_keys``, the same for each block of keys over the query blocks. Empty ranges are ``[0, 0)``."""
     mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     Bm, Hm = mask4.shape[0], mask4.shape[1]
-    allowed = (mask4 if mask4.dtype == torch.bool else mask4 > float("-inf")).expand(Bm, Hm, M, N)
+    allowed = (mask4 if mask4.dtype == torch.bool else allowed_by(mask4)).expand(Bm, Hm, M, N)
     MB, NB = _common.cdiv(M, block_m), _common.cdiv(N, block_n)
     padded = torch.nn.functional.pad(allowed.to(torch.uint8), (0, NB * block_n - N, 0, MB * block_m - M))
     any_MN = padded.view(Bm, Hm, MB, block_m, NB, block_n).amax(dim=(3, 5)) > 0
@@ -245,10 +251,13 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Ten
     (B, H, Hkv, M, N, Dk, Dv), strides = _common_args(q, k, v, mask)
     plan = launch_plan(Dk, Dv, q.dtype)
     dq = torch.empty((B, H, M, Dk), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, Hkv, N, Dk), dtype=k.dtype, device=q.device)
-    dv = torch.empty((B, Hkv, N, Dv), dtype=v.dtype, device=q.device)
+    G = H // Hkv
+    # per query head: in the inputs' dtype when each key/value head has one, else fp32 summed over the group below
+    per_head = k.dtype if G == 1 else torch.float32
+    dk = torch.empty((B, H, N, Dk), dtype=per_head, device=q.device)
+    dv = torch.empty((B, H, N, Dv), dtype=per_head, device=q.device)
     if B * H * M == 0 or N == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_(), k.new_zeros(k.shape), v.new_zeros(v.shape)
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()
     stats = stats.contiguous()
     kind = kernels.MASK_BOOL if mask.dtype == torch.bool else kernels.MASK_ADDITIVE
@@ -267,11 +276,14 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Ten
     bm, bn, warps = blocks_dkdv or plan["dkdv"]
     lo, hi, srb, srh = block_ranges(mask, M, N, bm, bn, by_keys=True)
     _common.launch_kernel(
-        kernels._masked_attention_dkdv_kernel, (_common.cdiv(N, bn), B * Hkv),
+        kernels._masked_attention_dkdv_kernel, (_common.cdiv(N, bn), B * H),
         q, k, v, mask, grad_out, stats, delta, dk, dv, lo, hi, scale * LOG2E, scale, M, N, H, H // Hkv, B * H * M, srb,
         srh, lo.shape[-1], *strides, *do_strides,
         BLOCK_M=bm, BLOCK_N=bn, **shared, traced=traced, options=dict(num_warps=warps),
     )  # fmt: skip
+    if G > 1:  # each key/value head's group of query heads, summed in head order (NOTE in the kernels)
+        dk = dk.view(B, Hkv, G, N, Dk).sum(2).to(k.dtype)
+        dv = dv.view(B, Hkv, G, N, Dv).sum(2).to(v.dtype)
     return dq, dk, dv
 
 

@@ -59,10 +59,10 @@ def _sdpa(q, k, v, mask):
 def _structural_zeros(mask, kv_heads):
     """What the mask alone makes zero: the output and ``dq`` of query rows that allow nothing, ``dk`` and ``dv`` of keys
     that no query of the group allows."""
-    allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
+    allowed = mask if mask.dtype == torch.bool else ma.allowed_by(mask)
     rows = ~allowed.any(-1)  # [B, 1, M]
     cols = ~allowed.any(-2)  # [B, 1, N]
-    return rows[..., None], cols[..., None].expand(-1, kv_heads, -1, -1)[..., None]
+    return rows[..., None], cols[..., None].expand(-1, kv_heads, -1, 1)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

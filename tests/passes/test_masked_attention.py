@@ -70,10 +70,10 @@ def test_padding_mask_is_rewritten(dtype, mask):
 
 
 def test_rows_of_only_finfo_min_are_refused_on_cpu():
-    """An additive mask whose rows hold only ``finfo.min`` (left padding under a causal mask): SDPA attends uniformly
-    over such a row, and torch's CPU flash kernel's gradient there is N times the textbook one, which
-    ``moe.masked_attention`` gives (as the CUDA kernels do: NOTE [large finite mask values]
-    (moe_compile/ops/triton/masked_attention.py)). Translation validation sees the difference and keeps SDPA."""
+    """An additive mask whose rows hold only ``finfo.min`` (left padding under a causal mask): torch's CPU flash kernel
+    attends uniformly over such a row, ``moe.masked_attention`` gives 0 there as the CUDA kernel it replaces does
+    (NOTE [large finite mask values] (moe_compile/ops/triton/masked_attention.py)). Translation validation sees the
+    difference and keeps SDPA."""
     torch.manual_seed(0)
     model, args = Attention("additive"), (torch.randn(2, 12, 32), _keep(left=True))
     run = compile_and_run(model, args, train=True, config=make_config(deterministic=True), fullgraph=True)

@@ -7,20 +7,23 @@ softmax runs on ``exp2``. The forward stores each row's max ``m`` and ``log2`` o
 ``stats = [m, log2(l)]`` (``[2, B, H, M]``); the backward recomputes ``p = exp2((s - m) - log2(l))``.
 
 NOTE [large finite mask values]:
-A mask of ``finfo.min`` (older transformers, much user code) absorbs the scores: in a row that allows only such
-entries every score is ``finfo.min``, and SDPA attends uniformly over the row. The mask tile is clamped to
-``-finfo(fp32).max`` in the log2 domain (``finfo.min * log2(e)`` would overflow to ``-inf`` and empty the row), so
-the forward does the same. Such an ``m`` would absorb ``log2(l)`` in ``m + log2(l)``, which is why the two are kept
-apart: the backward's ``p`` is then ``1 / N`` there, the textbook gradient, as torch's math backend and the CUDA
-memory-efficient kernel give it (H200, torch 2.11). torch's CPU flash kernel keeps ``m + log2(l)`` and gives ``N``
-times that; on CPU translation validation refuses a rewrite that meets such a row with a gradient.
+A mask of ``finfo.min`` (older transformers, much user code) absorbs the scores, and SDPA's backends disagree on a
+row that allows only such entries: torch's math backend attends uniformly over the row with the textbook gradient,
+its CPU flash kernel attends uniformly with ``N`` times that gradient, and the CUDA memory-efficient kernel (the one
+SDPA runs for a masked call on the GPU, which this op replaces) gives 0 and no gradient, as if the entries were
+``-inf`` (measured on an H200, torch 2.11: a mask value times ``log2(e)`` overflows fp32 there). The kernels take
+the memory-efficient kernel's rule: a mask value whose product with ``log2(e)`` in fp32 is ``-inf`` forbids the
+entry. On CPU, translation validation sees the difference from the flash kernel and keeps SDPA there. The row max
+and ``log2`` of the row sum are kept apart, so a row of large (not overflowing) negative values still gets the
+textbook gradient.
 
 NOTE [attention backward in a fixed order]:
 FlashAttention-2 and memory-efficient attention add each key block's share of ``dQ`` into ``dQ`` with atomic adds,
 so the order of the adds differs run to run. Here ``dQ`` and ``dK``/``dV`` come from two kernels: a ``dQ`` program
-owns a block of queries and walks the key blocks in order; a ``dK``/``dV`` program owns a block of keys of one
-key/value head and walks the ``G`` query heads of its group, and for each the query blocks, in order. Every output
-element has one writer and a fixed sequence of adds, so the backward is bitwise reproducible; the price is
+owns a block of queries and walks the key blocks in order; a ``dK``/``dV`` program owns a block of keys and one query
+head and walks the query blocks in order, and the launcher sums the ``G`` query heads of each key/value head in head
+order (``G`` times the dK/dV memory in fp32, for ``G`` times the programs). Every output element has one writer and a
+fixed sequence of adds, so the backward is bitwise reproducible; the price is
 computing ``softmax(q k^T)`` once more (each kernel recomputes the probabilities it needs).
 
 NOTE [blocks the mask removes]:
@@ -63,10 +66,9 @@ def _mask_tile(mask_ptr, offs_m, offs_n, stride_mm, stride_mn, M, N, MASK_KIND: 
         allowed = (tl.load(ptrs, mask=inside, other=0) != 0) & inside
         bias = tl.zeros(allowed.shape, dtype=tl.float32)
     else:
-        raw = tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32)
-        allowed = (raw > float("-inf")) & inside
-        # NOTE [large finite mask values]
-        bias = tl.where(allowed, tl.maximum(raw * 1.4426950408889634, -3.4028234663852886e38), float("-inf"))
+        # NOTE [large finite mask values]: a value whose log2-domain product overflows forbids the entry
+        bias = tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        allowed = (bias > float("-inf")) & inside
     return allowed, bias
 
 
@@ -194,13 +196,13 @@ def _masked_attention_dkdv_kernel(
     DK: tl.constexpr, DV: tl.constexpr, MASK_KIND: tl.constexpr, IEEE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    """Program ``(n block, b * Hkv + hk)``: ``dk``, ``dv`` of a key block summed over the group's query heads and
-    the query blocks, in order; ``dk``/``dv`` are contiguous ``[B, Hkv, N, D]``."""
+    """Program ``(n block, b * H + h)``: ``dk``, ``dv`` of a key block from query head ``h``, summed over the query
+    blocks in order; ``dk``/``dv`` are contiguous ``[B, H, N, D]`` (the launcher sums each group's heads in order)."""
     pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
-    Hkv = H // G
-    b = bhk // Hkv
-    hk = bhk % Hkv
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -211,33 +213,31 @@ def _masked_attention_dkdv_kernel(
                 mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    for g in range(0, G):
-        h = hk * G + g
-        q_base = q_ptr + b * sqb + h * sqh
-        do_base = do_ptr + b * sdob + h * sdoh
-        mask_base = mask_ptr + b * smb + h * smh
-        row_base = (b * H + h) * M
-        lo = tl.load(lo_ptr + b * srb + h * srh + pid_n)
-        hi = tl.load(hi_ptr + b * srb + h * srh + pid_n)
-        for block_m in range(lo, hi):
-            offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            allowed, bias = _mask_tile(mask_base, offs_m, offs_n, smm, smn, M, N, MASK_KIND)
-            row_ok = offs_m < M
-            q = tl.load(q_base + offs_m[:, None] * sqm + offs_dk[None, :] * sqd,
-                        mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * sdom + offs_dv[None, :] * sdod,
-                         mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            m_row = tl.load(stats_ptr + row_base + offs_m, mask=row_ok, other=0.0)
-            log_l = tl.load(stats_ptr + BHM + row_base + offs_m, mask=row_ok, other=float("inf"))
-            delta = tl.load(delta_ptr + row_base + offs_m, mask=row_ok, other=0.0)
-            s = (_dot(q, tl.trans(k), IEEE_DOT) * scale_log2).to(tl.float32) + bias
-            p = tl.where(allowed, tl.exp2((s - m_row[:, None]) - log_l[:, None]), 0.0)
-            dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE_DOT)
-            dp = _dot(do, tl.trans(v), IEEE_DOT)
-            ds = p * (dp - delta[:, None])
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE_DOT)
+    q_base = q_ptr + b * sqb + h * sqh
+    do_base = do_ptr + b * sdob + h * sdoh
+    mask_base = mask_ptr + b * smb + h * smh
+    row_base = bh * M
+    lo = tl.load(lo_ptr + b * srb + h * srh + pid_n)
+    hi = tl.load(hi_ptr + b * srb + h * srh + pid_n)
+    for block_m in range(lo, hi):
+        offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        allowed, bias = _mask_tile(mask_base, offs_m, offs_n, smm, smn, M, N, MASK_KIND)
+        row_ok = offs_m < M
+        q = tl.load(q_base + offs_m[:, None] * sqm + offs_dk[None, :] * sqd,
+                    mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * sdom + offs_dv[None, :] * sdod,
+                     mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        m_row = tl.load(stats_ptr + row_base + offs_m, mask=row_ok, other=0.0)
+        log_l = tl.load(stats_ptr + BHM + row_base + offs_m, mask=row_ok, other=float("inf"))
+        delta = tl.load(delta_ptr + row_base + offs_m, mask=row_ok, other=0.0)
+        s = (_dot(q, tl.trans(k), IEEE_DOT) * scale_log2).to(tl.float32) + bias
+        p = tl.where(allowed, tl.exp2((s - m_row[:, None]) - log_l[:, None]), 0.0)
+        dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE_DOT)
+        dp = _dot(do, tl.trans(v), IEEE_DOT)
+        ds = p * (dp - delta[:, None])
+        dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE_DOT)
     dk = (dk * scale).to(tl.float32)
-    out_row = bhk * N + offs_n
+    out_row = bh * N + offs_n
     tl.store(dk_ptr + out_row[:, None] * DK + offs_dk[None, :], dk.to(dk_ptr.dtype.element_ty),
              mask=col_ok[:, None] & (offs_dk[None, :] < DK))
     tl.store(dv_ptr + out_row[:, None] * DV + offs_dv[None, :], dv.to(dv_ptr.dtype.element_ty),
