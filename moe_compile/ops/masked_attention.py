@@ -188,14 +188,15 @@ def block_ranges(mask: Tensor, M: int, N: int, block_m: int, block_n: int, by_ke
 
 def launch_plan(dk: int, dv: int, dtype: torch.dtype) -> dict:
     """Block sizes and warps per kernel: ``{"fwd" | "dq" | "dkdv": (BLOCK_M, BLOCK_N, num_warps)}`` and the dims'
-    blocks. Larger head dims take smaller tiles (the fp32 accumulators live in registers)."""
+    blocks. Larger head dims take smaller tiles (the fp32 accumulators live in registers). Chosen by
+    ``benchmarks/bench_attention.py --sweep`` (results: ``benchmarks/results/attention.json``)."""
     bdk, bdv = max(16, _common.next_power_of_2(dk)), max(16, _common.next_power_of_2(dv))
     wide = max(bdk, bdv) > 128 or dtype == torch.float32
     return {
         "BLOCK_DK": bdk, "BLOCK_DV": bdv,
         "fwd": (64, 32, 4) if wide else (128, 64, 8),
-        "dq": (64, 32, 4) if wide else (64, 64, 8),
-        "dkdv": (32, 64, 4) if wide else (64, 64, 8),
+        "dq": (64, 32, 4),
+        "dkdv": (32, 64, 4) if wide else (64, 64, 4),
     }  # fmt: skip
 
 

@@ -59,7 +59,8 @@ def _dot(a, b, IEEE_DOT: tl.constexpr):
 
 @triton.jit
 def _mask_tile(mask_ptr, offs_m, offs_n, stride_mm, stride_mn, M, N, MASK_KIND: tl.constexpr):
-    """``(allowed [BLOCK_M, BLOCK_N] bool, bias [BLOCK_M, BLOCK_N] fp32 in the log2 domain)``."""
+    """``(allowed, bias)`` of the tile ``offs_m x offs_n`` (fp32 bias in the log2 domain); the dK/dV kernel reads it
+    transposed by swapping the offsets, strides and bounds."""
     inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     ptrs = mask_ptr + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
     if MASK_KIND == 0:
@@ -220,8 +221,9 @@ def _masked_attention_dkdv_kernel(
     lo = tl.load(lo_ptr + b * srb + h * srh + pid_n)
     hi = tl.load(hi_ptr + b * srb + h * srh + pid_n)
     for block_m in range(lo, hi):
+        # transposed scores [BLOCK_N, BLOCK_M]: every transpose is of a loaded tile, none of a computed one
         offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        allowed, bias = _mask_tile(mask_base, offs_m, offs_n, smm, smn, M, N, MASK_KIND)
+        allowed_t, bias_t = _mask_tile(mask_base, offs_n, offs_m, smn, smm, N, M, MASK_KIND)
         row_ok = offs_m < M
         q = tl.load(q_base + offs_m[:, None] * sqm + offs_dk[None, :] * sqd,
                     mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
@@ -230,12 +232,12 @@ def _masked_attention_dkdv_kernel(
         m_row = tl.load(stats_ptr + row_base + offs_m, mask=row_ok, other=0.0)
         log_l = tl.load(stats_ptr + BHM + row_base + offs_m, mask=row_ok, other=float("inf"))
         delta = tl.load(delta_ptr + row_base + offs_m, mask=row_ok, other=0.0)
-        s = (_dot(q, tl.trans(k), IEEE_DOT) * scale_log2).to(tl.float32) + bias
-        p = tl.where(allowed, tl.exp2((s - m_row[:, None]) - log_l[:, None]), 0.0)
-        dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE_DOT)
-        dp = _dot(do, tl.trans(v), IEEE_DOT)
-        ds = p * (dp - delta[:, None])
-        dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE_DOT)
+        s_t = (_dot(k, tl.trans(q), IEEE_DOT) * scale_log2).to(tl.float32) + bias_t
+        p_t = tl.where(allowed_t, tl.exp2((s_t - m_row[None, :]) - log_l[None, :]), 0.0)
+        dv += _dot(p_t.to(do.dtype), do, IEEE_DOT)
+        dp_t = _dot(v, tl.trans(do), IEEE_DOT)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += _dot(ds_t.to(q.dtype), q, IEEE_DOT)
     dk = (dk * scale).to(tl.float32)
     out_row = bh * N + offs_n
     tl.store(dk_ptr + out_row[:, None] * DK + offs_dk[None, :], dk.to(dk_ptr.dtype.element_ty),
