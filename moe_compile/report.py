@@ -62,6 +62,11 @@ class PassRecord:
     # for a rewrite: False when it is no MoE rewrite (a scatter with distinct indices made a plain store, which
     # changes no bit against plain Inductor; what deterministic=True asks for, anywhere in the graph)
     moe: bool = True
+    # for a rewrite: the option it was made for ("deterministic", "metrics"), "" for the default passes
+    option: str = ""
+    # the Dynamo compile the record came from ("frame/attempt", e.g. "3/0"; forward and backward graphs of one
+    # compile share it); not part of a record's identity, so one record seen in several graphs is counted
+    graph: str = dataclasses.field(default="", compare=False)
 
 
 @dataclasses.dataclass
@@ -127,6 +132,24 @@ class Report:
         :attr:`nondeterministic`): what ``moe_compile.compile(model, deterministic=True)`` aims at."""
         return not self.nondeterministic
 
+    def option_by_graph(self, option: str = "deterministic") -> dict[str, dict[str, list[str]]]:
+        """Per compiled graph (``PassRecord.graph``): ``{"changed": [...], "left": [...]}``, what ``option`` rewrote
+        (``"layer: matched -> replacement"``) and, for ``deterministic``, the non-deterministic sources the audit
+        found left in that graph. Graphs where neither happened are not listed."""
+        graphs: dict[str, dict[str, list[str]]] = {}
+        for r in self.records:
+            if r.kind == "rewrite" and option in r.option.split(","):
+                line = f"{r.layer}: {short_chain(r.what)} -> {r.detail}"
+                key = "changed"
+            elif option == "deterministic" and r in self.nondeterministic:
+                line, key = f"{r.layer}: {r.what}", "left"
+            else:
+                continue
+            entry = graphs.setdefault(r.graph or "?", {"changed": [], "left": []})
+            if line not in entry[key]:
+                entry[key].append(line)
+        return dict(sorted(graphs.items(), key=lambda item: _natural_key(item[0])))
+
     def layers(self) -> list[str]:
         return sorted({r.layer for r in self.records})
 
@@ -163,7 +186,8 @@ class Report:
             "other_rewrites": len(self.other_rewrites),
             "rewritten_layers": sorted({r.layer for r in self.moe_rewrites}, key=_natural_key),
         }
-        return {"graphs": self.graphs, "cached_graphs": self.cached_graphs, "summary": summary, "layers": layers}
+        return {"graphs": self.graphs, "cached_graphs": self.cached_graphs, "summary": summary, "layers": layers,
+                "deterministic_by_graph": self.option_by_graph("deterministic")}
 
     def table(self, width: int = TABLE_WIDTH) -> str:
         """A printable table, at most ``width`` columns, one block per layer.
@@ -211,6 +235,15 @@ class Report:
                       else f"; {len(self.nondeterministic)} non-deterministic source(s) left")
                    + (self._cache_note() if self.cached_graphs else ""))
         out += textwrap.wrap(summary, width, subsequent_indent="  ")
+        # with deterministic=True (a rewrite made for it): what it changed and left, graph by graph
+        by_graph = self.option_by_graph("deterministic")
+        if any("deterministic" in r.option.split(",") for r in self.rewrites):
+            out.append("deterministic=True, per compiled graph (kernels the option changed; non-deterministic left):")
+            for graph, entry in by_graph.items():
+                for key in ("changed", "left"):
+                    for line in entry[key] or (["nothing"] if key == "left" else []):
+                        out += textwrap.wrap(f"graph {graph} {key}: {line}", width, initial_indent="  ",
+                                             subsequent_indent="      ", break_on_hyphens=False)
         return "\n".join(out)
 
     def _cache_note(self) -> str:
@@ -267,7 +300,14 @@ def collecting() -> Iterator[Report]:
             del _ACTIVE[next(i for i, r in enumerate(_ACTIVE) if r is report)]
 
 
+def _compile_id() -> str:
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    return str(compile_id) if compile_id is not None else ""
+
+
 def add(record: PassRecord) -> None:
+    if not record.graph:
+        record = dataclasses.replace(record, graph=_compile_id())
     with _LOCK:
         _LAST.records.append(record)
         for report in _ACTIVE:

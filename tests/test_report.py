@@ -124,3 +124,41 @@ def test_a_compile_served_from_inductors_caches_says_its_report_is_incomplete():
     assert first.rewrites and set(second.records) <= set(first.records), (first.records, second.records)
     assert "this report is incomplete" in second.table() and "incomplete" not in first.table()
     assert second.to_dict()["cached_graphs"] == 1
+
+
+def test_deterministic_option_is_listed_per_graph():
+    """With ``deterministic=True``: each compiled graph's kernels the option changed and what it left (here the
+    embedding's scatter, with ``deterministic_scatter`` turned off), graph by graph across a graph break."""
+    import torch
+    from torch import nn
+
+    from moe_compile.backend import ConfiguredBackend
+    from moe_compile.config import make_config
+    from tests.passes._harness import compile_and_run
+    from tests.passes.test_causal_mask import Attention
+
+    class TwoGraphs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.first, self.second = nn.Embedding(20, 32), Attention("bool"), Attention("bool")
+
+        def forward(self, ids, keep):
+            x = self.first(self.embed(ids), keep)
+            torch._dynamo.graph_break()
+            return self.second(x, keep)
+
+    torch.manual_seed(0)
+    keep = torch.ones(2, 12, dtype=torch.bool)
+    keep[1, :3] = False
+    config = make_config(deterministic=True, passes={"deterministic_scatter": False})
+    run = compile_and_run(TwoGraphs(), (torch.randint(0, 20, (2, 12)), keep), train=True,
+                          backend=ConfiguredBackend(config))
+    by_graph = run.report.option_by_graph("deterministic")
+    assert len(by_graph) == 2, by_graph
+    first, second = by_graph.values()
+    assert any("moe.masked_attention" in line for line in first["changed"]), first
+    assert any("moe.masked_attention" in line for line in second["changed"]), second
+    assert any("embedding" in line for line in first["left"]) and not second["left"], by_graph
+    table = run.report.table()
+    assert "deterministic=True, per compiled graph" in table and table.count("left: nothing") == 1, table
+    assert run.report.to_dict()["deterministic_by_graph"] == by_graph

@@ -144,6 +144,8 @@ class PassContext:
     is_training: bool
     held: bool = False
     records: list[report.PassRecord] = dataclasses.field(default_factory=list)
+    # the option the pass runs for (PassEntry.requires, joined): recorded with each rewrite (report.PassRecord.option)
+    option: str = ""
 
     def _record(self, record: report.PassRecord) -> None:
         self.records.append(record)
@@ -153,7 +155,8 @@ class PassContext:
     def rewrite(self, layer: str, matched: str, replaced_by: str, moe: bool = True) -> None:
         """Record a rewrite; ``moe=False`` for one that is no MoE rewrite (``report.PassRecord.moe``)."""
         log.info("[%s] %s: rewrote %s -> %s", self.pass_name, layer, matched, replaced_by)
-        self._record(report.PassRecord(self.pass_name, self.stage, "rewrite", layer, matched, replaced_by, moe))
+        self._record(report.PassRecord(self.pass_name, self.stage, "rewrite", layer, matched, replaced_by, moe,
+                                       option=self.option))
 
     def skip(self, layer: str, reason: str, detail: Detail = "") -> None:
         """Record that ``layer`` was left alone, and why; a callable ``detail`` is formatted here."""
@@ -222,7 +225,7 @@ class StagePass(CustomGraphPass):
         baseline: fx.Graph | None = None
         changed = False
         for entry in self.entries:
-            ctx = PassContext(self.config, self.stage, entry.name, training, held=True)
+            ctx = PassContext(self.config, self.stage, entry.name, training, held=True, option=",".join(entry.requires))
             before = _snapshot(graph)
             start = time.perf_counter()
             try:

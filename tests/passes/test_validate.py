@@ -265,6 +265,14 @@ def _mla_attention():
     return MLAttention(), (torch.randn(2, 12, 32),), {}
 
 
+def _padded_attention():
+    from tests.passes.test_causal_mask import Attention
+
+    keep = torch.ones(2, 12, dtype=torch.bool)
+    keep[1, :3] = False
+    return Attention("bool"), (torch.randn(2, 12, 32), keep), {}
+
+
 def _group_limited_router():
     from tests.passes.test_deterministic_accumulate import GroupLimitedRouter
 
@@ -290,6 +298,8 @@ CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str, tuple[Callable[..
     "causal_mask": (_causal_attention, {"deterministic": True}, "passes+aot_eager", (scale_forward, break_backward)),
     "pad_attention_value": (_mla_attention, {"deterministic": True}, "passes+aot_eager",
                             (scale_forward, break_backward)),
+    "masked_attention": (_padded_attention, {"deterministic": True}, "passes+aot_eager",
+                         (scale_forward, break_backward)),
     "deterministic_accumulate": (_group_limited_router, {}, "moe_compile", (scale_forward,)),
     "deterministic_scatter": (_embedding, {"deterministic": True}, "moe_compile", (scale_forward,)),
 }
