@@ -291,13 +291,17 @@ def _random_like(real: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     return real
 
 
-def _from_meta(fake: Any, generator: torch.Generator, *, scale: float) -> Any:
+def _from_meta(fake: Any, generator: torch.Generator, *, scale: float, bools: bool = False) -> Any:
+    """A random tensor like the example value ``fake``: floats normal times ``scale``, integers 0, bools ``bools``
+    (True: a mask that allows everything, so a masked computation is compared on every element)."""
     if not isinstance(fake, torch.Tensor):
         return _concrete(fake)
     shape = tuple(_concrete(s) for s in fake.shape)
     if fake.is_floating_point():
         noise = torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu") * scale
         return noise.to(device=fake.device, dtype=fake.dtype)
+    if fake.dtype == torch.bool:
+        return torch.full(shape, bools, dtype=torch.bool, device=fake.device)
     return torch.zeros(shape, dtype=fake.dtype, device=fake.device)
 
 
@@ -338,10 +342,22 @@ class StageValidator:
         placeholders = list(graph.find_nodes(op="placeholder"))
         fakes = [val(p) for p in placeholders]
         generator = torch.Generator().manual_seed(SEED)
-        real = list(current.example_inputs) if current is not None else []
-        if self.stage == "pre_grad":
-            if len(real) != len(placeholders):
+        if current is None:
+            raise Unavailable("no compile in progress: no example inputs")
+        real = list(current.example_inputs)
+        if self.stage == "pre_grad" and (len(real) != len(placeholders)
+                                         or not all(_matches(r, f) for r, f in zip(real, fakes))):
+            # a subgraph (the body of an activation-checkpointed region, which Inductor's pre-grad passes visit on
+            # their own): its inputs are not the compile's; random ones from the placeholders' example values
+            if not all(isinstance(f, torch.Tensor) or _concrete(f) is not None for f in fakes):
                 raise Unavailable(f"{len(placeholders)} placeholders but {len(real)} example inputs")
+            inputs = [_from_meta(f, generator, scale=1.0, bools=True) for f in fakes]
+            self._autograd = torch.is_grad_enabled() and any(
+                isinstance(f, torch.Tensor) and f.requires_grad for f in fakes)
+            for x, f in zip(inputs, fakes):
+                if isinstance(x, torch.Tensor) and f.requires_grad and x.is_floating_point():
+                    x.requires_grad_()
+        elif self.stage == "pre_grad":
             inputs = [_random_like(r, generator) if isinstance(r, torch.Tensor) else _concrete(r) for r in real]
             self._autograd = current.grad_enabled and any(
                 isinstance(r, torch.Tensor) and r.requires_grad for r in real)

@@ -67,3 +67,27 @@ def test_deterministic_training_step(family):
     assert grads.keys() == grads_off.keys()
     for name, g in grads.items():
         tol.assert_layer_close(g, grads_off[name], k_dims, torch.bfloat16, backward=True, rows=rows, what=name)
+
+
+def test_activation_checkpointing_keeps_every_rewrite():
+    """Under activation checkpointing Dynamo breaks the graph per layer and the layers get the causal mask as an input
+    (as under FSDP2): the MoE layer is still rewritten, attention runs ``moe.masked_attention`` instead of flash,
+    every rewrite passes translation validation (on in the suite), and nothing non-deterministic is left."""
+    import moe_compile
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, use_cache=False,
+                                      tie_word_embeddings=False)
+    cfg._experts_implementation, cfg._attn_implementation = "grouped_mm", "sdpa"
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 128, (2, 16))
+    rep = moe_compile.explain(model, input_ids=ids, labels=ids, compile_options={"deterministic": True})
+    assert rep.deterministic and not rep.errors and not rep.unchecked, rep.table()
+    assert {r.layer for r in rep.moe_rewrites if r.pass_name == "fuse_dispatch"} == {"model.layers.0.mlp.experts"}, \
+        rep.table()
+    assert rep.count("masked_attention") == 1 and not [s for s in rep.skips if s.what == "validation_failed"], \
+        rep.table()

@@ -392,3 +392,32 @@ def test_validate_off_runs_no_validation(monkeypatch):
     fn, args, kwargs = _sort_dispatch()
     run = compile_and_run(fn, args, kwargs, train=True, config=make_config(validate=False))
     assert run.report.count("fuse_dispatch") == 1 and not run.report.unchecked
+
+
+def test_wrong_rewrite_inside_a_checkpointed_region_is_refused(monkeypatch):
+    """Inductor's pre-grad passes visit the body of an activation-checkpointed region as a graph of its own, whose
+    inputs are not the compile's: validation runs it on random inputs from its example values and still refuses a
+    wrong rewrite there."""
+    from torch.utils.checkpoint import checkpoint
+
+    from tests.passes.test_causal_mask import Attention
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Attention("bool")
+
+        def forward(self, x, keep):
+            return checkpoint(self.inner, x, keep, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model, args = Checkpointed(), _padded_attention()[1]
+    _inject(monkeypatch, "masked_attention", scale_forward)
+    monkeypatch.setattr(passes_mod, "_WARNED_VALIDATION", set())
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        run = compile_and_run(model, args, train=True, backend=ConfiguredBackend(make_config(deterministic=True)))
+    refused = [r for r in run.report.skips if r.pass_name == "masked_attention" and r.what == "validation_failed"]
+    assert refused and not run.report.unchecked, run.report.table()
+    assert_matches_eager(run, model, args, train=True)
+
