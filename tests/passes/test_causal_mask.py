@@ -78,14 +78,19 @@ def test_option_off_changes_nothing():
     assert not [r for r in run.report.records if r.pass_name == "causal_mask"]
 
 
-def test_transformers_sdpa_mask_is_rewritten():
+def tiny_qwen3_moe() -> torch.nn.Module:
+    """A one-layer transformers Qwen3-MoE CausalLM with SDPA attention (vocab 128), seeded."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
                                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                       num_experts=4, num_experts_per_tok=2, use_cache=False)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(cfg)
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+def test_transformers_sdpa_mask_is_rewritten():
+    model = tiny_qwen3_moe()
     ids = torch.randint(0, 128, (2, 16))
     run = compile_and_run(model, (), {"input_ids": ids, "labels": ids}, train=True, config=DETERMINISTIC,
                           fullgraph=True)

@@ -15,7 +15,7 @@ from torch import nn
 
 from moe_compile.config import make_config
 from tests.passes._harness import assert_matches_eager, assert_report, compile_and_run
-from tests.passes.test_causal_mask import Attention
+from tests.passes.test_causal_mask import Attention, tiny_qwen3_moe
 from tests.passes.test_pad_attention_value import MLAttention
 
 DETERMINISTIC = make_config(deterministic=True, strict=True)
@@ -121,13 +121,7 @@ def test_option_off_changes_nothing():
 
 
 def test_transformers_padding_mask_is_rewritten():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      num_experts=4, num_experts_per_tok=2, use_cache=False)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(cfg)
+    model = tiny_qwen3_moe()
     ids = torch.randint(0, 128, (2, 16))
     attention_mask = torch.ones(2, 16, dtype=torch.long)
     attention_mask[1, :5] = 0

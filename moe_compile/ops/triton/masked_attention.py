@@ -74,6 +74,22 @@ def _mask_tile(mask_ptr, offs_m, offs_n, stride_mm, stride_mn, M, N, MASK_KIND: 
 
 
 @triton.jit
+def _query_rows(q_base, do_base, stats_ptr, delta_ptr, row_base, offs_m, offs_dk, offs_dv, sqm, sqd, sdom, sdod,
+                M, BHM, DK: tl.constexpr, DV: tl.constexpr):
+    """What the backward needs of a block of query rows: ``q``, ``dO``, the row max, ``log2`` of the row sum and
+    ``delta = rowsum(dO * O)`` (rows past ``M``: zeros, and ``log2(l) = +inf`` so their probabilities are 0)."""
+    row_ok = offs_m < M
+    q = tl.load(q_base + offs_m[:, None] * sqm + offs_dk[None, :] * sqd,
+                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    do = tl.load(do_base + offs_m[:, None] * sdom + offs_dv[None, :] * sdod,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    m_row = tl.load(stats_ptr + row_base + offs_m, mask=row_ok, other=0.0)
+    log_l = tl.load(stats_ptr + BHM + row_base + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(delta_ptr + row_base + offs_m, mask=row_ok, other=0.0)
+    return q, do, m_row, log_l, delta
+
+
+@triton.jit
 def _masked_attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, stats_ptr, lo_ptr, hi_ptr,
     scale_log2, M, N, H, G, BHM, srb, srh, R,
@@ -155,13 +171,9 @@ def _masked_attention_dq_kernel(
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < M
-    q = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_dk[None, :] * sqd,
-                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-    do = tl.load(do_ptr + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :] * sdod,
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    m_row = tl.load(stats_ptr + bh * M + offs_m, mask=row_ok, other=0.0)
-    log_l = tl.load(stats_ptr + BHM + bh * M + offs_m, mask=row_ok, other=float("inf"))
-    delta = tl.load(delta_ptr + bh * M + offs_m, mask=row_ok, other=0.0)
+    q, do, m_row, log_l, delta = _query_rows(q_ptr + b * sqb + h * sqh, do_ptr + b * sdob + h * sdoh, stats_ptr,
+                                             delta_ptr, bh * M, offs_m, offs_dk, offs_dv, sqm, sqd, sdom, sdod, M,
+                                             BHM, DK, DV)
     k_base = k_ptr + b * skb + hk * skh
     v_base = v_ptr + b * svb + hk * svh
     mask_base = mask_ptr + b * smb + h * smh
@@ -224,14 +236,8 @@ def _masked_attention_dkdv_kernel(
         # transposed scores [BLOCK_N, BLOCK_M]: every transpose is of a loaded tile, none of a computed one
         offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
         allowed_t, bias_t = _mask_tile(mask_base, offs_n, offs_m, smn, smm, N, M, MASK_KIND)
-        row_ok = offs_m < M
-        q = tl.load(q_base + offs_m[:, None] * sqm + offs_dk[None, :] * sqd,
-                    mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * sdom + offs_dv[None, :] * sdod,
-                     mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        m_row = tl.load(stats_ptr + row_base + offs_m, mask=row_ok, other=0.0)
-        log_l = tl.load(stats_ptr + BHM + row_base + offs_m, mask=row_ok, other=float("inf"))
-        delta = tl.load(delta_ptr + row_base + offs_m, mask=row_ok, other=0.0)
+        q, do, m_row, log_l, delta = _query_rows(q_base, do_base, stats_ptr, delta_ptr, row_base, offs_m, offs_dk,
+                                                 offs_dv, sqm, sqd, sdom, sdod, M, BHM, DK, DV)
         s_t = (_dot(k, tl.trans(q), IEEE_DOT) * scale_log2).to(tl.float32) + bias_t
         p_t = tl.where(allowed_t, tl.exp2((s_t - m_row[None, :]) - log_l[None, :]), 0.0)
         dv += _dot(p_t.to(do.dtype), do, IEEE_DOT)
