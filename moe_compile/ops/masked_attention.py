@@ -9,8 +9,9 @@ Contract:
 * ``out = softmax(scale * q k^T + mask) v`` per batch and head, with ``mask`` a bool tensor (``True`` allows) or a
   float tensor added to the scores, broadcastable to ``[B, H, M, N]`` (SDPA's ``attn_mask``). A query row the mask
   allows nothing in gets output 0 and gradient 0 (SDPA's own rule). A float mask value whose product with ``log2(e)``
-  overflows fp32 (``finfo.min``) forbids its entry, as in the CUDA kernel SDPA runs for a masked call (NOTE [large
-  finite mask values] (moe_compile/ops/triton/masked_attention.py)). No dropout; the mask gets no gradient.
+  overflows fp32 (``finfo.min``) forbids its entry, as in the CUDA kernel SDPA runs for a masked call:
+  NOTE [large finite mask values] (moe_compile/ops/triton/masked_attention.py). No dropout; the mask gets no
+  gradient.
 * Scores, softmax and both products accumulate in fp32; ``out`` has ``q``'s dtype, laid out as SDPA's
   (``[B, M, H, Dv]`` in memory, so ``out.transpose(1, 2)`` is contiguous).
 * The backward has no atomics: bitwise reproducible run to run
@@ -50,8 +51,8 @@ def _grouped(t_BHkvND: Tensor, heads: int) -> Tensor:
 
 
 def allowed_by(mask: Tensor) -> Tensor:
-    """Where a float mask allows: its value times ``log2(e)`` in fp32 is not ``-inf`` (NOTE [large finite mask values]
-    (moe_compile/ops/triton/masked_attention.py))."""
+    """Where a float mask allows: its value times ``log2(e)`` in fp32 is not ``-inf``:
+    NOTE [large finite mask values] (moe_compile/ops/triton/masked_attention.py)."""
     return (mask.float() * LOG2E) > float("-inf")
 
 
@@ -70,8 +71,8 @@ def _scores(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> tuple[Tensor, T
 def _softmax(s: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor]:
     """``(p, stats)``: the softmax over keys (0 in rows nothing is allowed in) and ``[m, log2(l)]`` as the kernel keeps
     them, ``[2, B, H, M]`` fp32 (row max in the log2 domain, 0 in such rows;
-    ``log2`` of the row sum, ``+inf`` there: NOTE [large finite mask values]
-    (moe_compile/ops/triton/masked_attention.py))."""
+    ``log2`` of the row sum, ``+inf`` there;
+    NOTE [large finite mask values] (moe_compile/ops/triton/masked_attention.py))."""
     some = allowed.any(-1, keepdim=True)
     s2 = torch.where(allowed, s * LOG2E, float("-inf"))
     row_max = torch.where(some, s2.amax(-1, keepdim=True), 0.0)

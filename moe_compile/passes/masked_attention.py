@@ -5,8 +5,8 @@ several times slower than its default one. A mask reaches SDPA wherever ``causal
 padding mask, a sliding window, a packed-sequence mask, and every layer under FSDP2, whose graphs take the causal
 mask as an input (its hooks break the graph between the mask and the layers). ``moe.masked_attention`` computes the
 same attention with separate ``dQ`` and ``dK``/``dV`` kernels, so its backward is reproducible at full speed, and it
-skips the blocks the mask removes (NOTE [attention backward in a fixed order]
-(moe_compile/ops/triton/masked_attention.py)).
+skips the blocks the mask removes:
+NOTE [attention backward in a fixed order] (moe_compile/ops/triton/masked_attention.py).
 
 Matches (Dynamo's graph, after ``causal_mask`` and ``pad_attention_value``)::
 

@@ -83,7 +83,8 @@ def test_output_has_sdpa_layout():
 
 
 def test_compiled_matches_eager_bitwise_on_cpu():
-    """The CPU kernel is the reference traced into the graph (NOTE [device-decomposed triton ops])."""
+    """The CPU kernel is the reference traced into the graph:
+    NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)."""
     q, k, v, mask = _inputs(dtype=torch.float32, seed=6)
     fn = torch.compile(lambda a, b, c, m: ma.masked_attention(a, b, c, m) * 2, backend="aot_eager", fullgraph=True)
     assert torch.equal(fn(q, k, v, mask), ma.masked_attention(q, k, v, mask) * 2)

@@ -2,8 +2,9 @@
 
 Qwen3-MoE's attention (32 query heads over 4 key/value heads, head dim 128) and MLA head dims (192 / 128), bf16,
 1024 tokens: a causal mask with left padding, and a ``finfo.min`` additive mask. Output and gradients within eager's
-own distance from fp32 SDPA as transformers calls it (memory-efficient attention; NOTE [derived tolerances]
-(tests/_tolerance.py)), the mask's zeros exactly zero; the backward bitwise equal run to run, eager and compiled.
+own distance from fp32 SDPA as transformers calls it (memory-efficient attention;
+NOTE [derived tolerances] (tests/_tolerance.py)), the mask's zeros exactly zero; the backward bitwise equal run to
+run, eager and compiled.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def _mask_tile(mask_ptr, offs_m, offs_n, stride_mm, stride_mn, M, N, MASK_KIND: 
         allowed = (tl.load(ptrs, mask=inside, other=0) != 0) & inside
         bias = tl.zeros(allowed.shape, dtype=tl.float32)
     else:
-        # NOTE [large finite mask values]: a value whose log2-domain product overflows forbids the entry
+        # a value whose log2-domain product overflows forbids the entry (NOTE [large finite mask values])
         bias = tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32) * 1.4426950408889634
         allowed = (bias > float("-inf")) & inside
     return allowed, bias

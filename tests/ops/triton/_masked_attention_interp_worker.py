@@ -17,7 +17,8 @@ CASES = {
     "bf16_float_mask_mqa": (1, 4, 1, 20, 36, 32, 32, "bfloat16", "float"),
     "fp16_mla_head_dims": (1, 2, 2, 24, 24, 48, 32, "float16", "bool"),
     "fp32_mask_per_head": (2, 2, 1, 16, 20, 16, 16, "float32", "per_head"),
-    # finfo.min instead of -inf, and rows of nothing else (NOTE [large finite mask values])
+    # finfo.min instead of -inf, and rows of nothing else:
+    # NOTE [large finite mask values] (moe_compile/ops/triton/masked_attention.py)
     "fp32_finfo_min_rows": (1, 2, 2, 18, 18, 16, 16, "float32", "finfo_min"),
     "bf16_finfo_min_rows": (1, 2, 1, 18, 18, 16, 16, "bfloat16", "finfo_min"),
 }
@@ -54,8 +55,8 @@ def _inputs(B, H, Hkv, M, N, Dk, Dv, dtype, kind, seed):
 
 def _sdpa_step(q, k, v, mask, grad, dtype):
     """Torch's SDPA in ``dtype`` (eager), or fp64 for the reference: ``{out, dq, dk, dv}``. A float mask's values that
-    overflow in the log2 domain are ``-inf`` first, the rule of the CUDA kernel the op replaces (NOTE [large finite
-    mask values] (moe_compile/ops/triton/masked_attention.py)); CPU SDPA's flash kernel has another one."""
+    overflow in the log2 domain are ``-inf`` first, the rule of the CUDA kernel the op replaces (CPU SDPA's flash kernel
+    has another one): NOTE [large finite mask values] (moe_compile/ops/triton/masked_attention.py)."""
     import torch
     import torch.nn.functional as F
 
