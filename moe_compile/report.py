@@ -137,11 +137,12 @@ class Report:
         (``"layer: matched -> replacement"``) and, for ``deterministic``, the non-deterministic sources the audit
         found left in that graph. Graphs where neither happened are not listed."""
         graphs: dict[str, dict[str, list[str]]] = {}
+        left = self.nondeterministic if option == "deterministic" else []
         for r in self.records:
             if r.kind == "rewrite" and option in r.option.split(","):
                 line = f"{r.layer}: {short_chain(r.what)} -> {r.detail}"
                 key = "changed"
-            elif option == "deterministic" and r in self.nondeterministic:
+            elif r in left:
                 line, key = f"{r.layer}: {r.what}", "left"
             else:
                 continue
@@ -237,7 +238,7 @@ class Report:
         out += textwrap.wrap(summary, width, subsequent_indent="  ")
         # with deterministic=True (a rewrite made for it): what it changed and left, graph by graph
         by_graph = self.option_by_graph("deterministic")
-        if any("deterministic" in r.option.split(",") for r in self.rewrites):
+        if any(entry["changed"] for entry in by_graph.values()):
             out.append("deterministic=True, per compiled graph (kernels the option changed; non-deterministic left):")
             for graph, entry in by_graph.items():
                 for key in ("changed", "left"):
