@@ -30,9 +30,11 @@ it against eager's own distance from a wider reference (the family matrix, the f
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
+
+from moe_compile.passes._validate import relative_noise
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -232,7 +234,7 @@ class TensorError:
 
 
 def eager_bound_errors(compiled: Step, eager: Step, ref: Step, inductor: Step | None = None, *,
-                       dtype: torch.dtype = torch.bfloat16) -> list[TensorError]:
+                       dtype: torch.dtype = torch.bfloat16, few_samples: Collection[str] = ()) -> list[TensorError]:
     """Per tensor of ``ref``: ``|compiled - ref| <= 4 |eager - ref| [+ |inductor - ref|] + u(dtype) max|ref|``.
 
     ``eager`` and ``compiled`` ran in ``dtype`` (bf16 for the family matrix), ``ref`` in a wider one on the same
@@ -242,12 +244,19 @@ def eager_bound_errors(compiled: Step, eager: Step, ref: Step, inductor: Step | 
     (plain Inductor's step) adds its own distance: its upcasts and fusions, or a routing choice it flips, are the
     compile's noise on this model, which a rewrite does not change.
 
+    ``few_samples`` names tensors whose eager error is one draw of a few roundings (every gradient of a one-token
+    step is a product of one row's values): as in translation validation (``SMALL_TENSOR``,
+    :func:`moe_compile.passes._validate.relative_noise`), eager's error counted for them is at least the step's
+    noise (eager's largest relative error over its tensors of at least ``SMALL_TENSOR`` elements) times their
+    magnitude. A wrong expert or a dropped term is off by its own magnitude, far past it.
+
     A tensor that eager computes with an inf or a NaN (an fp16 overflow) is not judged (``note``: eager not
     finite). Exact zeros come first, where no relative bound sees anything: a tensor exactly zero in ``eager`` must be
     exactly zero compiled, and an element exactly zero in both ``eager`` and ``ref`` (a structural zero: an expert
     no token reached, a masked entry) must be exactly zero compiled, unless plain Inductor's is not either.
     """
     rows = []
+    noise = relative_noise(eager, ref) if few_samples else 0.0
     for name, want in ref.items():
         got, low = compiled.get(name), eager.get(name)
         ind = inductor.get(name) if inductor is not None else None
@@ -265,7 +274,8 @@ def eager_bound_errors(compiled: Step, eager: Step, ref: Step, inductor: Step | 
         err = (got - want).abs().max().item() if want.numel() else 0.0
         eager_err = (low - want).abs().max().item() if want.numel() else 0.0
         ind_err = (ind - want).abs().max().item() if ind is not None and want.numel() else None
-        bound = 4 * eager_err + unit_roundoff(dtype) * scale + (ind_err or 0.0)
+        counted = max(eager_err, noise * scale) if name in few_samples else eager_err
+        bound = 4 * counted + unit_roundoff(dtype) * scale + (ind_err or 0.0)
         note, ratio = "", err / max(bound, 1e-300) if err else 0.0
         structural = (low == 0) & (want == 0) & (got != 0)
         if ind is not None:
@@ -282,8 +292,8 @@ def eager_bound_errors(compiled: Step, eager: Step, ref: Step, inductor: Step | 
 
 
 def within_eager_bound(compiled: Step, eager: Step, ref: Step, inductor: Step | None = None, *,
-                       dtype: torch.dtype = torch.bfloat16, always_judged: Sequence[str] = ("loss",)
-                       ) -> tuple[bool, tuple[str, float], list[str]]:
+                       dtype: torch.dtype = torch.bfloat16, always_judged: Sequence[str] = ("loss",),
+                       few_samples: Collection[str] = ()) -> tuple[bool, tuple[str, float], list[str]]:
     """``(ok, (worst tensor, its ratio to the bound), unjudged)`` under :func:`eager_bound_errors`' bound.
 
     With ``inductor``, a tensor beyond the bound that eager or plain Inductor misses by ``UNJUDGED_NOISE`` of its
@@ -292,7 +302,7 @@ def within_eager_bound(compiled: Step, eager: Step, ref: Step, inductor: Step | 
     hid there), or it breaks an exact zero.
     """
     worst, ok, unjudged = ("", 0.0), True, []
-    for row in eager_bound_errors(compiled, eager, ref, inductor, dtype=dtype):
+    for row in eager_bound_errors(compiled, eager, ref, inductor, dtype=dtype, few_samples=few_samples):
         if row.note == "eager not finite":
             unjudged.append(row.name)
             continue

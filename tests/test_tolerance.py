@@ -245,3 +245,23 @@ def test_bound_floor_is_one_rounding_in_the_compute_dtype(dtype):
     for factor, ok in ((0.9, True), (1.1, False)):
         got = ref + factor * floor * sign
         assert tol.within_eager_bound({"w": got}, {"w": ref}, {"w": ref}, dtype=dtype)[0] is ok
+
+
+def test_few_samples_counts_the_steps_noise():
+    """``few_samples``: a tensor whose eager error is one lucky draw (one token) is judged with the step's noise
+    (eager's largest relative error over tensors of at least 64 elements) as eager's floor; without it the same
+    error fails, and a wrong value (a dropped term: off by its own magnitude) fails either way."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    big, w = torch.randn(64, 32, generator=gen), torch.randn(16, 16, generator=gen)
+    noise = 1e-4 * big.abs().max() * torch.randn(64, 32, generator=gen).sign()
+    lucky = 1e-7 * w.abs().max() * torch.randn(16, 16, generator=gen).sign()  # eager's error on w: a tiny draw
+    ref = {"big": big, "w": w}
+    eager = {"big": big + noise, "w": w + lucky}
+    rel = float((noise.abs().max() / big.abs().max()))
+    plausible = {"big": big + noise, "w": w + 2 * rel * w}  # another order of the same sums: the step's noise
+    assert not tol.within_eager_bound(plausible, eager, ref, dtype=torch.float32, always_judged=())[0]
+    ok, worst, _ = tol.within_eager_bound(plausible, eager, ref, dtype=torch.float32, always_judged=(),
+                                          few_samples={"w"})
+    assert ok and worst[0] == "w"
+    wrong = {"big": big + noise, "w": w - w * (torch.rand(16, 16, generator=gen) < 0.5)}
+    assert not tol.within_eager_bound(wrong, eager, ref, dtype=torch.float32, always_judged=(), few_samples={"w"})[0]

@@ -499,14 +499,14 @@ def judge(got: dict[str, Any], base: dict[str, Any], reference: Callable[[], _Ou
                 ref_outputs = reference()
             ref = ref_outputs.tensors.get(key) if ref_outputs is not None else None
             if noise is None:
-                noise = _relative_noise(base, ref_outputs.tensors if ref_outputs is not None else {})
+                noise = relative_noise(base, ref_outputs.tensors if ref_outputs is not None else {})
             c = _judge_float(name, g, b, ref, u_low, noise)
         if worst is None or c.ratio > worst.ratio:
             worst = c
     return Verdict(worst is None or worst.ratio <= 1.0, worst)
 
 
-def _relative_noise(base: dict[str, Any], refs: dict[str, Any]) -> float:
+def relative_noise(base: dict[str, Any], refs: dict[str, Any]) -> float:
     """The baseline's largest relative distance from the reference over its float tensors of at least
     ``SMALL_TENSOR`` elements (``max|base - ref| / max|ref|``): the graph's own noise, estimated where the
     estimate is stable."""
@@ -548,4 +548,5 @@ def _judge_float(name: str, got: torch.Tensor, base: torch.Tensor, ref: torch.Te
     return Compared(name, float((g - b).abs().max()), math.sqrt(u) * float(b.abs().max()), "max (vs the baseline)")
 
 
-__all__ = ["Compared", "StageValidator", "Unavailable", "Verdict", "compiling", "judge", "mutated_sources"]
+__all__ = ["Compared", "StageValidator", "Unavailable", "Verdict", "compiling", "judge", "mutated_sources",
+           "relative_noise"]
