@@ -243,9 +243,11 @@ def _unaccounted_expert_layers(model: torch.nn.Module, rep: report.Report) -> li
     for: ``not_in_graph`` when no compiled graph contained it, else ``dispatch_form_unknown`` (no pass recognised
     its dispatch); the detail says what the layer looks like."""
     accounted = {r.layer for r in rep.records if r.kind in ("skip", "error") or (r.kind == "rewrite" and r.moe)}
+    # the swap names the model itself "<root>" (a block that is the whole model): it holds every layer
+    root = any(r.pass_name == "swap_expert_loops" and r.layer == "<root>" for r in rep.records)
     records = []
     for layer in find_expert_layers(model):
-        if any(_same_module(layer.name, seen) for seen in accounted):
+        if root or any(_same_module(layer.name, seen) for seen in accounted):
             continue
         if any(_inside(layer.name, seen) for seen in rep.graph_layers):
             tag, why = "dispatch_form_unknown", "is in a compiled graph, but no pass recognised its dispatch"

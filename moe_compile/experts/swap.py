@@ -10,10 +10,18 @@ What is recognised (``E`` experts, ``H`` hidden):
   parameters on an experts module (also a ``GroupedExpertList``: ModuleList experts after ``quantize_experts``, read
   through its grouped weights), with projections named ``w1/w3/w2`` or ``gate_proj/up_proj/down_proj`` (gated:
   ``down(act(gate(x)) * up(x))``), or ``fc1/fc2``, ``up_proj/down_proj``, ``w1/w2`` (``down(act(up(x)))``); the
-  activation is the expert's (or experts module's) ``act_fn`` / ``act`` / ``activation``;
+  activation is the expert's (or experts module's) ``act_fn`` / ``act`` / ``activation``, or, for experts that call
+  one directly (``F.silu(self.w1(x))``), the one of silu / gelu / gelu-tanh / relu that the probe finds;
 * routing: the block's ``route(x_TH) -> (ids_TK, weights_TK)`` if it has one, else ``gate`` (``nn.Linear`` H -> E)
-  + ``top_k`` / ``num_experts_per_tok``: ``softmax`` in fp32 -> ``topk`` (renormalised or not);
-* weights applied before or after the MLP.
+  + ``top_k`` / ``num_experts_per_tok``: ``softmax`` in fp32 -> ``topk`` (renormalised or not), else a ``gate``
+  module that routes itself, returning ``(weights_TK, ids_TK)`` in either order (DeepSeek-V3's reference ``Gate``);
+* weights applied before or after the MLP; shared experts (``shared_experts`` / ``shared_expert`` / ``shared_mlp``,
+  Qwen2-MoE's ``shared_expert_gate`` sigmoid gate) added or not.
+
+Whatever the loop does around the experts is not read: it is replaced whole. This is how a loop with data-dependent
+control flow is captured (``counts = bincount(ids).tolist()``, ``if counts[i] == 0: continue``, the reference
+inference code of open releases, ``tests/models/skip_loops.py``): skipping an expert without tokens changes nothing,
+and the fused path reads no count on the host.
 
 NOTE [probe before swap]: nothing above is proven from the code. Each candidate (weights before / after the MLP,
 renormalised or not) runs once on a random probe of 256 tokens (``[4, 64, H]``, or ``[256, H]`` for a block that
@@ -47,15 +55,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_compile.experts._grad_views import GradViews, per_expert_views
+from moe_compile.experts._probe import PROBE_ULPS, NotSwappable, outputs, probe_input, row_mismatch, verify
 from moe_compile.experts.discovery import ExpertGroup, ExpertLinear, find_expert_weights
 from moe_compile.experts.interface import SUPPORTED_DTYPES, Projection, fused_experts_forward, glu_of, is_hf_experts
 from moe_compile.experts.quantize import GroupedExpertList
@@ -65,37 +76,42 @@ _PLAIN = (("fc1", "fc2"), ("up_proj", "down_proj"), ("w1", "w2"))
 _ACT_NAMES = ("act_fn", "act", "activation", "activation_fn")
 
 
-class NotSwappable(Exception):
-    """A block the swap leaves alone; ``tag`` is the ``explain`` reason."""
-
-    def __init__(self, tag: str, detail: str):
-        super().__init__(f"{tag}: {detail}")
-        self.tag, self.detail = tag, detail
-
-
 @dataclasses.dataclass
 class _Plan:
     paths: tuple[str, ...]  # projection names, the last one is down
     gated: bool
-    act: Callable[[Tensor], Tensor]
+    act: Callable[[Tensor], Tensor] | None  # None until a candidate is chosen (no act module to read it from)
     num_experts: int
     top_k: int | None
+    router: str = "gate_linear"  # route: block.route(x) | gate_linear: softmax top-k of gate(x) | gate_call
     weights_before: bool = False
     renormalize: bool = False
     returns_logits: bool = False
     glu: str | None = None  # the gated middle is this fused GLU (experts.interface.glu_of)
+    shared: str | None = None  # a shared-experts module whose output is added (and its sigmoid gate module)
+    shared_gate: str | None = None
+    act_name: str = ""  # the candidate activation the probe chose ("" when the experts name theirs)
+
+
+# activations the probe tries for experts that call one directly (``F.silu(self.w1(x))``: no module to read it from)
+_ACT_CANDIDATES: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
+# shared experts added to the routed experts' output (DeepSeek, Qwen2-MoE), with Qwen2-MoE's sigmoid gate
+_SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
+_SHARED_GATE_NAMES = ("shared_expert_gate",)
 
 
 # ===== expert layout =====
 
 
-def _act_of(*owners: Any) -> Callable[[Tensor], Tensor]:
+def _act_of(*owners: Any) -> Callable[[Tensor], Tensor] | None:
+    """The experts' activation module (``act_fn``, ...), or None: the probe then tries :data:`_ACT_CANDIDATES`."""
     for owner in owners:
         for name in _ACT_NAMES:
             act = getattr(owner, name, None)
             if callable(act):
                 return act
-    raise NotSwappable("no_activation", f"no callable {' / '.join(_ACT_NAMES)} on the experts")
+    return None
 
 
 def _projection_names(available: set[str]) -> tuple[tuple[str, ...], bool]:
@@ -213,8 +229,11 @@ class _GroupedViews:
 
 
 def _route(block: nn.Module, plan: _Plan, x_TH: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-    if callable(getattr(block, "route", None)):
+    if plan.router == "route":
         ids_TK, weights_TK = block.route(x_TH)
+        return ids_TK, weights_TK, None
+    if plan.router == "gate_call":
+        ids_TK, weights_TK = _gate_call(block.gate(x_TH))
         return ids_TK, weights_TK, None
     logits_TE = block.gate(x_TH)
     probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
@@ -222,6 +241,17 @@ def _route(block: nn.Module, plan: _Plan, x_TH: Tensor) -> tuple[Tensor, Tensor,
     if plan.renormalize:
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
     return ids_TK, weights_TK.to(x_TH.dtype), logits_TE
+
+
+def _gate_call(out: Any) -> tuple[Tensor, Tensor]:
+    """``(ids_TK, weights_TK)`` from a gate module's output: a pair of ``[T, K]`` tensors, one integer and one
+    floating, in either order (DeepSeek-V3's reference ``Gate`` returns ``weights, indices``)."""
+    if isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out):
+        ints = [t for t in out if not t.is_floating_point()]
+        floats = [t for t in out if t.is_floating_point()]
+        if len(ints) == 1 and len(floats) == 1 and ints[0].shape == floats[0].shape and ints[0].dim() == 2:
+            return ints[0], floats[0]
+    raise NotSwappable("no_router", "the gate module does not return (weights [T, K], expert ids [T, K])")
 
 
 def _gated_middle(act: Callable[[Tensor], Tensor], n_ups: int) -> Callable[..., Tensor]:
@@ -244,106 +274,13 @@ def _fused_block_forward(block: nn.Module, plan: _Plan, projections: Callable[[]
     middle = _gated_middle(plan.act, len(ups)) if plan.gated else plan.act
     y_TH = fused_experts_forward(x_TH, ids_TK, weights_TK, ups, middle, down, num_experts=plan.num_experts,
                                  weights_before=plan.weights_before, glu=plan.glu)
+    if plan.shared is not None:
+        shared_TH = getattr(block, plan.shared)(x_TH)
+        if plan.shared_gate is not None:
+            shared_TH = torch.sigmoid(getattr(block, plan.shared_gate)(x_TH)) * shared_TH
+        y_TH = y_TH + shared_TH
     y = y_TH.reshape(hidden.shape)
     return (y, logits_TE) if plan.returns_logits else y
-
-
-# NOTE [probe before swap] tolerance: each token's output row (and each gradient's row) within this many ulps of
-# its own largest value; the fused path computes the same sums in another order (at most 2.2 ulps over 40 random
-# blocks in bf16/fp16/fp32), while a routing choice it makes differently (a selection bias, a scaled weight) moves
-# a token's row by 50 ulps and more.
-PROBE_ULPS = 8
-PROBE_FLOOR_ULPS = 4  # ... plus this many of the tensor's (a gradient's: all the gradients') largest value
-PROBE_SHAPES = ((4, 64), (256,))  # batch and sequence, or tokens only: 256 tokens
-
-
-def _probe_input(block: nn.Module, hidden: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A random probe of 256 tokens the block's own forward accepts: ``[4, 64, H]`` (batch and sequence), else
-    ``[256, H]`` (a block that takes tokens only); a block that runs on neither is not swapped."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    failures = []
-    for lead in PROBE_SHAPES:
-        x = torch.randn(*lead, hidden, generator=gen).to(device=device, dtype=dtype)
-        try:
-            block.forward(x)
-        except Exception as exc:  # noqa: BLE001 - any failure of the user's forward on this shape
-            failures.append(f"{[*lead, hidden]}: {type(exc).__name__}: {str(exc)[:120]}")
-            continue
-        return x
-    raise NotSwappable("probe_failed", "the block's forward fails on every probe shape (" + "; ".join(failures) + ")")
-
-
-def _row_mismatch(got: Tensor, want: Tensor, scale: float = 0.0) -> float:
-    """``max`` over rows of ``max |got - want| / tol`` (a row: the last dim), ``tol`` being ``PROBE_ULPS`` ulps of the
-    row's largest value plus ``PROBE_FLOOR_ULPS`` of ``max(scale, max |want|)`` (a row that cancels to nearly nothing
-    is judged against the tensor, a gradient that does against all the gradients: ``scale``); ``inf`` when the
-    shapes differ."""
-    if not isinstance(got, Tensor) or not isinstance(want, Tensor) or got.shape != want.shape:
-        return math.inf
-    if want.numel() == 0:
-        return 0.0
-    eps = torch.finfo(want.dtype).eps if want.is_floating_point() else 0.0
-    g, w = got.detach().float().reshape(-1, want.shape[-1] if want.dim() else 1), want.detach().float()
-    w = w.reshape(g.shape)
-    floor = PROBE_FLOOR_ULPS * eps * max(w.abs().max().item(), scale)
-    tol = PROBE_ULPS * eps * w.abs().amax(dim=1) + floor
-    err = (g - w).abs().amax(dim=1)
-    if not bool(torch.isfinite(err).all()):
-        return math.inf
-    return float((err / tol.clamp_min(1e-30)).max().item()) if bool((err > 0).any()) else 0.0
-
-
-def _outputs(out: Any) -> tuple[Any, ...]:
-    return out if isinstance(out, tuple) else (out,)
-
-
-def _probe_error(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projection]], x: Tensor) -> float:
-    """The fused candidate against the block's own forward on the probe ``x`` (:func:`_row_mismatch`: ``<= 1`` is a
-    match). Sets ``plan.returns_logits`` from the block's output: a ``(y, router_logits)`` pair is matched whole."""
-    want = block.forward(x)
-    plan.returns_logits = isinstance(want, tuple)
-    if plan.returns_logits and (plan.top_k is None or len(want) != 2):
-        return math.inf
-    got = _fused_block_forward(block, plan, projections, x)
-    return max(_row_mismatch(g, w) for g, w in zip(_outputs(got), _outputs(want)))
-
-
-def _verify(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projection]], x: Tensor) -> None:
-    """The chosen candidate in training mode too (the block's training forward may differ: an extra output, noise),
-    and its backward against the block's own (a custom autograd function in the block has a backward that the
-    forward does not show): gradients of the probe and of every parameter that requires one, each within
-    :func:`_row_mismatch`. Raises :class:`NotSwappable` on a mismatch."""
-    returns_logits = plan.returns_logits
-    for training in (False, True):
-        block.train(training)
-        with torch.no_grad():
-            err = _probe_error(block, plan, projections, x)
-        if plan.returns_logits != returns_logits or not err <= 1:
-            mode = "training" if training else "eval"
-            raise NotSwappable("probe_mismatch", f"the fused forward does not match the block's own in {mode} mode "
-                                                 f"(worst row {err:.3g}x of {PROBE_ULPS} ulps)")
-    names, params = zip(*[(n, p) for n, p in block.named_parameters() if p.requires_grad]) if any(
-        p.requires_grad for p in block.parameters()) else ((), ())
-    probe = x.detach().clone().requires_grad_(x.is_floating_point())
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    with torch.enable_grad():
-        want = _outputs(block.forward(probe))[0]
-        got = _outputs(_fused_block_forward(block, plan, projections, probe))[0]
-        cot = torch.randn(want.shape, generator=gen).to(device=want.device, dtype=want.dtype)
-        inputs = (probe, *params)
-        grads_want = torch.autograd.grad(want, inputs, cot, allow_unused=True)
-        grads_got = torch.autograd.grad(got, inputs, cot, allow_unused=True)
-    pairs = [(name, g, w) for name, g, w in zip(("input", *names), grads_got, grads_want)
-             if g is not None or w is not None]
-    scale = max((t.detach().abs().max().item() for _, g, w in pairs for t in (g, w) if t is not None and t.numel()),
-                default=0.0)
-    for name, g, w in pairs:
-        g = torch.zeros_like(w) if g is None else g
-        w = torch.zeros_like(g) if w is None else w
-        err = _row_mismatch(g, w, scale)
-        if not err <= 1:
-            raise NotSwappable("probe_grad_mismatch", f"the fused backward does not match the block's own: gradient "
-                                                      f"of {name} (worst row {err:.3g}x of {PROBE_ULPS} ulps)")
 
 
 def _plan_block(block: nn.Module, group: ExpertGroup) -> _Plan:
@@ -353,29 +290,88 @@ def _plan_block(block: nn.Module, group: ExpertGroup) -> _Plan:
     # the activation lives on each expert of a list (also a GroupedExpertList, which is stacked), else on the module
     owner = group.module[0] if isinstance(group.module, nn.ModuleList) and len(group.module) else group.module
     act = _act_of(owner, block)
-    has_route = callable(getattr(block, "route", None))
     top_k = getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok", None)
     gate = getattr(block, "gate", None)
-    if not has_route and not (isinstance(gate, nn.Linear) and gate.out_features == E and isinstance(top_k, int)):
-        raise NotSwappable("no_router", "no route(x) method and no gate Linear(H, E) with top_k")
-    if not has_route:
+    if callable(getattr(block, "route", None)):
+        router = "route"
+    elif isinstance(gate, nn.Linear) and gate.out_features == E and isinstance(top_k, int):
+        router = "gate_linear"
+    elif isinstance(gate, nn.Module) and not isinstance(gate, nn.Linear):
+        router = "gate_call"  # a gate module that routes itself: (weights, ids) = gate(x)
+    else:
+        raise NotSwappable("no_router", "no route(x) method, no gate Linear(H, E) with top_k and no gate module "
+                                        "returning (weights, ids)")
+    if router != "route":
         _check_no_other_state(block, group)
-    glu = glu_of(_gated_middle(act, 1)) if gated else None
-    return _Plan(names, gated, act, E, None if has_route else top_k, glu=glu)
+    return _Plan(names, gated, act, E, top_k if router == "gate_linear" else None, router=router)
+
+
+def _shared_modules(block: nn.Module) -> tuple[str | None, str | None]:
+    """The names of the block's shared-experts module and of its gate module (None where it has none)."""
+    shared = next((n for n in _SHARED_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
+    gate = next((n for n in _SHARED_GATE_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
+    return shared, gate if shared is not None else None
 
 
 def _check_no_other_state(block: nn.Module, group: ExpertGroup) -> None:
-    """A block routed by ``gate`` + ``top_k`` must hold no tensor besides the gate's and the experts': the fused
-    path reads no other, so any other (a selection bias, a load counter the forward updates) is routing or a side
-    effect it would drop, whether or not a probe happens to show it (fuzzer finding: a selection bias of 0.1 that
-    changed no probe token's expert and one token of eight in the model)."""
+    """A block routed by ``gate`` must hold no tensor besides the gate's, the experts' and the shared experts': the
+    fused path reads no other, so any other (a selection bias, a load counter the forward updates) is routing or a
+    side effect it would drop, whether or not a probe happens to show it (fuzzer finding: a selection bias of 0.1
+    that changed no probe token's expert and one token of eight in the model). A gate module that routes itself
+    reads its own tensors (DeepSeek-V3's selection bias lives on its ``Gate``)."""
     experts = next((name for name, m in block.named_modules() if m is group.module), None)
-    owners = ("gate.",) + ((experts + ".",) if experts else ())
+    owners = ("gate.", *(n + "." for n in _shared_modules(block) if n)) + ((experts + ".",) if experts else ())
     other = [n for n, _ in (*block.named_parameters(), *block.named_buffers()) if not n.startswith(owners)]
     if other:
         raise NotSwappable("block_state_unused", f"the block holds {', '.join(other[:4])}"
                                                  f"{' ...' if len(other) > 4 else ''}, which the fused path (gate, "
-                                                 "softmax top-k, experts) does not read")
+                                                 "top-k, experts, shared experts) does not read")
+
+
+def _probe_error(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projection]], x: Tensor) -> float:
+    """The fused candidate against the block's own forward on the probe ``x`` (:func:`row_mismatch`: ``<= 1`` is a
+    match). Sets ``plan.returns_logits`` from the block's output: a ``(y, router_logits)`` pair is matched whole."""
+    want = block.forward(x)
+    plan.returns_logits = isinstance(want, tuple)
+    if plan.returns_logits and (plan.top_k is None or len(want) != 2):
+        return math.inf
+    got = _fused_block_forward(block, plan, projections, x)
+    return max(row_mismatch(g, w) for g, w in zip(outputs(got), outputs(want)))
+
+
+def _candidates(block: nn.Module, plan: _Plan) -> list[dict[str, Any]]:
+    """Every reading of the block the probe tries: weights before or after the MLP, renormalised or not (a
+    ``gate_linear`` router), the activation (when no module names it), the shared experts added or not."""
+    acts = {plan.act_name: plan.act} if plan.act is not None else _ACT_CANDIDATES
+    shared, shared_gate = _shared_modules(block)
+    shareds = [(None, None)] + ([(shared, None)] if shared else []) + ([(shared, shared_gate)] if shared_gate else [])
+    renorms = (True, False) if plan.router == "gate_linear" else (False,)
+    return [dict(weights_before=before, renormalize=renorm, act_name=name, act=act, shared=sh, shared_gate=sg)
+            for before in (False, True) for renorm in renorms for name, act in acts.items() for sh, sg in shareds]
+
+
+def _choose(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projection]], x: Tensor) -> None:
+    """Set ``plan`` to the candidate closest to the block's own forward on the probe ``x``, if it is within
+    tolerance (in bf16 a wrong candidate can come close); raises :class:`NotSwappable` otherwise."""
+    errors = []
+    for i, candidate in enumerate(_candidates(block, plan)):
+        for field, value in candidate.items():
+            setattr(plan, field, value)
+        plan.glu = glu_of(_gated_middle(plan.act, 1)) if plan.gated else None
+        try:
+            errors.append((_probe_error(block, plan, projections, x), i, candidate))
+        except NotSwappable:
+            raise
+        except Exception:  # noqa: BLE001 - a candidate the block's shapes or dtypes do not admit
+            errors.append((math.inf, i, candidate))
+    err, _, best = min(errors, key=lambda e: e[:2])
+    if not err <= 1:
+        raise NotSwappable("probe_mismatch", f"no fused candidate matched the block's own forward on a probe "
+                                             f"(closest: worst row {err:.3g}x of {PROBE_ULPS} ulps)")
+    for field, value in best.items():
+        setattr(plan, field, value)
+    plan.glu = glu_of(_gated_middle(plan.act, 1)) if plan.gated else None
+    _probe_error(block, plan, projections, x)  # sets returns_logits
 
 
 def swap_block(block: nn.Module, group: ExpertGroup) -> str:
@@ -405,23 +401,16 @@ def swap_block(block: nn.Module, group: ExpertGroup) -> str:
     was_training = [m.training for m in block.modules()]
     block.eval()
     try:
+        x = probe_input(block, hidden, weight.dtype, weight.device)
         with torch.no_grad():
-            candidates = [(before, renorm) for before in (False, True) for renorm in (True, False)]
-            if plan.top_k is None:
-                candidates = [(before, False) for before in (False, True)]
-            x = _probe_input(block, hidden, weight.dtype, weight.device)
-            errors = {}
-            for before, renorm in candidates:
-                plan.weights_before, plan.renormalize = before, renorm
-                errors[(before, renorm)] = _probe_error(block, plan, probe_projections, x)
-            # the closest candidate, if it is within tolerance (in bf16 a wrong candidate can come close)
-            (before, renorm), err = min(errors.items(), key=lambda item: item[1])
-            if not err <= 1:
-                raise NotSwappable("probe_mismatch", f"no fused candidate matched the block's own forward on a probe "
-                                                     f"(closest: worst row {err:.3g}x of {PROBE_ULPS} ulps)")
-            plan.weights_before, plan.renormalize = before, renorm
-            _probe_error(block, plan, probe_projections, x)  # sets returns_logits
-        _verify(block, plan, probe_projections, x)
+            _choose(block, plan, probe_projections, x)
+        returns_logits = plan.returns_logits
+
+        def forward_error() -> float:
+            err = _probe_error(block, plan, probe_projections, x)
+            return err if plan.returns_logits == returns_logits else math.inf
+
+        verify(block, forward_error, lambda t: _fused_block_forward(block, plan, probe_projections, t), x)
     finally:
         for m, t in zip(block.modules(), was_training):
             m.training = t
@@ -434,8 +423,12 @@ def swap_block(block: nn.Module, group: ExpertGroup) -> str:
     else:
         block._moe_compile_experts = group
         block.forward = types.MethodType(_swapped_stacked_forward, block)
+    extras = "".join([f", activation {plan.act_name}" if plan.act_name else "",
+                      f", routed by {plan.router}" if plan.router != "gate_linear" else "",
+                      f", + {plan.shared}" if plan.shared else "",
+                      f" (gated by {plan.shared_gate})" if plan.shared_gate else ""])
     return (f"{group.kind} experts ({plan.num_experts}, {'gated' if plan.gated else 'plain'} "
-            f"{'/'.join(plan.paths)}), weights {'before' if plan.weights_before else 'after'} the MLP: "
+            f"{'/'.join(plan.paths)}), weights {'before' if plan.weights_before else 'after'} the MLP{extras}: "
             "permute_pad -> grouped GEMMs -> unpad_unpermute")
 
 
