@@ -20,10 +20,10 @@ class NotSwappable(Exception):
         self.tag, self.detail = tag, detail
 
 
-# NOTE [probe before swap] tolerance: each token's output row (and each gradient's row) within this many ulps of
-# its own largest value; the fused path computes the same sums in another order (at most 2.2 ulps over 40 random
-# blocks in bf16/fp16/fp32), while a routing choice it makes differently (a selection bias, a scaled weight) moves
-# a token's row by 50 ulps and more.
+# The tolerance of NOTE [probe before swap] (moe_compile/experts/swap.py): each token's output row (and each
+# gradient's row) within this many ulps of its own largest value; the fused path computes the same sums in another
+# order (at most 2.2 ulps over 40 random blocks in bf16/fp16/fp32), while a routing choice it makes differently (a
+# selection bias, a scaled weight) moves a token's row by 50 ulps and more.
 PROBE_ULPS = 8
 PROBE_FLOOR_ULPS = 4  # ... plus this many of the tensor's (a gradient's: all the gradients') largest value
 PROBE_SHAPES = ((4, 64), (256,))  # batch and sequence, or tokens only: 256 tokens

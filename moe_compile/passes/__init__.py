@@ -67,6 +67,9 @@ PASSES: tuple[PassEntry, ...] = (
               doc="host-sized split/pad/unpad (tolist counts) -> moe.permute_pad + offs_E + moe.unpad_unpermute"),
     PassEntry("fuse_dispatch", "pre_grad", "moe_compile.passes.fuse_dispatch:run", default=True,
               doc="sort-based MoE dispatch -> moe.permute_pad + grouped GEMM + moe.unpad_unpermute"),
+    PassEntry("capacity_dispatch", "pre_grad", "moe_compile.passes.capacity_dispatch:run", default=True,
+              doc="capacity-factor dispatch: einsums over a one-hot [T, E, C] dispatch tensor -> gathers of the "
+                  "routed rows (linear in tokens)"),
     PassEntry("replace_grouped_mm_fallback", "pre_grad", "moe_compile.passes.replace_grouped_mm_fallback:run",
               default=True, doc="transformers.grouped_mm_fallback (tolist host sync) -> moe.grouped_mm"),
     PassEntry("fuse_expert_mlp", "pre_grad", "moe_compile.passes.fuse_expert_mlp:run", default=True,

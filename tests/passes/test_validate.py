@@ -247,6 +247,12 @@ def _glu_inference():
     return _moe(GLU_FORMS["silu_chunk"][0], "fallback"), _inputs(torch.float32), {}
 
 
+def _capacity_layer():
+    from tests.models.capacity_layers import CapacityMoE
+
+    return CapacityMoE(capacity_factor=0.75, dtype=torch.float32), (torch.randn(24, 16),), {}
+
+
 def _routers():
     from tests.models.router_metrics_models import RoutedStack
 
@@ -292,6 +298,7 @@ CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str, tuple[Callable[..
     "fuse_expert_loop": (_expert_loop, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "strip_host_padding": (_host_padded, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "fuse_dispatch": (_sort_dispatch, {}, "passes+aot_eager", (scale_forward, break_backward)),
+    "capacity_dispatch": (_capacity_layer, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "replace_grouped_mm_fallback": (_grouped_mm_fallback, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "fuse_expert_mlp": (_glu_inference, {}, "passes+aot_eager", (scale_forward,)),
     "router_metrics": (_routers, {"metrics": True}, "passes+aot_eager", (nudge_input,)),

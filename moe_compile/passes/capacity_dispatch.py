@@ -1,0 +1,300 @@
+"""Capacity-factor dispatch: einsums over a one-hot ``[T, E, C]`` dispatch tensor -> gathers of ``K`` rows per token.
+
+GShard, Switch Transformer, DeepSpeed-MoE, fairseq and T5X give each expert a static capacity ``C`` and build a
+dispatch tensor whose entry ``(t, e, c)`` is 1 where token ``t`` takes slot ``c`` of expert ``e`` (a running count by
+``cumsum``; choices past ``C`` dropped). The einsums over it cost ``T*E*C*H`` multiply-adds each: quadratic in
+tokens, since ``C ~ T*K/E``.
+
+Matches (Dynamo's Torch IR; ``L`` leading dims, ``[K, T]`` or ``[T]``)::
+
+    D_TEC = sum over the leading dims but t of terms   one_hot(P_LE, C) * f_LE1 * ...    (casts of 0/1 values)
+            where one factor is one_hot(I_L, E) (the expert of each entry), the others weigh it
+    x_ECH = einsum("tec,th->ech", D_TEC, x_TH)         (dispatch)
+    y_TH  = einsum("tec,ech->th", G_TEC, y_ECH)         (combine: G built the same way, weighted by the gates)
+
+Rewrites to (each term's entries ``l``: expert ``I[l]``, slot ``P[l, I[l]]``, weight ``prod f[l, I[l]]``)::
+
+    key_N = I * C + P[.., I]; w_N = prod f[.., I]; tok_N = t of each entry           (N = prod L entries)
+    x_ECH = zeros(E*C, H).index_add(0, key_N, w_N * x_TH[tok_N]).view(E, C, H)      (fp32 for 16-bit x)
+    y_TH  = sum over the leading dims but t of (w_N * y_ECH.view(E*C, H)[key_N])     (fp32 for 16-bit y)
+
+Both are linear in tokens, and the result is the einsum's for any such ``D``: entries that share a slot are summed as
+the einsum sums them (a slot holds one token where the positions come from a running count, which the rewrite does
+not need to know). A cast of the float tensor to a narrower dtype (the combine weights to bf16) rounds each entry's
+weight instead: the same where a slot holds one entry, within a rounding of the sum where several share one. A slot
+position outside ``[0, C)`` weighs nothing, as ``one_hot`` by comparison gives (eager
+``one_hot`` would raise). The combine has no atomics; the dispatch's ``index_add`` (one add per slot) and the
+gather's backward are what ``deterministic_scatter`` makes deterministic with ``deterministic=True``.
+
+Skips when (reason tags, for einsums of the dispatch or combine shape only): ``not_one_hot`` (the ``[T, E, C]``
+operand is not such a sum of one-hot terms: another op, a ``bool()`` of it, a product of two one-hots along ``c``, an
+entry with no ``one_hot(I, E)`` factor), ``symbolic_shape`` (``E``, ``C`` or the
+leading dims not numbers).
+
+Stage: pre-grad (the einsums and one-hots only exist in Dynamo's graph; AOTAutograd differentiates the gathers).
+
+Seen in: ``tests/models/capacity_layers.py`` (GShard-style top-k with a capacity factor), the fuzzer's ``capacity``
+dispatch (``tests/fuzz/emit_dispatch.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from moe_compile.passes import NoMatch, PassContext
+from moe_compile.passes._graph import erase_dead, graph_call, known_int, layer_name, op_name, tensor_val
+
+_EINSUM = ("einsum",)
+_CASTS = ("to", "float", "double", "half", "bfloat16", "type_as", "type", "long", "int")
+_MULS = ("mul", "mul_", operator.mul.__name__)
+
+
+@dataclasses.dataclass
+class _Term:
+    """``D[v..., e, c] = sum over the leading dims not in visible of [I == e] * [P == c] * prod factors``."""
+
+    ids: fx.Node  # [*L] expert of each entry
+    pos: fx.Node  # broadcastable to [*L, E]: the slot along c ([*L] when pos_per_token)
+    factors: list[tuple[fx.Node, bool]]  # (node, its trailing size-1 c dim still to squeeze), each [*L, E]-broadcast
+    lead: tuple[int, ...]  # L
+    visible: tuple[int, ...]  # the dims of L not summed away
+    pos_per_token: bool = False  # one_hot(P_L, C).unsqueeze(-2): one slot per entry whatever e (DeepSpeed)
+    cast: torch.dtype | None = None  # a narrowing cast of the float tensor: each entry's weight rounded to it
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    t = tensor_val(node)
+    if t is None:
+        return None
+    dims = tuple(known_int(s) for s in t.shape)
+    return None if any(d is None for d in dims) else dims  # type: ignore[return-value]
+
+
+def _exact_cast(node: fx.Node, src: fx.Node) -> bool:
+    """A cast that keeps every value: from bool / integer values (0/1 products and small sums), or to a float of at
+    least the source's precision."""
+    a, b = tensor_val(src), tensor_val(node)
+    if a is None or b is None:
+        return False
+    if not a.is_floating_point():
+        return True
+    return b.is_floating_point() and torch.finfo(b.dtype).bits >= torch.finfo(a.dtype).bits and \
+        torch.finfo(b.dtype).eps <= torch.finfo(a.dtype).eps
+
+
+def _cast_source(node: fx.Node) -> fx.Node | None:
+    if op_name(node) in _CASTS and node.args and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    return None
+
+
+def _one_hot(node: Any) -> tuple[fx.Node, int] | None:
+    """``(indices, num_classes)`` of ``one_hot(indices, num_classes)``."""
+    if not isinstance(node, fx.Node) or op_name(node) != "one_hot" or not isinstance(node.args[0], fx.Node):
+        return None
+    n = node.args[1] if len(node.args) > 1 else node.kwargs.get("num_classes")
+    return (node.args[0], n) if isinstance(n, int) and n > 0 else None
+
+
+def _flat_factors(node: fx.Node, squeeze: bool) -> list[tuple[fx.Node, bool]]:
+    """The leaves of a product (``mul`` trees and exact casts) whose value is ``node``'s."""
+    if op_name(node) in _MULS and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args):
+        return [f for a in node.args for f in _flat_factors(a, squeeze)]
+    src = _cast_source(node)
+    if src is not None and _exact_cast(node, src):
+        return _flat_factors(src, squeeze)
+    return [(node, squeeze)]
+
+
+def _plain_factor(node: fx.Node, rank: int) -> list[tuple[fx.Node, bool]]:
+    """A factor of a one-hot term with no ``c`` dim of its own: ``f.unsqueeze(-1)`` or any ``[..., 1]`` tensor of
+    the term's rank; its leaves, each flagged when its trailing size-1 dim must be squeezed."""
+    shape = _shape(node)
+    if shape is None or len(shape) != rank or shape[-1] != 1:
+        raise NoMatch("not_one_hot", f"{node.name}: a factor with a c dim of its own ({shape})")
+    if op_name(node) == "unsqueeze" and node.args[1:2] in ((-1,), (rank - 1,)):
+        return _flat_factors(node.args[0], squeeze=False)
+    return _flat_factors(node, squeeze=True)
+
+
+def _terms(node: fx.Node, E: int, C: int) -> list[_Term]:
+    """``node`` (shape ``[*visible, E, C]``) as a sum of one-hot terms, or NoMatch."""
+    name = op_name(node)
+    src = _cast_source(node)
+    if src is not None:
+        terms = _terms(src, E, C)
+        if _exact_cast(node, src):
+            return terms
+        dtype = tensor_val(node).dtype
+        if not dtype.is_floating_point:
+            raise NoMatch("not_one_hot", f"{node.name}: a cast of float weights to {dtype}")
+        # round(sum of entries) is the rounded weight of the entry where a slot holds one entry (a running count),
+        # and within a rounding of the sum where entries share one
+        return [dataclasses.replace(t, cast=dtype) for t in terms]
+    if name == "one_hot":
+        pos, n = _one_hot(node)
+        shape = _shape(node)
+        if n != C or shape is None or len(shape) < 3 or shape[-2] != E:
+            raise NoMatch("not_one_hot", f"{node.name}: one_hot over {n} classes, shape {shape}")
+        lead = shape[:-2]
+        return [_Term(ids=None, pos=pos, factors=[], lead=lead, visible=tuple(range(len(lead))))]  # type: ignore
+    if name == "unsqueeze" and _one_hot(node.args[0]) is not None and _one_hot(node.args[0])[1] == C:
+        shape = _shape(node)
+        if shape is None or len(shape) < 3 or shape[-2] != 1 or node.args[1] not in (-2, len(shape) - 2):
+            raise NoMatch("not_one_hot", f"{node.name}: one_hot(P, C) unsqueezed elsewhere than before c")
+        lead = shape[:-2]
+        return [_Term(ids=None, pos=node.args[0].args[0], factors=[], lead=lead,  # type: ignore[arg-type]
+                      visible=tuple(range(len(lead))), pos_per_token=True)]
+    if name in _MULS and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args):
+        rank = len(_shape(node) or ())
+        for c_side, other in (node.args, node.args[::-1]):
+            try:
+                terms = _terms(c_side, E, C)
+            except NoMatch:
+                continue
+            extra = _plain_factor(other, rank)
+            return [dataclasses.replace(t, factors=t.factors + extra) for t in terms]
+        raise NoMatch("not_one_hot", f"{node.name}: a product with no one-hot along c")
+    if name == "add" and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args) \
+            and node.kwargs.get("alpha", 1) == 1:
+        return _terms(node.args[0], E, C) + _terms(node.args[1], E, C)
+    if name == "sum" and len(node.args) >= 2 and not node.kwargs.get("keepdim", False) \
+            and (len(node.args) < 3 or node.args[2] is False) and node.kwargs.get("dtype") is None:
+        dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else (node.args[1],)
+        if not dims:
+            raise NoMatch("not_one_hot", f"{node.name}: a sum over every dim")
+        terms = _terms(node.args[0], E, C)
+        out = []
+        for t in terms:
+            nvis = len(t.visible)
+            if not all(isinstance(d, int) and -nvis - 2 <= d < nvis for d in dims) or \
+                    any(d % (nvis + 2) >= nvis for d in dims):
+                raise NoMatch("not_one_hot", f"{node.name}: a sum over e or c")
+            drop = {d % (nvis + 2) for d in dims}
+            out.append(dataclasses.replace(t, visible=tuple(v for i, v in enumerate(t.visible) if i not in drop)))
+        return out
+    raise NoMatch("not_one_hot", f"{node.name} ({name}) is not a sum of one-hot products")
+
+
+def _with_ids(term: _Term, E: int) -> _Term:
+    """The term with its ``one_hot(I, E)`` factor taken out as ``ids``."""
+    for i, (f, squeeze) in enumerate(term.factors):
+        oh = _one_hot(f if not squeeze else None)
+        if oh is not None and oh[1] == E and _shape(oh[0]) == term.lead:
+            return dataclasses.replace(term, ids=oh[0], factors=term.factors[:i] + term.factors[i + 1:])
+    raise NoMatch("not_one_hot", "an entry with no one_hot(ids, E) factor (its expert is not one per entry)")
+
+
+def _entries(ids: torch.Tensor, pos: torch.Tensor, factors: list[tuple[torch.Tensor, bool]], lead: tuple[int, ...],
+             E: int, C: int, cast: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(key_L, w_L)``: each entry's flat slot ``e*C + c`` and its weight (0 where the slot is outside ``[0, C)``);
+    ``pos`` is ``[*L]`` (one slot per entry) or broadcastable to ``[*L, E]``."""
+    idx = ids.unsqueeze(-1)
+    p = pos.expand(lead) if pos.dim() == len(lead) else pos.expand(*lead, E).gather(-1, idx).squeeze(-1)
+    w: torch.Tensor | None = None
+    for f, squeeze in factors:
+        f = f.squeeze(-1) if squeeze else f
+        v = f.expand(*lead, E).gather(-1, idx).squeeze(-1)
+        w = v if w is None else w * v
+    valid = (p >= 0) & (p < C)
+    w = valid if w is None else w * valid
+    return ids * C + p.clamp(0, C - 1), (w if cast is None else w.to(cast))
+
+
+def _token_index(lead: tuple[int, ...], t_dim: int, device: torch.device) -> torch.Tensor:
+    shape = [1] * len(lead)
+    shape[t_dim] = lead[t_dim]
+    return torch.arange(lead[t_dim], device=device).view(shape).expand(lead)
+
+
+def capacity_dispatch(x_TH: torch.Tensor, terms: list[tuple[Any, ...]], E: int, C: int) -> torch.Tensor:
+    """``einsum("tec,th->ech", D, x)`` for ``D`` the sum of one-hot ``terms`` (see the module docstring)."""
+    acc = torch.float32 if x_TH.dtype in (torch.bfloat16, torch.float16) else x_TH.dtype
+    out = torch.zeros(E * C, x_TH.shape[-1], dtype=acc, device=x_TH.device)
+    for ids, pos, factors, lead, t_dim, cast in terms:
+        key, w = _entries(ids, pos, factors, lead, E, C, cast)
+        tok = _token_index(lead, t_dim, x_TH.device)
+        rows = x_TH[tok.reshape(-1)].to(acc) * w.reshape(-1, 1).to(acc)
+        out = out.index_add(0, key.reshape(-1), rows)
+    return out.view(E, C, -1).to(x_TH.dtype)
+
+
+def capacity_combine(y_ECH: torch.Tensor, terms: list[tuple[Any, ...]], E: int, C: int) -> torch.Tensor:
+    """``einsum("tec,ech->th", G, y)`` for ``G`` the sum of one-hot ``terms``: a gather and a fixed-order sum."""
+    acc = torch.float32 if y_ECH.dtype in (torch.bfloat16, torch.float16) else y_ECH.dtype
+    y_SH = y_ECH.reshape(E * C, -1)
+    out: torch.Tensor | None = None
+    for ids, pos, factors, lead, t_dim, cast in terms:
+        key, w = _entries(ids, pos, factors, lead, E, C, cast)
+        rows = y_SH[key.reshape(-1)].to(acc) * w.reshape(-1, 1).to(acc)
+        rows = rows.view(*lead, -1)
+        summed = [d for d in range(len(lead)) if d != t_dim]
+        part = rows.sum(dim=summed) if summed else rows
+        out = part if out is None else out + part
+    return out.to(y_ECH.dtype)  # type: ignore[union-attr]
+
+
+def _equation(node: fx.Node) -> tuple[str, fx.Node, fx.Node] | None:
+    """``("dispatch" | "combine", D, other)`` for an einsum of those shapes, else None."""
+    if op_name(node) not in _EINSUM or len(node.args) != 3 or not isinstance(node.args[0], str) or node.kwargs:
+        return None
+    eq = node.args[0].replace(" ", "")
+    if "->" not in eq or "." in eq:
+        return None
+    lhs, out = eq.split("->")
+    ins = lhs.split(",")
+    if len(ins) != 2 or not all(isinstance(a, fx.Node) for a in node.args[1:]):
+        return None
+    for i in (0, 1):
+        d, o = ins[i], ins[1 - i]
+        if len(d) != 3 or len(set(d)) != 3:
+            continue
+        t, e, c = d
+        if len(o) == 2 and o[0] == t and o[1] not in d and out == e + c + o[1]:
+            return "dispatch", node.args[1 + i], node.args[2 - i]
+        if len(o) == 3 and o[:2] == e + c and o[2] not in d and out == t + o[2]:
+            return "combine", node.args[1 + i], node.args[2 - i]
+    return None
+
+
+def run(graph: fx.Graph, ctx: PassContext) -> None:
+    for node in list(graph.nodes):
+        if node.op not in ("call_function", "call_method"):
+            continue
+        form = _equation(node)
+        if form is None:
+            continue
+        kind, d, other = form
+        try:
+            shape = _shape(d)
+            if shape is None or _shape(other) is None:
+                raise NoMatch("symbolic_shape", f"{d.name}: {getattr(tensor_val(d), 'shape', None)}")
+            T, E, C = shape
+            terms = [_with_ids(t, E) for t in _terms(d, E, C)]
+            for t in terms:
+                if len(t.visible) != 1 or t.lead[t.visible[0]] != T:
+                    raise NoMatch("not_one_hot", f"a term over leading dims {t.lead} does not sum to [T={T}]")
+        except NoMatch as skip:
+            ctx.skip(layer_name(node), skip.reason, skip.detail)
+            continue
+        layer = layer_name(node)
+        packed = [(t.ids, t.pos, t.factors, t.lead, t.visible[0], t.cast) for t in terms]
+        fn = capacity_dispatch if kind == "dispatch" else capacity_combine
+        with graph.inserting_before(node):
+            new = graph_call(graph, fn, other, packed, E, C, meta_from=node)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        erase_dead(graph, [d])
+        what = "einsum('tec,th->ech')" if kind == "dispatch" else "einsum('tec,ech->th')"
+        ctx.rewrite(layer, f"{what} over a one-hot [T={T}, E={E}, C={C}] {kind} tensor "
+                                      f"({len(terms)} term(s) of {math.prod(terms[0].lead)} entries)",
+                    f"moe_compile.passes.capacity_dispatch.capacity_{kind}: gathers, linear in T")
+
+
+__all__ = ["capacity_combine", "capacity_dispatch", "run"]

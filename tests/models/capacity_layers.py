@@ -1,0 +1,98 @@
+"""Capacity-factor MoE layers, written as GShard / Switch / DeepSpeed-MoE write them: each expert takes at most
+``C = ceil(capacity_factor * T * K / E)`` routed rows, slots given by a running count (first choices before second
+choices), the rest dropped; dispatch and combine are einsums over one-hot ``[T, E, C]`` tensors, the experts a batched
+MLP over ``[E, C, H]``.
+
+``CapacityMoE(style=...)``:
+
+* ``"gshard"``: ``top_k`` by ``topk``; per choice ``k`` a ``one_hot(ids[:, k], E)`` mask, positions ``cumsum - 1`` plus
+  the earlier choices' counts, ``one_hot(pos, C) * keep.unsqueeze(-1)`` summed over the choices (dispatch), the same
+  weighted by the gates (combine).
+* ``"deepspeed"``: top-2 by ``argmax`` (the second over the logits with the first masked out), each token's slot
+  ``(loc * mask).sum(1)``, ``combine = gates.unsqueeze(2) * one_hot(loc_s, C).unsqueeze(1)`` summed over the two
+  choices, and the dispatch mask ``combine.bool()``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+STYLES = ("gshard", "deepspeed")
+
+
+class CapacityMoE(nn.Module):
+    def __init__(self, hidden: int = 16, inter: int = 32, num_experts: int = 4, top_k: int = 2,
+                 capacity_factor: float = 1.0, style: str = "gshard", dtype: torch.dtype = torch.bfloat16,
+                 seed: int = 0) -> None:
+        super().__init__()
+        if style not in STYLES:
+            raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+        if style == "deepspeed" and top_k != 2:
+            raise ValueError(f"the deepspeed style routes top-2, got top_k={top_k}")
+        gen = torch.Generator().manual_seed(seed)
+        self.num_experts, self.top_k, self.capacity_factor, self.style = num_experts, top_k, capacity_factor, style
+        self.router = nn.Parameter(torch.randn(num_experts, hidden, generator=gen) * hidden ** -0.5)
+        self.w1 = nn.Parameter(torch.randn(num_experts, hidden, inter, generator=gen) * hidden ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, inter, hidden, generator=gen) * inter ** -0.5)
+        self.to(dtype)
+
+    def capacity(self, tokens: int) -> int:
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+
+    def experts(self, x_ECH: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(torch.einsum("ech,ehi->eci", x_ECH, self.w1))
+        return torch.einsum("eci,eih->ech", h, self.w2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_TH = x.reshape(-1, shape[-1])
+        logits_TE = F.linear(x_TH, self.router).float()
+        route = self._gshard if self.style == "gshard" else self._deepspeed
+        dispatch_TEC, combine_TEC = route(logits_TE, self.capacity(x_TH.shape[0]))
+        x_ECH = torch.einsum("tec,th->ech", dispatch_TEC.to(x_TH.dtype), x_TH)
+        y_ECH = self.experts(x_ECH)
+        out_TH = torch.einsum("tec,ech->th", combine_TEC.to(y_ECH.dtype), y_ECH)
+        return out_TH.reshape(shape)
+
+    def _gshard(self, logits_TE: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.Tensor]:
+        E = self.num_experts
+        gates_TK, ids_TK = logits_TE.softmax(-1).topk(self.top_k, dim=-1)
+        gates_TK = gates_TK / gates_TK.sum(-1, keepdim=True)
+        taken_E = torch.zeros(1, E, dtype=torch.long, device=logits_TE.device)
+        dispatch = combine = None
+        for k in range(self.top_k):
+            mask_TE = F.one_hot(ids_TK[:, k], E)
+            pos_TE = torch.cumsum(mask_TE, dim=0) - 1 + taken_E
+            taken_E = taken_E + mask_TE.sum(0, keepdim=True)
+            keep_TE = mask_TE * (pos_TE < C)
+            d_TEC = F.one_hot(pos_TE.clamp(0, C - 1), C) * keep_TE.unsqueeze(-1)
+            c_TEC = d_TEC * gates_TK[:, k].reshape(-1, 1, 1)
+            dispatch = d_TEC if dispatch is None else dispatch + d_TEC
+            combine = c_TEC if combine is None else combine + c_TEC
+        return dispatch, combine
+
+    def _deepspeed(self, logits_TE: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.Tensor]:
+        E = self.num_experts
+        gates_TE = logits_TE.softmax(-1)
+        ids1_T = gates_TE.argmax(dim=1)
+        mask1_TE = F.one_hot(ids1_T, E)
+        ids2_T = logits_TE.masked_fill(mask1_TE.bool(), float("-inf")).argmax(dim=1)
+        mask2_TE = F.one_hot(ids2_T, E)
+        loc1_TE = torch.cumsum(mask1_TE, dim=0) - 1
+        loc2_TE = torch.cumsum(mask2_TE, dim=0) - 1 + mask1_TE.sum(dim=0, keepdim=True)
+        mask1_TE = mask1_TE * torch.lt(loc1_TE, C)
+        mask2_TE = mask2_TE * torch.lt(loc2_TE, C)
+        loc1_T = torch.sum(loc1_TE * mask1_TE, dim=1)
+        loc2_T = torch.sum(loc2_TE * mask2_TE, dim=1)
+        g1_T = (gates_TE * mask1_TE).sum(dim=1)
+        g2_T = (gates_TE * mask2_TE).sum(dim=1)
+        denom_T = (g1_T + g2_T).clamp(min=torch.finfo(g1_T.dtype).eps)
+        g1_TE = (g1_T / denom_T).unsqueeze(-1) * mask1_TE
+        g2_TE = (g2_T / denom_T).unsqueeze(-1) * mask2_TE
+        combine = g1_TE.unsqueeze(2) * F.one_hot(loc1_T, C).unsqueeze(1) \
+            + g2_TE.unsqueeze(2) * F.one_hot(loc2_T, C).unsqueeze(1)
+        return combine.bool(), combine

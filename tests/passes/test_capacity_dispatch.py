@@ -1,0 +1,95 @@
+"""``capacity_dispatch``: einsums over one-hot ``[T, E, C]`` dispatch and combine tensors become gathers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_compile import report
+from moe_compile.passes.capacity_dispatch import capacity_combine, capacity_dispatch
+from tests import _tolerance as tol
+from tests.models.capacity_layers import STYLES, CapacityMoE
+
+
+def _step(fn, model, x, cot, wide=None):
+    model.zero_grad(set_to_none=True)
+    x = x.detach().to(wide or x.dtype).requires_grad_(True)
+    y = fn(x)
+    (y.float() * cot).sum().backward()
+    return {"out": y.detach(), "grad:x": x.grad, **{f"grad:{n}": p.grad for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_capacity_layer_rewritten_within_eager_bound(style):
+    """A bf16 training step with tokens dropped at capacity: the einsums are rewritten (the DeepSpeed dispatch mask,
+    a ``bool()`` of the combine tensor, is left with ``not_one_hot``), and output, input gradient, router and expert
+    gradients are as close to a float32 eager run as bf16 eager is."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    model = CapacityMoE(capacity_factor=0.75, style=style, seed=int(torch.randint(0, 2**16, (), generator=gen)))
+    x = torch.randn(2, 24, 16, generator=gen).to(torch.bfloat16)
+    cot = torch.randn(2, 24, 16, generator=gen)
+    with torch.no_grad():
+        logits = F.linear(x.reshape(-1, 16), model.router).float()
+        route = model._gshard if style == "gshard" else model._deepspeed
+        kept = int(route(logits, model.capacity(48))[0].sum())
+    assert kept < 48 * model.top_k, "no choice dropped: the capacity path is not exercised"
+    ref_model = copy.deepcopy(model).float()
+    eager = _step(model, model, x, cot)
+    ref = _step(ref_model, ref_model, x, cot, torch.float32)
+    torch._dynamo.reset()
+    with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True):
+        got = _step(torch.compile(model, backend="moe_compile", fullgraph=True), model, x, cot)
+    torch._dynamo.reset()
+    done = sorted(r.what.split(" over")[0] for r in rep.records if r.pass_name == "capacity_dispatch"
+                  and r.kind == "rewrite")
+    skipped = [r.what for r in rep.records if r.pass_name == "capacity_dispatch" and r.kind == "skip"]
+    if style == "gshard":
+        assert done == ["einsum('tec,ech->th')", "einsum('tec,th->ech')"] and not skipped, rep.table()
+    else:
+        assert done == ["einsum('tec,ech->th')"] and skipped == ["not_one_hot"], rep.table()
+    assert not [r for r in rep.records if r.what == "validation_failed"], rep.table()
+    ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, always_judged=("out",))
+    assert ok and not unjudged, (worst, unjudged)
+
+
+def _random_terms(gen, T, E, C, K):
+    """One-hot terms with shared slots and positions outside ``[0, C)``, small-integer weights (exact sums)."""
+    ids = torch.randint(0, E, (K, T), generator=gen)
+    pos = torch.randint(-1, C + 1, (K, T, E), generator=gen)
+    w = torch.randint(-3, 4, (K, T, 1), generator=gen).float()
+    keep = torch.randint(0, 2, (K, T, E), generator=gen).bool()
+    d = sum(F.one_hot(pos[k].clamp(0, C - 1), C) * ((pos[k] >= 0) & (pos[k] < C)).unsqueeze(-1)
+            * (F.one_hot(ids[k], E) * keep[k] * w[k]).unsqueeze(-1) for k in range(K))
+    terms = [(ids, pos, [(keep, False), (w, False)], (K, T), 1, None)]
+    return d.float(), terms
+
+
+def test_functions_equal_the_einsums_exactly():
+    """On small integers every sum is exact, so the gathers must give the einsums' values bitwise, slots shared by
+    several entries and positions outside ``[0, C)`` (which weigh nothing, as ``one_hot`` by comparison) included."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    T, E, C, K, H = 13, 4, 5, 2, 8
+    d, terms = _random_terms(gen, T, E, C, K)
+    x = torch.randint(-4, 5, (T, H), generator=gen).float()
+    y = torch.randint(-4, 5, (E, C, H), generator=gen).float()
+    assert torch.equal(capacity_dispatch(x, terms, E, C), torch.einsum("tec,th->ech", d, x))
+    assert torch.equal(capacity_combine(y, terms, E, C), torch.einsum("tec,ech->th", d, y))
+
+
+def test_dense_operand_left_alone():
+    """An einsum of the dispatch shape over a dense tensor is no dispatch: left alone with ``not_one_hot``."""
+
+    def layer(d, x):
+        return torch.einsum("tec,th->ech", d.softmax(-1), x)
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    d, x = torch.randn(6, 3, 4, generator=gen), torch.randn(6, 8, generator=gen)
+    torch._dynamo.reset()
+    with report.collecting() as rep:
+        got = torch.compile(layer, backend="moe_compile", fullgraph=True)(d, x)
+    torch._dynamo.reset()
+    assert [(r.kind, r.what) for r in rep.records if r.pass_name == "capacity_dispatch"] == [("skip", "not_one_hot")]
+    assert torch.allclose(got, layer(d, x), rtol=0, atol=8 * torch.finfo(torch.float32).eps * 6 * x.abs().max())
