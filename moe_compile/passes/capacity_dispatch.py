@@ -21,14 +21,17 @@ Rewrites to (each term's entries ``l``: expert ``I[l]``, slot ``P[l, I[l]]``, we
 Both are linear in tokens, and the result is the einsum's for any such ``D``: entries that share a slot are summed as
 the einsum sums them (a slot holds one token where the positions come from a running count, which the rewrite does
 not need to know). A cast of the float tensor to a narrower dtype (the combine weights to bf16) rounds each entry's
-weight instead: the same where a slot holds one entry, within a rounding of the sum where several share one. A slot
+weight instead: the same where a slot holds one entry, within a rounding of the sum where several share one. A
+``bool()`` of the whole sum (DeepSpeed's and fairseq's ``dispatch_mask = combine_weights.bool()``) gives each slot
+weight 1 at its first entry when its entries' weights sum to non-zero, 0 otherwise: ``bool()`` of the sum exactly (a
+token's ``M`` entries compared pairwise, ``T*M*M`` work for ``M`` entries per token). A slot
 position outside ``[0, C)`` weighs nothing, as ``one_hot`` by comparison gives (eager
 ``one_hot`` would raise). The combine has no atomics; the dispatch's ``index_add`` (one add per slot) and the
 gather's backward are what ``deterministic_scatter`` makes deterministic with ``deterministic=True``.
 
 Skips when (reason tags, for einsums of the dispatch or combine shape only): ``not_one_hot`` (the ``[T, E, C]``
-operand is not such a sum of one-hot terms: another op, a ``bool()`` of it, a product of two one-hots along ``c``, an
-entry with no ``one_hot(I, E)`` factor), ``symbolic_shape`` (``E``, ``C`` or the
+operand is not such a sum of one-hot terms: another op, a product of two one-hots along ``c``, an entry with no
+``one_hot(I, E)`` factor, a ``bool()`` of part of the sum), ``symbolic_shape`` (``E``, ``C`` or the
 leading dims not numbers).
 
 Stage: pre-grad (the einsums and one-hots only exist in Dynamo's graph; AOTAutograd differentiates the gathers).
@@ -66,6 +69,7 @@ class _Term:
     visible: tuple[int, ...]  # the dims of L not summed away
     pos_per_token: bool = False  # one_hot(P_L, C).unsqueeze(-2): one slot per entry whatever e (DeepSpeed)
     cast: torch.dtype | None = None  # a narrowing cast of the float tensor: each entry's weight rounded to it
+    boolean: bool = False  # under a bool() of the whole sum: each slot 1 where its entries' weights sum to non-zero
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:
@@ -127,6 +131,14 @@ def _terms(node: fx.Node, E: int, C: int) -> list[_Term]:
     """``node`` (shape ``[*visible, E, C]``) as a sum of one-hot terms, or NoMatch."""
     name = op_name(node)
     src = _cast_source(node)
+    value = tensor_val(node)
+    to_bool = name == "bool" or (src is not None and value is not None and value.dtype == torch.bool) or \
+        (name == "ne" and len(node.args) == 2 and isinstance(node.args[1], (int, float)) and node.args[1] == 0)
+    if to_bool and isinstance(node.args[0], fx.Node):
+        terms = _terms(node.args[0], E, C)
+        if any(t.boolean for t in terms):
+            raise NoMatch("not_one_hot", f"{node.name}: bool() of a sum that holds a bool() already")
+        return [dataclasses.replace(t, boolean=True) for t in terms]
     if src is not None:
         terms = _terms(src, E, C)
         if _exact_cast(node, src):
@@ -207,37 +219,44 @@ def _entries(ids: torch.Tensor, pos: torch.Tensor, factors: list[tuple[torch.Ten
     return ids * C + p.clamp(0, C - 1), (w if cast is None else w.to(cast))
 
 
-def _token_index(lead: tuple[int, ...], t_dim: int, device: torch.device) -> torch.Tensor:
-    shape = [1] * len(lead)
-    shape[t_dim] = lead[t_dim]
-    return torch.arange(lead[t_dim], device=device).view(shape).expand(lead)
+def slots(terms: list[tuple[Any, ...]], E: int, C: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(key_TM, w_TM, tok_TM)``: every term's entries as ``M`` entries per token (the term's leading dims other than
+    ``t`` flattened, terms side by side). Terms under ``bool()`` (all or none of them) get 0/1 weights: 1 at the first
+    entry of each slot whose entries' weights sum to non-zero, as ``bool()`` of the summed tensor gives."""
+    keys, weights = [], []
+    boolean = {t[-1] for t in terms}
+    for ids, pos, factors, lead, t_dim, cast, _ in terms:
+        key, w = _entries(ids, pos, factors, lead, E, C, cast)
+        keys.append(key.movedim(t_dim, 0).reshape(T, -1))
+        weights.append(w.movedim(t_dim, 0).reshape(T, -1))
+    key_TM, w_TM = torch.cat(keys, 1), torch.cat([w.to(torch.promote_types(w.dtype, torch.float32)) for w in weights]
+                                                 if len(weights) > 1 else weights, 1)
+    if boolean == {True}:
+        same_TMM = key_TM.unsqueeze(2) == key_TM.unsqueeze(1)
+        total_TM = (same_TMM * w_TM.unsqueeze(1)).sum(-1)
+        M = key_TM.shape[1]
+        earlier_MM = torch.ones(M, M, dtype=torch.bool, device=key_TM.device).tril(-1)
+        first_TM = ~(same_TMM & earlier_MM).any(-1)
+        w_TM = (total_TM != 0) & first_TM
+    tok_TM = torch.arange(T, device=key_TM.device).unsqueeze(1).expand_as(key_TM)
+    return key_TM, w_TM, tok_TM
 
 
 def capacity_dispatch(x_TH: torch.Tensor, terms: list[tuple[Any, ...]], E: int, C: int) -> torch.Tensor:
     """``einsum("tec,th->ech", D, x)`` for ``D`` the sum of one-hot ``terms`` (see the module docstring)."""
     acc = torch.float32 if x_TH.dtype in (torch.bfloat16, torch.float16) else x_TH.dtype
-    out = torch.zeros(E * C, x_TH.shape[-1], dtype=acc, device=x_TH.device)
-    for ids, pos, factors, lead, t_dim, cast in terms:
-        key, w = _entries(ids, pos, factors, lead, E, C, cast)
-        tok = _token_index(lead, t_dim, x_TH.device)
-        rows = x_TH[tok.reshape(-1)].to(acc) * w.reshape(-1, 1).to(acc)
-        out = out.index_add(0, key.reshape(-1), rows)
+    key_TM, w_TM, tok_TM = slots(terms, E, C, x_TH.shape[0])
+    rows = x_TH[tok_TM.reshape(-1)].to(acc) * w_TM.reshape(-1, 1).to(acc)
+    out = torch.zeros(E * C, x_TH.shape[-1], dtype=acc, device=x_TH.device).index_add(0, key_TM.reshape(-1), rows)
     return out.view(E, C, -1).to(x_TH.dtype)
 
 
-def capacity_combine(y_ECH: torch.Tensor, terms: list[tuple[Any, ...]], E: int, C: int) -> torch.Tensor:
+def capacity_combine(y_ECH: torch.Tensor, terms: list[tuple[Any, ...]], E: int, C: int, T: int) -> torch.Tensor:
     """``einsum("tec,ech->th", G, y)`` for ``G`` the sum of one-hot ``terms``: a gather and a fixed-order sum."""
     acc = torch.float32 if y_ECH.dtype in (torch.bfloat16, torch.float16) else y_ECH.dtype
-    y_SH = y_ECH.reshape(E * C, -1)
-    out: torch.Tensor | None = None
-    for ids, pos, factors, lead, t_dim, cast in terms:
-        key, w = _entries(ids, pos, factors, lead, E, C, cast)
-        rows = y_SH[key.reshape(-1)].to(acc) * w.reshape(-1, 1).to(acc)
-        rows = rows.view(*lead, -1)
-        summed = [d for d in range(len(lead)) if d != t_dim]
-        part = rows.sum(dim=summed) if summed else rows
-        out = part if out is None else out + part
-    return out.to(y_ECH.dtype)  # type: ignore[union-attr]
+    key_TM, w_TM, _ = slots(terms, E, C, T)
+    rows_TMH = y_ECH.reshape(E * C, -1)[key_TM].to(acc) * w_TM.unsqueeze(-1).to(acc)
+    return rows_TMH.sum(1).to(y_ECH.dtype)
 
 
 def _equation(node: fx.Node) -> tuple[str, fx.Node, fx.Node] | None:
@@ -280,14 +299,18 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             for t in terms:
                 if len(t.visible) != 1 or t.lead[t.visible[0]] != T:
                     raise NoMatch("not_one_hot", f"a term over leading dims {t.lead} does not sum to [T={T}]")
+            if len({t.boolean for t in terms}) > 1:
+                raise NoMatch("not_one_hot", "a sum of one-hot terms of which only some are under bool()")
         except NoMatch as skip:
             ctx.skip(layer_name(node), skip.reason, skip.detail)
             continue
         layer = layer_name(node)
-        packed = [(t.ids, t.pos, t.factors, t.lead, t.visible[0], t.cast) for t in terms]
-        fn = capacity_dispatch if kind == "dispatch" else capacity_combine
+        packed = [(t.ids, t.pos, t.factors, t.lead, t.visible[0], t.cast, t.boolean) for t in terms]
         with graph.inserting_before(node):
-            new = graph_call(graph, fn, other, packed, E, C, meta_from=node)
+            if kind == "dispatch":
+                new = graph_call(graph, capacity_dispatch, other, packed, E, C, meta_from=node)
+            else:
+                new = graph_call(graph, capacity_combine, other, packed, E, C, T, meta_from=node)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         erase_dead(graph, [d])
@@ -297,4 +320,4 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
                     f"moe_compile.passes.capacity_dispatch.capacity_{kind}: gathers, linear in T")
 
 
-__all__ = ["capacity_combine", "capacity_dispatch", "run"]
+__all__ = ["capacity_combine", "capacity_dispatch", "run", "slots"]
