@@ -259,11 +259,22 @@ def attention(rows: list[Row]) -> tuple[str, str]:
            "moe.masked_attention / flash is_causal", "; ".join(parts)
 
 
+def capacity(rows: list[Row]) -> tuple[str, str]:
+    parts = []
+    for style in _ordered(rows, "style"):
+        for T in _ordered([r for r in rows if r["style"] == style], "T"):
+            got = {r["variant"]: r for r in rows if r["style"] == style and r["T"] == T}
+            cells = " / ".join(_num(got[v]["step_ms"]) for v in ("eager", "inductor", "moe_compile") if v in got)
+            parts.append(f"{style} T {T}: {cells}")
+    return ("capacity-factor layer (one-hot [T, E, C] einsums) training step ms: eager / plain Inductor / "
+            "moe_compile", "; ".join(parts))
+
+
 FORMATTERS: dict[str, Callable[[list[Row]], tuple[str, str]]] = {
     "moe_block": moe_block, "loops": loops, "host_cost": host_cost, "dispatch": dispatch, "decode": decode,
     "grouped_gemm": grouped_gemm, "grouped_gemm_sweep": grouped_gemm_sweep, "grouped_weight": grouped_weight,
     "quant_block": quant_block, "attention": attention, "train_determinism": train_determinism,
-    "validation_cost": validation_cost,
+    "validation_cost": validation_cost, "capacity": capacity,
 }
 
 

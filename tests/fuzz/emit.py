@@ -379,7 +379,7 @@ def expert_methods(spec: Spec) -> list[str]:
         spec, lambda rows, k: f"torch.bmm({rows}.unsqueeze(1), {w[k]}[ids_S]).squeeze(1)", "x_SH",
         lambda k: f" + {w[k]}[ids_S]" if k in w else "")
     needed = {"sorted": "grouped" if spec.exec != "split_loop" else "expert", "masked": "grouped"
-              if spec.exec != "split_loop" else "expert", "loop": "expert", "hit_loop": "expert",
+              if spec.exec != "split_loop" else "expert", "loop": "expert", "hit_loop": "expert", "skip_loop": "expert",
               "dense": "all_experts", "capacity": "all_experts", "batched": "row_experts"}[spec.dispatch]
     out = []
     for signature, body in methods.items():

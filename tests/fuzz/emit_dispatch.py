@@ -13,7 +13,7 @@ from tests.fuzz.grammar import COUNTS, PERMUTES, Spec
 
 def dispatch_lines(spec: Spec) -> list[str]:
     """The lines of the forward from the routing to ``out_TH``."""
-    return {"sorted": _sorted, "masked": _sorted, "loop": _loop, "hit_loop": _loop, "dense": _dense,
+    return {"sorted": _sorted, "masked": _sorted, "loop": _loop, "hit_loop": _loop, "skip_loop": _loop, "dense": _dense,
             "batched": _batched, "capacity": _capacity}[spec.dispatch](spec)
 
 
@@ -152,17 +152,22 @@ def _combine(spec: Spec) -> list[str]:
 
 def _loop(spec: Spec) -> list[str]:
     """transformers 4.x / research code: per expert, its tokens by ``torch.where``; ``hit_loop`` runs only the
-    experts hit (a ``.tolist()`` of a ``nonzero``: Dynamo cannot trace it, ``moe_compile.compile`` swaps it)."""
+    experts hit (a ``.tolist()`` of a ``nonzero``: Dynamo cannot trace it, ``moe_compile.compile`` swaps it);
+    ``skip_loop`` skips the experts whose host-read count is zero (the same for Dynamo and the swap)."""
     buf = ("torch.zeros(T, H, dtype=torch.float32, device=x_TH.device)" if spec.weight == "rows_fp32"
            else "torch.zeros_like(x_TH)")
     out = [f"out_TH = {buf}"]
     if spec.select == "one_hot":
         out.append("mask_EKT = F.one_hot(idx_TK, E).permute(2, 1, 0)")
+    skip = []
     if spec.dispatch == "hit_loop":
         out.append("for e in torch.nonzero(mask_EKT.sum(dim=(1, 2)) > 0).flatten().tolist():")
+    elif spec.dispatch == "skip_loop":  # reference inference code: counts read to the host, empty experts skipped
+        out += ["counts_E = torch.bincount(idx_TK.flatten(), minlength=E).tolist()", "for e in range(E):"]
+        skip = ["if counts_E[e] == 0:", "    continue"]
     else:
         out.append("for e in range(E):")
-    body = {"eq": ["tok, kpos = torch.where(idx_TK == e)"],
+    body = skip + {"eq": ["tok, kpos = torch.where(idx_TK == e)"],
             "one_hot": ["kpos, tok = torch.where(mask_EKT[e])"],
             "nonzero": ["tok, kpos = (idx_TK == e).nonzero(as_tuple=True)"],
             "mask_any": ["tok = torch.nonzero((idx_TK == e).any(-1)).squeeze(-1)"]}[spec.select]

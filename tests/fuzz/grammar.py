@@ -62,7 +62,7 @@ COMBINES = ACCUMULATES + tuple(f"{u}_{r}" for u in UNPERMUTES for r in REDUCES)
 # before the experts, the un-permuted [T, K, H] view (sum reduce), or inside the reduce (einsum / bmm)
 WEIGHTS = ("rows_fp32", "rows_act", "before_experts", "after_unpermute", "in_combine")
 
-DISPATCHES = ("sorted", "masked", "loop", "hit_loop", "dense", "batched", "capacity")
+DISPATCHES = ("sorted", "masked", "loop", "hit_loop", "skip_loop", "dense", "batched", "capacity")
 EXECS = ("grouped_mm", "hf_fallback", "split_loop")
 SELECTS = ("eq", "one_hot", "nonzero", "mask_any")
 LOOP_COMBINES = ("index_add", "index_put_acc", "setitem_add")
@@ -80,7 +80,7 @@ ENTRIES = ("fullgraph", "default", "moe_compile")
 # them (and a loop over the experts hit gets what the swap reads), so that rewrites are frequent; the other half
 # take any spelling.
 TAME: dict[str, tuple[Any, ...]] = {
-    "dispatch": ("sorted", "masked", "loop", "hit_loop"),
+    "dispatch": ("sorted", "masked", "loop", "hit_loop", "skip_loop"),
     "permute": ("sort", "sort_stable", "argsort_stable", "argsort", "argsort_method_gather"),
     "counts": ("histc", "histc_sorted", "one_hot_sum", "eq_arange_sum", "histc_max_E", "bincount", "one_hot_TK_sum"),
     "token": ("div", "floor_divide"),
@@ -209,15 +209,15 @@ def draw(choose: Choose) -> Spec:
     c["x_grad"] = choose("x_grad", (True, False)) if mode != "eval" else False
     c["frozen"] = choose("frozen", ("none", "none", "router", "experts", "all")) if mode != "eval" else "none"
     dispatch = c["dispatch"] = choose("dispatch", DISPATCHES + ("sorted", "sorted", "loop"))
-    if dispatch == "hit_loop":  # what moe_compile.compile's swap reads: a gate Linear, a ModuleList of experts
+    if dispatch in ("hit_loop", "skip_loop"):  # what moe_compile.compile's swap reads: a gate Linear, ModuleList
         pinned.update(router=("linear",), layout=("module_list",))
     _draw_router(choose, c, E, K)
     c["aux_loss"] = choose("aux_loss", (False, True)) if mode == "train" else False
     host = False
     if dispatch in ("sorted", "masked"):
         host = _draw_sorted(choose, c, dtype, dispatch)
-    elif dispatch in ("loop", "hit_loop"):
-        c["select"] = choose("select", SELECTS) if dispatch == "loop" else "one_hot"
+    elif dispatch in ("loop", "hit_loop", "skip_loop"):
+        c["select"] = {"loop": None, "hit_loop": "one_hot", "skip_loop": "eq"}[dispatch] or choose("select", SELECTS)
         c["combine"] = choose("combine", LOOP_COMBINES)
         c["weight"] = choose("weight", ("rows_fp32", "rows_act", "before_experts"))
     elif dispatch == "batched":
@@ -296,9 +296,9 @@ def _bias_possible(c: dict[str, Any]) -> bool:
 
 
 def _entries(dispatch: str, host: bool) -> tuple[str, ...]:
-    """How the layer is compiled: a loop over the experts hit (``.tolist()`` of a ``nonzero``) cannot be traced
-    whole, so ``fullgraph=True`` is out there."""
-    if dispatch == "hit_loop":
+    """How the layer is compiled: a loop over the experts hit (``.tolist()`` of a ``nonzero``) or one that skips
+    the experts without tokens (``if counts[e] == 0``) cannot be traced whole, so ``fullgraph=True`` is out there."""
+    if dispatch in ("hit_loop", "skip_loop"):
         return ("moe_compile", "default")
     return ("fullgraph", "fullgraph", "moe_compile", "default")
 
