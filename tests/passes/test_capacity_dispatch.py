@@ -25,8 +25,8 @@ def _step(fn, model, x, cot, wide=None):
 @pytest.mark.parametrize("style", STYLES)
 def test_capacity_layer_rewritten_within_eager_bound(style):
     """A bf16 training step with tokens dropped at capacity: both einsums are rewritten (DeepSpeed's dispatch mask is
-    a ``bool()`` of the combine tensor), and output, input gradient, router and expert gradients are as close to a
-    float32 eager run as bf16 eager is."""
+    a ``bool()`` of the combine tensor), no accumulating scatter is left forward or backward, and output, input
+    gradient, router and expert gradients are as close to a float32 eager run as bf16 eager is."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     model = CapacityMoE(capacity_factor=0.75, style=style, seed=int(torch.randint(0, 2**16, (), generator=gen)))
     x = torch.randn(2, 24, 16, generator=gen).to(torch.bfloat16)
@@ -48,6 +48,7 @@ def test_capacity_layer_rewritten_within_eager_bound(style):
     skipped = [r.what for r in rep.records if r.pass_name == "capacity_dispatch" and r.kind == "skip"]
     assert done == ["einsum('tec,ech->th')", "einsum('tec,th->ech')"] and not skipped, rep.table()
     assert not [r for r in rep.records if r.what == "validation_failed"], rep.table()
+    assert rep.clean and rep.deterministic, rep.table()  # no accumulating scatter forward or backward
     ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, always_judged=("out",))
     assert ok and not unjudged, (worst, unjudged)
 
