@@ -89,6 +89,9 @@ PASSES: tuple[PassEntry, ...] = (
               requires=("deterministic",),
               doc="with deterministic=True: SDPA with an attn_mask left -> moe.masked_attention (dQ and dK/dV in "
                   "separate kernels, no atomics)"),
+    PassEntry("expert_choice", "joint", "moe_compile.passes.expert_choice:run", default=True,
+              doc="expert-choice routing: accumulations into the tokens' rows at topk-over-tokens indices (combine, "
+                  "the token gather's backward) -> moe.segment_sum (fixed order, no atomics)"),
     PassEntry("deterministic_accumulate", "joint", "moe_compile.passes.deterministic_accumulate:run", default=True,
               doc="scatter-adds into zeros: plain scatters for distinct (top-k/sort) indices, one-hot GEMMs "
                   "for per-expert gathers' backward (no atomics)"),

@@ -233,7 +233,9 @@ _FORMS: dict[Any, Callable[[fx.Graph, fx.Node], str]] = {
 }
 
 
-def _rewrite_accumulate(graph: fx.Graph, node: fx.Node) -> str:
+def rewrite_accumulation(graph: fx.Graph, node: fx.Node) -> str:
+    """Replace the accumulation ``node`` by ``moe.segment_sum``; returns the rewrite's detail, raises NoMatch (with
+    this pass's reason tags) where it cannot (``expert_choice`` asks this too)."""
     if node.target in _INPLACE:
         raise NoMatch("inplace", f"{op_name(node)}: in-place accumulation in a functional graph")
     form = _FORMS.get(node.target)
@@ -254,7 +256,7 @@ def _replace(graph: fx.Graph, old: fx.Node, fn: Callable[..., torch.Tensor], arg
 # to skip). A deterministic replacement of a library op of ``_accumulate.NONDETERMINISTIC_OPS`` (attention
 # backward) is one more row.
 REWRITES: tuple[tuple[str, Callable[[fx.Node], bool], Callable[[fx.Graph, fx.Node], str]], ...] = (
-    ("accumulate", acc.order_dependent, _rewrite_accumulate),
+    ("accumulate", acc.order_dependent, rewrite_accumulation),
 )
 
-__all__ = ["REWRITES", "run"]
+__all__ = ["REPLACED_BY", "REWRITES", "rewrite_accumulation", "run"]

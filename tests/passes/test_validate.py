@@ -253,6 +253,12 @@ def _capacity_layer():
     return CapacityMoE(capacity_factor=0.75, dtype=torch.float32), (torch.randn(24, 16),), {}
 
 
+def _expert_choice():
+    from tests.test_cpu_miscompile import ExpertChoiceMoE
+
+    return ExpertChoiceMoE(hidden=16, ffn=32, experts=4), (torch.randn(2, 8, 16),), {}
+
+
 def _routers():
     from tests.models.router_metrics_models import RoutedStack
 
@@ -307,6 +313,7 @@ CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str, tuple[Callable[..
                             (scale_forward, break_backward)),
     "masked_attention": (_padded_attention, {"deterministic": True}, "passes+aot_eager",
                          (scale_forward, break_backward)),
+    "expert_choice": (_expert_choice, {}, "moe_compile", (scale_forward,)),
     "deterministic_accumulate": (_group_limited_router, {}, "moe_compile", (scale_forward,)),
     "deterministic_scatter": (_embedding, {"deterministic": True}, "moe_compile", (scale_forward,)),
 }

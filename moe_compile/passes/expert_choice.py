@@ -1,0 +1,86 @@
+"""Expert-choice routing: the accumulations into the tokens' rows become fixed-order segment sums, without atomics.
+
+In expert-choice routing (Zhou et al. 2022) every expert takes its top-``C`` tokens by router score, so a token is
+taken by 0 to ``E`` experts. Its combine adds each expert's rows into the tokens' rows, and the backward of the
+gather of the tokens' rows does the same with the gradients: accumulations with repeated indices, which Inductor
+emits as atomic adds (results that change from run to run on a GPU).
+
+Matches (ATen joint graph; ``T`` tokens, ``C`` per expert)::
+
+    w_EC, tok_EC = topk(scores_TE.t(), C)          (or topk(scores_TE, C, dim=0); views and int casts after it)
+    out_TH = index_add(zeros(T, H), 0, tok.view(-1), rows)            combine
+    grad_x = index_put(zeros(T, H), [tok], grad_rows, accumulate=True)  backward of x[tok]
+
+i.e. any accumulation into a fresh ``zeros`` along its rows whose index is the indices output of a ``topk`` taken
+over a dim as long as the target has rows (a choice of rows among the target's rows), and rewrites each to::
+
+    out_TH = moe.segment_sum(rows, tok.view(-1), T)    (a token's contributions summed in entry order, expert-major,
+                                                        in fp32: deterministic_scatter's lowering)
+
+The rewrite is the same values in another order of the adds, for any index; what the match decides is only where
+moe_compile spends a sort by default (``deterministic=True`` rewrites every accumulation anyway). A token-choice
+layer's ``topk`` selects among experts, not among the tokens' rows, and is not matched.
+
+Skips when (reason tags): those of ``deterministic_scatter`` for the accumulation (``dtype``, ``symbolic_rows``, ...).
+
+Stage: joint, first (before ``deterministic_accumulate``, whose one-hot GEMM would cost ``T*E*C*H``); records MoE
+rewrites.
+
+Seen in: ``tests/test_cpu_miscompile.py::ExpertChoiceMoE`` (expert-choice as public code writes it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from moe_compile.passes import NoMatch, PassContext
+from moe_compile.passes._graph import arg, known_int, layer_name, op_name, tensor_val
+from moe_compile.passes.deterministic_scatter import REPLACED_BY, rewrite_accumulation
+from moe_compile.passes.forms import accumulate as acc
+
+# views and copies an index may pass through between topk and the accumulation
+_THROUGH = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.clone", "aten._to_copy", "aten.alias",
+            "prims.convert_element_type", "aten.flatten", "aten.contiguous"}
+
+
+def _topk_over(index: Any) -> int | None:
+    """The length of the dim a ``topk`` chose ``index`` along (through views and int casts), else None."""
+    node = index
+    while isinstance(node, fx.Node) and op_name(node) in _THROUGH and node.args:
+        node = node.args[0]
+    if not (isinstance(node, fx.Node) and op_name(node) in ("getitem", "operator.getitem") and node.args[1] == 1):
+        return None
+    topk = node.args[0]
+    if not isinstance(topk, fx.Node) or op_name(topk) != "aten.topk":
+        return None
+    src = tensor_val(topk.args[0])
+    if src is None or src.dim() == 0:
+        return None
+    dim = arg(topk, 2, "dim", -1)
+    return known_int(src.shape[dim % src.dim()])
+
+
+def run(graph: fx.Graph, ctx: PassContext) -> None:
+    for node in list(graph.nodes):
+        if not acc.order_dependent(node):
+            continue
+        a = acc.read(node)
+        if a is None or a.dim != 0 or not acc.is_zeros(a.base):
+            continue
+        base = tensor_val(a.base)
+        rows = known_int(base.shape[0]) if base is not None and base.dim() >= 1 else None
+        if rows is None or _topk_over(a.index) != rows:
+            continue
+        layer = layer_name(node)
+        try:
+            detail = rewrite_accumulation(graph, node)
+        except NoMatch as skip:
+            ctx.skip(layer, skip.reason, skip.detail)
+            continue
+        ctx.rewrite(layer, f"{op_name(node)} into the tokens' rows at expert-choice topk indices",
+                    detail or REPLACED_BY)
+
+
+__all__ = ["run"]
