@@ -11,15 +11,17 @@ Matches (ATen joint graph; ``T`` tokens, ``C`` per expert)::
     out_TH = index_add(zeros(T, H), 0, tok.view(-1), rows)            combine
     grad_x = index_put(zeros(T, H), [tok], grad_rows, accumulate=True)  backward of x[tok]
 
-i.e. any accumulation into a fresh ``zeros`` along its rows whose index is the indices output of a ``topk`` taken
-over a dim as long as the target has rows (a choice of rows among the target's rows), and rewrites each to::
+i.e. any accumulation into a fresh ``zeros`` along its rows whose index is the indices output of a ``topk`` along
+the rows of a ``[rows, E]`` matrix (directly, ``dim=0``, or along the last dim of its transpose) with as many rows
+as the target (a choice of rows among the target's rows), and rewrites each to::
 
     out_TH = moe.segment_sum(rows, tok.view(-1), T)    (a token's contributions summed in entry order, expert-major,
                                                         in fp32: deterministic_scatter's lowering)
 
 The rewrite is the same values in another order of the adds, for any index; what the match decides is only where
 moe_compile spends a sort by default (``deterministic=True`` rewrites every accumulation anyway). A token-choice
-layer's ``topk`` selects among experts, not among the tokens' rows, and is not matched.
+layer's ``topk`` runs along the last dim of ``[T, E]`` scores (it chooses experts; what its indices index, a per-expert
+table, is no token's row) and is not matched.
 
 Skips when (reason tags): those of ``deterministic_scatter`` for the accumulation (``dtype``, ``symbolic_rows``, ...).
 
@@ -45,21 +47,32 @@ _THROUGH = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.clone", "ate
             "prims.convert_element_type", "aten.flatten", "aten.contiguous"}
 
 
-def _topk_over(index: Any) -> int | None:
-    """The length of the dim a ``topk`` chose ``index`` along (through views and int casts), else None."""
+def _rows_chosen(index: Any) -> int | None:
+    """The number of rows ``index`` chose among, where it is the indices output of a ``topk`` (through views and int
+    casts) along the rows of a ``[rows, E]`` matrix, as expert choice selects (``topk(scores_TE.t(), C)`` or
+    ``topk(scores_TE, C, dim=0)``); None otherwise: a token-choice ``topk`` runs along the matrix's last dim (the
+    experts), and what it indexes (a per-expert table) is no token's row."""
     node = index
     while isinstance(node, fx.Node) and op_name(node) in _THROUGH and node.args:
         node = node.args[0]
     if not (isinstance(node, fx.Node) and op_name(node) in ("getitem", "operator.getitem") and node.args[1] == 1):
         return None
     topk = node.args[0]
-    if not isinstance(topk, fx.Node) or op_name(topk) != "aten.topk":
+    if not isinstance(topk, fx.Node) or op_name(topk) != "aten.topk" or not isinstance(topk.args[0], fx.Node):
         return None
     src = tensor_val(topk.args[0])
-    if src is None or src.dim() == 0:
+    if src is None or src.dim() != 2:
         return None
-    dim = arg(topk, 2, "dim", -1)
-    return known_int(src.shape[dim % src.dim()])
+    dim = arg(topk, 2, "dim", -1) % 2
+    base = topk.args[0]
+    if op_name(base) in ("aten.t", "aten.transpose", "aten.permute"):  # a [E, T] view of the [T, E] scores
+        perm = base.args[1] if op_name(base) == "aten.permute" else [1, 0]
+        if list(perm) not in ([1, 0], [-1, -2], [1, -2], [-1, 0]) and op_name(base) == "aten.permute":
+            return None
+        dim = 1 - dim
+    if dim != 0:
+        return None
+    return known_int(src.shape[arg(topk, 2, "dim", -1) % 2])
 
 
 def run(graph: fx.Graph, ctx: PassContext) -> None:
@@ -71,7 +84,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             continue
         base = tensor_val(a.base)
         rows = known_int(base.shape[0]) if base is not None and base.dim() >= 1 else None
-        if rows is None or _topk_over(a.index) != rows:
+        if rows is None or _rows_chosen(a.index) != rows:
             continue
         layer = layer_name(node)
         try:

@@ -21,12 +21,19 @@ def test_expert_choice_accumulations_rewritten_within_eager_bound(dtype):
     assert ok and not unjudged, f"seed {seed}: {worst}: {eager_bound_errors(got, eager, ref, dtype=dtype)}"
 
 
-def test_token_choice_not_matched():
-    """A token-choice layer's topk chooses among experts: its accumulations are left to the other passes."""
+@pytest.mark.parametrize("which", ["sort_dispatch", "expert_bias"])
+def test_token_choice_not_matched(which):
+    """A token-choice layer's topk chooses among experts: its accumulations are left to the other passes, also the
+    backward of a per-expert bias table gathered at the topk's expert ids (a topk over as many entries as the table
+    has rows, but along the experts)."""
     from tests.models.handwritten import SortIndexSelectScatterAdd
+    from tests.passes.test_deterministic_accumulate import ExpertBias
 
-    layer = SortIndexSelectScatterAdd()
-    x = torch.randn(12, layer.router.shape[1], dtype=torch.bfloat16, requires_grad=True)
+    if which == "sort_dispatch":
+        layer = SortIndexSelectScatterAdd()
+        x = torch.randn(12, layer.router.shape[1], dtype=torch.bfloat16, requires_grad=True)
+    else:
+        layer, x = ExpertBias(sort=False), torch.randn(10, 12, requires_grad=True)
     torch._dynamo.reset()
     with report.collecting() as rep:
         torch.compile(layer, backend="moe_compile", fullgraph=True)(x).float().sum().backward()
