@@ -243,8 +243,8 @@ def _unaccounted_expert_layers(model: torch.nn.Module, rep: report.Report) -> li
     for: ``not_in_graph`` when no compiled graph contained it, else ``dispatch_form_unknown`` (no pass recognised
     its dispatch); the detail says what the layer looks like."""
     accounted = {r.layer for r in rep.records if r.kind in ("skip", "error") or (r.kind == "rewrite" and r.moe)}
-    # the swap names the model itself "<root>" (a block that is the whole model): it holds every layer
-    root = any(r.pass_name == "swap_expert_loops" and r.layer == "<root>" for r in rep.records)
+    # the swap names the model itself "<root>" (a block that is the whole model): swapped, it holds every layer
+    root = any(r.pass_name == "swap_expert_loops" and r.layer == "<root>" and r.kind == "rewrite" for r in rep.records)
     records = []
     for layer in find_expert_layers(model):
         if root or any(_same_module(layer.name, seen) for seen in accounted):

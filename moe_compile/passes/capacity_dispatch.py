@@ -60,6 +60,44 @@ _CASTS = ("to", "float", "double", "half", "bfloat16", "type_as", "type", "long"
 _MULS = ("mul", "mul_", operator.mul.__name__)
 
 
+def run(graph: fx.Graph, ctx: PassContext) -> None:
+    for node in list(graph.nodes):
+        if node.op not in ("call_function", "call_method"):
+            continue
+        form = _equation(node)
+        if form is None:
+            continue
+        kind, d, other = form
+        try:
+            shape = _shape(d)
+            if shape is None or _shape(other) is None:
+                raise NoMatch("symbolic_shape", f"{d.name}: {getattr(tensor_val(d), 'shape', None)}")
+            T, E, C = shape
+            terms = [_with_ids(t, E) for t in _terms(d, E, C)]
+            for t in terms:
+                if len(t.visible) != 1 or t.lead[t.visible[0]] != T:
+                    raise NoMatch("not_one_hot", f"a term over leading dims {t.lead} does not sum to [T={T}]")
+            if len({t.boolean for t in terms}) > 1:
+                raise NoMatch("not_one_hot", "a sum of one-hot terms of which only some are under bool()")
+        except NoMatch as skip:
+            ctx.skip(layer_name(node), skip.reason, skip.detail)
+            continue
+        layer = layer_name(node)
+        packed = [(t.ids, t.pos, t.factors, t.lead, t.visible[0], t.cast, t.boolean) for t in terms]
+        with graph.inserting_before(node):
+            if kind == "dispatch":
+                new = graph_call(graph, capacity_dispatch, other, packed, E, C, meta_from=node)
+            else:
+                new = graph_call(graph, capacity_combine, other, packed, E, C, T, meta_from=node)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        erase_dead(graph, [d])
+        what = "einsum('tec,th->ech')" if kind == "dispatch" else "einsum('tec,ech->th')"
+        ctx.rewrite(layer, f"{what} over a one-hot [T={T}, E={E}, C={C}] {kind} tensor "
+                                      f"({len(terms)} term(s) of {math.prod(terms[0].lead)} entries)",
+                    f"moe_compile.passes.capacity_dispatch.capacity_{kind}: gathers, linear in T")
+
+
 @dataclasses.dataclass
 class _Term:
     """``D[v..., e, c] = sum over the leading dims not in visible of [I == e] * [P == c] * prod factors``."""
@@ -303,44 +341,6 @@ def _equation(node: fx.Node) -> tuple[str, fx.Node, fx.Node] | None:
         if len(o) == 3 and o[:2] == e + c and o[2] not in d and out == t + o[2]:
             return "combine", node.args[1 + i], node.args[2 - i]
     return None
-
-
-def run(graph: fx.Graph, ctx: PassContext) -> None:
-    for node in list(graph.nodes):
-        if node.op not in ("call_function", "call_method"):
-            continue
-        form = _equation(node)
-        if form is None:
-            continue
-        kind, d, other = form
-        try:
-            shape = _shape(d)
-            if shape is None or _shape(other) is None:
-                raise NoMatch("symbolic_shape", f"{d.name}: {getattr(tensor_val(d), 'shape', None)}")
-            T, E, C = shape
-            terms = [_with_ids(t, E) for t in _terms(d, E, C)]
-            for t in terms:
-                if len(t.visible) != 1 or t.lead[t.visible[0]] != T:
-                    raise NoMatch("not_one_hot", f"a term over leading dims {t.lead} does not sum to [T={T}]")
-            if len({t.boolean for t in terms}) > 1:
-                raise NoMatch("not_one_hot", "a sum of one-hot terms of which only some are under bool()")
-        except NoMatch as skip:
-            ctx.skip(layer_name(node), skip.reason, skip.detail)
-            continue
-        layer = layer_name(node)
-        packed = [(t.ids, t.pos, t.factors, t.lead, t.visible[0], t.cast, t.boolean) for t in terms]
-        with graph.inserting_before(node):
-            if kind == "dispatch":
-                new = graph_call(graph, capacity_dispatch, other, packed, E, C, meta_from=node)
-            else:
-                new = graph_call(graph, capacity_combine, other, packed, E, C, T, meta_from=node)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        erase_dead(graph, [d])
-        what = "einsum('tec,th->ech')" if kind == "dispatch" else "einsum('tec,ech->th')"
-        ctx.rewrite(layer, f"{what} over a one-hot [T={T}, E={E}, C={C}] {kind} tensor "
-                                      f"({len(terms)} term(s) of {math.prod(terms[0].lead)} entries)",
-                    f"moe_compile.passes.capacity_dispatch.capacity_{kind}: gathers, linear in T")
 
 
 __all__ = ["capacity_combine", "capacity_dispatch", "run", "slots"]

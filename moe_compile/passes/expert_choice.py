@@ -47,6 +47,27 @@ _THROUGH = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.clone", "ate
             "prims.convert_element_type", "aten.flatten", "aten.contiguous"}
 
 
+def run(graph: fx.Graph, ctx: PassContext) -> None:
+    for node in list(graph.nodes):
+        if not acc.order_dependent(node):
+            continue
+        a = acc.read(node)
+        if a is None or a.dim != 0 or not acc.is_zeros(a.base):
+            continue
+        base = tensor_val(a.base)
+        rows = known_int(base.shape[0]) if base is not None and base.dim() >= 1 else None
+        if rows is None or _rows_chosen(a.index) != rows:
+            continue
+        layer = layer_name(node)
+        try:
+            detail = rewrite_accumulation(graph, node)
+        except NoMatch as skip:
+            ctx.skip(layer, skip.reason, skip.detail)
+            continue
+        ctx.rewrite(layer, f"{op_name(node)} into the tokens' rows at expert-choice topk indices",
+                    detail or REPLACED_BY)
+
+
 def _rows_chosen(index: Any) -> int | None:
     """The number of rows ``index`` chose among, where it is the indices output of a ``topk`` (through views and int
     casts) along the rows of a ``[rows, E]`` matrix, as expert choice selects (``topk(scores_TE.t(), C)`` or
@@ -73,27 +94,6 @@ def _rows_chosen(index: Any) -> int | None:
     if dim != 0:
         return None
     return known_int(src.shape[arg(topk, 2, "dim", -1) % 2])
-
-
-def run(graph: fx.Graph, ctx: PassContext) -> None:
-    for node in list(graph.nodes):
-        if not acc.order_dependent(node):
-            continue
-        a = acc.read(node)
-        if a is None or a.dim != 0 or not acc.is_zeros(a.base):
-            continue
-        base = tensor_val(a.base)
-        rows = known_int(base.shape[0]) if base is not None and base.dim() >= 1 else None
-        if rows is None or _rows_chosen(a.index) != rows:
-            continue
-        layer = layer_name(node)
-        try:
-            detail = rewrite_accumulation(graph, node)
-        except NoMatch as skip:
-            ctx.skip(layer, skip.reason, skip.detail)
-            continue
-        ctx.rewrite(layer, f"{op_name(node)} into the tokens' rows at expert-choice topk indices",
-                    detail or REPLACED_BY)
 
 
 __all__ = ["run"]

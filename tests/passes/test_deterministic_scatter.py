@@ -139,7 +139,8 @@ def test_option_off_leaves_the_graph_unchanged():
     grad, ids = torch.randn(4, 8), torch.randint(0, 12, (4,))
     gm = _traced(lambda g, i: torch.ops.aten.embedding_dense_backward(g, i, 12, -1, False), grad, ids)
     before = str(gm.graph)
-    stage = StagePass("joint", make_config(passes={"deterministic_scatter": True, "deterministic_accumulate": False}))
+    stage = StagePass("joint", make_config(passes={"deterministic_scatter": True, "deterministic_accumulate": False,
+                                                   "expert_choice": False}))
     assert not stage.entries
     with report.collecting() as rep:
         stage(gm.graph)
