@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
                 torch._dynamo.reset()
                 m = copy.deepcopy(model)
                 fn = m if variant == "eager" else torch.compile(m, backend=variant, fullgraph=True)
-                with report.collecting() as rep:
+                # caches off: a cache hit would run the rewritten code without the passes, and record nothing
+                with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True):
                     _step(m, fn, x, g)  # compiles
                 rewrites[variant] = sum(r.kind == "rewrite" and r.pass_name == "capacity_dispatch"
                                         for r in rep.records)
