@@ -2,7 +2,7 @@
 (``tests/models/skip_loops.py``: ``counts = bincount(ids).tolist()``, ``if counts[i] == 0: continue``, a gate module
 returning ``(weights, ids)``, experts calling ``F.silu`` directly, shared experts added): ``moe_compile.compile``
 swaps the block onto the fused path, so the step is one graph with no host read, and its loss and every gradient
-are as close to a float32 eager run as bf16 eager is."""
+are as close to a float64 eager run as float32 eager is."""
 
 from __future__ import annotations
 
@@ -35,13 +35,17 @@ def _step(fn, model: torch.nn.Module, x: torch.Tensor, cot: torch.Tensor, wide: 
 @pytest.mark.parametrize("experts,gate", [pytest.param(*c, marks=() if c in DEFAULT else pytest.mark.slow)
                                           for c in CASES])
 def test_skip_loop_swapped_one_graph_within_eager_bound(experts, gate):
+    # float32, against a float64 reference: in bf16 a token whose top-k is within rounding of a tie is routed either
+    # way by any compile (its expert's gradients then differ by their own size; seen in CI, 21x the bound), and the
+    # fused path's gate is compiled code
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    model = SkipLoopMoE(experts=experts, gate=gate, seed=int(torch.randint(0, 2**16, (), generator=gen)))
-    ref_model = copy.deepcopy(model).float()
-    x = torch.randn(2, 24, 16, generator=gen).to(torch.bfloat16)
+    model = SkipLoopMoE(experts=experts, gate=gate, dtype=torch.float32,
+                        seed=int(torch.randint(0, 2**16, (), generator=gen)))
+    ref_model = copy.deepcopy(model).double()
+    x = torch.randn(2, 24, 16, generator=gen)
     cot = torch.randn(2, 24, 16, generator=gen)
     eager = _step(model, model, x, cot)
-    ref = _step(ref_model, ref_model, x, cot, torch.float32)
+    ref = _step(ref_model, ref_model, x, cot, torch.float64)
 
     compiled_model = copy.deepcopy(model)
     torch._dynamo.reset()
@@ -55,9 +59,9 @@ def test_skip_loop_swapped_one_graph_within_eager_bound(experts, gate):
     assert "routed by gate_call" in swaps[0].detail and "+ shared_experts" in swaps[0].detail, swaps[0].detail
     assert not [r for r in rep.records if r.kind == "skip" and r.layer.endswith("experts")], rep
     assert rep.clean, rep
-    ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, always_judged=("out",))
+    ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, dtype=torch.float32, always_judged=("out",))
     assert ok and not unjudged, (worst, unjudged, [(r.name, r.compiled, r.bound) for r in tol.eager_bound_errors(
-        got, eager, ref) if r.ratio > 1])
+        got, eager, ref, dtype=torch.float32) if r.ratio > 1])
 
 
 def test_skip_loop_gate_without_ids_is_left_alone():
