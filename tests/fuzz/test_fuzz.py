@@ -121,10 +121,13 @@ _FINDINGS = sorted((Path(__file__).parent / "findings").rglob("*.py"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script_path", _FINDINGS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("script_path", [
+    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="an open finding (FINDINGS.md)"))
+    if p.parent.name == "open" else p for p in _FINDINGS], ids=lambda p: p.stem)
 def test_finding_scripts(script_path: Path):
     """Every finding's standalone script (FINDINGS.md) still passes, or fails only with a class of ``known.py``
-    (the script prints ``(known: <tag>)``): a fixed finding that comes back fails here."""
+    (the script prints ``(known: <tag>)``): a fixed finding that comes back fails here. Scripts under ``open/`` are
+    findings not fixed yet: they must fail (strict xfail), so a fix shows as a pass to move out of ``open/``."""
     done = run_python(f"import runpy; runpy.run_path({str(script_path)!r}, run_name='__main__')", timeout=600)
     known = "(known: " in done.stdout
     assert done.returncode == 0 or (done.returncode == 1 and known), done.stdout[-3000:] + done.stderr[-3000:]
