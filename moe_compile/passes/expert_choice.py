@@ -13,7 +13,9 @@ Matches (ATen joint graph; ``T`` tokens, ``C`` per expert)::
 
 i.e. any accumulation into a fresh ``zeros`` along its rows whose index is the indices output of a ``topk`` along
 the rows of a ``[rows, E]`` matrix (directly, ``dim=0``, or along the last dim of its transpose) with as many rows
-as the target (a choice of rows among the target's rows), and rewrites each to::
+as the target (a choice of rows among the target's rows).
+
+Rewrites to (each such accumulation)::
 
     out_TH = moe.segment_sum(rows, tok.view(-1), T)    (a token's contributions summed in entry order, expert-major,
                                                         in fp32: deterministic_scatter's lowering)
