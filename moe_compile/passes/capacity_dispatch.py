@@ -103,11 +103,10 @@ class _Term:
     """``D[v..., e, c] = sum over the leading dims not in visible of [I == e] * [P == c] * prod factors``."""
 
     ids: fx.Node  # [*L] expert of each entry
-    pos: fx.Node  # broadcastable to [*L, E]: the slot along c ([*L] when pos_per_token)
+    pos: fx.Node  # broadcastable to [*L, E]: the slot along c; [*L]: one slot per entry whatever e (DeepSpeed)
     factors: list[tuple[fx.Node, bool]]  # (node, its trailing size-1 c dim still to squeeze), each [*L, E]-broadcast
     lead: tuple[int, ...]  # L
     visible: tuple[int, ...]  # the dims of L not summed away
-    pos_per_token: bool = False  # one_hot(P_L, C).unsqueeze(-2): one slot per entry whatever e (DeepSpeed)
     cast: torch.dtype | None = None  # a narrowing cast of the float tensor: each entry's weight rounded to it
     boolean: bool = False  # under a bool() of the whole sum: each slot 1 where its entries' weights sum to non-zero
 
@@ -196,13 +195,13 @@ def _terms(node: fx.Node, E: int, C: int) -> list[_Term]:
             raise NoMatch("not_one_hot", f"{node.name}: one_hot over {n} classes, shape {shape}")
         lead = shape[:-2]
         return [_Term(ids=None, pos=pos, factors=[], lead=lead, visible=tuple(range(len(lead))))]  # type: ignore
-    if name == "unsqueeze" and _one_hot(node.args[0]) is not None and _one_hot(node.args[0])[1] == C:
+    if name == "unsqueeze" and (_one_hot(node.args[0]) or (None, None))[1] == C:
         shape = _shape(node)
         if shape is None or len(shape) < 3 or shape[-2] != 1 or node.args[1] not in (-2, len(shape) - 2):
             raise NoMatch("not_one_hot", f"{node.name}: one_hot(P, C) unsqueezed elsewhere than before c")
         lead = shape[:-2]
         return [_Term(ids=None, pos=node.args[0].args[0], factors=[], lead=lead,  # type: ignore[arg-type]
-                      visible=tuple(range(len(lead))), pos_per_token=True)]
+                      visible=tuple(range(len(lead))))]
     if name in _MULS and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args):
         rank = len(_shape(node) or ())
         for c_side, other in (node.args, node.args[::-1]):
@@ -269,8 +268,8 @@ def slots(terms: list[tuple[Any, ...]], E: int, C: int, T: int) -> tuple[torch.T
         key, w = _entries(ids, pos, factors, lead, E, C, cast)
         keys.append(key.movedim(t_dim, 0).reshape(T, -1))
         weights.append(w.movedim(t_dim, 0).reshape(T, -1))
-    key_TM, w_TM = torch.cat(keys, 1), torch.cat([w.to(torch.promote_types(w.dtype, torch.float32)) for w in weights]
-                                                 if len(weights) > 1 else weights, 1)
+    key_TM = torch.cat(keys, 1)
+    w_TM = torch.cat([w.to(torch.promote_types(w.dtype, torch.float32)) for w in weights], 1)  # exact widening
     if boolean == {True}:
         same_TMM = key_TM.unsqueeze(2) == key_TM.unsqueeze(1)
         total_TM = (same_TMM * w_TM.unsqueeze(1)).sum(-1)
