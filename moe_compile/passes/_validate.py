@@ -276,7 +276,8 @@ def _matches(real: Any, fake: Any) -> bool:
         return (isinstance(real, torch.Tensor) and real.dtype == fake.dtype and real.device == fake.device
                 and tuple(real.shape) == tuple(_concrete(s) for s in fake.shape))
     if isinstance(fake, (int, torch.SymInt, float, bool)):
-        return isinstance(real, (int, float, bool)) and not isinstance(real, torch.Tensor)
+        # a dynamic-shape compile's example inputs hold its size symbols (SymInt) where the graph has placeholders
+        return isinstance(real, (int, float, bool, torch.SymInt)) and not isinstance(real, torch.Tensor)
     return False
 
 

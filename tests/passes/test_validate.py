@@ -435,3 +435,33 @@ def test_wrong_rewrite_inside_a_checkpointed_region_is_refused(monkeypatch):
     assert refused and not run.report.unchecked, run.report.table()
     assert_matches_eager(run, model, args, train=True)
 
+
+
+def test_dynamic_shape_compile_is_validated_on_its_real_parameters(monkeypatch):
+    """A dynamic-shape compile's example inputs hold its size symbols: validation still takes the real parameters
+    (and random activations like the real ones), not random tensors from the placeholders' metadata, which made
+    a layer's gradients 1e6 and refused a right rewrite (fuzz finding A11)."""
+    from moe_compile.passes import _validate
+
+    prepared: list[tuple[str, list[Any], list[Any]]] = []
+    original = _validate.StageValidator._prepare
+
+    def spy(self: Any, graph: fx.Graph) -> None:
+        original(self, graph)
+        current = _validate._CURRENT.get()
+        prepared.append((self.stage, list(current.example_inputs), list(self._inputs or [])))
+
+    monkeypatch.setattr(_validate.StageValidator, "_prepare", spy)
+    torch.manual_seed(4)
+    model = CountingMoE()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, dynamic=True, backend=ConfiguredBackend(make_config(validate=True)))
+    with torch._inductor.config.patch(force_disable_caches=True), report.collecting() as rep:
+        compiled(torch.randn(9, model.hidden, dtype=torch.bfloat16)).float().pow(2).sum().backward()
+    refused = [r for r in rep.skips if r.what == "validation_failed"]
+    assert rep.count("fuse_dispatch") >= 1 and not rep.unchecked and not refused, rep.table()
+    pre_grad = [(real, used) for stage, real, used in prepared if stage == "pre_grad"]
+    assert pre_grad and any(isinstance(r, torch.SymInt) for real, _ in pre_grad for r in real)
+    for real, used in pre_grad:
+        params = [(r, u) for r, u in zip(real, used) if isinstance(r, nn.Parameter)]
+        assert params and all(u is r for r, u in params)
