@@ -22,8 +22,8 @@ import torch.nn.functional as F
 import moe_compile  # noqa: F401 - registers the backend
 from moe_compile import inductor_workarounds as iw
 from moe_compile import report
+from tests.models.expert_choice import ExpertChoiceMoE
 from tests.passes._harness import fresh_cache
-from tests.test_cpu_miscompile import ExpertChoiceMoE
 
 
 class TokenChoiceMoE(ExpertChoiceMoE):

@@ -22,6 +22,7 @@ import moe_compile  # noqa: F401 - registers the backend
 from moe_compile import inductor_workarounds as iw
 from moe_compile import report
 from tests._tolerance import eager_bound_errors, within_eager_bound
+from tests.models.expert_choice import ExpertChoiceMoE
 from tests.passes._harness import fresh_cache
 
 Step = dict[str, torch.Tensor]
@@ -78,28 +79,6 @@ def test_reproducer_control_plain_inductor_is_off():
 
 # ---------------------------------------------------------------------------------------------------- the layer
 
-class ExpertChoiceMoE(nn.Module):
-    """Expert-choice routing as public code writes it (Zhou et al. 2022): every expert takes its top-C tokens."""
-
-    def __init__(self, hidden: int, ffn: int, experts: int, capacity_factor: float = 2.0) -> None:
-        super().__init__()
-        self.experts, self.capacity_factor = experts, capacity_factor
-        self.router = nn.Linear(hidden, experts, bias=False)
-        self.w1 = nn.Parameter(torch.randn(experts, hidden, ffn) / hidden**0.5)
-        self.w2 = nn.Parameter(torch.randn(experts, ffn, hidden) / ffn**0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, S, H = x.shape
-        x = x.reshape(-1, H)
-        capacity = int(x.shape[0] * self.capacity_factor / self.experts)
-        scores = F.softmax(self.router(x), dim=-1)                       # [T, E]
-        gates, tok = torch.topk(scores.t(), capacity, dim=-1)           # [E, C]: each expert's tokens
-        xe = x[tok]                                                      # [E, C, H]
-        ye = torch.bmm(F.gelu(torch.bmm(xe, self.w1)), self.w2) * gates.unsqueeze(-1)
-        out = torch.zeros_like(x).index_add_(0, tok.reshape(-1), ye.reshape(-1, H))
-        return out.reshape(B, S, H)
-
-
 def _layer_step(model: nn.Module, x: torch.Tensor, g: torch.Tensor) -> Step:
     x = x.detach().clone().requires_grad_()
     for p in model.parameters():
@@ -114,7 +93,7 @@ def _routing(model: ExpertChoiceMoE, x: torch.Tensor) -> torch.Tensor:
     x = x.reshape(-1, x.shape[-1])
     with torch.no_grad():
         scores = F.softmax(model.router(x), dim=-1)
-        return torch.topk(scores.t(), int(x.shape[0] * model.capacity_factor / model.experts), dim=-1)[1]
+        return torch.topk(scores.t(), model.capacity(x.shape[0]), dim=-1)[1]
 
 
 def _layer(dtype: torch.dtype, backend: str) -> tuple[Step, Step, Step, int, report.Report]:

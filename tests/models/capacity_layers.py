@@ -96,3 +96,30 @@ class CapacityMoE(nn.Module):
         combine = g1_TE.unsqueeze(2) * F.one_hot(loc1_T, C).unsqueeze(1) \
             + g2_TE.unsqueeze(2) * F.one_hot(loc2_T, C).unsqueeze(1)
         return combine.bool(), combine
+
+
+class DroplessSortMoE(CapacityMoE):
+    """The same router and experts as :class:`CapacityMoE` (GShard gates: softmax, top-k, renormalised), dispatched
+    without capacity: choices sorted by expert, ``index_select`` of the rows, the experts as grouped GEMMs over the
+    sorted rows (``torch._grouped_mm``), ``scatter_add_`` back. What the capacity layer computes when nothing is
+    dropped, on the sort path (the benchmark's comparison)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**{**kwargs, "style": "gshard"})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_TH = x.reshape(-1, shape[-1])
+        logits_TE = F.linear(x_TH, self.router).float()
+        gates_TK, ids_TK = logits_TE.softmax(-1).topk(self.top_k, dim=-1)
+        gates_TK = gates_TK / gates_TK.sum(-1, keepdim=True)
+        ids_S = ids_TK.reshape(-1)
+        _, perm_S = torch.sort(ids_S, stable=True)
+        token_S = perm_S // self.top_k
+        rows_SH = x_TH.index_select(0, token_S)
+        offs_E = torch.cumsum(torch.bincount(ids_S, minlength=self.num_experts), 0).to(torch.int32)
+        h_SI = F.gelu(torch._grouped_mm(rows_SH, self.w1, offs=offs_E))
+        y_SH = torch._grouped_mm(h_SI, self.w2, offs=offs_E)
+        y_SH = y_SH * gates_TK.reshape(-1)[perm_S].unsqueeze(-1).to(y_SH.dtype)
+        out_TH = torch.zeros_like(x_TH).scatter_add_(0, token_S.unsqueeze(-1).expand(-1, shape[-1]), y_SH)
+        return out_TH.reshape(shape)

@@ -254,7 +254,7 @@ def _capacity_layer():
 
 
 def _expert_choice():
-    from tests.test_cpu_miscompile import ExpertChoiceMoE
+    from tests.models.expert_choice import ExpertChoiceMoE
 
     return ExpertChoiceMoE(hidden=16, ffn=32, experts=4), (torch.randn(2, 8, 16),), {}
 
