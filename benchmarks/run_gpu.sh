@@ -44,6 +44,8 @@ if [ "$what" != tests ]; then
     [ "$stem" = validation_cost ] && { extra=(--causal-lm --families qwen3_moe,mixtral,deepseek_v3); limit=420; }
     # training steps of up to four CausalLMs x four variants (compiles and 20 AdamW steps each): --models picks them
     [ "$stem" = train_determinism ] && limit=${TRAIN_LIMIT_S:-560}
+    # capacity layers at T 16384: eager's one-hot [T, E, C] einsums and 9 compiles per shape
+    [ "$stem" = capacity ] && limit=420
     if [ -n "${BUDGET_S:-}" ] && grep -q -- "--budget-s" "$bench"; then extra=(--budget-s "$BUDGET_S"); limit=$((BUDGET_S + 90)); fi
     echo "=== $bench"
     timeout $limit python3 -m "benchmarks.bench_$stem" --save "${extra[@]}" "$@" > "/tmp/bench_$stem.log" 2>&1 || status=1
