@@ -32,8 +32,8 @@ COUNTS = ("histc", "histc_sorted", "one_hot_sum", "eq_arange_sum")
 COUNT_PLACES = grammar.COUNT_PLACES  # host: counts.long().tolist(), sizes as Python ints
 PADDINGS = grammar.PADDINGS
 COMBINES = ("index_add", "scatter_add", "index_put_acc", "inverse_gather_sum", "scatter_unpermute_sum",
-            "argsort_gather_sum")
-SUM_COMBINES = ("inverse_gather_sum", "scatter_unpermute_sum", "argsort_gather_sum")
+            "argsort_gather_sum", "index_copy_sum")
+SUM_COMBINES = ("inverse_gather_sum", "scatter_unpermute_sum", "argsort_gather_sum", "index_copy_sum")
 # where the routing weight multiplies: the sorted expert outputs in fp32 / in the activation dtype, the
 # sorted rows before the experts, or (sum combines only) the un-permuted [T, K, H] view
 WEIGHTS = ("rows_fp32", "rows_act", "before_experts", "after_unpermute")

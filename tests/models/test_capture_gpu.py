@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 
 import moe_compile
 from moe_compile import report
+from moe_compile.api import account_expert_layers
 from tests import _tolerance as tol
 
 pytestmark = [
@@ -110,13 +111,17 @@ def test_rewritten_layer_training_step_is_captured(name):
         compiled = torch.compile(model, backend="moe_compile", mode="reduce-overhead", fullgraph=True)
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     with torch._inductor.config.patch({**STRICT, "force_disable_caches": True}), report.collecting() as rep:
-        for _ in range(4):  # warm-up, record, replays on new tokens
-            x = torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16)
-            cot = torch.randn(shape, device="cuda", generator=gen)
+        try:
+            for _ in range(4):  # warm-up, record, replays on new tokens
+                x = torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16)
+                cot = torch.randn(shape, device="cuda", generator=gen)
+                torch.compiler.cudagraph_mark_step_begin()
+                got = _step(compiled, model, x, cot)
             torch.compiler.cudagraph_mark_step_begin()
-            got = _step(compiled, model, x, cot)
-        torch.compiler.cudagraph_mark_step_begin()
-        again = _step(compiled, model, x, cot)
+            again = _step(compiled, model, x, cot)
+        except Exception as exc:
+            raise AssertionError(f"{type(exc).__name__}: {str(exc)[:600]}\n{rep.table()}") from exc
+    account_expert_layers(model, rep)  # the swap's records (moe_compile.compile) live on the module
     assert any(r.pass_name == pass_name and r.kind == "rewrite" for r in rep.records), rep.table()
     assert counters["inductor"]["cudagraph_skips"] == 0
     different = [k for k in got if not torch.equal(got[k], again[k])]

@@ -6,6 +6,7 @@ last node, :func:`read_accumulate` an accumulate into a ``[T, H]`` buffer at tok
 ``S = T*K`` sorted rows ``ys_SH``, ``order_S`` the ascending sort of the flattened expert ids::
 
     scatter       y = empty_like(ys); y[order] = ys          (setitem / index_put_ / scatter_)
+    index_copy    y = zeros_like(ys).index_copy_(0, order, ys)   (Megatron's un-permute; ``index_copy`` too)
     gather        y = ys[inv] with inv = argsort(order), or inv = empty(S); inv[order] = arange(S)
     then          y_TH = (y.view(T, K, H) [* w_TK[..., None]]).sum(1)
 
@@ -34,7 +35,7 @@ _FRESH = ("empty_like", "zeros_like", "empty", "zeros", "new_empty", "new_zeros"
 class UnpermuteSum:
     """``y_TH = sum_k w_TK[t, k] * ys[row(t, k)]`` read from the graph."""
 
-    kind: str  # "scatter_unpermute_sum" | "inverse_perm_sum"
+    kind: str  # "scatter_unpermute_sum" | "index_copy_unpermute_sum" | "inverse_perm_sum"
     rows: fx.Node  # ys_SH, sorted rows
     order: fx.Node  # the permutation (sort indices)
     weight_TK: fx.Node | None  # routing weight applied after un-permuting (in [T, K] order), if any
@@ -153,6 +154,18 @@ def _scatter_unpermute(y: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | N
     return None
 
 
+def _index_copy_unpermute(y: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """``(ys, order, nodes)`` for ``y = fresh.index_copy_(0, order, ys)`` (or ``index_copy``) where the fresh
+    buffer has ``ys``'s shape and no other reader: every row is written once when ``order`` is a permutation."""
+    if op_name(y) not in ("index_copy_", "index_copy") or known_int(arg(y, 1, "dim")) != 0:
+        return None
+    buf, order, ys = y.args[0], arg(y, 2, "index"), arg(y, 3, "source")
+    if not all(isinstance(n, fx.Node) for n in (buf, order, ys)) or op_name(buf) not in _FRESH \
+            or len(buf.users) != 1 or not same_shape(tensor_val(buf).shape, tensor_val(ys).shape):
+        return None
+    return ys, order, [y, buf]
+
+
 def _inverse_gather(y: fx.Node, is_permutation: Callable[[fx.Node], bool]) -> tuple[fx.Node, fx.Node, list] | None:
     """``(ys, order, nodes)`` for ``y = ys[inv]`` with ``inv`` the inverse of a permutation ``order``."""
     if op_name(y) != "getitem" or not isinstance(y.args[1], fx.Node):
@@ -202,6 +215,7 @@ def match_unpermute_sum(total: fx.Node, top_k: Any, is_permutation: Callable[[fx
             return None
     nodes.append(view)
     for kind, reader in (("scatter_unpermute_sum", lambda n: _scatter_unpermute(n)),
+                         ("index_copy_unpermute_sum", _index_copy_unpermute),
                          ("inverse_perm_sum", lambda n: _inverse_gather(n, is_permutation))):
         found = reader(y)
         if found is not None:

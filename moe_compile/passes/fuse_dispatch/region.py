@@ -103,6 +103,8 @@ def unpermute_sum_candidate(u: fx.Node, y: fx.Node) -> fx.Node | None:
     elif name in ("setitem", "index_put_") and u.args[0] is not y and isinstance(u.args[0], fx.Node) \
             and (u.args[2] if name == "setitem" else arg(u, 2, "values")) is y:
         start = u.args[0]
+    elif name in ("index_copy_", "index_copy") and arg(u, 3, "source") is y:
+        start = u  # read through the op's result (the buffer it wrote)
     else:
         return None
     views = [v for v in start.users if op_name(v) in ("view", "reshape", "unflatten")]
