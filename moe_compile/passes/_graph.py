@@ -65,7 +65,13 @@ def op_name(node: fx.Node) -> str | None:
     other OpOverloads / packets are ``"<namespace>.<name>"`` (``"transformers.grouped_mm_fallback"``).
     """
     if node.op == "call_method":
-        return str(node.target)
+        target = str(node.target)
+        if target.startswith("__") and target.endswith("__"):
+            # torch 2.11's Dynamo records ``a == b`` on tensors as the method ``__eq__`` (2.13: operator.eq)
+            dunder = getattr(operator, target, None)
+            if dunder in _OPERATOR_NAMES:
+                return _OPERATOR_NAMES[dunder]
+        return target
     if node.op != "call_function":
         return None
     target = node.target
