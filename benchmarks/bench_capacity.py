@@ -1,6 +1,7 @@
-"""Capacity-factor MoE layers (``tests/models/capacity_layers.py``): one training step (forward + backward) under eager
-PyTorch, plain Inductor and moe_compile, whose ``capacity_dispatch`` turns the one-hot ``[T, E, C]`` einsums into
-gathers of the routed rows.
+"""Capacity-factor and expert-choice MoE layers (``tests/models/capacity_layers.py``, ``expert_choice.py``): one
+training step (forward + backward) under eager PyTorch, plain Inductor and moe_compile, whose ``capacity_dispatch``
+turns the one-hot ``[T, E, C]`` einsums into gathers of the routed rows and ``expert_choice`` the expert-choice
+combine into a fixed-order segment sum (capacity factor 2: ``E*C = 2T`` rows, the experts' FLOPs of top-2).
 
 The einsums cost ``2*T*E*C*H`` FLOPs each way (``C = capacity_factor * T * K / E``: quadratic in tokens), the experts
 ``2 * 2*E*C*H*I`` (linear); the row's ``dispatch_gflop`` and ``experts_gflop`` are the forward's, so the floor
@@ -26,11 +27,39 @@ import moe_compile  # noqa: F401 - registers the backend
 from benchmarks._bench_env import add_results_args, device_env, results_path, sync, write_results
 from moe_compile import report
 from tests.models.capacity_layers import CapacityMoE, DroplessSortMoE
+from tests.models.expert_choice import ExpertChoiceMoE
 
 VARIANTS = ("eager", "inductor", "moe_compile")
 # "dropless": the same router and experts on the sort path (grouped GEMMs over the T*K routed rows, nothing dropped),
 # the issue's comparison for the rewritten capacity layer
-STYLES = ("gshard", "deepspeed", "dropless")
+# "expert_choice": each expert takes its top-C tokens (capacity factor 2: E*C = 2T rows, the experts' FLOPs of top-2)
+STYLES = ("gshard", "deepspeed", "expert_choice", "dropless")
+REWRITES = ("capacity_dispatch", "fuse_dispatch", "expert_choice")
+
+
+class _TokensFirst(torch.nn.Module):
+    """``[T, H]`` tokens into a layer that takes ``[B, S, H]`` (expert choice)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def capacity(self, tokens: int) -> int:
+        return self.inner.capacity(tokens)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.unsqueeze(0)).squeeze(0)
+
+
+def _layer(style: str, T: int, H: int, E: int, inter: int, dtype: torch.dtype) -> torch.nn.Module:
+    if style == "expert_choice":
+        torch.manual_seed(0)
+        return _TokensFirst(ExpertChoiceMoE(hidden=H, ffn=inter, experts=E, capacity_factor=2.0).to(dtype))
+    if style == "dropless":
+        return DroplessSortMoE(hidden=H, inter=inter, num_experts=E, top_k=2, capacity_factor=1.25, dtype=dtype,
+                               seed=0)
+    return CapacityMoE(hidden=H, inter=inter, num_experts=E, top_k=2, capacity_factor=1.25, style=style, dtype=dtype,
+                       seed=0)
 
 
 def _step(model: torch.nn.Module, fn, x: torch.Tensor, g: torch.Tensor) -> None:
@@ -76,15 +105,13 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1)
         shapes = [(256, 128, 8, 256)] if args.quick else [(256, 128, 8, 256), (512, 128, 8, 256), (1024, 128, 8, 256)]
     else:  # (T, H, E, I): the issue's targets, H 2048, E 64, fine-grained experts
-        shapes = [(2048, 1024, 16, 512)] if args.quick else [(4096, 2048, 64, 1024), (16384, 2048, 64, 1024)]
+        shapes = [(2048, 1024, 16, 512)] if args.quick else [(4096, 1024, 16, 512), (4096, 2048, 64, 1024),
+                                                              (16384, 2048, 64, 1024)]
     rows = []
     tflops = _matmul_tflops(device, dtype)
     for T, H, E, inter in shapes:
         for style in STYLES if device == "cuda" else STYLES[:2]:
-            cls = DroplessSortMoE if style == "dropless" else CapacityMoE
-            kwargs = {} if style == "dropless" else {"style": style}
-            model = cls(hidden=H, inter=inter, num_experts=E, top_k=2, capacity_factor=1.25, dtype=dtype, seed=0,
-                        **kwargs).to(device)
+            model = _layer(style, T, H, E, inter, dtype).to(device)
             C = model.capacity(T)
             x = torch.randn(T, H, device=device, dtype=dtype, requires_grad=True)
             g = torch.randn(T, H, device=device, dtype=dtype)
@@ -102,8 +129,7 @@ def main(argv: list[str] | None = None) -> None:
                     del m, fn
                     torch.cuda.empty_cache()
                     continue
-                rewrites[variant] = sum(r.kind == "rewrite" and r.pass_name in ("capacity_dispatch", "fuse_dispatch")
-                                        for r in rep.records)
+                rewrites[variant] = sum(r.kind == "rewrite" and r.pass_name in REWRITES for r in rep.records)
                 fns[variant] = (m, fn)
             times: dict[str, list[float]] = {v: [] for v in fns}
             for _ in range(args.rounds):
@@ -117,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
                     times[variant].append((time.perf_counter() - start) / 3 * 1e3)
             for variant in VARIANTS:
                 row = {"style": style, "T": T, "H": H, "E": E, "I": inter, "K": 2, "C": C, "dtype": str(dtype),
-                       "variant": variant, "dispatch_gflop": 0 if style == "dropless" else 2 * 2 * T * E * C * H / 1e9,
+                       "variant": variant,
+                       "dispatch_gflop": 2 * 2 * T * E * C * H / 1e9 if style in ("gshard", "deepspeed") else 0,
                        "experts_gflop": 2 * 2 * (T * 2 if style == "dropless" else E * C) * H * inter / 1e9}
                 # the floor: the experts' forward and backward GEMMs (3x the forward's FLOPs) at the dense rate
                 row["experts_floor_ms"] = 3 * row["experts_gflop"] / tflops
@@ -146,7 +173,7 @@ def _print_targets(rows: list[dict]) -> None:
     by = {(r["style"], r["T"], r["variant"]): r["step_ms"] for r in rows}
     for T in sorted({r["T"] for r in rows}):
         sort_ms = by.get(("dropless", T, "moe_compile"))
-        for style in ("gshard", "deepspeed"):
+        for style in ("gshard", "deepspeed", "expert_choice"):
             ours, plain = by.get((style, T, "moe_compile")), by.get((style, T, "inductor"))
             if ours:
                 print(f"target {style} T={T}: plain Inductor / moe_compile = "
