@@ -189,7 +189,10 @@ def _terms(node: fx.Node, E: int, C: int) -> list[_Term]:
         # and within a rounding of the sum where entries share one
         return [dataclasses.replace(t, cast=dtype) for t in terms]
     if name == "one_hot":
-        pos, n = _one_hot(node)
+        found = _one_hot(node)
+        if found is None:  # a dynamic-shape compile: C = ceil(factor * T * K / E) is a symbol
+            raise NoMatch("symbolic_shape", f"{node.name}: one_hot's num_classes is not a static int")
+        pos, n = found
         shape = _shape(node)
         if n != C or shape is None or len(shape) < 3 or shape[-2] != E:
             raise NoMatch("not_one_hot", f"{node.name}: one_hot over {n} classes, shape {shape}")

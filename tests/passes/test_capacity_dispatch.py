@@ -96,3 +96,28 @@ def test_dense_operand_left_alone():
     torch._dynamo.reset()
     assert [(r.kind, r.what) for r in rep.records if r.pass_name == "capacity_dispatch"] == [("skip", "not_one_hot")]
     assert torch.allclose(got, layer(d, x), rtol=0, atol=8 * torch.finfo(torch.float32).eps * 6 * x.abs().max())
+
+
+def test_dynamic_capacity_left_alone_without_error():
+    """A dynamic-shape compile makes the token count a symbol: the pass skips with ``symbolic_shape``, raises
+    nothing, and the results are within eager's bound. (The fuzz layers 1328 and 1366 of 2026-11-27, where
+    ``one_hot``'s class count was a graph node and the pass raised a TypeError, are replayed by
+    ``tests/fuzz/findings/generated/capacity_symbolic_classes.py`` in the slow findings test.)"""
+    class IntegerCapacity(CapacityMoE):
+        def capacity(self, tokens):  # ceil(1.25 * T * K / E) in integers, as the fuzzer writes it: a symbol
+            return (5 * tokens * self.top_k + 4 * self.num_experts - 1) // (4 * self.num_experts)
+
+    model = IntegerCapacity(style="gshard", seed=int(torch.randint(0, 2**16, ())))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe_compile", dynamic=True)
+    ref_model = copy.deepcopy(model).float()
+    with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True), torch.no_grad():
+        for tokens in (24, 27):  # the second compiles with a symbolic token count
+            x = torch.randn(tokens, 16).to(torch.bfloat16)
+            got, eager, ref = compiled(x), model(x), ref_model(x.float())
+            ok, worst, _ = tol.within_eager_bound({"out": got}, {"out": eager}, {"out": ref}, always_judged=("out",))
+            assert ok, (tokens, worst)
+    torch._dynamo.reset()
+    assert not rep.errors, rep.table()
+    skips = [r.what for r in rep.records if r.pass_name == "capacity_dispatch" and r.kind == "skip"]
+    assert "symbolic_shape" in skips, rep.table()
