@@ -265,3 +265,17 @@ def test_few_samples_counts_the_steps_noise():
     assert ok and worst[0] == "w"
     wrong = {"big": big + noise, "w": w - w * (torch.rand(16, 16, generator=gen) < 0.5)}
     assert not tol.within_eager_bound(wrong, eager, ref, dtype=torch.float32, always_judged=(), few_samples={"w"})[0]
+
+
+def test_tensor_absent_in_eager_and_compiled_is_unjudged_but_not_one_side():
+    """A gradient only the wider reference has (its routing sent a token to an expert that eager's, in the low
+    precision, did not; FINDINGS C6) is left unjudged when neither eager nor the compiled step has it; a tensor that
+    one of the two lacks still fails."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    out, w = torch.randn(8, 4, generator=gen), torch.randn(4, 4, generator=gen)
+    ref = {"out": out, "grad:w": w}
+    ok, _, unjudged = tol.within_eager_bound({"out": out.clone()}, {"out": out.clone()}, ref, always_judged=("out",))
+    assert ok and unjudged == ["grad:w"]
+    for got, eager in (({"out": out.clone()}, dict(ref)), (dict(ref), {"out": out.clone()})):
+        ok, worst, _ = tol.within_eager_bound(got, eager, ref, always_judged=("out",))
+        assert not ok and worst[0] == "grad:w: missing"

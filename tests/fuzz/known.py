@@ -71,6 +71,17 @@ def _top1_renormalised_router_residue(result: Result) -> bool:
                               for row in past)
 
 
+def _top1_renormalised_zero_kept(result: Result) -> bool:
+    """Translation validation refused a rewrite only because a gradient exactly zero before it was rounding residue
+    after it, in a top-1 renormalised layer (the zero of ``_top1_renormalised_router_residue``, FINDINGS A15): the
+    original graph is kept, so the user's step keeps eager's zero; the layer passed the judge."""
+    spec = result.spec
+    if result.kind != "validation_refused" or spec.top_k != 1 or spec.renorm == "none":
+        return False
+    worst = re.findall(r"worst: ([^;]*)", result.detail)
+    return bool(worst) and all("(exactly zero before the rewrite): zero error" in w for w in worst)
+
+
 KNOWN: tuple[Known, ...] = (
     Known("inductor_also", "inductor",
           "plain Inductor is as far off as moe_compile: most often a gradient that cancels to exactly zero in eager "
@@ -81,6 +92,10 @@ KNOWN: tuple[Known, ...] = (
           "top-1 routing renormalised: the router gradient is zero in exact arithmetic and rounding residue in "
           "floating point; eager's exact zeros there are the luck of div's backward (FINDINGS A10, B2)",
           _top1_renormalised_router_residue),
+    Known("top1_renormalised_zero_kept", "torch",
+          "top-1 routing renormalised: validation refused a rewrite that leaves rounding residue where the router "
+          "gradient was exactly zero; the original graph, and the zero, are kept (FINDINGS A15)",
+          _top1_renormalised_zero_kept),
 )
 
 
