@@ -75,6 +75,7 @@ class LayerAccumulator:
     num_experts: int
     capacity_factor: float | None
     acc_S: torch.Tensor
+    drops: bool = False  # a capacity layer that drops its choices past the capacity (over_capacity counts them)
 
 
 _LOCK = threading.Lock()
@@ -173,6 +174,8 @@ def collect(reset: bool = True, per_layer: bool = False) -> dict[str, float]:
     ``moe/entropy``            mean routing entropy in nats (``log E`` at most)
     ``moe/max_over_mean_load`` max over mean tokens per expert (1 when balanced)
     ``moe/over_capacity``      fraction of assignments over capacity (only with a capacity)
+    ``moe/dropped_fraction``   fraction of the routed choices a capacity layer dropped (layers whose one-hot
+                               capacity dispatch ``capacity_dispatch`` rewrote; the choices past ``C`` per expert)
     ``moe/tokens``             tokens routed per layer per step
     ``moe/invalid_ids``        assignments per step whose expert id is outside ``[0, E)`` (0 unless the router
                                produced bad ids: ``moe.permute_pad`` poisons those tokens with NaN on CUDA)
@@ -202,10 +205,11 @@ def collect(reset: bool = True, per_layer: bool = False) -> dict[str, float]:
     if reset:
         _zero_all()
     capacity = {e.name: e.capacity_factor for e in entries}
-    return _summarise(rows, capacity, per_layer)
+    return _summarise(rows, capacity, per_layer, frozenset(e.name for e in entries if e.drops))
 
 
-def _summarise(rows: dict[str, list[float]], capacity: dict[str, float | None], per_layer: bool) -> dict[str, float]:
+def _summarise(rows: dict[str, list[float]], capacity: dict[str, float | None], per_layer: bool,
+               dropping: frozenset[str] = frozenset()) -> dict[str, float]:
     per: dict[str, dict[str, Any]] = {}
     for name, row in rows.items():
         steps = row[_STEPS]
@@ -215,15 +219,18 @@ def _summarise(rows: dict[str, list[float]], capacity: dict[str, float | None], 
         counts = [c / steps for c in row[NUM_STATS:]]
         stats["tokens_per_expert_min"] = min(counts)
         stats["tokens_per_expert_max"] = max(counts)
-        if capacity.get(name) is not None:
+        if capacity.get(name) is not None or name in dropping:
             stats["over_capacity"] = row[_OVER_CAPACITY] / steps
+        if name in dropping:
+            stats["dropped_fraction"] = row[_OVER_CAPACITY] / steps
         stats["steps"] = steps
         per[name] = {"stats": stats, "counts": counts}
     if not per:
         return {}
     ids = _layer_ids(per)  # among the layers that report
     out: dict[str, float] = {}
-    keys = [*_AVERAGED, "tokens_per_expert_min", "tokens_per_expert_max", "over_capacity", "steps"]
+    keys = [*_AVERAGED, "tokens_per_expert_min", "tokens_per_expert_max", "over_capacity", "dropped_fraction",
+            "steps"]
     for key in keys:
         values = [p["stats"][key] for p in per.values() if key in p["stats"]]
         if values:

@@ -41,7 +41,7 @@ import torch.fx as fx
 
 from moe_compile import metrics
 from moe_compile.passes import PassContext
-from moe_compile.passes._graph import layer_name, op_name
+from moe_compile.passes._graph import CAPACITY_META, layer_name, op_name
 from moe_compile.passes._graph import val as _val
 from moe_compile.passes.forms.counts import ids_base
 from moe_compile.passes.forms.ops import CASTS, FLAT_VIEWS
@@ -270,6 +270,14 @@ def module_path(node: fx.Node) -> str:
 def _insert(graph: fx.Graph, gm: torch.nn.Module, r: Router) -> None:
     logits_val = _val(r.logits)
     entry = metrics.accumulator(r.path or "router", r.num_experts, logits_val.device)
+    capacity_factor = float(entry.capacity_factor or 0.0)
+    dropping = r.expert_idx.meta.get(CAPACITY_META)
+    idx_val = _val(r.expert_idx)
+    if isinstance(dropping, int) and idx_val is not None and isinstance(idx_val.numel(), int):
+        # a capacity layer (capacity_dispatch): its choices past C per expert are dropped, and over_capacity at
+        # ceil(factor * T*K / E) == C counts them; the half keeps the ceil at C whatever the float rounding
+        capacity_factor = (dropping - 0.5) * r.num_experts / idx_val.numel()
+        entry.drops = True
     attr = _register_accumulator(gm, entry.acc_S)
     anchor = r.expert_idx
     with graph.inserting_after(anchor):
@@ -277,7 +285,7 @@ def _insert(graph: fx.Graph, gm: torch.nn.Module, r: Router) -> None:
     with graph.inserting_after(acc_node):
         call = graph.call_function(
             torch.ops.moe.router_metrics_.default,
-            (acc_node, r.logits, r.expert_idx, float(entry.capacity_factor or 0.0)),
+            (acc_node, r.logits, r.expert_idx, capacity_factor),
         )
     fake_mode = getattr(logits_val, "fake_mode", None)
     acc_val = fake_mode.from_tensor(entry.acc_S, static_shapes=True) if fake_mode is not None else entry.acc_S

@@ -121,3 +121,39 @@ def test_dynamic_capacity_left_alone_without_error():
     assert not rep.errors, rep.table()
     skips = [r.what for r in rep.records if r.pass_name == "capacity_dispatch" and r.kind == "skip"]
     assert "symbolic_shape" in skips, rep.table()
+
+
+def test_dropped_fraction_reported_by_the_metrics():
+    """With ``metrics=True`` (and validation on) the rewritten GShard layer reports ``moe/dropped_fraction``: the
+    fraction of its routed choices past the capacity, as eager's dispatch tensor drops them, averaged over the
+    steps."""
+    from moe_compile import metrics
+    from moe_compile.backend import ConfiguredBackend
+    from moe_compile.config import make_config
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    # float32: in bf16 a token within rounding of a top-k tie is routed either way by any compile
+    model = CapacityMoE(capacity_factor=0.75, style="gshard", dtype=torch.float32,
+                        seed=int(torch.randint(0, 2**16, (), generator=gen)))
+    xs = [torch.randn(48, 16, generator=gen) for _ in range(3)]
+    metrics.forget()
+    torch._dynamo.reset()
+    patches = {**metrics.inductor_patches(True), "force_disable_caches": True}
+    with torch._inductor.config.patch(patches), report.collecting() as rep:
+        compiled = torch.compile(model, backend=ConfiguredBackend(make_config(metrics=True, validate=True)),
+                                 fullgraph=True)
+        for x in xs:
+            compiled(x)
+    got = metrics.collect(per_layer=True)
+    metrics.forget()
+    torch._dynamo.reset()
+    assert rep.count("capacity_dispatch") == 2, rep.table()
+    # router_metrics is validated bitwise against the graph capacity_dispatch left, not the stage's first graph
+    assert not [r for r in rep.records if r.what == "validation_failed"], rep.table()
+    dropped = []
+    for x in xs:
+        logits = F.linear(x, model.router).float()
+        kept = float(model._gshard(logits, model.capacity(48))[0].sum())
+        dropped.append(1 - kept / (48 * model.top_k))
+    assert max(dropped) > 0, "nothing dropped: the metric is not exercised"
+    assert got["moe/dropped_fraction"] == pytest.approx(sum(dropped) / len(dropped), abs=1e-6)

@@ -492,3 +492,35 @@ def test_judge_gives_float32_tensors_the_graphs_noise():
     base16 = {k: v.to(torch.bfloat16) for k, v in base.items()}
     ref16 = lambda: type("Out", (), {"tensors": {"w": ref_w, "y": noisy_y}})()  # noqa: E731
     assert not judge({k: v.to(torch.bfloat16) for k, v in with_w(0.05).items()}, base16, ref16).ok
+
+
+def test_validation_leaves_metrics_accumulators_alone():
+    """``router_metrics`` adds an in-place accumulate into the process-wide metrics buffer: validating that rewrite
+    runs it on validation's inputs, which must not count as a step of the user's (two calls: two steps, and the
+    statistics of those two calls alone)."""
+    from moe_compile import metrics
+    from tests.models.router_metrics_models import RoutedStack
+
+    metrics.forget()
+    torch._dynamo.reset()
+    model = RoutedStack(router="softmax", layers=1)
+    xs = [torch.randn(8, 16) for _ in range(2)]
+    patches = {**metrics.inductor_patches(True), "force_disable_caches": True}
+    with torch._inductor.config.patch(patches), report.collecting() as rep:
+        compiled = torch.compile(model, backend=ConfiguredBackend(make_config(metrics=True, validate=True)))
+        for x in xs:
+            compiled(x)
+    got = metrics.collect()
+    metrics.forget()
+    assert rep.count("router_metrics") >= 1 and not rep.unchecked, rep.table()
+    assert got["moe/steps"] == 2.0
+    metrics.attach(model)
+    with torch.no_grad():
+        for x in xs:
+            model(x)
+    metrics.detach(model)
+    want = metrics.collect()
+    metrics.forget()
+    torch._dynamo.reset()
+    assert got["moe/tokens"] == want["moe/tokens"]
+    assert got["moe/lb_loss"] == pytest.approx(want["moe/lb_loss"], rel=1e-5)
