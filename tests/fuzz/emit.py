@@ -380,7 +380,8 @@ def expert_methods(spec: Spec) -> list[str]:
         lambda k: f" + {w[k]}[ids_S]" if k in w else "")
     needed = {"sorted": "grouped" if spec.exec != "split_loop" else "expert", "masked": "grouped"
               if spec.exec != "split_loop" else "expert", "loop": "expert", "hit_loop": "expert", "skip_loop": "expert",
-              "dense": "all_experts", "capacity": "all_experts", "batched": "row_experts"}[spec.dispatch]
+              "dense": "all_experts", "capacity": "all_experts", "batched": "row_experts",
+              "expert_choice": "all_experts"}[spec.dispatch]
     out = []
     for signature, body in methods.items():
         if not signature.startswith(needed + "("):

@@ -14,7 +14,7 @@ from tests.fuzz.grammar import COUNTS, PERMUTES, Spec
 def dispatch_lines(spec: Spec) -> list[str]:
     """The lines of the forward from the routing to ``out_TH``."""
     return {"sorted": _sorted, "masked": _sorted, "loop": _loop, "hit_loop": _loop, "skip_loop": _loop, "dense": _dense,
-            "batched": _batched, "capacity": _capacity}[spec.dispatch](spec)
+            "batched": _batched, "capacity": _capacity, "expert_choice": _expert_choice}[spec.dispatch](spec)
 
 
 def _scale_rows(spec: Spec, name: str) -> list[str]:
@@ -226,3 +226,23 @@ def _capacity(spec: Spec) -> list[str]:
     out += _scale_rows(spec, "y_ECH")
     cast = up or ".to(y_ECH.dtype)"
     return out + [f"out_TH = torch.einsum('tec,ech->th', comb_TEC{cast}, y_ECH{up}).to(x_TH.dtype)"]
+
+
+def _expert_choice(spec: Spec) -> list[str]:
+    """Expert choice (Zhou et al. 2022): each expert takes its top-``C`` tokens by score (``C = 2T / E``, at least
+    one), ``x[tok]`` gathers them to ``[E, C, H]``, the experts run batched, and the weighted rows are added back
+    into their tokens' rows (a token is taken by 0..E experts)."""
+    up = ".float()" if spec.weight == "rows_fp32" else ""
+    # a router that took its top-k over the logits defines no scores (unless for its aux loss)
+    out = ["scores_TE = logits_TE.softmax(-1)"] if spec.topk_on == "logits" and not spec.aux_loss else []
+    out += ["C = max(1, 2 * T // E)",
+            "g_EC, tok_EC = torch.topk(scores_TE.t(), C, dim=-1)",
+            "y_ECH = self.all_experts(x_TH[tok_EC])"]
+    out += _scale_rows(spec, "y_ECH")
+    cast = "" if up else ".to(y_ECH.dtype)"
+    out += [f"y_ECH = y_ECH{up} * g_EC.unsqueeze(-1){cast}",
+            "out_TH = torch.zeros(T, H, dtype=y_ECH.dtype, device=x_TH.device)"]
+    out.append({"index_add": "out_TH.index_add_(0, tok_EC.reshape(-1), y_ECH.reshape(-1, H))",
+                "scatter_add": "out_TH.scatter_add_(0, tok_EC.reshape(-1, 1).expand(-1, H), y_ECH.reshape(-1, H))"}
+               [spec.combine])
+    return out + ["out_TH = out_TH.to(x_TH.dtype)"]
