@@ -30,6 +30,10 @@ position outside ``[0, C)`` weighs nothing, as ``one_hot`` by comparison gives (
 slot; its backward a gather), the combine a gather whose backward is ``moe.segment_sum``; entries of weight 0 (dropped
 choices) are skipped. Bitwise reproducible without ``deterministic=True``, and with no host sync.
 
+Metrics: the dispatch rewrite records ``C`` on the router's ``topk(...)[1]`` its expert ids come from
+(``CAPACITY_META``); with ``metrics=True`` the ``router_metrics`` pass then reports the choices dropped past ``C``
+(``moe/dropped_fraction``). Routers by ``argmax`` (DeepSpeed's top-2) are not recognised by that pass yet.
+
 Skips when (reason tags, for einsums of the dispatch or combine shape only): ``not_one_hot`` (the ``[T, E, C]``
 operand is not such a sum of one-hot terms: another op, a product of two one-hots along ``c``, an entry with no
 ``one_hot(I, E)`` factor, a ``bool()`` of part of the sum), ``symbolic_shape`` (``E``, ``C`` or the
