@@ -74,12 +74,18 @@ def _top1_renormalised_router_residue(result: Result) -> bool:
 def _top1_renormalised_zero_kept(result: Result) -> bool:
     """Translation validation refused a rewrite only because a gradient exactly zero before it was rounding residue
     after it, in a top-1 renormalised layer (the zero of ``_top1_renormalised_router_residue``, FINDINGS A15): the
-    original graph is kept, so the user's step keeps eager's zero; the layer passed the judge."""
+    original graph is kept, so the user's step keeps eager's zero; the layer passed the judge. Applies when the
+    residue is at most ``RESIDUE_FRACTION`` of the step's largest reference value."""
     spec = result.spec
     if result.kind != "validation_refused" or spec.top_k != 1 or spec.renorm == "none":
         return False
     worst = re.findall(r"worst: ([^;]*)", result.detail)
-    return bool(worst) and all("(exactly zero before the rewrite): zero error" in w for w in worst)
+    if not worst or not all("(exactly zero before the rewrite): zero error" in w for w in worst):
+        return False
+    # rounding residue, not a routing change: at most RESIDUE_FRACTION of the step's largest reference value
+    scale = max((row.scale for row in result.rows if row.scale == row.scale), default=0.0)
+    errors = [float(m) for w in worst for m in re.findall(r"zero error ([0-9.e+-]+)", w)]
+    return bool(errors) and all(e <= RESIDUE_FRACTION * scale for e in errors)
 
 
 KNOWN: tuple[Known, ...] = (
