@@ -30,11 +30,11 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import moe_compile.ops  # noqa: F401 - registers torch.ops.moe.*, which the passes insert
 
-# operator.* functions Dynamo emits, by the name we match on
-# The meta key on a router's ``topk(...)[1]`` node that carries its layer's static expert capacity (set by
+# The meta key on a router's ``topk`` node that carries its layer's static expert capacity (set by
 # capacity_dispatch, read by router_metrics to report the choices dropped: ``moe/dropped_fraction``).
 CAPACITY_META = "moe_capacity"
 
+# operator.* functions Dynamo emits, by the name we match on
 _OPERATOR_NAMES = {
     operator.getitem: "getitem",
     operator.setitem: "setitem",

@@ -327,7 +327,6 @@ class StageValidator:
         self.training = training
         self._baseline: fx.Graph | None = None
         self._inputs: list[Any] | None = None
-        self._cloned: set[str] = set()
         self._base: _Outputs | None = None
         self._current: _Outputs | None = None  # the outputs of the graph as the last accepted pass left it
         self._ref: _Outputs | None = None
@@ -378,21 +377,16 @@ class StageValidator:
                     inputs.append(_random_like(r, generator).detach() if isinstance(r, torch.Tensor) else _concrete(r))
                 else:
                     inputs.append(_from_meta(fake, generator, scale=0.02))
-        mutated = mutated_sources(graph)
-        self._cloned = {n.target for n in mutated if n.op == "get_attr"}
-        mutated_inputs = {i for i, p in enumerate(placeholders) if p in mutated}
-        self._inputs = [x.detach().clone().requires_grad_(x.requires_grad)
-                        if i in mutated_inputs and isinstance(x, torch.Tensor) else x
-                        for i, x in enumerate(inputs)]
-        self._mutated_inputs = mutated_inputs
+        self._inputs = inputs
 
-    def _fresh_inputs(self, raise_to: torch.dtype | None) -> list[Any]:
-        """The inputs for one run: leaves of their own (no hooks of the user's tensors fire), mutated ones cloned."""
+    def _fresh_inputs(self, raise_to: torch.dtype | None, mutated: set[int]) -> list[Any]:
+        """The inputs for one run: leaves of their own (no hooks of the user's tensors fire), those at the
+        positions ``mutated`` cloned."""
         out = []
         for i, x in enumerate(self._inputs or []):
             if isinstance(x, torch.Tensor):
                 y = x.detach()
-                if i in self._mutated_inputs:
+                if i in mutated:
                     y = y.clone()
                 if raise_to is not None and y.is_floating_point():
                     y = y.to(_raise_dtype(y.dtype, raise_to))
@@ -403,13 +397,15 @@ class StageValidator:
     # -- runs
 
     def _run(self, graph: fx.Graph, raise_to: torch.dtype | None = None) -> _Outputs:
-        inputs = self._fresh_inputs(raise_to)
+        # what the graph being run mutates is cloned: a rewrite can add a mutation the baseline does not have
+        # (router_metrics' in-place accumulate into the process-wide metrics buffer)
+        mutated = mutated_sources(graph)
+        placeholders = list(graph.find_nodes(op="placeholder"))
+        inputs = self._fresh_inputs(raise_to, {i for i, p in enumerate(placeholders) if p in mutated})
+        cloned = {n.target for n in mutated if n.op == "get_attr"}
         devices = sorted({x.device.index or 0 for x in inputs if isinstance(x, torch.Tensor) and x.is_cuda})
         with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(self._autograd):
             torch.manual_seed(SEED)
-            # attributes the graph being run mutates (a rewrite can add a mutation, e.g. router_metrics' in-place
-            # accumulate into the process-wide metrics buffer), besides those the baseline mutates
-            cloned = self._cloned | {n.target for n in mutated_sources(graph) if n.op == "get_attr"}
             result = _Runner(graph, cloned, raise_to).run(*inputs)
             leaves, _ = tree_flatten(result)
             out_nodes, _ = tree_flatten(next(iter(graph.find_nodes(op="output"))).args[0])

@@ -30,7 +30,7 @@ position outside ``[0, C)`` weighs nothing, as ``one_hot`` by comparison gives (
 slot; its backward a gather), the combine a gather whose backward is ``moe.segment_sum``; entries of weight 0 (dropped
 choices) are skipped. Bitwise reproducible without ``deterministic=True``, and with no host sync.
 
-Metrics: the dispatch rewrite records ``C`` on the router's ``topk(...)[1]`` its expert ids come from
+Metrics: the dispatch rewrite records ``C`` on the router's ``topk`` whose indices its expert ids come from
 (``CAPACITY_META``); with ``metrics=True`` the ``router_metrics`` pass then reports the choices dropped past ``C``
 (``moe/dropped_fraction``). Routers by ``argmax`` (DeepSpeed's top-2) are not recognised by that pass yet.
 
@@ -58,6 +58,7 @@ import torch.fx as fx
 from moe_compile.ops.segment_sum import segment_sum
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._graph import CAPACITY_META, erase_dead, graph_call, known_int, layer_name, op_name, tensor_val
+from moe_compile.passes.forms.ops import FLAT_VIEWS, INDEX_CASTS
 
 _EINSUM = ("einsum",)
 _CASTS = ("to", "float", "double", "half", "bfloat16", "type_as", "type", "long", "int")
@@ -105,19 +106,19 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
                     f"moe_compile.passes.capacity_dispatch.capacity_{kind}: gathers, linear in T")
 
 
-_ID_VIEWS = ("getitem", "select", "view", "reshape", "flatten", "squeeze", "unsqueeze", "t", "transpose",
-             "contiguous", *_CASTS)
+# what may stand between a router's topk indices and a term's expert ids: views, index casts, a column's selection
+_ID_VIEWS = FLAT_VIEWS | INDEX_CASTS | {"getitem", "select", "squeeze", "unsqueeze", "t", "transpose"}
 
 
 def _mark_capacity(ids: fx.Node, C: int) -> None:
-    """Record ``C`` on the ``topk(...)[1]`` the entries' expert ids are read from (through views and indexing)."""
+    """Record ``C`` on the ``topk`` whose indices the entries' expert ids are read from (through ``_ID_VIEWS``)."""
     node: Any = ids
     for _ in range(8):
         if not isinstance(node, fx.Node):
             return
         if op_name(node) == "getitem" and isinstance(node.args[0], fx.Node) and op_name(node.args[0]) == "topk" \
                 and node.args[1] == 1:
-            node.meta[CAPACITY_META] = C
+            node.args[0].meta[CAPACITY_META] = C
             return
         if op_name(node) not in _ID_VIEWS:
             return

@@ -271,7 +271,7 @@ def _insert(graph: fx.Graph, gm: torch.nn.Module, r: Router) -> None:
     logits_val = _val(r.logits)
     entry = metrics.accumulator(r.path or "router", r.num_experts, logits_val.device)
     capacity_factor = float(entry.capacity_factor or 0.0)
-    dropping = r.expert_idx.meta.get(CAPACITY_META)
+    dropping = r.topk.meta.get(CAPACITY_META)
     idx_val = _val(r.expert_idx)
     if isinstance(dropping, int) and idx_val is not None and isinstance(idx_val.numel(), int):
         # a capacity layer (capacity_dispatch): its choices past C per expert are dropped, and over_capacity at
