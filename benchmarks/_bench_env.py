@@ -21,6 +21,7 @@ import json
 import os
 import pathlib
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -134,6 +135,25 @@ def sync(device: str) -> None:
     """Wait for the GPU (nothing on CPU)."""
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def measured_mm_tflops(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> float:
+    """This device's dense matmul rate in TFLOP/s: one square GEMM in ``dtype`` (8192 on CUDA, timed by
+    ``triton.testing.do_bench``; 512 on CPU, median of 5 calls). The divisor of the benchmarks' FLOP floors."""
+    n = 8192 if device == "cuda" else 512
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    if device == "cuda":
+        import triton.testing
+
+        ms = triton.testing.do_bench(lambda: a @ b, warmup=10, rep=50)
+    else:
+        times = []
+        for _ in range(6):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        ms = statistics.median(times[1:]) * 1e3
+    return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
 def timed_calls(step: Callable[[], object], device: str, calls: int) -> tuple[float, float, float]:

@@ -24,7 +24,7 @@ import time
 import torch
 
 import moe_compile  # noqa: F401 - registers the backend
-from benchmarks._bench_env import add_results_args, device_env, results_path, sync, write_results
+from benchmarks._bench_env import add_results_args, device_env, measured_mm_tflops, results_path, sync, write_results
 from moe_compile import report
 from tests.models.capacity_layers import CapacityMoE, DroplessSortMoE
 from tests.models.expert_choice import ExpertChoiceMoE
@@ -79,20 +79,6 @@ def _kernel_ms(model, fn, x, g) -> float | None:
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
 
 
-def _matmul_tflops(device: str, dtype: torch.dtype) -> float:
-    """This device's dense matmul rate (one 8192-cube GEMM in ``dtype``, median of 5): the FLOP floor's divisor."""
-    n = 8192 if device == "cuda" else 512
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    times = []
-    for _ in range(6):
-        sync(device)
-        start = time.perf_counter()
-        a @ b
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(times[1:]) / 1e12
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one small shape")
@@ -108,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         shapes = [(2048, 1024, 16, 512)] if args.quick else [(4096, 1024, 16, 512), (4096, 2048, 64, 1024),
                                                               (16384, 2048, 64, 1024)]
     rows = []
-    tflops = _matmul_tflops(device, dtype)
+    tflops = measured_mm_tflops(device, dtype)
     for T, H, E, inter in shapes:
         for style in STYLES if device == "cuda" else STYLES[:2]:
             model = _layer(style, T, H, E, inter, dtype).to(device)

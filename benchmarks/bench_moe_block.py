@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from benchmarks._bench_env import add_results_args, device_env, results_path, write_results
+from benchmarks._bench_env import add_results_args, device_env, measured_mm_tflops, results_path, write_results
 
 VARIANTS = ("eager", "moe", "moe_unfused", "inductor", "moe_ro", "inductor_ro")
 KERNEL_TIMED = ("moe", "moe_unfused", "inductor")
@@ -145,15 +145,6 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _bitwise_repeat(run, n: int) -> bool:
     first = [t.clone() for t in run()]
     return all(all(torch.equal(a, b) for a, b in zip(first, run())) for _ in range(n - 1))
-
-
-def measured_mm_tflops() -> float:
-    import triton.testing
-
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = triton.testing.do_bench(lambda: a @ b, warmup=10, rep=50)
-    return 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
 def run_config(cfg: Config, tflops: float, deadline: float, quick: bool, device: str = "cuda",
