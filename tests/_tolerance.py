@@ -218,6 +218,19 @@ UNJUDGED_NOISE = 0.5  # a reference low-precision computation this far from the 
 Step = dict[str, torch.Tensor]
 
 
+def layer_step(fn, model: torch.nn.Module, x: torch.Tensor, cot: torch.Tensor, wide: torch.dtype | None = None) -> Step:
+    """One training step of ``fn`` (``model`` or a compiled version of it) on ``x`` (cast to ``wide`` for a
+    reference run) with the loss ``sum(y * cot)``: ``out``, ``grad:x`` and ``grad:<name>`` of every parameter that
+    got one, copied (a CUDA-graph replay reuses its buffers)."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().to(wide or x.dtype).requires_grad_(True)
+    y = fn(x)
+    (y.float() * cot).sum().backward()
+    out = {"out": y.detach().clone(), "grad:x": x.grad}
+    out.update({f"grad:{n}": p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorError:
     """One tensor of a step: max-abs errors against the reference, the bound and ``ratio = compiled / bound``

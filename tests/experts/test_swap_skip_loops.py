@@ -22,16 +22,6 @@ CASES = [(e, g) for e in EXPERTS for g in GATES]
 DEFAULT = {("modules", "sigmoid"), ("stacked", "softmax")}
 
 
-def _step(fn, model: torch.nn.Module, x: torch.Tensor, cot: torch.Tensor, wide: torch.dtype | None = None) -> dict:
-    model.zero_grad(set_to_none=True)
-    x = x.detach().to(wide or x.dtype).requires_grad_(True)
-    y = fn(x)
-    (y.float() * cot).sum().backward()
-    out = {"out": y.detach(), "grad:x": x.grad}
-    out.update({f"grad:{n}": p.grad for n, p in model.named_parameters() if p.grad is not None})
-    return out
-
-
 @pytest.mark.parametrize("experts,gate", [pytest.param(*c, marks=() if c in DEFAULT else pytest.mark.slow)
                                           for c in CASES])
 def test_skip_loop_swapped_one_graph_within_eager_bound(experts, gate):
@@ -44,13 +34,13 @@ def test_skip_loop_swapped_one_graph_within_eager_bound(experts, gate):
     ref_model = copy.deepcopy(model).double()
     x = torch.randn(2, 24, 16, generator=gen)
     cot = torch.randn(2, 24, 16, generator=gen)
-    eager = _step(model, model, x, cot)
-    ref = _step(ref_model, ref_model, x, cot, torch.float64)
+    eager = tol.layer_step(model, model, x, cot)
+    ref = tol.layer_step(ref_model, ref_model, x, cot, torch.float64)
 
     compiled_model = copy.deepcopy(model)
     torch._dynamo.reset()
     with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True):
-        got = _step(moe_compile.compile(compiled_model), compiled_model, x, cot)
+        got = tol.layer_step(moe_compile.compile(compiled_model), compiled_model, x, cot)
     torch._dynamo.reset()
     account_expert_layers(compiled_model, rep)
     assert rep.graphs == 1, rep  # one Dynamo graph: no graph break at a host read

@@ -82,16 +82,6 @@ LAYERS: dict[str, tuple[Callable[[], torch.nn.Module], str, str, tuple[int, ...]
 }
 
 
-def _step(fn, model: torch.nn.Module, x: torch.Tensor, cot: torch.Tensor, wide: torch.dtype | None = None) -> dict:
-    model.zero_grad(set_to_none=True)
-    x = x.detach().to(wide or x.dtype).requires_grad_(True)
-    y = fn(x)
-    (y.float() * cot).sum().backward()
-    out = {"out": y.detach().clone(), "grad:x": x.grad}
-    out.update({f"grad:{n}": p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    return out
-
-
 @pytest.fixture(autouse=True)
 def _fresh():
     torch._dynamo.reset()
@@ -116,9 +106,9 @@ def test_rewritten_layer_training_step_is_captured(name):
                 x = torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16)
                 cot = torch.randn(shape, device="cuda", generator=gen)
                 torch.compiler.cudagraph_mark_step_begin()
-                got = _step(compiled, model, x, cot)
+                got = tol.layer_step(compiled, model, x, cot)
             torch.compiler.cudagraph_mark_step_begin()
-            again = _step(compiled, model, x, cot)
+            again = tol.layer_step(compiled, model, x, cot)
         except Exception as exc:
             raise AssertionError(f"{type(exc).__name__}: {str(exc)[:600]}\n{rep.table()}") from exc
     account_expert_layers(model, rep)  # the swap's records (moe_compile.compile) live on the module
@@ -126,7 +116,7 @@ def test_rewritten_layer_training_step_is_captured(name):
     assert counters["inductor"]["cudagraph_skips"] == 0
     different = [k for k in got if not torch.equal(got[k], again[k])]
     assert not different, f"the same tokens replayed gave other bits: {different}"
-    eager = _step(eager_model, eager_model, x, cot)
-    ref = _step(ref_model, ref_model, x, cot, torch.float32)
+    eager = tol.layer_step(eager_model, eager_model, x, cot)
+    ref = tol.layer_step(ref_model, ref_model, x, cot, torch.float32)
     ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, always_judged=("out",))
     assert ok, (worst, tol.eager_bound_errors(got, eager, ref))

@@ -14,14 +14,6 @@ from tests import _tolerance as tol
 from tests.models.capacity_layers import STYLES, CapacityMoE
 
 
-def _step(fn, model, x, cot, wide=None):
-    model.zero_grad(set_to_none=True)
-    x = x.detach().to(wide or x.dtype).requires_grad_(True)
-    y = fn(x)
-    (y.float() * cot).sum().backward()
-    return {"out": y.detach(), "grad:x": x.grad, **{f"grad:{n}": p.grad for n, p in model.named_parameters()}}
-
-
 @pytest.mark.parametrize("style", STYLES)
 def test_capacity_layer_rewritten_within_eager_bound(style):
     """A bf16 training step with tokens dropped at capacity: both einsums are rewritten (DeepSpeed's dispatch mask is
@@ -37,11 +29,11 @@ def test_capacity_layer_rewritten_within_eager_bound(style):
         kept = int(route(logits, model.capacity(48))[0].sum())
     assert kept < 48 * model.top_k, "no choice dropped: the capacity path is not exercised"
     ref_model = copy.deepcopy(model).float()
-    eager = _step(model, model, x, cot)
-    ref = _step(ref_model, ref_model, x, cot, torch.float32)
+    eager = tol.layer_step(model, model, x, cot)
+    ref = tol.layer_step(ref_model, ref_model, x, cot, torch.float32)
     torch._dynamo.reset()
     with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True):
-        got = _step(torch.compile(model, backend="moe_compile", fullgraph=True), model, x, cot)
+        got = tol.layer_step(torch.compile(model, backend="moe_compile", fullgraph=True), model, x, cot)
     torch._dynamo.reset()
     done = sorted(r.what.split(" over")[0] for r in rep.records if r.pass_name == "capacity_dispatch"
                   and r.kind == "rewrite")
