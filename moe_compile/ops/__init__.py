@@ -19,7 +19,12 @@ from moe_compile.ops.permute_pad import (
     permute_pad_backward_reference,
     permute_pad_reference,
 )
-from moe_compile.ops.segment_sum import segment_sum, segment_sum_reference
+from moe_compile.ops.segment_sum import (
+    gather_segment_sum,
+    gather_segment_sum_reference,
+    segment_sum,
+    segment_sum_reference,
+)
 from moe_compile.ops.unpad_unpermute import (
     unpad_unpermute,
     unpad_unpermute_backward_reference,
@@ -30,6 +35,8 @@ __all__ = [
     "SUPPORTED_ALIGNMENTS",
     "PermutePadOut",
     "expert_gemm",
+    "gather_segment_sum",
+    "gather_segment_sum_reference",
     "grouped_mm",
     "grouped_mm_mxfp8",
     "grouped_mm_nvfp4",

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from moe_compile.ops import _common
 
-__all__ = ["segment_sum", "segment_sum_reference"]
+__all__ = ["gather_segment_sum", "gather_segment_sum_reference", "segment_sum", "segment_sum_reference"]
 
 # dtypes ``src`` may have: floats (fp32/fp64 accumulators) and integers (int64 accumulator)
 SRC_DTYPES = (*_common.FLOAT_DTYPES, torch.int32, torch.int64)
@@ -44,13 +44,16 @@ SRC_DTYPES = (*_common.FLOAT_DTYPES, torch.int32, torch.int64)
 
 
 def _segments(idx_N: Tensor, num_rows: int, mask_N: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``(order_N, offsets_R1)``: the stable sort permutation of the row keys (skipped entries keyed
-    ``R``, after every row) and each row's segment ``[offsets[r], offsets[r + 1])`` of sorted positions."""
-    key_N = idx_N.to(torch.int64)
+    """``(order_N, offsets_R1)``: the stable sort permutation of the row keys (skipped and out-of-range entries
+    keyed ``R``, after every row) and each row's segment ``[offsets[r], offsets[r + 1])`` of sorted positions."""
+    ok_N = (idx_N >= 0) & (idx_N < num_rows)
     if mask_N is not None:
-        key_N = torch.where(mask_N, key_N, num_rows)
+        ok_N = ok_N & mask_N
+    # int32 keys where they fit: a radix sort's passes go by the key's bits
+    key_dtype = torch.int32 if num_rows < 2**31 - 1 else torch.int64
+    key_N = torch.where(ok_N, idx_N, num_rows).to(key_dtype)
     sorted_N, order_N = torch.sort(key_N, stable=True)
-    rows_R1 = torch.arange(num_rows + 1, device=idx_N.device, dtype=torch.int64)
+    rows_R1 = torch.arange(num_rows + 1, device=idx_N.device, dtype=key_dtype)
     return order_N, torch.searchsorted(sorted_N, rows_R1)
 
 
@@ -134,33 +137,49 @@ def _check_idx_in_range(idx: Tensor, num_rows: int, mask: Tensor | None) -> None
 # Entries per tile of the segment loop: enough loads in flight per program for typical segments
 # (a few tokens per vocabulary row) while a long segment still moves BLOCK_J rows per iteration.
 BLOCK_J = 16
+# moe.gather_segment_sum's segments are short (a capacity slot holds one entry, a token K): small tiles
+GATHER_BLOCK_J = 2
 
 
 def _launch_triton(src: Tensor, idx: Tensor, num_rows: int, mask: Tensor | None, debug: bool = False, *,
+                   gather: Tensor | None = None, weight: Tensor | None = None, idx_sorted: bool = False,
                    block_d: int | None = None, block_j: int | None = None) -> Tensor:
-    """Stable sort + offsets (PyTorch), then one launch over ``(R, D / BLOCK_D)`` programs."""
+    """Stable sort + offsets (PyTorch; offsets only where ``idx_sorted``), then one launch over
+    ``(R, D / BLOCK_D)`` programs. ``gather``/``weight``: ``moe.gather_segment_sum``'s entries."""
     from moe_compile.ops.triton import segment_sum as kernels
 
-    N, D = _common.static_ints(*src.shape)
+    D = _common.static_ints(src.shape[1])[0]
     out = torch.empty((num_rows, D), dtype=src.dtype, device=src.device)
     if debug:
         ok = (idx >= 0) & (idx < num_rows)
         if mask is not None:
             ok = ok | ~mask
         torch._assert_async(ok.all(), "moe.segment_sum: idx values must be in [0, num_rows) (debug=True)")
+        if idx_sorted:
+            torch._assert_async((idx[1:] >= idx[:-1]).all(), "moe.gather_segment_sum: idx must be sorted "
+                                "(idx_sorted=True, debug=True)")
     if num_rows == 0 or D == 0:
         return out
-    order, offsets = _segments(idx, num_rows, mask)
+    if idx_sorted:
+        order = None
+        offsets = torch.searchsorted(idx, torch.arange(num_rows + 1, device=idx.device, dtype=idx.dtype))
+    else:
+        order, offsets = _segments(idx, num_rows, mask)
     if src.stride(1) != 1:
         src = src.contiguous()
     bd, num_warps = _common.row_block(D, src.element_size())
     bd = block_d or bd
     acc = kernels.ACC_INT64 if not src.is_floating_point() else \
         kernels.ACC_FP64 if src.dtype == torch.float64 else kernels.ACC_FP32
+    has_mask = idx_sorted and mask is not None
+    default_j = BLOCK_J if gather is None else GATHER_BLOCK_J
     _common.launch_kernel(
         kernels._segment_sum_kernel, (num_rows, _common.cdiv(D, bd)),
-        src, order, offsets, out, D, _common.static_ints(src.stride(0))[0],
-        ACC=acc, BLOCK_J=block_j or BLOCK_J, BLOCK_D=bd,
+        src, order if order is not None else offsets, offsets, gather if gather is not None else offsets,
+        weight if weight is not None else src, mask if has_mask else offsets, out, D,
+        _common.static_ints(src.stride(0))[0],
+        ACC=acc, ORDERED=order is None, HAS_GATHER=gather is not None, HAS_WEIGHT=weight is not None,
+        HAS_MASK=has_mask, BLOCK_J=block_j or default_j, BLOCK_D=bd,
         traced=src.is_cuda and _common.is_traced(src), options=dict(num_warps=num_warps),
     )  # fmt: skip
     return out
@@ -239,3 +258,166 @@ def segment_sum(src_ND: Tensor, idx_N: Tensor, num_rows: int, mask_N: Tensor | N
     """
     _check_args(src_ND, idx_N, num_rows, mask_N, debug)
     return _SEGMENT_SUM(src_ND, idx_N, num_rows, mask_N, debug)
+
+
+# ===== moe.gather_segment_sum: the entries' rows gathered and weighted in the sum =====
+
+
+def gather_segment_sum_reference(src_SD: Tensor, src_idx_N: Tensor, idx_N: Tensor, num_rows: int,
+                                 weight_N: Tensor | None = None, mask_N: Tensor | None = None,
+                                 idx_sorted: bool = False) -> Tensor:
+    """Pure-PyTorch ``moe.gather_segment_sum`` (the CPU kernel and the test oracle): each row the sum, in entry
+    order, of ``weight[i] * src[src_idx[i]]`` over its entries ``i`` (fp32 accumulation for 16-bit ``src``)."""
+    keep_N = (idx_N >= 0) & (idx_N < num_rows)
+    if mask_N is not None:
+        keep_N = keep_N & mask_N
+    acc = torch.float64 if src_SD.dtype == torch.float64 else torch.float32
+    if idx_sorted:
+        order_N = torch.arange(idx_N.shape[0], device=idx_N.device)
+        offsets_R1 = torch.searchsorted(idx_N, torch.arange(num_rows + 1, device=idx_N.device, dtype=idx_N.dtype))
+    else:
+        order_N, offsets_R1 = _segments(idx_N, num_rows, keep_N)
+    rows_N = torch.where(keep_N, src_idx_N, 0).index_select(0, order_N)
+    vals = src_SD.index_select(0, rows_N).to(acc) if src_SD.shape[0] else \
+        src_SD.new_zeros(idx_N.shape[0], src_SD.shape[1], dtype=acc)
+    if weight_N is not None:
+        vals = vals * weight_N.index_select(0, order_N).to(acc)[:, None]
+    if idx_sorted:
+        vals = torch.where(keep_N[:, None], vals, torch.zeros((), dtype=acc, device=vals.device))
+    out = torch.segment_reduce(vals, "sum", offsets=offsets_R1, axis=0, unsafe=True)
+    return out.to(src_SD.dtype)
+
+
+def _check_gather_args(src, src_idx, idx, num_rows, weight, mask, idx_sorted, src_idx_sorted, debug) -> None:
+    if not isinstance(src, Tensor):
+        raise ValueError(f"src must be a torch.Tensor, got {type(src).__name__}")
+    _common.check_float_tensor(src, "src", 2)
+    _common.check_int_tensor(src_idx, "src_idx", 1)
+    _common.check_int_tensor(idx, "idx", 1)
+    if src_idx.shape[0] != idx.shape[0]:
+        raise ValueError(f"src_idx and idx must have one entry each per entry: src_idx.shape={tuple(src_idx.shape)}, "
+                         f"idx.shape={tuple(idx.shape)}")
+    _common.check_count(num_rows, "num_rows")
+    if weight is not None:
+        if not isinstance(weight, Tensor) or not weight.is_floating_point() or weight.dim() != 1 \
+                or weight.shape[0] != idx.shape[0]:
+            raise ValueError(f"weight must be a 1-D float tensor with one entry per entry of idx ({idx.shape[0]}), "
+                             f"got {getattr(weight, 'dtype', type(weight).__name__)} of shape "
+                             f"{tuple(getattr(weight, 'shape', ()))}")
+    if mask is not None:
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 1 \
+                or mask.shape[0] != idx.shape[0]:
+            raise ValueError(f"mask must be a 1-D bool tensor with one entry per entry of idx ({idx.shape[0]}), "
+                             f"got {getattr(mask, 'dtype', type(mask).__name__)} of shape "
+                             f"{tuple(getattr(mask, 'shape', ()))}")
+    _common.check_same_device(src=src, src_idx=src_idx, idx=idx, weight=weight, mask=mask)
+    for name, flag in (("idx_sorted", idx_sorted), ("src_idx_sorted", src_idx_sorted), ("debug", debug)):
+        _common.check_bool(flag, name)
+
+
+def _check_gather_values(src, src_idx, idx, num_rows, mask, idx_sorted) -> None:
+    """Host checks (CPU tensors, not traced): the read rows in range; ``idx`` sorted where it says so."""
+    if mask is not None:
+        src_idx = src_idx[mask]
+    _common.check_ids_in_range(src_idx, 0, src.shape[0], "src_idx")
+    if idx_sorted and idx.numel() > 1 and not bool((idx[1:] >= idx[:-1]).all()):
+        raise ValueError("idx must be non-decreasing where idx_sorted=True")
+
+
+def _gather_segment_sum_body(src: Tensor, src_idx: Tensor, idx: Tensor, num_rows: int, weight: Tensor | None = None,
+                             mask: Tensor | None = None, idx_sorted: bool = False, src_idx_sorted: bool = False,
+                             debug: bool = False) -> Tensor:
+    _check_gather_args(src, src_idx, idx, num_rows, weight, mask, idx_sorted, src_idx_sorted, debug)
+    if src.device.type == "cuda":
+        if debug:
+            ok = (src_idx >= 0) & (src_idx < src.shape[0])
+            torch._assert_async((ok if mask is None else ok | ~mask).all(),
+                                "moe.gather_segment_sum: src_idx values must be in [0, src rows) (debug=True)")
+        return _launch_triton(src, idx, num_rows, mask, debug, gather=src_idx, weight=weight, idx_sorted=idx_sorted)
+    if not _common.is_traced(src):
+        _check_gather_values(src, src_idx, idx, num_rows, mask, idx_sorted)
+    return gather_segment_sum_reference(src, src_idx, idx, num_rows, weight, mask, idx_sorted)
+
+
+def _gather_segment_sum_fake(src, src_idx, idx, num_rows, weight=None, mask=None, idx_sorted=False,
+                             src_idx_sorted=False, debug=False):
+    _check_gather_args(src, src_idx, idx, num_rows, weight, mask, idx_sorted, src_idx_sorted, debug)
+    return src.new_empty(num_rows, src.shape[1])
+
+
+_gather_segment_sum_op = _common.dispatch_triton_op(
+    "moe::gather_segment_sum",
+    _gather_segment_sum_body,
+    schema="(Tensor src, Tensor src_idx, Tensor idx, int num_rows, Tensor? weight=None, Tensor? mask=None, "
+           "bool idx_sorted=False, bool src_idx_sorted=False, bool debug=False) -> Tensor",
+    fake=_gather_segment_sum_fake,
+)
+
+
+def _gather_setup_context(ctx, inputs, output) -> None:
+    src, src_idx, idx, num_rows, weight, mask, idx_sorted, src_idx_sorted, debug = inputs
+    ctx.src_rows, ctx.flags = src.shape[0], (idx_sorted, src_idx_sorted)
+    ctx.has = (weight is not None, mask is not None)
+    empty = idx.new_empty(0)
+    need_w = weight is not None and ctx.needs_input_grad[4]
+    ctx.save_for_backward(src_idx, idx, weight if weight is not None else empty, mask if mask is not None else empty,
+                          src if need_w else empty)
+
+
+def _gather_backward(ctx, grad_out):
+    """``grad_src``: the same op with the two index roles swapped (a fixed-order sum over each source row's
+    entries); ``grad_weight[i] = <grad_out[idx[i]], src[src_idx[i]]>`` (fp32), 0 for skipped entries."""
+    src_idx, idx, weight, mask, src = ctx.saved_tensors
+    weight = weight if ctx.has[0] else None
+    R = grad_out.shape[0]
+    keep = (idx >= 0) & (idx < R)
+    if ctx.has[1]:
+        keep = keep & mask
+    idx_sorted, src_idx_sorted = ctx.flags
+    grad_src = grad_weight = None
+    if ctx.needs_input_grad[0]:
+        grad_src = _GATHER_SEGMENT_SUM(grad_out, torch.where(keep, idx, 0), src_idx, ctx.src_rows, weight, keep,
+                                       src_idx_sorted, idx_sorted)
+    if weight is not None and ctx.needs_input_grad[4]:
+        acc = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
+        safe = torch.where(keep, idx, 0)
+        dots = (grad_out.index_select(0, safe).to(acc) * src.index_select(0, torch.where(keep, src_idx, 0)).to(acc)
+                ).sum(-1)
+        grad_weight = torch.where(keep, dots, torch.zeros((), dtype=acc, device=dots.device)).to(weight.dtype)
+    return grad_src, None, None, None, grad_weight, None, None, None, None
+
+
+_gather_segment_sum_op.register_autograd(_gather_backward, setup_context=_gather_setup_context)
+_GATHER_SEGMENT_SUM = torch.ops.moe.gather_segment_sum.default
+
+
+def gather_segment_sum(src_SD: Tensor, src_idx_N: Tensor, idx_N: Tensor, num_rows: int,
+                       weight_N: Tensor | None = None, mask_N: Tensor | None = None, *, idx_sorted: bool = False,
+                       src_idx_sorted: bool = False, debug: bool = False) -> Tensor:
+    """``out[r] = sum of weight[i] * src[src_idx[i]]`` over the entries ``i`` with ``idx[i] == r`` (and ``mask[i]``),
+    in a fixed order (``torch.ops.moe.gather_segment_sum``): :func:`segment_sum` of gathered, weighted rows without
+    materialising them. A gather-and-weight of rows into slots (a capacity dispatch) and a gather-and-sum of slots
+    into tokens (its combine) are both this op; each one's backward (w.r.t. ``src``) is the other.
+
+    Args:
+        src_SD: ``[S, D]`` float rows.
+        src_idx_N: ``[N]`` integer source row of each entry, in ``[0, S)`` where not masked out.
+        idx_N: ``[N]`` integer output row of each entry; entries outside ``[0, num_rows)`` are skipped.
+        num_rows: ``R`` (a plain int: it sizes the output).
+        weight_N: optional ``[N]`` float weight of each entry (multiplied in the accumulator dtype).
+        mask_N: optional ``[N]`` bool; entries with ``False`` are skipped (their indices are not read).
+        idx_sorted: ``idx`` is non-decreasing (every entry, masked or not): no sort; entries summed in order.
+        src_idx_sorted: ``src_idx`` is non-decreasing: the backward's sum needs no sort.
+        debug: on CUDA, device-side asserts of the index ranges and of ``idx_sorted`` (no host sync). On CPU
+            they are checked on the host.
+
+    Returns:
+        ``[R, D]`` tensor of ``src_SD.dtype`` (fp32 accumulation for 16-bit floats, fp64 for fp64).
+
+    Raises:
+        ValueError: wrong dtype/rank/shape/device, or (CPU) indices out of range / ``idx`` not sorted where
+            ``idx_sorted``. Messages name the argument.
+    """
+    _check_gather_args(src_SD, src_idx_N, idx_N, num_rows, weight_N, mask_N, idx_sorted, src_idx_sorted, debug)
+    return _GATHER_SEGMENT_SUM(src_SD, src_idx_N, idx_N, num_rows, weight_N, mask_N, idx_sorted, src_idx_sorted,
+                               debug)

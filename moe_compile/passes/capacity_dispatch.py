@@ -15,8 +15,8 @@ Matches (Dynamo's Torch IR; ``L`` leading dims, ``[K, T]`` or ``[T]``)::
 Rewrites to (each term's entries ``l``: expert ``I[l]``, slot ``P[l, I[l]]``, weight ``prod f[l, I[l]]``)::
 
     key_N = I * C + P[.., I]; w_N = prod f[.., I]; tok_N = t of each entry           (N = prod L entries)
-    x_ECH = segment_sum(w_N * x_TH[tok_N], key_N, E*C).view(E, C, H)                 (fp32 for 16-bit x)
-    y_TH  = sum over the leading dims but t of (w_N * y_ECH.view(E*C, H)[key_N])     (fp32 for 16-bit y)
+    x_ECH = gather_segment_sum(x_TH, tok_N, key_N, E*C, w_N).view(E, C, H)           (slot e*C+c: sum of w_n x[tok_n])
+    y_TH  = gather_segment_sum(y_ECH.view(E*C, H), key_N, tok_N, T, w_N)             (token t: sum of w_n y[key_n])
 
 Both are linear in tokens, and the result is the einsum's for any such ``D``: entries that share a slot are summed as
 the einsum sums them (a slot holds one token where the positions come from a running count, which the rewrite does
@@ -26,9 +26,11 @@ weight instead: the same where a slot holds one entry, within a rounding of the 
 weight 1 at its first entry when its entries' weights sum to non-zero, 0 otherwise: ``bool()`` of the sum exactly (a
 token's ``M`` entries compared pairwise, ``T*M*M`` work for ``M`` entries per token). A slot
 position outside ``[0, C)`` weighs nothing, as ``one_hot`` by comparison gives (eager
-``one_hot`` would raise). No atomics, forward or backward: the dispatch is ``moe.segment_sum`` (a fixed-order sum per
-slot; its backward a gather), the combine a gather whose backward is ``moe.segment_sum``; entries of weight 0 (dropped
-choices) are skipped. Bitwise reproducible without ``deterministic=True``, and with no host sync.
+``one_hot`` would raise). No atomics, forward or backward: both are ``moe.gather_segment_sum`` (each output row the
+fixed-order sum of its entries' gathered, weighted rows, accumulated in fp32 for 16-bit rows, the rows never
+materialised), whose backward is the same op from the other side; the combine's entries come in token order (no
+sort); entries of weight 0 (dropped choices) are skipped. Bitwise reproducible without ``deterministic=True``, and
+with no host sync.
 
 Metrics: the dispatch rewrite records ``C`` on the router's ``topk`` whose indices its expert ids come from
 (``CAPACITY_META``); with ``metrics=True`` the ``router_metrics`` pass then reports the choices dropped past ``C``
@@ -55,7 +57,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from moe_compile.ops.segment_sum import segment_sum
+from moe_compile.ops.segment_sum import gather_segment_sum
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._graph import CAPACITY_META, erase_dead, graph_call, known_int, layer_name, op_name, tensor_val
 from moe_compile.passes.forms.ops import FLAT_VIEWS, INDEX_CASTS
@@ -311,42 +313,31 @@ def slots(terms: list[tuple[Any, ...]], E: int, C: int, T: int) -> tuple[torch.T
     return key_TM, w_TM, tok_TM
 
 
-class _GatherRows(torch.autograd.Function):
-    """``src[key]`` whose backward is a fixed-order segment sum (``moe.segment_sum``) instead of an atomic
-    ``index_add``: the gathers of the tokens' rows (a token has ``M`` entries) and of the slots' rows (which entries
-    may share); entries outside ``mask`` get no gradient (their weight is 0)."""
-
-    @staticmethod
-    def forward(ctx: Any, src_SH: torch.Tensor, key_N: torch.Tensor, mask_N: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(key_N, mask_N)
-        ctx.num_rows = src_SH.shape[0]
-        return src_SH.index_select(0, key_N)
-
-    @staticmethod
-    def backward(ctx: Any, grad_NH: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        key_N, mask_N = ctx.saved_tensors
-        return segment_sum(grad_NH, key_N, ctx.num_rows, mask_N), None, None
-
-
 def capacity_dispatch(x_TH: torch.Tensor, terms: list[tuple[Any, ...]], E: int, C: int) -> torch.Tensor:
     """``einsum("tec,th->ech", D, x)`` for ``D`` the sum of one-hot ``terms`` (see the module docstring): each slot
-    the fixed-order sum of its weighted rows (``moe.segment_sum``; its backward a gather)."""
-    acc = torch.float32 if x_TH.dtype in (torch.bfloat16, torch.float16) else x_TH.dtype
+    the fixed-order sum of its entries' weighted token rows (``moe.gather_segment_sum``; its backward the same op
+    from slots to tokens)."""
     key_TM, w_TM, tok_TM = slots(terms, E, C, x_TH.shape[0])
-    used_N = w_TM.reshape(-1) != 0
-    rows = _GatherRows.apply(x_TH, tok_TM.reshape(-1), used_N).to(acc) * w_TM.reshape(-1, 1).to(acc)
-    out = segment_sum(rows, key_TM.reshape(-1), E * C, used_N)
-    return out.view(E, C, -1).to(x_TH.dtype)
+    w_N = w_TM.reshape(-1)
+    out = gather_segment_sum(x_TH, tok_TM.reshape(-1), key_TM.reshape(-1), E * C, _entry_weight(w_N, x_TH), w_N != 0,
+                             src_idx_sorted=True)
+    return out.view(E, C, -1)
 
 
 def capacity_combine(y_ECH: torch.Tensor, terms: list[tuple[Any, ...]], E: int, C: int, T: int) -> torch.Tensor:
-    """``einsum("tec,ech->th", G, y)`` for ``G`` the sum of one-hot ``terms``: a gather (backward: a fixed-order
-    segment sum) and a fixed-order sum over each token's entries."""
-    acc = torch.float32 if y_ECH.dtype in (torch.bfloat16, torch.float16) else y_ECH.dtype
-    key_TM, w_TM, _ = slots(terms, E, C, T)
-    rows = _GatherRows.apply(y_ECH.reshape(E * C, -1), key_TM.reshape(-1), w_TM.reshape(-1) != 0)
-    rows_TMH = rows.view(*key_TM.shape, -1).to(acc) * w_TM.unsqueeze(-1).to(acc)
-    return rows_TMH.sum(1).to(y_ECH.dtype)
+    """``einsum("tec,ech->th", G, y)`` for ``G`` the sum of one-hot ``terms``: each token the fixed-order sum of its
+    entries' weighted slot rows (``moe.gather_segment_sum`` over entries in token order: no sort; its backward the
+    same op from tokens to slots)."""
+    key_TM, w_TM, tok_TM = slots(terms, E, C, T)
+    w_N = w_TM.reshape(-1)
+    return gather_segment_sum(y_ECH.reshape(E * C, -1), key_TM.reshape(-1), tok_TM.reshape(-1), T,
+                              _entry_weight(w_N, y_ECH), w_N != 0, idx_sorted=True)
+
+
+def _entry_weight(w_N: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The entries' weights as the op multiplies them: fp32 for 16-bit rows (the einsum's accumulator), bool as 0/1."""
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    return w_N.to(acc)
 
 
 def _equation(node: fx.Node) -> tuple[str, fx.Node, fx.Node] | None:

@@ -1,6 +1,7 @@
 """``moe.segment_sum`` on CPU: opcheck, reference vs a float64 loop within the derived summation bound
 (integers exact), bitwise equal repeated runs, masks and edge shapes, compiled without atomics, backward,
-and argument errors that name the argument. The Triton kernel is in ``triton/test_segment_sum_kernels.py``.
+and argument errors that name the argument; ``moe.gather_segment_sum`` the same way. The Triton kernel is in
+``triton/test_segment_sum_kernels.py``.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from moe_compile.ops import segment_sum, segment_sum_reference
+from moe_compile.ops import gather_segment_sum, segment_sum, segment_sum_reference
 from tests import _tolerance as tol
 from tests.passes._harness import ATOMIC_ADD
 
@@ -147,3 +148,101 @@ def test_bad_arguments_name_the_argument(bad, match, debug):
 def test_debug_must_be_a_bool():
     with pytest.raises(TypeError, match="debug must be a bool"):
         segment_sum(torch.zeros(4, 2), torch.tensor([0, 1, 2, 1]), 5, None, debug="false")
+
+
+# ===== moe.gather_segment_sum =====
+
+GATHER_OP = torch.ops.moe.gather_segment_sum.default
+
+
+def _gather_inputs(S, N, D, R, dtype=torch.float32, seed=0, sorted_idx=False):
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randn(S, D, generator=gen).to(dtype)
+    src_idx = torch.randint(0, S, (N,), generator=gen)
+    idx = torch.randint(0, R, (N,), generator=gen)
+    if sorted_idx:
+        idx = idx.sort().values
+    weight = torch.randn(N, generator=gen, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    mask = torch.rand(N, generator=gen) > 0.3
+    return src, src_idx, idx, weight, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("sorted_idx", [False, True])
+def test_gather_matches_loop(dtype, sorted_idx):
+    """Each row the weighted sum of its entries' gathered rows, within the n-term bound (plus the weight's product)."""
+    S, N, D, R = 7, 41, 5, 9
+    src, src_idx, idx, weight, mask = _gather_inputs(S, N, D, R, dtype, seed=4, sorted_idx=sorted_idx)
+    src_idx = torch.where(mask, src_idx, -5)  # a skipped entry's row is not read (nor checked)
+    got = gather_segment_sum(src, src_idx, idx, R, weight, mask, idx_sorted=sorted_idx)
+    keep = mask.nonzero().flatten()
+    terms = weight.double()[keep, None] * src.double()[src_idx[keep]]
+    want = torch.zeros(R, D, dtype=torch.float64).index_add_(0, idx[keep], terms)
+    mag = torch.zeros(R, D, dtype=torch.float64).index_add_(0, idx[keep], terms.abs())
+    n = int(torch.bincount(idx[keep], minlength=R).max()) + 1
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    inner = tol.gamma(n, acc) * mag
+    assert got.dtype == dtype and got.shape == (R, D)
+    tol.assert_within(got, want, inner + tol.rounding_bound(want, dtype, inner=inner), f"gather_segment_sum {dtype}")
+    assert torch.equal(gather_segment_sum(src, src_idx, idx, R, weight, mask, idx_sorted=sorted_idx), got)
+
+
+def test_gather_without_weight_or_mask_is_segment_sum_of_gathered_rows():
+    src, src_idx, idx, _, _ = _gather_inputs(6, 30, 4, 8, seed=2)
+    assert torch.equal(gather_segment_sum(src, src_idx, idx, 8), segment_sum(src[src_idx], idx, 8))
+
+
+@pytest.mark.parametrize("flags", [(False, False), (True, False), (False, True)])
+def test_gather_backward(flags):
+    """gradcheck in fp64, and the gradient w.r.t. ``src`` is the op with the index roles swapped, bitwise."""
+    idx_sorted, src_idx_sorted = flags
+    src, src_idx, idx, weight, mask = _gather_inputs(6, 25, 3, 5, torch.float64, seed=9, sorted_idx=idx_sorted)
+    if src_idx_sorted:
+        src_idx = src_idx.sort().values
+    src.requires_grad_()
+    weight.requires_grad_()
+    fn = lambda s, w: gather_segment_sum(s, src_idx, idx, 5, w, mask, idx_sorted=idx_sorted,  # noqa: E731
+                                         src_idx_sorted=src_idx_sorted)
+    torch.autograd.gradcheck(fn, (src, weight))
+    g = torch.randn(5, 3, dtype=torch.float64)
+    grad_src, grad_w = torch.autograd.grad(fn(src, weight), (src, weight), g)
+    assert torch.equal(grad_src, gather_segment_sum(g, idx, src_idx, 6, weight.detach(), mask))
+    assert torch.equal(grad_w[~mask], torch.zeros_like(grad_w[~mask]))  # skipped entries: exactly zero
+
+
+@pytest.mark.parametrize("sorted_idx", [False, True])
+def test_gather_opcheck(sorted_idx):
+    src, src_idx, idx, weight, mask = _gather_inputs(5, 12, 4, 6, seed=1, sorted_idx=sorted_idx)
+    opcheck(GATHER_OP, (src.requires_grad_(), src_idx, idx, 6, weight.requires_grad_(), mask, sorted_idx, False))
+    opcheck(GATHER_OP, (src, src_idx.to(torch.int32), idx, 6, None, None, sorted_idx, False))
+
+
+def test_gather_compiled_matches_eager():
+    src, src_idx, idx, weight, mask = _gather_inputs(9, 30, 6, 8, seed=7)
+    want = gather_segment_sum(src, src_idx, idx, 8, weight, mask)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda s, w: gather_segment_sum(s, src_idx, idx, 8, w, mask), fullgraph=True)
+    got = compiled(src, weight)
+    torch._dynamo.reset()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(src=torch.zeros(4, 2, dtype=torch.int64)), "src must have dtype"),
+    (dict(src_idx=torch.zeros(4)), "src_idx must have an integer dtype"),
+    (dict(src_idx=torch.zeros(3, dtype=torch.int64)), "src_idx and idx must have one entry each"),
+    (dict(src_idx=torch.tensor([0, 1, 3, 1])), r"src_idx values must be in \[0, 3\)"),
+    (dict(idx=torch.zeros(4, 1, dtype=torch.int64)), "idx must be 1-D"),
+    (dict(weight=torch.ones(4, dtype=torch.int64)), "weight must be a 1-D float tensor"),
+    (dict(weight=torch.ones(3)), "weight must be a 1-D float tensor with one entry per entry of idx"),
+    (dict(mask=torch.ones(4)), "mask must be a 1-D bool tensor"),
+    (dict(num_rows=-1), "num_rows must be"),
+    (dict(idx=torch.tensor([0, 2, 1, 3]), idx_sorted=True), "idx must be non-decreasing where idx_sorted=True"),
+])
+def test_gather_bad_arguments_name_the_argument(bad, match):
+    args = dict(src=torch.zeros(3, 2), src_idx=torch.tensor([0, 1, 2, 1]), idx=torch.tensor([0, 1, 2, 1]),
+                num_rows=5, weight=None, mask=None, idx_sorted=False)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        gather_segment_sum(args["src"], args["src_idx"], args["idx"], args["num_rows"], args["weight"], args["mask"],
+                           idx_sorted=args["idx_sorted"])

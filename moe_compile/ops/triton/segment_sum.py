@@ -19,6 +19,10 @@ writer and the order of its adds depends only on the keys, so results are bitwis
 
 Entries whose key is outside ``[0, R)`` (masked-out entries get key ``R``) lie outside every segment
 and are never read.
+
+``moe::gather_segment_sum`` runs the same loop with each entry reading source row ``gather[i]`` times
+``weight[i]`` (in the accumulator dtype), and, where its keys come sorted (``ORDERED``), with no sort:
+sorted position ``j`` is entry ``j``, and masked entries inside a segment are skipped by ``mask``.
 """
 
 from __future__ import annotations
@@ -34,21 +38,28 @@ ACC_INT64 = 2
 
 @triton.jit
 def _segment_sum_kernel(
-    src_ptr,  # [N, D] source rows (row stride src_stride, unit column stride)
-    order_ptr,  # int64 [N] entry index at each sorted position (stable sort of the keys)
-    offsets_ptr,  # int64 [R + 1] row r sums sorted positions [offsets[r], offsets[r + 1])
+    src_ptr,  # [S, D] source rows (row stride src_stride, unit column stride)
+    order_ptr,  # [N] entry index at each sorted position (stable sort of the keys); unused when ORDERED
+    offsets_ptr,  # [R + 1] row r sums sorted positions [offsets[r], offsets[r + 1])
+    gather_ptr,  # [N] source row of each entry (HAS_GATHER; else entry i reads src row i)
+    weight_ptr,  # [N] float weight of each entry (HAS_WEIGHT), multiplied in the accumulator dtype
+    mask_ptr,  # [N] bool, entries to skip inside a segment (HAS_MASK: only when ORDERED)
     out_ptr,  # [R, D] out, contiguous
     D,
     src_stride,
     ACC: tl.constexpr,
+    ORDERED: tl.constexpr,  # the keys are sorted already: sorted position j is entry j
+    HAS_GATHER: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    start = tl.load(offsets_ptr + r)
-    end = tl.load(offsets_ptr + r + 1)
+    start = tl.load(offsets_ptr + r).to(tl.int64)
+    end = tl.load(offsets_ptr + r + 1).to(tl.int64)
     if ACC == 2:
         acc = tl.zeros([BLOCK_D], dtype=tl.int64)
     elif ACC == 1:
@@ -58,8 +69,19 @@ def _segment_sum_kernel(
     for j0 in range(start, end, BLOCK_J):
         js = j0 + tl.arange(0, BLOCK_J)
         j_ok = js < end
-        rows = tl.load(order_ptr + js, mask=j_ok, other=0)
+        if ORDERED:
+            entries = js
+        else:
+            entries = tl.load(order_ptr + js, mask=j_ok, other=0).to(tl.int64)
+        if HAS_MASK:
+            j_ok = j_ok & (tl.load(mask_ptr + entries, mask=j_ok, other=0) != 0)
+        if HAS_GATHER:
+            rows = tl.load(gather_ptr + entries, mask=j_ok, other=0).to(tl.int64)
+        else:
+            rows = entries
         tile = tl.load(src_ptr + rows[:, None] * src_stride + cols[None, :], mask=j_ok[:, None] & col_ok[None, :],
-                       other=0)
-        acc += tl.sum(tile.to(acc.dtype), axis=0)
+                       other=0).to(acc.dtype)
+        if HAS_WEIGHT:
+            tile = tile * tl.load(weight_ptr + entries, mask=j_ok, other=0).to(acc.dtype)[:, None]
+        acc += tl.sum(tile, axis=0)
     tl.store(out_ptr + r * D + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)

@@ -26,6 +26,14 @@ CASES = {
 # with BLOCK_J = 1 the kernel adds one entry at a time in ascending order, as the reference does: bitwise
 SEQUENTIAL_CASES = {"sequential_fp32": (45, 12, 6, "float32"), "sequential_fp64": (30, 5, 3, "float64")}
 DEBUG_CASES = ("debug_out_of_range",)
+# moe.gather_segment_sum: name: (S source rows, N, D, R, dtype name, weighted, masked, idx sorted, block_j)
+GATHER_CASES = {
+    "gather_fp32_weighted_masked": (9, 40, 24, 11, "float32", True, True, False, None),
+    "gather_bf16_sorted_masked": (13, 33, 20, 7, "bfloat16", True, True, True, None),
+    "gather_fp16_unweighted": (5, 17, 8, 6, "float16", False, False, False, 4),
+    "gather_fp64_sorted_tiles": (6, 30, 3, 4, "float64", True, False, True, 4),
+    "gather_empty_n": (4, 0, 4, 3, "float32", True, True, True, None),
+}
 
 
 def _inputs(N, D, R, dtype, masked, kind, seed):
@@ -111,6 +119,46 @@ def _run_debug_case():
         raise AssertionError("debug assert did not fire")
 
 
+def _run_gather_case(S, N, D, R, dtype_name, weighted, masked, idx_sorted, block_j, seed):
+    """Kernel vs ``gather_segment_sum_reference`` (the same rows, the reference one at a time) within the sum's
+    bound over ``|weight * src|``; bitwise run to run."""
+    import importlib
+
+    import torch
+
+    from tests import _tolerance as tol
+
+    ss = importlib.import_module("moe_compile.ops.segment_sum")
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randn(S, D, generator=gen).to(dtype)
+    src_idx = torch.randint(0, S, (N,), generator=gen)
+    idx = torch.randint(0, R, (N,), generator=gen)
+    if idx_sorted:
+        idx = idx.sort().values
+    weight = torch.randn(N, generator=gen) if weighted else None
+    mask = torch.rand(N, generator=gen) > 0.3 if masked else None
+    if mask is not None:
+        src_idx = torch.where(mask, src_idx, 10**6)  # a skipped entry's row is never read
+    want = ss.gather_segment_sum_reference(src, src_idx, idx, R, weight, mask, idx_sorted)
+    got = ss._launch_triton(src, idx, R, mask, gather=src_idx, weight=weight, idx_sorted=idx_sorted,
+                            block_j=block_j)
+    assert got.dtype == want.dtype and got.shape == want.shape == (R, D), (got.shape, want.shape)
+    keep = torch.ones(N, dtype=torch.bool) if mask is None else mask
+    terms = src.double()[torch.where(keep, src_idx, 0)].abs()
+    if weight is not None:
+        terms = terms * weight.double().abs()[:, None]
+    mag = torch.zeros(R, D, dtype=torch.float64).index_add_(0, idx[keep], terms[keep])
+    n = int(torch.bincount(idx[keep], minlength=R).max()) if keep.any() else 1
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    inner = 2 * tol.gamma(max(n, 1) + 1, acc) * mag  # the weight's product: one more rounding per term
+    bound = inner + tol.rounding_bound(want, dtype, inner=inner, truncate=True) \
+        + tol.rounding_bound(want, dtype, inner=inner)
+    tol.assert_within(got, want, bound, "gather kernel vs reference")
+    assert torch.equal(ss._launch_triton(src, idx, R, mask, gather=src_idx, weight=weight, idx_sorted=idx_sorted,
+                                         block_j=block_j), got)
+
+
 def main() -> None:
     import json
     import os
@@ -128,6 +176,7 @@ def main() -> None:
     jobs = [(n, lambda c=c, n=n: _run_case(*c, seed=len(n))) for n, c in CASES.items()]
     jobs += [(n, lambda c=c: _run_sequential_case(*c)) for n, c in SEQUENTIAL_CASES.items()]
     jobs += [("debug_out_of_range", _run_debug_case)]
+    jobs += [(n, lambda c=c, n=n: _run_gather_case(*c, seed=len(n))) for n, c in GATHER_CASES.items()]
     print(json.dumps(run_cases(jobs, results)))
 
 

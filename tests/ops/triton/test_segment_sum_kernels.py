@@ -2,7 +2,8 @@
 
 Run in a fresh subprocess (``_segment_sum_interp_worker.py``; ``_interp.py`` says why).
 Floats within the derived summation bound (the kernel sums tiles as trees, the reference one entry at a
-time), bitwise with ``BLOCK_J = 1`` and for integers; every case twice more, bitwise.
+time), bitwise with ``BLOCK_J = 1`` and for integers; every case twice more, bitwise. ``moe.gather_segment_sum``'s
+cases (gathered, weighted, masked, sorted keys) the same way.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from ._interp import run_worker
-from ._segment_sum_interp_worker import CASES, DEBUG_CASES, SEQUENTIAL_CASES
+from ._segment_sum_interp_worker import CASES, DEBUG_CASES, GATHER_CASES, SEQUENTIAL_CASES
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +23,6 @@ def test_kernel_is_interpreted(interpreter_results):
     assert interpreter_results["_interpreted"] is True
 
 
-@pytest.mark.parametrize("case", sorted(CASES) + sorted(SEQUENTIAL_CASES) + list(DEBUG_CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(SEQUENTIAL_CASES) + list(DEBUG_CASES) + sorted(GATHER_CASES))
 def test_kernel_case(interpreter_results, case):
     assert interpreter_results[case] == "ok", interpreter_results[case]
