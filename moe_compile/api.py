@@ -34,6 +34,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     strict: bool = False,
     deterministic: bool = False,
     validate: bool = False,
+    ep_capacity_factor: float | None = None,
     capture_host_syncs: bool = True,
     swap_expert_loops: bool = True,
     **torch_compile_kwargs: Any,
@@ -72,6 +73,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
             gives the outputs and gradients of the graph before them on real-shaped inputs (passes/_validate.py);
             off by default: it costs more than a tenth of a GPU compile (benchmarks/results/validation_cost_*.json).
             A rewrite that fails is refused (``validation_failed`` in ``explain``) and the graph compiles without it.
+        ep_capacity_factor: expert parallelism (the expert_parallel pass): rows each rank sends to one rank, as a
+            multiple of an even share N/W of its N routed rows; None: the worst case, no row dropped; a float f:
+            ceil(f*N/W) rows, the rows past it in each destination's block dropped (their expert outputs are zero).
         capture_host_syncs: trace with ``capture_scalar_outputs`` and
             ``capture_dynamic_output_shape_ops`` on (the default).
         swap_expert_loops: for a module, first route expert loops that Dynamo cannot capture through the
@@ -96,7 +100,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if "backend" in torch_compile_kwargs:
         raise ValueError("moe_compile.compile sets backend= itself; call torch.compile for another backend")
     config = make_config(metrics=metrics, passes=passes or {}, debug=debug, strict=strict, deterministic=deterministic,
-                         validate=validate)
+                         validate=validate, ep_capacity_factor=ep_capacity_factor)
     backend = ConfiguredBackend(config)  # checks the pass names before the model is touched
     swapped: list[Any] = []
     if swap_expert_loops and isinstance(model, torch.nn.Module):

@@ -34,7 +34,8 @@ class Setting:
 
     name: str
     kind: Kind
-    # bool, or dict for a mapping of names to bools (``passes``), or str (environment variables)
+    # bool, or dict for a mapping of names to bools (``passes``), float (a positive number or None), or str
+    # (environment variables)
     type: type
     default: Any
     read: ReadAt
@@ -52,6 +53,11 @@ class Setting:
             bad = {k: v for k, v in value.items() if not isinstance(v, bool)}
             if bad:
                 raise TypeError(f"{self.name}= values must be bools, got {bad!r}")
+        if self.type is float and value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{self.name} must be a float or None, got {value!r}")
+            if not value > 0:
+                raise ValueError(f"{self.name} must be positive, got {value!r}")
 
     def default_text(self) -> str:
         """The default as the user writes it: a Python value for an option, the variable's value for an env."""
@@ -87,6 +93,10 @@ _TABLE: tuple[Setting, ...] = (
             "translation validation: each pass's rewrites of a graph are kept only if the graph after them gives "
             "the outputs and gradients of the graph before them on real-shaped inputs (passes/_validate.py); off "
             "by default: it costs more than a tenth of a GPU compile (benchmarks/results/validation_cost_*.json)"),
+    _option("ep_capacity_factor", float, None,
+            "expert parallelism (the expert_parallel pass): rows each rank sends to one rank, as a multiple of an even "
+            "share N/W of its N routed rows; None: the worst case, no row dropped; a float f: ceil(f*N/W) rows, the "
+            "rows past it in each destination's block dropped (their expert outputs are zero)"),
     _env("validate_all", bool, False, "per compile",
          "1 turns translation validation on for every compile, as validate=True does (the test suite and the "
          "family matrix set it)"),
@@ -145,6 +155,8 @@ class MoECompileConfig:
     # Off by default: a few eager runs of each rewritten graph, more than a tenth of a GPU compile
     # (benchmarks/results/validation_cost_cuda.json); MOE_COMPILE_VALIDATE_ALL=1 turns it on everywhere.
     validate: bool = False
+    # None: the worst case (no row dropped); a float: ceil(f * N / W) rows per destination rank.
+    ep_capacity_factor: float | None = None
 
     def pass_enabled(self, name: str, default: bool) -> bool:
         """Whether ``passes`` turns pass ``name`` on (``default`` when it does not name it). A pass that

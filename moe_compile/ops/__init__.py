@@ -4,6 +4,8 @@ from moe_compile.ops import (
     deterministic_flag,  # noqa: F401 - defines moe.deterministic_<op> (cached code calls them)
     # `expert_gemm` is the module (its wrapper is `expert_gemm.expert_gemm`), like `grouped_mm` below
     expert_gemm,
+    # the module, imported to define moe.gather_rows, moe.ep_send_index, moe.ep_regroup_index
+    expert_parallel,  # noqa: F401
     # `moe_compile.ops.grouped_mm` stays the module (its op wrapper is `grouped_mm.grouped_mm`): code across
     # the package imports it as `from moe_compile.ops import grouped_mm as gmm`.
     grouped_mm,

@@ -67,6 +67,9 @@ PASSES: tuple[PassEntry, ...] = (
               doc="host-sized split/pad/unpad (tolist counts) -> moe.permute_pad + offs_E + moe.unpad_unpermute"),
     PassEntry("fuse_dispatch", "pre_grad", "moe_compile.passes.fuse_dispatch:run", default=True,
               doc="sort-based MoE dispatch -> moe.permute_pad + grouped GEMM + moe.unpad_unpermute"),
+    PassEntry("expert_parallel", "pre_grad", "moe_compile.passes.expert_parallel:run", default=True,
+              doc="expert parallelism: all-to-all at host-read split sizes around a regrouped grouped-GEMM region -> "
+                  "a static padded all-to-all (moe.ep_capacity_factor) and device-index gathers, no host read"),
     PassEntry("capacity_dispatch", "pre_grad", "moe_compile.passes.capacity_dispatch:run", default=True,
               doc="capacity-factor dispatch: einsums over a one-hot [T, E, C] dispatch tensor -> gathers of the "
                   "routed rows (linear in tokens)"),

@@ -1,0 +1,128 @@
+"""``expert_parallel``'s entry point, :func:`run`: the pass as the package docstring states it."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from moe_compile.passes import NoMatch, PassContext
+from moe_compile.passes._graph import (
+    arg,
+    erase_dead,
+    graph_call,
+    layer_name,
+    ops_available,
+    refresh_example_values,
+    tensor_val,
+    topo_index,
+    transitive_users,
+)
+from moe_compile.passes._host_sync import erase_dead_host_reads, host_reads
+from moe_compile.passes.expert_parallel.match import Exchange, has_host_splits, match_exchange
+
+
+def run(graph: fx.Graph, ctx: PassContext) -> None:
+    """Find and rewrite every provable expert-parallel exchange of ``graph``."""
+    candidates = [n for n in graph.nodes if has_host_splits(n)]
+    if not candidates:
+        return
+    reads = host_reads(graph)
+    done: set[fx.Node] = set()
+    skipped: set[str] = set()
+    rewrote = False
+    for send in candidates:
+        if send in done or send.graph is not graph:
+            continue
+        try:
+            ex = match_exchange(send, topo_index(graph), reads)  # analysis only: the graph is not touched yet
+        except NoMatch as exc:
+            layer = layer_name(send)
+            if layer not in skipped:  # the return exchange of a refused layer fails the same way: one record
+                skipped.add(layer)
+                ctx.skip(layer, exc.reason, exc.detail)
+            continue
+        except Exception as exc:  # noqa: BLE001 - a matcher bug must not undo other layers' rewrites
+            if ctx.config.strict:
+                raise
+            ctx.skip(layer_name(send), "internal_error", f"matcher raised {type(exc).__name__}: {exc}")
+            continue
+        done.update((ex.send, ex.ret))
+        if not ops_available("gather_rows", "ep_send_index", "ep_regroup_index"):
+            ctx.skip(ex.layer, "ops_unavailable", "torch.ops.moe.gather_rows / ep_send_index / ep_regroup_index "
+                     "not registered")
+            continue
+        S = capacity(ex, ctx.config.ep_capacity_factor)
+        replaced_by = rewrite(graph, ex, S)
+        ctx.rewrite(ex.layer, ex.matched, replaced_by)
+        rewrote = True
+    if rewrote:
+        erase_dead_host_reads(graph)
+
+
+def capacity(ex: Exchange, factor: float | None) -> int:
+    """``S``: rows one rank sends one rank. ``None``: the bound (no row dropped); ``f``: ``ceil(f * N / W)``, at
+    least 1 and at most the bound."""
+    if factor is None:
+        return ex.bound
+    return max(1, min(ex.bound, math.ceil(factor * ex.num_rows / ex.world)))
+
+
+def _call(graph: fx.Graph, meta_from: fx.Node, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+    return graph_call(graph, target, *args, meta_from=meta_from, **kwargs)
+
+
+def rewrite(graph: fx.Graph, ex: Exchange, S: int) -> str:
+    """Apply the rewrite of a proven :class:`Exchange` with ``S`` rows per destination; returns what replaced it."""
+    W, L, N = ex.world, ex.local, ex.num_rows
+    gather_rows = torch.ops.moe.gather_rows.default
+    group = arg(ex.send, 3, "group_name")
+    wait = ex.send_waits[0].target
+    splits = [S] * W
+    meta = ex.send
+    with graph.inserting_before(ex.send):
+        by_src = _call(graph, meta, torch.reshape, ex.counts, (W, L))
+        send_index = _call(graph, meta, torch.ops.moe.ep_send_index.default, ex.send_counts, N, S)
+        pack, slot = (_call(graph, meta, operator.getitem, send_index, i) for i in range(2))
+        regroup_index = _call(graph, meta, torch.ops.moe.ep_regroup_index.default, by_src, S)
+        regroup, inverse, offs = (_call(graph, meta, operator.getitem, regroup_index, i) for i in range(3))
+        send_buf = _call(graph, meta, gather_rows, ex.rows, pack, slot)
+        recv_buf = _call(graph, meta, wait, _call(graph, meta, ex.send.target, send_buf, splits, splits, group))
+    with graph.inserting_before(ex.gather):
+        grouped = _call(graph, ex.gather, gather_rows, recv_buf, regroup, inverse)
+    ex.gather.replace_all_uses_with(grouped)
+    for mm, old in zip(ex.grouped_mms, ex.offs):
+        mm.replace_input_with(old, offs)
+    with graph.inserting_before(ex.inverse_nodes[0]):
+        back = _call(graph, ex.source, gather_rows, ex.source, inverse, regroup)
+    with graph.inserting_before(ex.ret):
+        ret_buf = _call(graph, ex.ret, wait, _call(graph, ex.ret, ex.ret.target, back, splits, splits, group))
+        returned = _call(graph, ex.ret, gather_rows, ret_buf, slot, pack)
+    ex.ret_waits[-1].replace_all_uses_with(returned)
+    for node in (*reversed(ex.ret_waits), ex.ret):
+        graph.erase_node(node)
+    erase_dead(graph, [ex.back, *ex.inverse_nodes, ex.gather])
+    for node in (*reversed(ex.send_waits), ex.send):  # collectives: erased by hand (FX may call them impure)
+        if not node.users:
+            graph.erase_node(node)
+    erase_dead(graph, [ex.perm, *ex.offs])
+    order = topo_index(graph)
+    stale = transitive_users(grouped) | transitive_users(returned)
+    refresh_example_values(sorted(stale, key=order.__getitem__))
+    row_bytes = _row_bytes(ex.rows)
+    buffer = f"[{W * S}, {', '.join(str(d) for d in tensor_val(ex.rows).shape[1:])}]"
+    drops = "no row dropped" if S >= ex.bound else f"rows past S={S} in a destination's block dropped"
+    return (f"all_to_all_single x2 of a padded {buffer} buffer at equal splits [{S}]*{W} (S={S}, bound "
+            f"{ex.bound_why}; {drops}; {W * S * row_bytes} bytes per buffer) + moe.gather_rows pack / regroup "
+            f"(local expert, source rank) / inverse / unpack + offs from the received counts; no host read")
+
+
+def _row_bytes(rows: fx.Node) -> int:
+    v = tensor_val(rows)
+    n = 1
+    for d in v.shape[1:]:
+        n *= int(d)
+    return n * v.element_size()
