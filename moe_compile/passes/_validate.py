@@ -125,7 +125,10 @@ class Verdict:
 
 def _is_collective(node: fx.Node) -> bool:
     target = node.target
-    namespace = getattr(getattr(target, "_schema", None), "name", "") or ""
+    # an OpOverload has a schema; an OpOverloadPacket (Dynamo records funcol calls as torch.ops._c10d_functional.X)
+    # only its qualified name
+    namespace = getattr(getattr(target, "_schema", None), "name", "") or getattr(target, "_qualified_op_name", "") \
+        or ""
     module = getattr(target, "__module__", "") or ""
     return namespace.startswith(("_c10d_functional::", "c10d::", "_dtensor::")) or module.startswith(
         "torch.distributed")

@@ -1,10 +1,15 @@
 """One rank of the expert-parallel tests (``test_ep.py``): eager in bf16 and ``moe_compile.compile`` in bf16 against an
-fp64 reference, on the same tokens and weights; writes the verdict and what the passes did as JSON."""
+fp64 reference, on the same tokens and weights; writes the verdict and what the passes did as JSON.
+
+With a capacity factor (``argv[6]``), also ``moe_compile.compile(..., ep_capacity_factor=f)`` against eager and fp64
+layers that drop the same rows (:class:`_Drops`: rows past ``S`` in each destination's block, the pass's contract).
+"""
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 
 import torch
@@ -20,12 +25,48 @@ def _step(layer, x, run=None):
     return {"out": out.detach(), "grad x": x.grad, **grads}
 
 
-def main(kind: str, rank: int, world: int, store_path: str, result_path: str) -> None:
+def keep_mask(counts: torch.Tensor, world: int, local: int, capacity: int) -> torch.Tensor:
+    """Rows (sorted by expert) that fit in their destination's first ``capacity`` rows."""
+    send = counts.view(world, local).sum(1)
+    dest = torch.repeat_interleave(torch.arange(world), send)
+    return torch.arange(dest.numel()) - (send.cumsum(0) - send)[dest] < capacity
+
+
+class _Drops:
+    """An expert-parallel layer whose rows past ``capacity`` per destination are dropped: sent as zeros (the experts
+    are bias-free: zero out) and their returned rows zeroed, so they add nothing to outputs or gradients."""
+
+    capacity: int
+
+    def route(self, x):
+        weights, order, counts, rows = super().route(x)
+        self._keep = keep_mask(counts, self.world, self.local, self.capacity)[:, None]
+        return weights, order, counts, rows * self._keep.to(rows.dtype)
+
+    def combine(self, returned, order, weights):
+        return super().combine(returned * self._keep.to(returned.dtype), order, weights)
+
+
+def _dropping(cls, capacity):
+    return type(f"Dropping{cls.__name__}", (_Drops, cls), {"capacity": capacity})
+
+
+def main(kind: str, rank: int, world: int, store_path: str, result_path: str, factor: float | None = None) -> None:
     import moe_compile
     from moe_compile import report
+    from moe_compile.passes import expert_parallel
+    from moe_compile.passes._host_sync import host_reads
     from tests import _tolerance as tol
     from tests.models.ep_layers import EP_LAYERS
 
+    left_reads: list[list[str]] = []
+    run_pass = expert_parallel.run
+
+    def recording_run(graph, ctx):  # the host reads each graph keeps after the pass
+        run_pass(graph, ctx)
+        left_reads.append(sorted(r.item.name for r in host_reads(graph).values()))
+
+    expert_parallel.run = recording_run
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)  # the router is replicated: the same on every rank
@@ -50,21 +91,55 @@ def main(kind: str, rank: int, world: int, store_path: str, result_path: str) ->
         torch._dynamo.reset()
         compiled_layer = fresh().to(torch.bfloat16)
         with report.collecting() as rep:
-            compiled = _step(compiled_layer, x.bfloat16(), moe_compile.compile(compiled_layer))
+            run = moe_compile.compile(compiled_layer)
+            compiled = _step(compiled_layer, x.bfloat16(), run)
+            compiled_layer.zero_grad(set_to_none=True)
+            again = _step(compiled_layer, x.bfloat16(), run)
         ok, worst, unjudged = tol.within_eager_bound(compiled, eager, ref, dtype=torch.bfloat16,
                                                      always_judged=tuple(ref))
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
         result = {"ok": ok and not unjudged, "worst": list(worst), "unjudged": unjudged,
                   "rewrites": sorted({f"{r.layer}:{r.pass_name}" for r in rep.rewrites}),
+                  "rewrite_details": [r.detail for r in rep.rewrites if r.pass_name == "expert_parallel"],
                   "skips": sorted({f"{r.pass_name}:{r.what}" for r in rep.skips}),
                   "left": sorted({r.what for r in rep.left}), "graph_breaks": breaks, "graphs": rep.graphs,
+                  "host_reads_left": left_reads[:],
+                  "bitwise_repeat": all(torch.equal(compiled[k], again[k]) for k in compiled),
                   "no_grad": [f"{side}:{k}" for side, d in (("eager", eager), ("compiled", compiled))
                               for k, v in d.items() if v is None]}
+        if factor is not None:
+            result["drops"] = _check_drops(kind, layer, x, factor, fresh, left_reads)
     finally:
         dist.destroy_process_group()
+        expert_parallel.run = run_pass
     with open(result_path, "w") as f:
         json.dump(result, f)
 
 
+def _check_drops(kind, layer, x, factor, fresh, left_reads) -> dict:
+    """``ep_capacity_factor=factor`` against eager and fp64 layers that drop the same rows."""
+    import moe_compile
+    from moe_compile import report
+    from tests import _tolerance as tol
+    from tests.models.ep_layers import EP_LAYERS
+
+    N = x.shape[0] * layer.top_k
+    S = max(1, math.ceil(factor * N / layer.world))
+    ref = _step(fresh(_dropping(EP_LAYERS["autograd_all_to_all"], S)).double(), x.double())
+    eager_layer = fresh(_dropping(EP_LAYERS[kind], S)).to(torch.bfloat16)
+    eager = _step(eager_layer, x.bfloat16())
+    dropped = int((~eager_layer._keep).sum())
+    torch._dynamo.reset()
+    compiled_layer = fresh().to(torch.bfloat16)
+    left_reads.clear()
+    with report.collecting() as rep:
+        compiled = _step(compiled_layer, x.bfloat16(), moe_compile.compile(compiled_layer, ep_capacity_factor=factor))
+    ok, worst, unjudged = tol.within_eager_bound(compiled, eager, ref, dtype=torch.bfloat16, always_judged=tuple(ref))
+    return {"ok": ok and not unjudged, "worst": list(worst), "unjudged": unjudged, "capacity": S, "dropped": dropped,
+            "rewrite_details": [r.detail for r in rep.rewrites if r.pass_name == "expert_parallel"],
+            "host_reads_left": left_reads[:]}
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5],
+         float(sys.argv[6]) if len(sys.argv) > 6 else None)

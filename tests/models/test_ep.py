@@ -2,8 +2,9 @@
 
 Each rank runs eager and the compiled layer in bf16 on its own tokens, and an fp64 reference; output and every gradient
 (input, router, its experts) within eager's own distance from fp64 (NOTE [derived tolerances] (tests/_tolerance.py)).
-What the passes did with the exchange is printed (``-s``): the dispatch is not rewritten yet (the host-read split
-sizes stay), which the expert-parallel issue is about.
+What the passes did with the exchange is printed (``-s``). The titan layer is rewritten by ``expert_parallel``: no host
+read is left in its graph, two runs are bitwise equal, and with a small ``ep_capacity_factor`` the compiled layer
+matches eager and fp64 layers that drop the same rows (the pass's contract: rows past ``S`` in a destination's block).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from tests._subprocess import REPO_ROOT
 WORLD = 2
 
 
-def _run_ranks(kind: str, tmp_path) -> list[dict]:
+def _run_ranks(kind: str, tmp_path, *extra: str) -> list[dict]:
     store = tmp_path / "store"
     procs = [subprocess.Popen([sys.executable, "-m", "tests.models._ep_worker", kind, str(rank), str(WORLD),
-                               str(store), str(tmp_path / f"rank{rank}.json")], cwd=REPO_ROOT,
+                               str(store), str(tmp_path / f"rank{rank}.json"), *extra], cwd=REPO_ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(WORLD)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
@@ -34,7 +35,23 @@ def _run_ranks(kind: str, tmp_path) -> list[dict]:
 # the autograd-function layer breaks the graph 5 times (10 graphs to compile on each rank): in the slow run
 @pytest.mark.parametrize("kind", ["titan", pytest.param("autograd_all_to_all", marks=pytest.mark.slow)])
 def test_expert_parallel_layer_matches_eager(kind, tmp_path):
-    results = _run_ranks(kind, tmp_path)
+    results = _run_ranks(kind, tmp_path, *(("0.25",) if kind == "titan" else ()))
     for rank, result in enumerate(results):
         print(f"rank {rank}: {result}")
         assert result["ok"], result
+        assert result["bitwise_repeat"], result
+    if kind != "titan":
+        return
+    dropped = 0
+    for result in results:
+        assert "<graph>:expert_parallel" in result["rewrites"], result
+        assert result["host_reads_left"] and not any(result["host_reads_left"]), result
+        assert not [w for w in result["left"] if "_local_scalar_dense" in w], result
+        (detail,) = result["rewrite_details"]
+        assert "equal splits [48]*2" in detail and "no row dropped" in detail, detail
+        drops = result["drops"]
+        assert drops["ok"], drops
+        assert drops["capacity"] == 6 and "S=6" in drops["rewrite_details"][0], drops
+        assert drops["host_reads_left"] and not any(drops["host_reads_left"]), drops
+        dropped += drops["dropped"]
+    assert dropped > 0, "the small capacity factor dropped nothing: the drop test tests nothing"

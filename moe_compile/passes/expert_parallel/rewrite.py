@@ -17,6 +17,7 @@ from moe_compile.passes._graph import (
     layer_name,
     ops_available,
     refresh_example_values,
+    same_int,
     tensor_val,
     topo_index,
     transitive_users,
@@ -96,6 +97,12 @@ def rewrite(graph: fx.Graph, ex: Exchange, S: int) -> str:
     ex.gather.replace_all_uses_with(grouped)
     for mm, old in zip(ex.grouped_mms, ex.offs):
         mm.replace_input_with(old, offs)
+    # the region's values first: a fake evaluation that mixes the old (unbacked) row count with the static one would
+    # leave a runtime assert on it in the shape env
+    refresh_example_values(ex.region[1:])
+    source = tensor_val(ex.source)
+    if source is None or not same_int(source.shape[0], W * S):
+        raise RuntimeError(f"expert_parallel: {ex.source.name}'s example value was not refreshed to {W * S} rows")
     with graph.inserting_before(ex.inverse_nodes[0]):
         back = _call(graph, ex.source, gather_rows, ex.source, inverse, regroup)
     with graph.inserting_before(ex.ret):
@@ -110,7 +117,7 @@ def rewrite(graph: fx.Graph, ex: Exchange, S: int) -> str:
             graph.erase_node(node)
     erase_dead(graph, [ex.perm, *ex.offs])
     order = topo_index(graph)
-    stale = transitive_users(grouped) | transitive_users(returned)
+    stale = transitive_users(returned)
     refresh_example_values(sorted(stale, key=order.__getitem__))
     row_bytes = _row_bytes(ex.rows)
     buffer = f"[{W * S}, {', '.join(str(d) for d in tensor_val(ex.rows).shape[1:])}]"
