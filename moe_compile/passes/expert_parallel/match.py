@@ -211,11 +211,14 @@ def _prove_region(gather: fx.Node, perm: fx.Node, order: dict[fx.Node, int]) -> 
                 continue
             if u.op == "output":
                 raise NoMatch("rows_escape_region", f"the regrouped rows {node.name} are a graph output")
+            if op_name(u) in ALL_TO_ALL:
+                raise NoMatch("inverse_not_matched", f"{node.name} reaches the all-to-all {u.name} without an "
+                              "un-regroup by the same permutation (zeros.index_copy(0, perm, y) or zeros[perm] = y)")
             if op_name(u) in SIZE_QUERIES:
                 raise NoMatch("region_not_rowwise", f"{u.name} reads the size of the regrouped rows {node.name}")
             inv = _inverse_of(u, node, perm)
-            if inv is None and op_name(u) in _FRESH and len(u.users) == 1:
-                inv = _inverse_of(next(iter(u.users)), node, perm)  # zeros_like(y) of y.index_copy's buffer
+            if inv is None and op_name(u) in _FRESH:  # zeros_like(y): the buffer of y's un-regroup
+                inv = next((i for w in u.users if (i := _inverse_of(w, node, perm)) is not None), None)
             if inv is not None:
                 found.append((inv[0], node, inv[1]))
                 skip.update(inv[1])
