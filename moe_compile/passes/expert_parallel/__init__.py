@@ -25,7 +25,12 @@ Destination block ``w`` of the send buffer holds the rows for experts ``w*L .. w
 padding; rows past ``S`` in a block are dropped (their ``returned'`` rows are zero, their gradients zero). The
 received buffer is regrouped by local expert, then source rank, then row; rows past ``offs'[-1]`` are padding that
 no result reads. Every data movement is ``moe.gather_rows``, whose backward is the inverse gather: no atomics, no
-host read, forward and backward deterministic. The host reads of the split sizes are erased.
+host read, forward and backward deterministic. The host reads of the split sizes are erased. When the counts are
+``bincount(ids, minlength=E)`` of a top-k over ``E`` scores, whose length is data-dependent to the compiler (a host
+sync on CUDA), they become ``diff(searchsorted(sort(ids), arange(E + 1)))``: static, no atomics.
+
+``S`` is static, so every rank of the group must compile the layer with the same ``N`` (the same tokens per rank):
+the exchange's equal splits are ``S`` on both ends.
 
 Fires when (:mod:`~moe_compile.passes.expert_parallel.match` proves it step by step): both exchanges' split sizes
 are ``.item()`` reads of device vectors, B's are A's swapped, in one group; A's result is gathered once by a

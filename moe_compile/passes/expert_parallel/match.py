@@ -69,6 +69,7 @@ class Exchange:
     back: fx.Node  # B's input
     bound: int  # rows one rank can send one rank
     bound_why: str
+    bincount: fx.Node | None  # bincount(ids, minlength=E) of the counts exchange, ids proven in [0, E)
     matched: str
 
 
@@ -145,7 +146,7 @@ def match_exchange(send: fx.Node, order: dict[fx.Node, int], reads: dict[Any, Ho
     if E is None or E % W:
         raise NoMatch("counts_not_exchanged", f"{counts.name} has {E} counts, not W={W} blocks of L")
     _check_on_samples(counts, W, E // W, recv_sizes, perm, offs)
-    bound, why = _send_bound(send_counts, counts, N, W, E // W)
+    bound, why, bincount = _send_bound(send_counts, counts, N, W, E // W)
     matched = (f"all_to_all_single x2 at host-read splits (W={W}, L={E // W}, N={N}) + gather by a device "
                f"permutation + row-wise region ({len(region)} ops, {len(grouped_mms)}x grouped_mm) + "
                f"{op_name(inverse_nodes[0])} by the same permutation")
@@ -153,7 +154,7 @@ def match_exchange(send: fx.Node, order: dict[fx.Node, int], reads: dict[Any, Ho
                     num_rows=N, world=W, local=E // W, send_counts=send_counts, counts=counts, gather=gather,
                     perm=perm, grouped_mms=grouped_mms, offs=offs, region=region, inverse=inverse,
                     inverse_nodes=inverse_nodes, source=source, back=back, bound=bound, bound_why=why,
-                    matched=matched)
+                    bincount=bincount, matched=matched)
 
 
 # -- step 3: the region ---------------------------------------------------------------------------------------------
@@ -375,15 +376,18 @@ def _check_on_samples(counts: fx.Node, W: int, L: int, recv_sizes: fx.Node, perm
 
 
 # -- step 6: the bound ----------------------------------------------------------------------------------------------
-def _send_bound(send_counts: fx.Node, counts: fx.Node, N: int, W: int, L: int) -> tuple[int, str]:
-    """Rows one rank sends one rank, at most: ``T * min(K, L)`` when ``send_counts`` are the per-rank sums of a
-    top-k's histogram (each token picks an expert once), else ``N``."""
+def _send_bound(send_counts: fx.Node, counts: fx.Node, N: int, W: int, L: int) -> tuple[int, str, fx.Node | None]:
+    """``(bound, why, bincount)``: rows one rank sends one rank, at most: ``T * min(K, L)`` when ``send_counts`` are
+    the per-rank sums of a top-k's histogram (each token picks an expert once), else ``N``; and the histogram when it
+    is a ``bincount(ids, minlength=E)`` of ids proven in ``[0, E)`` (a top-k over ``E`` scores), whose data-dependent
+    length the rewrite makes static."""
+    worst = (N, f"N={N}", None)
     base = counts
     while op_name(base) == WAIT:
         base = base.args[0]
     hist = base.args[0] if op_name(base) in ALL_TO_ALL else None
     if not isinstance(hist, fx.Node):
-        return N, f"N={N}"
+        return worst
     ids: list[fx.Node] = []
 
     def is_topk_ids(n: Any) -> bool:
@@ -395,17 +399,22 @@ def _send_bound(send_counts: fx.Node, counts: fx.Node, N: int, W: int, L: int) -
 
     found = expert_counts(hist, is_topk_ids)
     if found is None or found[0] != W * L or not ids:
-        return N, f"N={N}"
-    iv = tensor_val(ids[-1])
+        return worst
+    iv, topk = tensor_val(ids[-1]), ids[-1].args[0]
     if iv is None or iv.dim() != 2 or known_int(iv.shape[0]) is None or known_int(iv.shape[1]) is None:
-        return N, f"N={N}"
+        return worst
     T, K = known_int(iv.shape[0]), known_int(iv.shape[1])
+    scores = tensor_val(topk.args[0])
+    over_E = scores is not None and scores.dim() >= 1 and known_int(scores.shape[-1]) == W * L \
+        and arg(topk, 2, "dim", -1) in (-1, scores.dim() - 1)
     try:
         module = _subgraph([send_counts], hist)
         ok = all(torch.equal(module(c.to(tensor_val(hist).dtype))[0].long(), c.view(W, L).sum(1))
                  for c in sample_counts(W, L))
     except Exception:  # noqa: BLE001 - not proven: the worst case
         ok = False
-    if not ok or T * K != N:
-        return N, f"N={N}"
-    return min(N, T * min(K, L)), f"top-{K} of {T} tokens: T*min(K, L)={T * min(K, L)}"
+    if not ok or T * K != N or not over_E:
+        return worst
+    flat = tensor_val(hist.args[0])
+    bincount = hist if op_name(hist) == "bincount" and flat is not None and flat.dim() == 1 else None
+    return min(N, T * min(K, L)), f"top-{K} of {T} tokens: T*min(K, L)={T * min(K, L)}", bincount

@@ -13,6 +13,7 @@ from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._graph import (
     arg,
     erase_dead,
+    fake_mode_of,
     graph_call,
     layer_name,
     ops_available,
@@ -119,9 +120,11 @@ def rewrite(graph: fx.Graph, ex: Exchange, S: int) -> str:
     order = topo_index(graph)
     stale = transitive_users(returned)
     refresh_example_values(sorted(stale, key=order.__getitem__))
+    static_counts = ex.bincount is not None and _static_histogram(graph, ex.bincount, W * L)
     row_bytes = _row_bytes(ex.rows)
     buffer = f"[{W * S}, {', '.join(str(d) for d in tensor_val(ex.rows).shape[1:])}]"
     drops = "no row dropped" if S >= ex.bound else f"rows past S={S} in a destination's block dropped"
+    drops += "; counts: bincount -> searchsorted of the sorted ids (static length)" if static_counts else ""
     return (f"all_to_all_single x2 of a padded {buffer} buffer at equal splits [{S}]*{W} (S={S}, bound "
             f"{ex.bound_why}; {drops}; {W * S * row_bytes} bytes per buffer) + moe.gather_rows pack / regroup "
             f"(local expert, source rank) / inverse / unpack + offs from the received counts; no host read")
@@ -133,3 +136,20 @@ def _row_bytes(rows: fx.Node) -> int:
     for d in v.shape[1:]:
         n *= int(d)
     return n * v.element_size()
+
+
+def _static_histogram(graph: fx.Graph, bincount: fx.Node, E: int) -> bool:
+    """Replace ``bincount(ids, minlength=E)`` (ids proven in ``[0, E)``: its length is ``E``, but data-dependent to
+    the compiler, a host sync on CUDA) by ``diff(searchsorted(sort(ids), arange(E + 1)))``: static, no atomics."""
+    ids = bincount.args[0]
+    iv = tensor_val(ids)
+    with graph.inserting_before(bincount):
+        values = _call(graph, bincount, operator.getitem, _call(graph, bincount, torch.sort, ids), 0)
+        edges = _call(graph, bincount, torch.arange, E + 1, device=iv.device, dtype=iv.dtype)
+        edges.meta["example_value"] = fake_mode_of([iv]).from_tensor(edges.meta["example_value"])  # no tensor in
+        counts = _call(graph, bincount, torch.diff, _call(graph, bincount, torch.searchsorted, values, edges))
+    bincount.replace_all_uses_with(counts)
+    graph.erase_node(bincount)
+    order = topo_index(graph)
+    refresh_example_values(sorted(transitive_users(counts), key=order.__getitem__))
+    return True
