@@ -162,7 +162,7 @@ def _launch_triton(src: Tensor, idx: Tensor, num_rows: int, mask: Tensor | None,
         return out
     if idx_sorted:
         order = None
-        offsets = torch.searchsorted(idx, torch.arange(num_rows + 1, device=idx.device, dtype=idx.dtype))
+        offsets = _sorted_offsets(idx, num_rows)
     else:
         order, offsets = _segments(idx, num_rows, mask)
     if src.stride(1) != 1:
@@ -183,6 +183,24 @@ def _launch_triton(src: Tensor, idx: Tensor, num_rows: int, mask: Tensor | None,
         traced=src.is_cuda and _common.is_traced(src), options=dict(num_warps=num_warps),
     )  # fmt: skip
     return out
+
+
+def _sorted_offsets(idx: Tensor, num_rows: int) -> Tensor:
+    """int64 ``[R + 1]``: ``offsets[r]`` = the first position of the non-decreasing ``idx`` whose value is ``>= r``
+    (``torch.searchsorted(idx, arange(R + 1))``, by a Triton binary search: Inductor 2.11 cannot lower
+    ``searchsorted`` over a view of a computed tensor, the combine's ``tok`` among them)."""
+    from moe_compile.ops.triton import segment_sum as kernels
+
+    N = _common.static_ints(idx.shape[0])[0]
+    out = torch.empty(num_rows + 1, dtype=torch.int64, device=idx.device)
+    steps = max(1, (N + 1).bit_length())
+    _common.launch_kernel(kernels._lower_bound_kernel, (_common.cdiv(num_rows + 1, SEARCH_BLOCK),),
+                          idx, out, N, num_rows + 1, STEPS=steps, BLOCK=SEARCH_BLOCK,
+                          traced=_common.is_traced(idx), options=dict(num_warps=4))
+    return out
+
+
+SEARCH_BLOCK = 256
 
 
 # ===== op (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)) =====
@@ -272,18 +290,13 @@ def gather_segment_sum_reference(src_SD: Tensor, src_idx_N: Tensor, idx_N: Tenso
     if mask_N is not None:
         keep_N = keep_N & mask_N
     acc = torch.float64 if src_SD.dtype == torch.float64 else torch.float32
-    if idx_sorted:
-        order_N = torch.arange(idx_N.shape[0], device=idx_N.device)
-        offsets_R1 = torch.searchsorted(idx_N, torch.arange(num_rows + 1, device=idx_N.device, dtype=idx_N.dtype))
-    else:
-        order_N, offsets_R1 = _segments(idx_N, num_rows, keep_N)
+    # sorted or not: the stable sort keeps each row's entries in entry order (``idx_sorted`` saves it on CUDA only)
+    order_N, offsets_R1 = _segments(idx_N, num_rows, keep_N)
     rows_N = torch.where(keep_N, src_idx_N, 0).index_select(0, order_N)
     vals = src_SD.index_select(0, rows_N).to(acc) if src_SD.shape[0] else \
         src_SD.new_zeros(idx_N.shape[0], src_SD.shape[1], dtype=acc)
     if weight_N is not None:
         vals = vals * weight_N.index_select(0, order_N).to(acc)[:, None]
-    if idx_sorted:
-        vals = torch.where(keep_N[:, None], vals, torch.zeros((), dtype=acc, device=vals.device))
     out = torch.segment_reduce(vals, "sum", offsets=offsets_R1, axis=0, unsafe=True)
     return out.to(src_SD.dtype)
 

@@ -85,3 +85,25 @@ def _segment_sum_kernel(
             tile = tile * tl.load(weight_ptr + entries, mask=j_ok, other=0).to(acc.dtype)[:, None]
         acc += tl.sum(tile, axis=0)
     tl.store(out_ptr + r * D + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _lower_bound_kernel(
+    sorted_ptr,  # [N] non-decreasing integers
+    out_ptr,  # int64 [Q]: for query q (= its position), the first position whose value is >= q (N if none)
+    N,
+    Q,
+    STEPS: tl.constexpr,  # >= bit length of N + 1: enough halvings to close every interval
+    BLOCK: tl.constexpr,
+):
+    q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = tl.zeros([BLOCK], dtype=tl.int64) + N
+    for _ in tl.static_range(STEPS):
+        open_ = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(sorted_ptr + mid, mask=open_, other=0)
+        right = open_ & (v < q)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(open_ & ~right, mid, hi)
+    tl.store(out_ptr + q, lo, mask=q < Q)

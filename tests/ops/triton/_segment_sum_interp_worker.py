@@ -25,7 +25,7 @@ CASES = {
 }
 # with BLOCK_J = 1 the kernel adds one entry at a time in ascending order, as the reference does: bitwise
 SEQUENTIAL_CASES = {"sequential_fp32": (45, 12, 6, "float32"), "sequential_fp64": (30, 5, 3, "float64")}
-DEBUG_CASES = ("debug_out_of_range",)
+DEBUG_CASES = ("debug_out_of_range", "sorted_offsets")
 # moe.gather_segment_sum: name: (S source rows, N, D, R, dtype name, weighted, masked, idx sorted, block_j)
 GATHER_CASES = {
     "gather_fp32_weighted_masked": (9, 40, 24, 11, "float32", True, True, False, None),
@@ -159,6 +159,21 @@ def _run_gather_case(S, N, D, R, dtype_name, weighted, masked, idx_sorted, block
                                          block_j=block_j), got)
 
 
+def _run_sorted_offsets_case():
+    """The binary search of ``gather_segment_sum``'s sorted path equals ``torch.searchsorted`` (values below 0 and
+    past ``R`` included, empty input, one row)."""
+    import importlib
+
+    import torch
+
+    ss = importlib.import_module("moe_compile.ops.segment_sum")
+    gen = torch.Generator().manual_seed(11)
+    for N, R in [(0, 3), (1, 1), (10, 4), (700, 300), (57, 1), (300, 1000)]:
+        idx = torch.randint(-2, R + 2, (N,), generator=gen).sort().values
+        want = torch.searchsorted(idx, torch.arange(R + 1))
+        assert torch.equal(ss._sorted_offsets(idx, R), want), (N, R)
+
+
 def main() -> None:
     import json
     import os
@@ -175,7 +190,7 @@ def main() -> None:
     results = {"_interpreted": isinstance(segment_sum._segment_sum_kernel, InterpretedFunction)}
     jobs = [(n, lambda c=c, n=n: _run_case(*c, seed=len(n))) for n, c in CASES.items()]
     jobs += [(n, lambda c=c: _run_sequential_case(*c)) for n, c in SEQUENTIAL_CASES.items()]
-    jobs += [("debug_out_of_range", _run_debug_case)]
+    jobs += [("debug_out_of_range", _run_debug_case), ("sorted_offsets", _run_sorted_offsets_case)]
     jobs += [(n, lambda c=c, n=n: _run_gather_case(*c, seed=len(n))) for n, c in GATHER_CASES.items()]
     print(json.dumps(run_cases(jobs, results)))
 
