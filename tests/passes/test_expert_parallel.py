@@ -15,6 +15,7 @@ from moe_compile.config import make_config
 from moe_compile.passes import PassContext, expert_parallel
 from moe_compile.passes._graph import op_name
 from moe_compile.passes._host_sync import host_reads
+from moe_compile.passes._validate import _is_collective
 from tests.models.ep_layers import TitanStyleEP
 
 
@@ -97,6 +98,10 @@ def test_titan_layer_is_rewritten_without_host_reads(fake_group, spelling):
     assert not host_reads(graph), [r.item.name for r in host_reads(graph).values()]
     names = [op_name(n) for n in graph.nodes]
     assert names.count("_c10d_functional.all_to_all_single") == 3  # counts + the padded pair
+    # validation sees them (Dynamo records funcol calls as OpOverloadPackets) and does not run the graph
+    collectives = [op_name(n) for n in graph.nodes if _is_collective(n)]
+    assert collectives.count("_c10d_functional.all_to_all_single") == 3 and len(collectives) >= 6  # and waits
+    assert "bincount" not in names and "searchsorted" in names  # counts of static length
     assert names.count("moe.gather_rows") == 4
     assert "repeat_interleave" not in names and "setitem" not in names
     assert names.count("index_copy") == 1  # the combine's un-sort stays
