@@ -362,17 +362,20 @@ def _check_on_samples(counts: fx.Node, W: int, L: int, recv_sizes: fx.Node, perm
             if not torch.equal(o, ends):
                 raise NoMatch("offsets_not_matched", "the grouped GEMMs' offs are not the cumulative rows per local "
                               f"expert, cumsum(counts.view({W}, {L}).sum(0))")
-        # received row of (source s, local expert l, row r): the rows of earlier sources, then of earlier experts
+        # the received rows of (local expert l, source s), l-major: they start at block[s] + before[s, l]
         block = by_src.sum(1).cumsum(0) - by_src.sum(1)
         before = by_src.cumsum(1) - by_src
-        if got_perm.shape != (int(ends[-1]) if L else 0,):
+        lengths = by_src.t().flatten()
+        starts = (block[:, None] + before).t().flatten()
+        total = int(ends[-1]) if L else 0
+        if got_perm.shape != (total,) or (total and not (got_perm.min() >= 0 and got_perm.max() < total)):
             raise NoMatch("regroup_not_matched", f"{perm.name} does not index every received row once")
-        for e in range(L):
-            want = torch.cat([block[s] + before[s, e] + torch.arange(by_src[s, e]) for s in range(W)])
-            lo = int(ends[e - 1]) if e else 0
-            if not torch.equal(got_perm[lo:int(ends[e])].sort().values, want.sort().values):
-                raise NoMatch("regroup_not_matched", f"{perm.name} is not the (source rank, local expert) -> "
-                              "(local expert, source rank) regroup of the received rows")
+        want = torch.repeat_interleave(starts - (lengths.cumsum(0) - lengths), lengths) + torch.arange(total)
+        # each group's rows in any order: sort by (group, row)
+        key = torch.searchsorted(ends, torch.arange(total), right=True) * (total + 1)
+        if not torch.equal((key + got_perm).sort().values, (key + want).sort().values):
+            raise NoMatch("regroup_not_matched", f"{perm.name} is not the (source rank, local expert) -> "
+                          "(local expert, source rank) regroup of the received rows")
 
 
 # -- step 6: the bound ----------------------------------------------------------------------------------------------
