@@ -43,6 +43,8 @@ class _Variant(TitanStyleEP):
         hidden = recv[perm]
         if self.mistake == "mixes_rows":
             hidden = hidden - hidden.mean(0)
+        elif self.mistake == "host_size":
+            hidden = hidden.view(total, -1)
         gate, up = torch._grouped_mm(hidden, self.w_gate_up, offs=offs).chunk(2, dim=-1)
         out = torch._grouped_mm(F.silu(gate) * up, self.w_down, offs=offs)
         if self.mistake == "inverse":
@@ -123,6 +125,7 @@ def test_bound_from_distinct_top_k(fake_group):
 
 @pytest.mark.parametrize("mistake,tag", [
     ("mixes_rows", "region_not_rowwise"),
+    ("host_size", "region_not_rowwise"),
     ("no_regroup", "regroup_not_matched"),
     ("offsets", "offsets_not_matched"),
     ("inverse", "inverse_not_matched"),

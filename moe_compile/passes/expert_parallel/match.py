@@ -230,6 +230,10 @@ def _prove_region(gather: fx.Node, perm: fx.Node, order: dict[fx.Node, int]) -> 
     prover = RowwiseProof(DISPATCH, spaces, row_independent=lambda _: False)
     region = sorted(reach, key=order.__getitem__)
     for u in region:
+        sizes = [a for a in u.all_input_nodes if tensor_val(a) is None and sym_expr(a) is not None
+                 and known_int(a) is None]
+        if sizes:  # a size the rewrite changes (the received rows': static W*S after it)
+            raise NoMatch("region_not_rowwise", f"{u.name} uses the data-dependent size {sizes[0].name}")
         spaces[u] = prover.check(u).space
     if len(found) != 1:
         raise NoMatch("inverse_not_matched", f"{len(found)} un-regroups (zeros.index_copy(0, perm, y) or "
