@@ -12,7 +12,9 @@ Matches (torchtitan's ``ExpertParallel``, ``tests/models/ep_layers.py::TitanStyl
     back = zeros_like(y).index_copy(0, perm, y)                                       # or zeros[perm] = y
     returned = wait(all_to_all_single(back, send_W.tolist(), recv_W.tolist()))       # B: host reads
 
-Rewrites to, with ``S`` rows per destination (``moe.ep_capacity_factor``; default: the bound, no row dropped)::
+Rewrites to, with ``S`` rows per destination: ``moe.ep_capacity_factor=None`` (default) the bound, no row dropped
+(``N``, or ``T * min(K, L)`` when the counts are a top-k's histogram: a token sends a rank at most ``min(K, L)``
+rows); a float ``f``: ``ceil(f * N / W)``, at least 1 and at most the bound::
 
     pack, slot = moe.ep_send_index(send_W, N, S)            # device indices, sentinels for padding / drops
     regroup, inverse, offs' = moe.ep_regroup_index(C.view(W, L), S)
