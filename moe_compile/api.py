@@ -257,7 +257,8 @@ def _unaccounted_expert_layers(model: torch.nn.Module, rep: report.Report) -> li
             tag, why = "dispatch_form_unknown", "is in a compiled graph, but no pass recognised its dispatch"
         else:
             hint = "transformers: set_experts_implementation('grouped_mm')" if is_hf_experts(layer.module) else \
-                "swap_expert_loops reads no such layout: it takes stacked [E, N, K] weights or a ModuleList of experts"
+                "swap_expert_loops reads no such layout: it takes stacked [E, N, K] weights, flat [E*I, H] ones or " \
+                "a ModuleList of experts"
             tag, why = "not_in_graph", ("is in no compiled graph (graph break, or an eager per-expert loop that Dynamo "
                                         f"does not capture; {hint})")
         records.append(report.PassRecord("explain", "-", "skip", layer.name, tag, f"{layer.seen} {why}"))

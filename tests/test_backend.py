@@ -198,17 +198,16 @@ def _tiny_switch_encoder():
     return SwitchTransformersEncoderModel(config), ["encoder.block.0.layer.1.mlp.experts"]
 
 
-@pytest.mark.parametrize("make", [_tiny_dbrx, _tiny_switch_encoder], ids=["dbrx", "switch_transformers"])
-def test_explain_gives_every_expert_layer_left_alone_a_reason(make):
-    """DBRX (2-D ``[E*I, H]`` expert weights) and SwitchTransformers (a ModuleDict of experts) loop over their
-    experts with a ``nonzero`` trip count: Dynamo runs the loop outside any graph, and no pass or swap reads their
-    layouts. ``explain`` once said "0 skip(s)" for them; every experts layer now has a skip with a reason tag and
-    what the layer looks like."""
+def test_explain_gives_every_expert_layer_left_alone_a_reason():
+    """SwitchTransformers (a ModuleDict of experts, capacity routing) loops over its experts with a ``nonzero`` trip
+    count: Dynamo runs the loop outside any graph, and no pass or swap reads its layout. ``explain`` once said
+    "0 skip(s)" for it (and for DBRX, which the swap now rewrites: below); every experts layer now has a skip with a
+    reason tag and what the layer looks like."""
     pytest.importorskip("transformers")
     from moe_compile.experts.discovery import find_expert_layers
 
     torch.manual_seed(0)
-    model, experts = make()
+    model, experts = _tiny_switch_encoder()
     assert [layer.name for layer in find_expert_layers(model)] == experts
     ids = torch.randint(0, 128, (2, 8))
     rep = moe_compile.explain(model, input_ids=ids, backward=False)
@@ -217,6 +216,23 @@ def test_explain_gives_every_expert_layer_left_alone_a_reason(make):
         assert (rec.kind, rec.what) == ("skip", "not_in_graph"), rep.table()
         assert type(model.get_submodule(name)).__name__ in rec.detail and "swap_expert_loops" in rec.detail
     assert rep.moe_rewrites == [] and f"{len(experts)} skip(s)" in rep.table(), rep.table()
+
+
+def test_explain_gives_dbrx_experts_the_swap():
+    """DBRX's experts (2-D ``[E*I, H]`` weights, the same eager loop) were left alone the same way (``not_in_graph``);
+    the expert-loop swap now reads them as ``[E, I, H]`` views (issue 36): ``explain`` gives its block the rewrite
+    and its experts layer no skip."""
+    pytest.importorskip("transformers")
+    from moe_compile.api import account_expert_layers
+
+    torch.manual_seed(0)
+    model, [experts] = _tiny_dbrx()
+    rep = moe_compile.explain(model, input_ids=torch.randint(0, 128, (2, 8)), backward=False)
+    [swap] = [r for r in rep.records if r.pass_name == "swap_expert_loops"]
+    assert (swap.layer, swap.kind, swap.what) == ("transformer.blocks.0.ffn", "rewrite", "expert_loop_swapped")
+    assert swap.detail.startswith("flat experts (4, gated w1/v1/w2)"), swap.detail
+    assert not [r for r in rep.records if r.layer == experts and r.kind == "skip"], rep.table()
+    assert account_expert_layers(model, moe_compile.Report()) == {experts: "rewritten"}
 
 
 class DenseExperts(nn.Module):

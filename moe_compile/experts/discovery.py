@@ -59,13 +59,15 @@ class ExpertGroup:
     Attributes:
         name: qualified module name in the model (``"layers.0.mlp.experts"``).
         module: the module (stacked) or the ``nn.ModuleList`` (module_list).
-        kind: ``"stacked"`` or ``"module_list"``.
+        kind: ``"stacked"`` or ``"module_list"``; ``"flat"``: 2-D ``[E*N, K]`` parameters (DBRX), which only the
+            expert-loop swap finds and reads (``experts/swap.py``: ``_flat_expert_groups``), not
+            :func:`find_expert_weights`.
         linears: the projections, in parameter order.
     """
 
     name: str
     module: nn.Module
-    kind: Literal["stacked", "module_list"]
+    kind: Literal["stacked", "module_list", "flat"]
     linears: tuple[ExpertLinear, ...]
 
 

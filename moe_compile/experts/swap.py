@@ -4,19 +4,33 @@ Dynamo cannot capture such a loop (its trip count is data dependent), so no FX p
 replaces the block's ``forward`` (on the instance) by one that routes, then runs the experts through
 :func:`moe_compile.experts.interface.fused_experts_forward` (one grouped GEMM per projection, no host sync).
 
-What is recognised (``E`` experts, ``H`` hidden):
+What is recognised (``E`` experts, ``H`` hidden, ``I`` intermediate):
 
 * experts: an ``nn.ModuleList`` of identical MLPs (``experts.py``'s ``module_list`` layout) or stacked ``[E, N, K]``
   parameters on an experts module (also a ``GroupedExpertList``: ModuleList experts after ``quantize_experts``, read
-  through its grouped weights), with projections named ``w1/w3/w2`` or ``gate_proj/up_proj/down_proj`` (gated:
-  ``down(act(gate(x)) * up(x))``), or ``fc1/fc2``, ``up_proj/down_proj``, ``w1/w2`` (``down(act(up(x)))``); the
-  activation is the expert's (or experts module's) ``act_fn`` / ``act`` / ``activation``, or, for experts that call
-  one directly (``F.silu(self.w1(x))``), the one of silu / gelu / gelu-tanh / relu that the probe finds;
+  through its grouped weights), with projections named ``w1/w3/w2``, ``w1/v1/w2`` (DBRX) or
+  ``gate_proj/up_proj/down_proj`` (gated: ``down(act(gate(x)) * up(x))``), ``gate_up_proj/down_proj`` (one gate-then-up
+  weight, ``[E, 2I, H]`` / ``[E, H, I]``, or ``[E, H, 2I]`` / ``[E, I, H]`` as Llama4TextExperts' ``bmm`` reads it: the
+  shapes tell which; the middle is the experts' own ``_apply_gate`` where they have one, Step3p7's clamped SwiGLU), or
+  ``fc1/fc2``, ``up_proj/down_proj``, ``w1/w2`` (``down(act(up(x)))``); or ``flat``: 2-D ``[E*I, H]`` parameters of
+  one shape on an experts module declaring ``E`` (DBRX's ``experts.mlp.w1 / v1 / w2``), read as ``[E, I, H]`` views
+  of the parameters on every call (the down one transposed: ``h @ w2[e]``), so the parameters, their ``state_dict``
+  and gradients stay the model's own; the activation is the expert's (or experts module's, or the module holding a
+  flat group's weights) ``act_fn`` / ``act`` / ``activation`` / ``activation_fn``, or, for experts that call one
+  directly (``F.silu(self.w1(x))``), the one of silu / gelu / gelu-tanh / relu that the probe finds;
 * routing: the block's ``route(x_TH) -> (ids_TK, weights_TK)`` if it has one, else ``gate`` (``nn.Linear`` H -> E)
-  + ``top_k`` / ``num_experts_per_tok``: ``softmax`` in fp32 -> ``topk`` (renormalised or not), else a ``gate``
-  module that routes itself, returning ``(weights_TK, ids_TK)`` in either order (DeepSeek-V3's reference ``Gate``);
+  + ``top_k`` / ``num_experts_per_tok``: ``softmax`` in fp32 -> ``topk`` (renormalised or not), else a ``gate`` or
+  ``router`` module that routes itself, returning ``(weights_TK, ids_TK)`` in either order (DeepSeek-V3's reference
+  ``Gate``), ``(logits_TE, weights_TK, ids_TK)`` (transformers' top-k routers: Step3p7) or dense ``(scores_TE,
+  logits_TE)`` (Llama4Router, below), else ``block.route_tokens_to_experts(block.router(x))`` (DBRX's softmax,
+  top-k and p-norm);
+* dense experts: a block that runs every token through every expert, its input scaled by a score that is exactly 0
+  outside the token's top-k, and sums them (Llama4TextMoe) is routed to each token's top-k alone, weights before the
+  MLP; exact for bias-free experts (NOTE [dense experts]);
 * weights applied before or after the MLP; shared experts (``shared_experts`` / ``shared_expert`` / ``shared_mlp``,
-  Qwen2-MoE's ``shared_expert_gate`` sigmoid gate) added or not.
+  Qwen2-MoE's ``shared_expert_gate`` sigmoid gate) added or not; the routed output times the block's
+  ``routed_scaling_factor`` or not; the output ``[T, H]`` where the block flattens its tokens (Llama4TextMoe, which
+  also returns its router logits).
 
 Whatever the loop does around the experts is not read: it is replaced whole. This is how a loop with data-dependent
 control flow is captured (``counts = bincount(ids).tolist()``, ``if counts[i] == 0: continue``, the reference
@@ -30,7 +44,8 @@ output is within ``PROBE_ULPS`` ulps of its own largest value (errors computed i
 training mode too (a training-only output or noise), and its backward must match the block's own: gradients of
 the probe and of every parameter that requires one, with a random cotangent (a custom autograd function in the
 router or on the expert outputs shows only there). Otherwise the block is left alone, and ``explain`` says why
-(``probe_mismatch``, ``probe_grad_mismatch``, ``probe_failed``, ``no_router``, ...). A probe cannot prove that a
+(``probe_mismatch``, ``probe_grad_mismatch``, ``probe_failed``, ``no_router``, ``dense_experts_biased``,
+``dense_scores_not_topk``, ...). A probe cannot prove that a
 block computes what the fused path computes; it finds the differences the fuzzer found (``tests/fuzz``): a custom
 backward, an output only in training, a selection bias that changes some tokens' experts. A block routed by ``gate``
 that holds any other tensor (a selection bias, a counter) is not probed at all (``block_state_unused``): a probe can
@@ -71,7 +86,8 @@ from moe_compile.experts.discovery import ExpertGroup, ExpertLinear, find_expert
 from moe_compile.experts.interface import SUPPORTED_DTYPES, Projection, fused_experts_forward, glu_of, is_hf_experts
 from moe_compile.experts.quantize import GroupedExpertList
 
-_GATED = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+_GATED = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"), ("w1", "v1", "w2"))
+_FUSED_GATED = (("gate_up_proj", "down_proj"),)  # one [E, 2I, H] gate-then-up weight (transformers' *Experts)
 _PLAIN = (("fc1", "fc2"), ("up_proj", "down_proj"), ("w1", "w2"))
 _ACT_NAMES = ("act_fn", "act", "activation", "activation_fn")
 
@@ -83,7 +99,10 @@ class _Plan:
     act: Callable[[Tensor], Tensor] | None  # None until a candidate is chosen (no act module to read it from)
     num_experts: int
     top_k: int | None
-    router: str = "gate_linear"  # route: block.route(x) | gate_linear: softmax top-k of gate(x) | gate_call
+    # route: block.route(x) | gate_linear: softmax top-k of gate(x) | gate_call: gate(x) routes | router_call:
+    # router(x) routes | router_route: block.route_tokens_to_experts(router(x))
+    router: str = "gate_linear"
+    routing_form: str = ""  # what a routing module returns (_routing_form): pair | triple | dense
     weights_before: bool = False
     renormalize: bool = False
     returns_logits: bool = False
@@ -91,6 +110,14 @@ class _Plan:
     shared: str | None = None  # a shared-experts module whose output is added (and its sigmoid gate module)
     shared_gate: str | None = None
     act_name: str = ""  # the candidate activation the probe chose ("" when the experts name theirs)
+    gate_fn: Callable[[Tensor], Tensor] | None = None  # the experts' own GLU over one gate_up output (_apply_gate)
+    scale: float = 1.0  # the routed experts' output times this (the block's routed_scaling_factor)
+    flat_out: bool = False  # the block returns [T, H] for a [B, S, H] input (Llama4TextMoe)
+
+    @property
+    def router_module(self) -> str:
+        """The block's attribute that routes (``gate`` or ``router``; ``""`` for ``route``)."""
+        return {"route": "", "router_call": "router", "router_route": "router"}.get(self.router, "gate")
 
 
 # activations the probe tries for experts that call one directly (``F.silu(self.w1(x))``: no module to read it from)
@@ -115,28 +142,91 @@ def _act_of(*owners: Any) -> Callable[[Tensor], Tensor] | None:
 
 
 def _projection_names(available: set[str]) -> tuple[tuple[str, ...], bool]:
-    for names in _GATED:
+    for names in (*_GATED, *_FUSED_GATED):
         if set(names) <= available:
             return names, True
     for names in _PLAIN:
         if set(names) <= available:
             return names, False
-    raise NotSwappable("unknown_expert_mlp", f"projections {sorted(available)} are not w1/w3/w2, gate/up/down, fc1/fc2")
+    raise NotSwappable("unknown_expert_mlp", f"projections {sorted(available)} are not w1/w3/w2, w1/v1/w2, "
+                                             "gate/up/down, gate_up/down, fc1/fc2")
 
 
-def _stacked_projections(group: ExpertGroup) -> dict[str, Projection]:
+def _projection_keys(group: ExpertGroup) -> set[str]:
+    """The projection names of a stacked or flat group (a flat group's by their parameter's own name, ``w1`` for
+    ``mlp.w1``)."""
+    if isinstance(group.module, GroupedExpertList):
+        return set(group.module.paths)
+    return {lin.path.rpartition(".")[2] for lin in group.linears}
+
+
+def _gate_up_transposed(group: ExpertGroup) -> bool:
+    """Whether a stacked ``gate_up_proj`` / ``down_proj`` pair is stored ``[E, H, 2I]`` / ``[E, I, H]`` (``x @ w``, as
+    Llama4TextExperts' ``bmm``) on a module that does not say so (no ``is_transposed``): the shapes tell, since
+    ``[E, 2I, H]`` / ``[E, H, I]`` and the transposed pair cannot both fit (that would need ``I = 0``)."""
+    shapes = {lin.path: (lin.out_features, lin.in_features) for lin in group.linears}
+    if hasattr(group.module, "is_transposed") or not {"gate_up_proj", "down_proj"} <= set(shapes):
+        return False
+    (a, b), (c, d) = shapes["gate_up_proj"], shapes["down_proj"]
+    return not (b == c and a == 2 * d) and a == d and b == 2 * c
+
+
+def _stacked_projections(group: ExpertGroup, down: str | None = None) -> dict[str, Projection]:
     """``{projection name: Projection}`` of stacked experts: rank-3 parameters on the experts module, or the grouped
     (quantised) weights of a ``GroupedExpertList`` (``quantize_experts`` of ModuleList experts), by their original
-    projection names (``w1``, not the parameter's ``w1_weight``)."""
+    projection names (``w1``, not the parameter's ``w1_weight``); or the ``[E, I, H]`` views of a flat group's
+    ``[E*I, H]`` parameters (:func:`_flat_expert_groups`), the ``down`` one transposed (``h @ w2[e]``).
+
+    Read from the live parameters on every call: a view keeps the parameter's identity, ``state_dict`` and
+    gradient (NOTE [grouped views] is about ModuleLists, whose per-expert parameters need one grouped tensor)."""
     module = group.module
     if isinstance(module, GroupedExpertList):
         return {p: Projection(module.grouped_weight(p), module.grouped_bias(p)) for p in module.paths}
     out = {}
+    if group.kind == "flat":
+        for lin in group.linears:
+            key = lin.path.rpartition(".")[2]
+            w = module.get_parameter(lin.path).view(lin.num_experts, lin.out_features, lin.in_features)
+            out[key] = Projection(w.transpose(1, 2) if key == down else w)
+        return out
+    flip = _gate_up_transposed(group)
     for lin in group.linears:
         w = getattr(module, lin.path)
         bias = getattr(module, lin.path + "_bias", None)
-        out[lin.path] = Projection(w.transpose(1, 2) if lin.is_transposed else w, bias)
+        out[lin.path] = Projection(w.transpose(1, 2) if lin.is_transposed or flip else w, bias)
     return out
+
+
+_EXPERT_COUNT_NAMES = ("num_experts", "num_local_experts", "moe_num_experts")
+
+
+def _flat_expert_groups(model: nn.Module, claimed: list[ExpertGroup]) -> list[ExpertGroup]:
+    """Experts modules whose weights are 2-D ``[E*I, H]`` parameters, every expert's ``[I, H]`` rows one after the
+    other (DBRX: ``experts.mlp.w1 / v1 / w2``, run as ``x @ w1[e].T``, ``x @ v1[e].T``, ``h @ w2[e]``): a module
+    named like experts (class ``*Experts`` or attribute ``*expert*``) declaring its ``E`` (``num_experts``, ...) whose
+    parameters, its submodules' included, are two or more of one 2-D shape with rows a multiple of ``E``. Returned as
+    :class:`ExpertGroup` of kind ``"flat"`` (the swap's own: the FX passes and ``quantize_experts`` read no such
+    layout), one linear per parameter, ``[E, I, H]`` by its path (``mlp.w1``)."""
+    taken = [g.name for g in claimed]
+    groups = []
+    for name, module in model.named_modules():
+        if not name or any(name == t or name.startswith(t + ".") or t.startswith(name + ".") for t in taken):
+            continue
+        attr = name.rpartition(".")[2]
+        if not (type(module).__name__.endswith("Experts") or "expert" in attr.lower()):
+            continue
+        E = next((getattr(module, n) for n in _EXPERT_COUNT_NAMES if isinstance(getattr(module, n, None), int)), 0)
+        params = dict(module.named_parameters())
+        shapes = {tuple(p.shape) for p in params.values()}
+        if E < 1 or len(params) < 2 or len(shapes) != 1:
+            continue
+        (shape,) = shapes
+        if len(shape) != 2 or shape[0] % E or len({n.rpartition(".")[2] for n in params}) != len(params):
+            continue
+        linears = tuple(ExpertLinear(n, E, shape[0] // E, shape[1]) for n in params)
+        groups.append(ExpertGroup(name, module, "flat", linears))
+        taken.append(name)
+    return groups
 
 
 class _GroupedViews:
@@ -229,12 +319,16 @@ class _GroupedViews:
 
 
 def _route(block: nn.Module, plan: _Plan, x_TH: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(ids_TK, weights_TK, logits_TE or None)`` by the block's router (``plan.router``)."""
     if plan.router == "route":
         ids_TK, weights_TK = block.route(x_TH)
         return ids_TK, weights_TK, None
-    if plan.router == "gate_call":
-        ids_TK, weights_TK = _gate_call(block.gate(x_TH))
-        return ids_TK, weights_TK, None
+    if plan.router in ("gate_call", "router_call"):
+        return _routing_of(getattr(block, plan.router_module)(x_TH), plan)
+    if plan.router == "router_route":
+        logits_TE = block.router(x_TH)
+        ids_TK, weights_TK, _ = _routing_of(block.route_tokens_to_experts(logits_TE), plan)
+        return ids_TK, weights_TK, logits_TE
     logits_TE = block.gate(x_TH)
     probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
     weights_TK, ids_TK = torch.topk(probs_TE, plan.top_k, dim=-1)
@@ -243,15 +337,60 @@ def _route(block: nn.Module, plan: _Plan, x_TH: Tensor) -> tuple[Tensor, Tensor,
     return ids_TK, weights_TK.to(x_TH.dtype), logits_TE
 
 
-def _gate_call(out: Any) -> tuple[Tensor, Tensor]:
-    """``(ids_TK, weights_TK)`` from a gate module's output: a pair of ``[T, K]`` tensors, one integer and one
-    floating, in either order (DeepSeek-V3's reference ``Gate`` returns ``weights, indices``)."""
-    if isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out):
+def _routing_form(out: Any, num_experts: int, top_k: int | None) -> str:
+    """What a routing module (or ``route_tokens_to_experts``) returns, by its tensors' shapes and dtypes:
+
+    * ``pair``: ``(weights_TK, ids_TK)`` in either order (DeepSeek-V3's reference ``Gate``, DBRX's
+      ``route_tokens_to_experts``);
+    * ``triple``: ``(logits_TE, weights_TK, ids_TK)`` (transformers' top-k routers: Step3p7TopKRouter);
+    * ``dense``: ``(scores_TE, logits_TE)``, every expert's score, zero outside the top-k (Llama4Router: a sigmoid
+      of the top-k logits scattered into ``-inf``), with ``K`` the block's ``top_k``.
+
+    Raises NotSwappable (``no_router``) for anything else."""
+    tensors = isinstance(out, tuple) and all(isinstance(t, Tensor) and t.dim() == 2 for t in out)
+    if tensors and len(out) == 2:
         ints = [t for t in out if not t.is_floating_point()]
         floats = [t for t in out if t.is_floating_point()]
-        if len(ints) == 1 and len(floats) == 1 and ints[0].shape == floats[0].shape and ints[0].dim() == 2:
-            return ints[0], floats[0]
-    raise NotSwappable("no_router", "the gate module does not return (weights [T, K], expert ids [T, K])")
+        if len(ints) == 1 and len(floats) == 1 and ints[0].shape == floats[0].shape:
+            return "pair"
+        if len(floats) == 2 and out[0].shape == out[1].shape and out[0].shape[1] == num_experts \
+                and isinstance(top_k, int) and 0 < top_k <= num_experts:
+            return "dense"
+    if tensors and len(out) == 3:
+        logits, weights, ids = out
+        if logits.is_floating_point() and weights.is_floating_point() and not ids.is_floating_point() \
+                and logits.shape[1] == num_experts and weights.shape == ids.shape:
+            return "triple"
+    raise NotSwappable("no_router", "the routing module returns neither (weights [T, K], expert ids [T, K]), nor "
+                                    "(logits [T, E], weights [T, K], ids [T, K]), nor (scores [T, E], logits [T, E])")
+
+
+def _routing_of(out: Any, plan: _Plan) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(ids_TK, weights_TK, logits_TE or None)`` from a routing module's output of form ``plan.routing_form``.
+
+    A ``dense`` router's experts are its logits' top-k (``topk`` of the tensor the router took its own top-k of, so
+    the same experts, ties included) and their weights its scores there; NOTE [dense experts] says why dropping the
+    other experts is exact."""
+    if plan.routing_form == "pair":
+        ints = [t for t in out if not t.is_floating_point()]
+        floats = [t for t in out if t.is_floating_point()]
+        return ints[0], floats[0], None
+    if plan.routing_form == "triple":
+        logits_TE, weights_TK, ids_TK = out
+        return ids_TK, weights_TK, logits_TE
+    scores_TE, logits_TE = out
+    ids_TK = torch.topk(logits_TE, plan.top_k, dim=-1).indices
+    return ids_TK, scores_TE.gather(1, ids_TK), logits_TE
+
+
+def _middle(plan: _Plan, n_ups: int) -> Callable[..., Tensor]:
+    """The row-wise map between the projections: the experts' own ``_apply_gate`` over one ``gate_up`` output where
+    they have one (Step3p7's clamped SwiGLU), else :func:`_gated_middle`, or the activation of a plain MLP."""
+    if not plan.gated:
+        return plan.act
+    if n_ups == 1 and plan.gate_fn is not None:
+        return plan.gate_fn
+    return _gated_middle(plan.act, n_ups)
 
 
 def _gated_middle(act: Callable[[Tensor], Tensor], n_ups: int) -> Callable[..., Tensor]:
@@ -271,39 +410,51 @@ def _fused_block_forward(block: nn.Module, plan: _Plan, projections: Callable[[]
     x_TH = hidden.reshape(-1, hidden.shape[-1])
     ids_TK, weights_TK, logits_TE = _route(block, plan, x_TH)
     ups, down = projections()
-    middle = _gated_middle(plan.act, len(ups)) if plan.gated else plan.act
-    y_TH = fused_experts_forward(x_TH, ids_TK, weights_TK, ups, middle, down, num_experts=plan.num_experts,
-                                 weights_before=plan.weights_before, glu=plan.glu)
+    y_TH = fused_experts_forward(x_TH, ids_TK, weights_TK, ups, _middle(plan, len(ups)), down,
+                                 num_experts=plan.num_experts, weights_before=plan.weights_before, glu=plan.glu)
+    if plan.scale != 1.0:
+        y_TH = y_TH * plan.scale
     if plan.shared is not None:
         shared_TH = getattr(block, plan.shared)(x_TH)
         if plan.shared_gate is not None:
             shared_TH = torch.sigmoid(getattr(block, plan.shared_gate)(x_TH)) * shared_TH
         y_TH = y_TH + shared_TH
-    y = y_TH.reshape(hidden.shape)
+    y = y_TH if plan.flat_out else y_TH.reshape(hidden.shape)
     return (y, logits_TE) if plan.returns_logits else y
 
 
 def _plan_block(block: nn.Module, group: ExpertGroup) -> _Plan:
     E = group.linears[0].num_experts
-    available = {lin.path for lin in group.linears} if group.kind == "module_list" else set(_stacked_projections(group))
+    available = {lin.path for lin in group.linears} if group.kind == "module_list" else _projection_keys(group)
     names, gated = _projection_names(available)
-    # the activation lives on each expert of a list (also a GroupedExpertList, which is stacked), else on the module
+    # the activation lives on each expert of a list (also a GroupedExpertList, which is stacked), else on the module,
+    # or on a flat group's submodule holding the weights (DBRX's experts.mlp)
     owner = group.module[0] if isinstance(group.module, nn.ModuleList) and len(group.module) else group.module
-    act = _act_of(owner, block)
+    holders = [group.module.get_submodule(lin.path.rpartition(".")[0]) for lin in group.linears] \
+        if group.kind == "flat" else []
+    act = _act_of(owner, *holders, block)
+    gate_fn = getattr(group.module, "_apply_gate", None) if names in _FUSED_GATED else None
     top_k = getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok", None)
-    gate = getattr(block, "gate", None)
+    gate, router_module = getattr(block, "gate", None), getattr(block, "router", None)
     if callable(getattr(block, "route", None)):
         router = "route"
     elif isinstance(gate, nn.Linear) and gate.out_features == E and isinstance(top_k, int):
         router = "gate_linear"
     elif isinstance(gate, nn.Module) and not isinstance(gate, nn.Linear):
         router = "gate_call"  # a gate module that routes itself: (weights, ids) = gate(x)
+    elif isinstance(router_module, nn.Module) and callable(getattr(block, "route_tokens_to_experts", None)):
+        router = "router_route"  # DBRX: route_tokens_to_experts(router(x)) -> (weights, ids)
+    elif isinstance(router_module, nn.Module):
+        router = "router_call"  # a router module that routes itself (Llama4Router: dense scores)
+        top_k = top_k if isinstance(top_k, int) else getattr(router_module, "top_k", None)
     else:
-        raise NotSwappable("no_router", "no route(x) method, no gate Linear(H, E) with top_k and no gate module "
-                                        "returning (weights, ids)")
+        raise NotSwappable("no_router", "no route(x) method, no gate Linear(H, E) with top_k, no gate or router "
+                                        "module returning (weights, ids), (logits, weights, ids) or (scores, logits)")
+    plan = _Plan(names, gated, act, E, top_k if router in ("gate_linear", "router_call") else None, router=router,
+                 gate_fn=gate_fn if callable(gate_fn) else None)
     if router != "route":
-        _check_no_other_state(block, group)
-    return _Plan(names, gated, act, E, top_k if router == "gate_linear" else None, router=router)
+        _check_no_other_state(block, group, plan.router_module)
+    return plan
 
 
 def _shared_modules(block: nn.Module) -> tuple[str | None, str | None]:
@@ -313,14 +464,15 @@ def _shared_modules(block: nn.Module) -> tuple[str | None, str | None]:
     return shared, gate if shared is not None else None
 
 
-def _check_no_other_state(block: nn.Module, group: ExpertGroup) -> None:
+def _check_no_other_state(block: nn.Module, group: ExpertGroup, router: str) -> None:
     """A block routed by ``gate`` must hold no tensor besides the gate's, the experts' and the shared experts': the
     fused path reads no other, so any other (a selection bias, a load counter the forward updates) is routing or a
     side effect it would drop, whether or not a probe happens to show it (fuzzer finding: a selection bias of 0.1
     that changed no probe token's expert and one token of eight in the model). A gate module that routes itself
-    reads its own tensors (DeepSeek-V3's selection bias lives on its ``Gate``)."""
+    reads its own tensors (DeepSeek-V3's selection bias lives on its ``Gate``, Step3p7's on its router); ``router``
+    is the routing module's name (``gate`` or ``router``)."""
     experts = next((name for name, m in block.named_modules() if m is group.module), None)
-    owners = ("gate.", *(n + "." for n in _shared_modules(block) if n)) + ((experts + ".",) if experts else ())
+    owners = (router + ".", *(n + "." for n in _shared_modules(block) if n)) + ((experts + ".",) if experts else ())
     other = [n for n, _ in (*block.named_parameters(), *block.named_buffers()) if not n.startswith(owners)]
     if other:
         raise NotSwappable("block_state_unused", f"the block holds {', '.join(other[:4])}"
@@ -333,21 +485,30 @@ def _probe_error(block: nn.Module, plan: _Plan, projections: Callable[[], list[P
     match). Sets ``plan.returns_logits`` from the block's output: a ``(y, router_logits)`` pair is matched whole."""
     want = block.forward(x)
     plan.returns_logits = isinstance(want, tuple)
-    if plan.returns_logits and (plan.top_k is None or len(want) != 2):
+    if plan.returns_logits and len(want) != 2:  # (a router without logits gives None: no match)
         return math.inf
+    # Llama4TextMoe returns its [T, H] tokens for a [B, S, H] input
+    plan.flat_out = x.dim() > 2 and isinstance(outputs(want)[0], Tensor) and outputs(want)[0].dim() == 2
     got = _fused_block_forward(block, plan, projections, x)
     return max(row_mismatch(g, w) for g, w in zip(outputs(got), outputs(want)))
 
 
 def _candidates(block: nn.Module, plan: _Plan) -> list[dict[str, Any]]:
     """Every reading of the block the probe tries: weights before or after the MLP, renormalised or not (a
-    ``gate_linear`` router), the activation (when no module names it), the shared experts added or not."""
+    ``gate_linear`` router), the activation (when no module names it), the shared experts added or not, the routed
+    output scaled by the block's ``routed_scaling_factor`` or not (Step3p7: after the experts, before the shared
+    experts are added)."""
     acts = {plan.act_name: plan.act} if plan.act is not None else _ACT_CANDIDATES
     shared, shared_gate = _shared_modules(block)
     shareds = [(None, None)] + ([(shared, None)] if shared else []) + ([(shared, shared_gate)] if shared_gate else [])
     renorms = (True, False) if plan.router == "gate_linear" else (False,)
-    return [dict(weights_before=before, renormalize=renorm, act_name=name, act=act, shared=sh, shared_gate=sg)
-            for before in (False, True) for renorm in renorms for name, act in acts.items() for sh, sg in shareds]
+    factor = getattr(block, "routed_scaling_factor", None)
+    scales = (1.0,) + ((float(factor),) if isinstance(factor, (int, float)) and not isinstance(factor, bool)
+                       and math.isfinite(factor) and factor != 1 else ())
+    return [dict(weights_before=before, renormalize=renorm, act_name=name, act=act, shared=sh, shared_gate=sg,
+                 scale=scale)
+            for before in (False, True) for renorm in renorms for name, act in acts.items() for sh, sg in shareds
+            for scale in scales]
 
 
 def _choose(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projection]], x: Tensor) -> None:
@@ -357,7 +518,7 @@ def _choose(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projec
     for i, candidate in enumerate(_candidates(block, plan)):
         for field, value in candidate.items():
             setattr(plan, field, value)
-        plan.glu = glu_of(_gated_middle(plan.act, 1)) if plan.gated else None
+        plan.glu = glu_of(_middle(plan, 1)) if plan.gated else None
         try:
             errors.append((_probe_error(block, plan, projections, x), i, candidate))
         except NotSwappable:
@@ -370,8 +531,50 @@ def _choose(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projec
                                              f"(closest: worst row {err:.3g}x of {PROBE_ULPS} ulps)")
     for field, value in best.items():
         setattr(plan, field, value)
-    plan.glu = glu_of(_gated_middle(plan.act, 1)) if plan.gated else None
+    plan.glu = glu_of(_middle(plan, 1)) if plan.gated else None
     _probe_error(block, plan, projections, x)  # sets returns_logits
+
+
+def _set_routing_form(block: nn.Module, plan: _Plan, x_TH: Tensor) -> None:
+    """``plan.routing_form`` from what the block's routing module returns on the probe's tokens (a copy: DBRX's router
+    scales its input in place when it jitters)."""
+    if plan.router in ("gate_call", "router_call"):
+        out = getattr(block, plan.router_module)(x_TH.clone())
+    elif plan.router == "router_route":
+        out = block.route_tokens_to_experts(block.router(x_TH.clone()))
+    else:
+        return
+    plan.routing_form = _routing_form(out, plan.num_experts, plan.top_k)
+
+
+def _check_dense(block: nn.Module, plan: _Plan, projections: Callable[[], tuple[tuple[Projection, ...], Projection]],
+                 x_TH: Tensor) -> None:
+    """What NOTE [dense experts] needs beyond the probe: no expert bias, and every score outside the top-k exactly 0.
+
+    NOTE [dense experts]: Llama4TextMoe runs every token through every expert, its input scaled by the expert's
+    score (``bmm`` over ``[E, T, H]``), and sums the ``E`` outputs. Its router's score is ``sigmoid(-inf) = 0``
+    exactly outside the token's top-k (the top-k logits are scattered into a ``-inf`` tensor). An expert's input is
+    then ``x * 0 = 0``; with no bias, ``gate_up = 0 @ W = 0``, ``act(0) * 0 = 0`` (``act(0)`` finite) and
+    ``0 @ W_down = 0``: the expert adds exactly zero, so routing each token to its top-k alone (weights before the
+    MLP) computes the same sum. Backward too: the zero input gives zero weight gradients (``0^T @ dY``, and the
+    GLU output ``h = 0`` for ``down``), the input gradient is scaled by the zero score, and the score's own
+    gradient reaches the router only through the scatter of the top-k values (a ``-inf`` fill has none). A bias
+    (a zero input's output is the bias) or a score that is not exactly zero (a softmax over all experts) breaks
+    it; the probe cannot prove either absent on every input, so both are checked here: the biases on the module,
+    the zeros on the probe's tokens (a router whose zeros depend on the input is refused by the probe's
+    comparison with the block's own forward)."""
+    ups, down = projections()
+    if any(p.bias_EN is not None for p in (*ups, down)):
+        raise NotSwappable("dense_experts_biased", "the block runs every expert on every token, scaled by its score: "
+                                                   "a biased expert adds its bias where its score is 0, so dropping "
+                                                   "it is not exact")
+    out = getattr(block, plan.router_module)(x_TH.clone())
+    ids_TK, _, _ = _routing_of(out, plan)
+    rest = out[0].scatter(1, ids_TK, 0)
+    if bool((rest != 0).any()):
+        raise NotSwappable("dense_scores_not_topk", f"the router's scores are not exactly 0 outside the top-"
+                                                    f"{plan.top_k} of its logits on a probe "
+                                                    f"({int((rest != 0).sum())} of {rest.numel()} are not)")
 
 
 def swap_block(block: nn.Module, group: ExpertGroup) -> str:
@@ -395,7 +598,7 @@ def swap_block(block: nn.Module, group: ExpertGroup) -> str:
         probe_projections = stacked
     else:
         def probe_projections() -> tuple[tuple[Projection, ...], Projection]:
-            projs = _stacked_projections(group)
+            projs = _stacked_projections(group, down=plan.paths[-1])
             return tuple(projs[p] for p in plan.paths[:-1]), projs[plan.paths[-1]]
     hidden = _hidden_size(group, plan)
     was_training = [m.training for m in block.modules()]
@@ -403,6 +606,9 @@ def swap_block(block: nn.Module, group: ExpertGroup) -> str:
     try:
         x = probe_input(block, hidden, weight.dtype, weight.device)
         with torch.no_grad():
+            _set_routing_form(block, plan, x.reshape(-1, hidden))
+            if plan.routing_form == "dense":
+                _check_dense(block, plan, probe_projections, x.reshape(-1, hidden))
             _choose(block, plan, probe_projections, x)
         returns_logits = plan.returns_logits
 
@@ -425,6 +631,8 @@ def swap_block(block: nn.Module, group: ExpertGroup) -> str:
         block.forward = types.MethodType(_swapped_stacked_forward, block)
     extras = "".join([f", activation {plan.act_name}" if plan.act_name else "",
                       f", routed by {plan.router}" if plan.router != "gate_linear" else "",
+                      f" ({plan.routing_form})" if plan.routing_form else "",
+                      f", routed output x{plan.scale:g}" if plan.scale != 1.0 else "",
                       f", + {plan.shared}" if plan.shared else "",
                       f" (gated by {plan.shared_gate})" if plan.shared_gate else ""])
     return (f"{group.kind} experts ({plan.num_experts}, {'gated' if plan.gated else 'plain'} "
@@ -434,7 +642,7 @@ def swap_block(block: nn.Module, group: ExpertGroup) -> str:
 
 def _hidden_size(group: ExpertGroup, plan: _Plan) -> int:
     if group.kind != "module_list":
-        return _stacked_projections(group)[plan.paths[0]].w_ENK.shape[-1]
+        return _stacked_projections(group, down=plan.paths[-1])[plan.paths[0]].w_ENK.shape[-1]
     first = next(lin for lin in group.linears if lin.path == plan.paths[0])
     return first.in_features
 
@@ -446,7 +654,7 @@ def _swapped_module_list_forward(self: nn.Module, hidden_states: Tensor, *args: 
 
 def _swapped_stacked_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
     plan, group = self._moe_compile_plan, self._moe_compile_experts
-    stacked = _stacked_projections(group)
+    stacked = _stacked_projections(group, down=plan.paths[-1])
     return _fused_block_forward(self, plan, lambda: (tuple(stacked[p] for p in plan.paths[:-1]),
                                                      stacked[plan.paths[-1]]), hidden_states)
 
@@ -481,7 +689,8 @@ def swap_expert_loops(model: nn.Module) -> list[tuple[str, str, str, str]]:
     """
     records = []
     modules = dict(model.named_modules())
-    for group in [*find_expert_weights(model), *_single_expert_lists(model)]:
+    groups = [*find_expert_weights(model), *_single_expert_lists(model)]
+    for group in [*groups, *_flat_expert_groups(model, groups)]:
         if is_hf_experts(group.module) or getattr(group.module, "_moe_compile_swapped", False):
             continue
         block_name = group.name.rpartition(".")[0]

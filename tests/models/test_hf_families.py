@@ -73,11 +73,16 @@ DEFAULT_OUTSIDE = ("vitpose_backbone",)
 def _check_outside(family: str, records_path: str | None = None) -> None:
     """A family outside the experts interface, through ``moe_compile.compile``: the step compiles (whole where
     Dynamo can capture it, else with graph breaks, which the row names), loss and gradients are within the
-    bound, and every experts layer is rewritten or carries explain's reason tag."""
+    bound, and every experts layer is rewritten or carries explain's reason tag; rewritten (by the expert-loop swap)
+    where :attr:`tests.models.hf_families.Outside.swapped` says so, and then captured whole."""
     row = _stepped(family, records_path)
     assert row["layers"], f"{family} ({OUTSIDE[family].why}): no experts layer found, so explain accounts for none"
     untagged = [layer for layer, outcome in row["layers"].items() if not outcome]
     assert untagged == [], f"{family}: experts layers neither rewritten nor given a reason: {untagged}"
+    if OUTSIDE[family].swapped:
+        left = {layer: outcome for layer, outcome in row["layers"].items() if outcome != "rewritten"}
+        assert left == {}, f"{family}: experts layers the swap should rewrite: {left}"
+        assert row["graph_breaks"] == "", f"{family}: swapped, yet Dynamo breaks: {row['graph_breaks']}"
     assert row["refused"] == [] and row["unchecked"] == [], "\n".join(row["refused"] + row["unchecked"])
     assert row["numerics"], f"{family}: worst gradient {row['worst']}"
 
