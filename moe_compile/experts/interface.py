@@ -59,24 +59,28 @@ class Projection:
 def glu_of(middle: Callable[[Tensor], Tensor], width: int = 64) -> str | None:
     """The name in ``ops/expert_gemm.py``'s ``GLU_ACTIVATIONS`` (the GLUs the kernels fuse) of the GLU ``middle``
     computes on one ``[rows, width]`` ``gate_up`` output (``act(gate) * up``, gate columns first), or None.
-    Probed on fixed fp32 inputs against each entry; call it eagerly (not while Dynamo traces). Used by
-    ``experts/swap.py``, the experts interface and ``fuse_expert_mlp``."""
+    Probed on fixed fp32 inputs against each entry, at two scales: values of a few units, and of a few hundred (a
+    GLU clamped at a limit past the first scale's values, as Step3p7's and GPT-OSS's can be, is another function;
+    a limit of 30 once passed); call it eagerly (not while Dynamo traces). Used by ``experts/swap.py``, the experts
+    interface and ``fuse_expert_mlp``."""
     if width < 2 or width % 2:
         return None
     gen = torch.Generator().manual_seed(0)
-    gate_up = torch.randn(16, width, generator=gen, dtype=torch.float32) * 4
-    try:
-        with torch.no_grad():
-            got = middle(gate_up.clone())
-    except Exception:  # noqa: BLE001 - a middle that does not take one plain tensor is not one of ours
-        return None
-    if not isinstance(got, Tensor) or got.shape != (16, width // 2) or got.dtype != torch.float32:
-        return None
-    gate, up = gate_up.chunk(2, dim=-1)
-    for name, act in GLU_ACTIVATIONS.items():
-        if torch.allclose(got, act(gate) * up, rtol=1e-6, atol=1e-6):
-            return name
-    return None
+    names = None
+    for scale in (4.0, 256.0):
+        gate_up = torch.randn(16, width, generator=gen, dtype=torch.float32) * scale
+        try:
+            with torch.no_grad():
+                got = middle(gate_up.clone())
+        except Exception:  # noqa: BLE001 - a middle that does not take one plain tensor is not one of ours
+            return None
+        if not isinstance(got, Tensor) or got.shape != (16, width // 2) or got.dtype != torch.float32:
+            return None
+        gate, up = gate_up.chunk(2, dim=-1)
+        matched = {name for name, act in GLU_ACTIVATIONS.items()
+                   if torch.allclose(got, act(gate) * up, rtol=1e-6, atol=1e-6)}
+        names = matched if names is None else names & matched
+    return next((name for name in GLU_ACTIVATIONS if name in names), None)
 
 
 def expert_of_rows(offs_E: Tensor, num_rows: int) -> Tensor:
