@@ -245,3 +245,21 @@ def _llama4_config():
     from tests.models.hf_families import tiny_config
 
     return tiny_config("llama4")
+
+
+def test_dbrx_router_jitter_is_left_alone():
+    """DBRX's router with ``moe_jitter_eps`` scales its input by uniform noise in training (in place): an output the
+    fused path cannot reproduce draw for draw, seen by the probe's training-mode forward (``probe_mismatch``); the
+    block is left as written."""
+    from transformers.models.dbrx.modeling_dbrx import DbrxFFN
+
+    from tests.models.hf_families import tiny_config
+
+    config = tiny_config("dbrx")
+    config.ffn_config.moe_jitter_eps = 0.01
+    block = DbrxFFN(config)
+    _fill(block, torch.Generator().manual_seed(torch.seed() % 2**31))
+    forward = block.forward
+    records = swap_expert_loops(block)
+    assert [r[1:3] for r in records] == [("skip", "probe_mismatch")], records
+    assert "training mode" in records[0][3] and block.forward == forward
