@@ -73,6 +73,9 @@ PASSES: tuple[PassEntry, ...] = (
     PassEntry("capacity_dispatch", "pre_grad", "moe_compile.passes.capacity_dispatch:run", default=True,
               doc="capacity-factor dispatch: einsums over a one-hot [T, E, C] dispatch tensor -> gathers of the "
                   "routed rows (linear in tokens)"),
+    PassEntry("drop_and_pad", "pre_grad", "moe_compile.passes.drop_and_pad:run", default=True,
+              doc="Megatron's drop-and-pad dispatch: gathers and a scatter_add_ combine at argsort slots -> "
+                  "moe.gather_segment_sum gathers and a moe.segment_sum combine (fixed order, no atomics)"),
     PassEntry("replace_grouped_mm_fallback", "pre_grad", "moe_compile.passes.replace_grouped_mm_fallback:run",
               default=True, doc="transformers.grouped_mm_fallback (tolist host sync) -> moe.grouped_mm"),
     PassEntry("fuse_expert_mlp", "pre_grad", "moe_compile.passes.fuse_expert_mlp:run", default=True,

@@ -123,3 +123,42 @@ class DroplessSortMoE(CapacityMoE):
         y_SH = y_SH * gates_TK.reshape(-1)[perm_S].unsqueeze(-1).to(y_SH.dtype)
         out_TH = torch.zeros_like(x_TH).scatter_add_(0, token_S.unsqueeze(-1).expand(-1, shape[-1]), y_SH)
         return out_TH.reshape(shape)
+
+
+class MegatronDropAndPadMoE(CapacityMoE):
+    """Megatron-LM's drop-and-pad mode (``moe_expert_capacity_factor`` with ``moe_pad_expert_input_to_capacity``),
+    written as its router and ``moe_utils.permute`` / ``unpermute`` write it: top-k gates scattered into ``[T, E]``,
+    each expert keeps its ``C`` tokens of largest gate (``topk`` over tokens, the ``"probs"`` drop policy; with fewer
+    routed tokens it is padded with unrouted tokens of gate 0), the routing map turned ``[E, T]`` and
+    ``argsort(descending=True, stable=True)[:, :C]`` giving each expert's ``C`` tokens in token order, the rows
+    gathered by ``index_select``, the experts batched over ``[E, C, H]``, weighted by the gates gathered through
+    flat ``[E*T]`` indices, and ``scatter_add_`` into a zero ``[T, H]`` buffer (in fp32: bf16 rows times fp32 gates)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**{**kwargs, "style": "gshard"})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_TH = x.reshape(-1, shape[-1])
+        T, H, E = x_TH.shape[0], x_TH.shape[1], self.num_experts
+        C = self.capacity(T)
+        logits_TE = F.linear(x_TH, self.router).float()
+        gates_TK, ids_TK = logits_TE.softmax(-1).topk(self.top_k, dim=-1)
+        gates_TK = gates_TK / gates_TK.sum(-1, keepdim=True)
+        masked_gates_TE = torch.zeros_like(logits_TE).scatter(1, ids_TK, gates_TK)
+        _, capacity_idx = torch.topk(masked_gates_TE, k=C, dim=0, sorted=False)
+        routing_map_TE = torch.zeros_like(logits_TE).scatter(0, capacity_idx, 1).bool()
+        probs_TE = masked_gates_TE * routing_map_TE
+        # permute(..., drop_and_pad=True)
+        map_ET = routing_map_TE.to(torch.int8).T.contiguous()
+        sorted_indices = map_ET.argsort(dim=-1, descending=True, stable=True)[:, :C].contiguous().view(-1)
+        probs_flat = probs_TE.T.contiguous().view(-1)
+        indices_flat = (torch.arange(E, device=x.device).unsqueeze(-1) * T + sorted_indices.view(E, C)).view(-1)
+        permuted_probs = probs_flat.index_select(0, indices_flat)
+        rows = x_TH.index_select(0, sorted_indices)
+        y = self.experts(rows.view(E, C, H)).view(E * C, H)
+        # unpermute(..., drop_and_pad=True)
+        y = y * permuted_probs.unsqueeze(-1)
+        out = torch.zeros(T, H, dtype=y.dtype, device=x.device)
+        out.scatter_add_(0, sorted_indices.unsqueeze(1).expand(-1, H), y)
+        return out.to(x.dtype).reshape(shape)

@@ -54,6 +54,12 @@ def _capacity(style: str) -> Callable[[], torch.nn.Module]:
     return build
 
 
+def _drop_and_pad() -> torch.nn.Module:
+    from tests.models.capacity_layers import MegatronDropAndPadMoE
+
+    return MegatronDropAndPadMoE(hidden=H, inter=128, num_experts=8, top_k=2, capacity_factor=1.0)
+
+
 def _expert_choice() -> torch.nn.Module:
     from tests.models.expert_choice import ExpertChoiceMoE
 
@@ -77,6 +83,7 @@ LAYERS: dict[str, tuple[Callable[[], torch.nn.Module], str, str, tuple[int, ...]
                                  (T, H)),
     "capacity_gshard": (_capacity("gshard"), "backend", "capacity_dispatch", (T, H)),
     "capacity_deepspeed": (_capacity("deepspeed"), "backend", "capacity_dispatch", (T, H)),
+    "megatron_drop_and_pad": (_drop_and_pad, "backend", "drop_and_pad", (T, H)),
     "expert_choice": (_expert_choice, "backend", "expert_choice", (2, T // 2, H)),
     "skip_loop": (_skip_loop, "api", "swap_expert_loops", (2, T // 2, H)),
 }
