@@ -68,7 +68,6 @@ place breaks the aliasing: ``module.to()`` / ``.half()`` are handled (the block 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import math
@@ -80,16 +79,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_compile.experts._grad_views import GradViews, per_expert_views
 from moe_compile.experts._probe import PROBE_ULPS, NotSwappable, outputs, probe_input, row_mismatch, verify
+from moe_compile.experts._swap_layout import (
+    _FUSED_GATED,
+    _act_of,
+    _flat_expert_groups,
+    _GroupedViews,
+    _projection_keys,
+    _projection_names,
+    _stacked_projections,
+)
 from moe_compile.experts.discovery import ExpertGroup, ExpertLinear, find_expert_weights
 from moe_compile.experts.interface import SUPPORTED_DTYPES, Projection, fused_experts_forward, glu_of, is_hf_experts
-from moe_compile.experts.quantize import GroupedExpertList
-
-_GATED = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"), ("w1", "v1", "w2"))
-_FUSED_GATED = (("gate_up_proj", "down_proj"),)  # one [E, 2I, H] gate-then-up weight (transformers' *Experts)
-_PLAIN = (("fc1", "fc2"), ("up_proj", "down_proj"), ("w1", "w2"))
-_ACT_NAMES = ("act_fn", "act", "activation", "activation_fn")
 
 
 @dataclasses.dataclass
@@ -126,193 +127,6 @@ _ACT_CANDIDATES: dict[str, Callable[[Tensor], Tensor]] = {
 # shared experts added to the routed experts' output (DeepSeek, Qwen2-MoE), with Qwen2-MoE's sigmoid gate
 _SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
 _SHARED_GATE_NAMES = ("shared_expert_gate",)
-
-
-# ===== expert layout =====
-
-
-def _act_of(*owners: Any) -> Callable[[Tensor], Tensor] | None:
-    """The experts' activation module (``act_fn``, ...), or None: the probe then tries :data:`_ACT_CANDIDATES`."""
-    for owner in owners:
-        for name in _ACT_NAMES:
-            act = getattr(owner, name, None)
-            if callable(act):
-                return act
-    return None
-
-
-def _projection_names(available: set[str]) -> tuple[tuple[str, ...], bool]:
-    for names in (*_GATED, *_FUSED_GATED):
-        if set(names) <= available:
-            return names, True
-    for names in _PLAIN:
-        if set(names) <= available:
-            return names, False
-    raise NotSwappable("unknown_expert_mlp", f"projections {sorted(available)} are not w1/w3/w2, w1/v1/w2, "
-                                             "gate/up/down, gate_up/down, fc1/fc2")
-
-
-def _projection_keys(group: ExpertGroup) -> set[str]:
-    """The projection names of a stacked or flat group (a flat group's by their parameter's own name, ``w1`` for
-    ``mlp.w1``)."""
-    if isinstance(group.module, GroupedExpertList):
-        return set(group.module.paths)
-    return {lin.path.rpartition(".")[2] for lin in group.linears}
-
-
-def _gate_up_transposed(group: ExpertGroup) -> bool:
-    """Whether a stacked ``gate_up_proj`` / ``down_proj`` pair is stored ``[E, H, 2I]`` / ``[E, I, H]`` (``x @ w``, as
-    Llama4TextExperts' ``bmm``) on a module that does not say so (no ``is_transposed``): the shapes tell, since
-    ``[E, 2I, H]`` / ``[E, H, I]`` and the transposed pair cannot both fit (that would need ``I = 0``)."""
-    shapes = {lin.path: (lin.out_features, lin.in_features) for lin in group.linears}
-    if hasattr(group.module, "is_transposed") or not {"gate_up_proj", "down_proj"} <= set(shapes):
-        return False
-    (a, b), (c, d) = shapes["gate_up_proj"], shapes["down_proj"]
-    return not (b == c and a == 2 * d) and a == d and b == 2 * c
-
-
-def _stacked_projections(group: ExpertGroup, down: str | None = None) -> dict[str, Projection]:
-    """``{projection name: Projection}`` of stacked experts: rank-3 parameters on the experts module, or the grouped
-    (quantised) weights of a ``GroupedExpertList`` (``quantize_experts`` of ModuleList experts), by their original
-    projection names (``w1``, not the parameter's ``w1_weight``); or the ``[E, I, H]`` views of a flat group's
-    ``[E*I, H]`` parameters (:func:`_flat_expert_groups`), the ``down`` one transposed (``h @ w2[e]``).
-
-    Read from the live parameters on every call: a view keeps the parameter's identity, ``state_dict`` and
-    gradient (NOTE [grouped views] is about ModuleLists, whose per-expert parameters need one grouped tensor)."""
-    module = group.module
-    if isinstance(module, GroupedExpertList):
-        return {p: Projection(module.grouped_weight(p), module.grouped_bias(p)) for p in module.paths}
-    out = {}
-    if group.kind == "flat":
-        for lin in group.linears:
-            key = lin.path.rpartition(".")[2]
-            w = module.get_parameter(lin.path).view(lin.num_experts, lin.out_features, lin.in_features)
-            out[key] = Projection(w.transpose(1, 2) if key == down else w)
-        return out
-    flip = _gate_up_transposed(group)
-    for lin in group.linears:
-        w = getattr(module, lin.path)
-        bias = getattr(module, lin.path + "_bias", None)
-        out[lin.path] = Projection(w.transpose(1, 2) if lin.is_transposed or flip else w, bias)
-    return out
-
-
-_EXPERT_COUNT_NAMES = ("num_experts", "num_local_experts", "moe_num_experts")
-
-
-def _flat_expert_groups(model: nn.Module, claimed: list[ExpertGroup]) -> list[ExpertGroup]:
-    """Experts modules whose weights are 2-D ``[E*I, H]`` parameters, every expert's ``[I, H]`` rows one after the
-    other (DBRX: ``experts.mlp.w1 / v1 / w2``, run as ``x @ w1[e].T``, ``x @ v1[e].T``, ``h @ w2[e]``): a module
-    named like experts (class ``*Experts`` or attribute ``*expert*``) declaring its ``E`` (``num_experts``, ...) whose
-    parameters, its submodules' included, are two or more of one 2-D shape with rows a multiple of ``E``. Returned as
-    :class:`ExpertGroup` of kind ``"flat"`` (the swap's own: the FX passes and ``quantize_experts`` read no such
-    layout), one linear per parameter, ``[E, I, H]`` by its path (``mlp.w1``)."""
-    taken = [g.name for g in claimed]
-    groups = []
-    for name, module in model.named_modules():
-        if not name or any(name == t or name.startswith(t + ".") or t.startswith(name + ".") for t in taken):
-            continue
-        attr = name.rpartition(".")[2]
-        if not (type(module).__name__.endswith("Experts") or "expert" in attr.lower()):
-            continue
-        E = next((getattr(module, n) for n in _EXPERT_COUNT_NAMES if isinstance(getattr(module, n, None), int)), 0)
-        params = dict(module.named_parameters())
-        shapes = {tuple(p.shape) for p in params.values()}
-        if E < 1 or len(params) < 2 or len(shapes) != 1:
-            continue
-        (shape,) = shapes
-        if len(shape) != 2 or shape[0] % E or len({n.rpartition(".")[2] for n in params}) != len(params):
-            continue
-        linears = tuple(ExpertLinear(n, E, shape[0] // E, shape[1]) for n in params)
-        groups.append(ExpertGroup(name, module, "flat", linears))
-        taken.append(name)
-    return groups
-
-
-class _GroupedViews:
-    """One grouped ``[E, ...]`` leaf per projection of a ModuleList's linears; see NOTE [grouped views].
-
-    Gated MLPs keep gate and up in one ``[E, 2I, H]`` leaf (``gate_up``), so that the fused forward runs one
-    grouped GEMM for both, as transformers' grouped experts do (unless only one of the two has a bias).
-    """
-
-    def __init__(self, experts: nn.ModuleList, paths: tuple[str, ...], gated: bool):
-        self.experts, self.paths, self.gated = experts, paths, gated
-        gate_up = paths[:2] if gated else ()
-        self.fused = bool(gate_up) and len({experts[0].get_submodule(p).bias is None for p in gate_up}) == 1
-        self.grouped: dict[str, Tensor] = {}
-        self.grad_views: list[GradViews] = []
-        self._recycle: bool | None = None  # None until a compile asks; False for good once one says no
-        self.regroup()
-
-    def __deepcopy__(self, memo: dict) -> "_GroupedViews":
-        # a deep copy of the block copies every parameter on its own: regroup the copies (not recycled: the copy
-        # has no compiled model yet to release their memory)
-        return _GroupedViews(copy.deepcopy(self.experts, memo), self.paths, self.gated)
-
-    def recycle_gradients(self, on: bool) -> None:
-        """Turn NOTE [recycled gradient views] (moe_compile/experts/_grad_views.py) on, or off for good: a block
-        compiled once with CUDA graphs may still run through that compiled model, whatever another compile of it asks
-        for."""
-        self._recycle = on and self._recycle is not False
-        for views in self.grad_views:
-            views.recycle = self._recycle
-
-    def release_gradients(self) -> None:
-        """Free recycled gradient memory that every ``p.grad`` let go of (before a forward)."""
-        for views in self.grad_views:
-            views.release()
-
-    def _leaves(self) -> dict[str, tuple[str, ...]]:
-        """``{leaf name: projection paths it holds}``: ``gate_up`` for a fused gated MLP, else one per path."""
-        if self.fused:
-            return {"gate_up": self.paths[:2], self.paths[2]: self.paths[2:]}
-        return {path: (path,) for path in self.paths}
-
-    def _groups(self) -> dict[str, tuple[list[nn.Parameter], bool]]:
-        """``{key: (parameters, halves)}``: the parameters each grouped leaf holds, in view order."""
-        groups = {}
-        for leaf, paths in self._leaves().items():
-            for attr in ("weight", "bias"):
-                params = [getattr(e.get_submodule(path), attr) for path in paths for e in self.experts]
-                if params[0] is not None:
-                    groups[f"{leaf}.{attr}"] = (params, len(paths) == 2)
-        return groups
-
-    def regroup(self) -> None:
-        """Copy the per-expert weights into fresh grouped leaves and make every parameter a view of them."""
-        self.grouped, self.grad_views = {}, []
-        for key, (params, halves) in self._groups().items():
-            stacked = torch.stack([p.detach() for p in params])
-            if halves:  # [2E, N, ...] (gate experts, then up experts) -> [E, 2N, ...]
-                E = len(params) // 2
-                stacked = torch.cat([stacked[:E], stacked[E:]], dim=1)
-            grouped = stacked.requires_grad_(params[0].requires_grad)
-            for p, view in zip(params, per_expert_views(grouped.detach(), halves)):
-                p.data = view
-            if grouped.requires_grad:
-                self.grad_views.append(GradViews(grouped, params, halves, bool(self._recycle)))
-            self.grouped[key] = grouped
-
-    def projections(self) -> tuple[tuple[Projection, ...], Projection]:
-        """``(ups, down)`` for :func:`_fused_block_forward`: ``(gate_up,)`` for a fused gated MLP, ``(gate, up)``
-        for a gated one with a bias on one of the two, ``(up,)`` for a plain one."""
-        def projection(name: str) -> Projection:
-            return Projection(self.grouped[f"{name}.weight"], self.grouped.get(f"{name}.bias"))
-
-        *ups, down = self._leaves()
-        return tuple(projection(name) for name in ups), projection(down)
-
-    def aliased(self) -> bool:
-        """Whether every per-expert parameter is still a view of its grouped tensor."""
-        for key, (params, halves) in self._groups().items():
-            grouped = self.grouped.get(key)
-            if grouped is None:
-                return False
-            for p, view in zip(params, per_expert_views(grouped.detach(), halves)):
-                if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
-                    return False
-        return True
 
 
 # ===== routing and the swapped forward =====

@@ -140,9 +140,10 @@ def test_compiled_block_one_graph_within_eager_bound(family):
 
 
 def test_llama4_dropped_experts_are_exact_zeros():
-    """NOTE [dense experts] on Llama4TextMoe itself: the router's scores are exactly 0 outside the top-k of its
-    logits, and with 3 tokens of top-2 at most 6 of the 8 experts are reached: their weights' gradients are exactly
-    zero in the dense eager block, and stay exactly zero swapped (the router's too, outside the chosen rows)."""
+    """NOTE [dense experts] (moe_compile/experts/swap.py) on Llama4TextMoe itself: the router's scores are exactly 0
+    outside the top-k of its logits, and with 3 tokens of top-2 at most 6 of the 8 experts are reached: their
+    weights' gradients are exactly zero in the dense eager block, and stay exactly zero swapped (the router's too,
+    outside the chosen rows)."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     block = _block("llama4", gen)
     x = torch.randn(1, 3, original_hidden(block), generator=gen)
