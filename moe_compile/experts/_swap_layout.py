@@ -124,8 +124,9 @@ def _flat_expert_groups(model: nn.Module, claimed: list[ExpertGroup]) -> list[Ex
 
 
 class _GroupedViews:
-    """One grouped ``[E, ...]`` leaf per projection of a ModuleList's linears; see NOTE [grouped views]
-    (moe_compile/experts/swap.py).
+    """One grouped ``[E, ...]`` leaf per projection of a ModuleList's linears.
+
+    See NOTE [grouped views] (moe_compile/experts/swap.py).
 
     Gated MLPs keep gate and up in one ``[E, 2I, H]`` leaf (``gate_up``), so that the fused forward runs one
     grouped GEMM for both, as transformers' grouped experts do (unless only one of the two has a bias).
