@@ -187,7 +187,8 @@ def _compile(variant: str, model: nn.Module):
     return moe_compile.compile(model, ep_capacity_factor=CAPACITY_FACTOR)
 
 
-def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int) -> tuple[list[dict], dict]:
+def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int, save) -> tuple[list[dict], dict]:
+    """Rows of one model's variants (``save(rows, notes)`` gets them once timed, and again with the extras)."""
     from moe_compile import report
 
     args, counters = r.args, torch._dynamo.utils.counters
@@ -212,7 +213,7 @@ def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int) -> tuple[li
         return loss.detach()
 
     for variant in VARIANTS:
-        if not r.agree(r.elapsed() < args.budget_s * 0.6):
+        if not r.agree(r.elapsed() < args.budget_s * 0.7):
             notes.setdefault("skipped", []).append(f"{variant}: time budget")
             continue
         models[variant] = _fresh(cfg, LAYERS, state, r.device)
@@ -265,6 +266,7 @@ def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int) -> tuple[li
     for rnd in range(args.rounds):
         order = live[rnd % len(live):] + live[:rnd % len(live)]
         for variant in order:
+            graphs = counters["stats"]["unique_graphs"]
             step(variant)
             r.sync()
             dist.barrier()
@@ -274,9 +276,18 @@ def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int) -> tuple[li
                 step(variant)
             r.sync()
             times[variant].append((time.perf_counter() - t) / args.steps * 1e3)
+            info[variant]["recompiles_during_timing"] = (info[variant].get("recompiles_during_timing", 0)
+                                                         + counters["stats"]["unique_graphs"] - graphs)
     notes["recompiles_during_timing"] = counters["stats"]["unique_graphs"] - graphs_before
     slowest = {v: r.max_over_ranks(times[v]) for v in live}
     extra: dict[str, dict] = {v: {} for v in live}
+    notes["bound_rows_S"] = bound
+
+    def build_rows(show: bool) -> list[dict]:
+        return [_row(r, variant, name, cfg, batch, seq, info, slowest, times, extra, routing, S_cf, show)
+                for variant in VARIANTS]
+
+    save(build_rows(False), notes)  # the times, before the extras (which the deadline may cut)
     for variant in live:
         if r.agree(r.elapsed() < args.budget_s * 0.85):
             extra[variant]["kernel_ms"] = _kernel_ms(r, lambda v=variant: step(v))
@@ -284,42 +295,47 @@ def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int) -> tuple[li
     for variant in live:
         if r.agree(r.elapsed() < args.budget_s * 0.9):
             extra[variant]["bitwise_10_steps"] = _reproducible(r, models[variant], state, step, variant, opts)
-    rows = []
-    for variant in VARIANTS:
-        row = {"model": name, "W": W, "tokens_per_rank": T, "batch": batch, "seq": seq, "layers": LAYERS, **cfg,
-               "local_experts": L, "routed_rows": N, "dtype": "bf16", "variant": variant,
-               "capacity_factor": CAPACITY_FACTOR if variant.endswith("cf1.25") else None,
-               "step_ms": None, "step_ms_rank0": None, "rounds": args.rounds, "kernel_ms": None,
-               "step_extra_gb": None, "bitwise_10_steps": None, "buffer_rows": None, "buffer_bytes": None,
-               "dropped_fraction": None, "error": None}
-        row.update({k: v for k, v in info.get(variant, {}).items()})
-        if variant in slowest:
-            row["step_ms"] = statistics.median(slowest[variant])
-            row["step_ms_rank0"] = statistics.median(times[variant])
-            row["step_ms_rounds"] = [round(t, 4) for t in slowest[variant]]
-        row.update(extra.get(variant, {}))
-        if row.get("S") is not None:
-            row["buffer_rows"] = W * row["S"]
-        elif variant in ("eager", "inductor") and routing:
-            row["buffer_rows"] = routing["recv_rows_mean"]
-            row["buffer_rows_max"] = routing["recv_rows_max"]
-            row["buffer_bytes"] = int(routing["recv_rows_max"] * H * 2)
-        if variant == "moe_compile":
-            row["dropped_fraction"] = 0.0
-        elif variant.endswith("cf1.25") and routing:
-            row["dropped_fraction"] = routing["dropped_fraction_cf"]
-            row["S_expected"] = S_cf
-        rows.append(row)
-        if r.rank == 0 and row["step_ms"] is not None:
-            print(f"{name} W={W} {variant}: {row['step_ms']:.2f} ms/step (kernels {row['kernel_ms']}), "
-                  f"buffer {row['buffer_bytes']} B, bitwise 10 steps {row['bitwise_10_steps']}", flush=True)
-    notes["bound_rows_S"] = bound
+    rows = build_rows(True)
     for d in (fns, opts, models):
         d.clear()
     torch._dynamo.reset()
     if r.cuda:
         torch.cuda.empty_cache()
     return rows, notes
+
+
+def _row(r: _Rank, variant: str, name: str, cfg: dict, batch: int, seq: int, info: dict, slowest: dict, times: dict,
+         extra: dict, routing: dict, S_cf: int, show: bool) -> dict:
+    args, W, H = r.args, r.world, cfg["hidden"]
+    L, T = cfg["experts"] // W, batch * seq
+    N = T * cfg["top_k"]
+    row = {"model": name, "W": W, "tokens_per_rank": T, "batch": batch, "seq": seq, "layers": LAYERS, **cfg,
+           "local_experts": L, "routed_rows": N, "dtype": "bf16", "variant": variant,
+           "capacity_factor": CAPACITY_FACTOR if variant.endswith("cf1.25") else None,
+           "step_ms": None, "step_ms_rank0": None, "rounds": args.rounds, "kernel_ms": None,
+           "step_extra_gb": None, "bitwise_10_steps": None, "buffer_rows": None, "buffer_bytes": None,
+           "dropped_fraction": None, "error": None}
+    row.update({k: v for k, v in info.get(variant, {}).items()})
+    if variant in slowest:
+        row["step_ms"] = statistics.median(slowest[variant])
+        row["step_ms_rank0"] = statistics.median(times[variant])
+        row["step_ms_rounds"] = [round(t, 4) for t in slowest[variant]]
+    row.update(extra.get(variant, {}))
+    if row.get("S") is not None:
+        row["buffer_rows"] = W * row["S"]
+    elif variant in ("eager", "inductor") and routing:
+        row["buffer_rows"] = routing["recv_rows_mean"]
+        row["buffer_rows_max"] = routing["recv_rows_max"]
+        row["buffer_bytes"] = int(routing["recv_rows_max"] * H * 2)
+    if variant == "moe_compile":
+        row["dropped_fraction"] = 0.0
+    elif variant.endswith("cf1.25") and routing:
+        row["dropped_fraction"] = routing["dropped_fraction_cf"]
+        row["S_expected"] = S_cf
+    if show and r.rank == 0 and row["step_ms"] is not None:
+        print(f"{name} W={W} {variant}: {row['step_ms']:.2f} ms/step (kernels {row['kernel_ms']}), "
+              f"buffer {row['buffer_bytes']} B, bitwise 10 steps {row['bitwise_10_steps']}", flush=True)
+    return row
 
 
 def _kernel_ms(r: _Rank, run) -> float | None:
@@ -381,11 +397,16 @@ def rank_main(args: argparse.Namespace) -> None:
             started = r.elapsed()
             cfg = SMALL if args.quick else MODELS[name]
             batch, seq = (1, 64) if args.quick else (BATCH, SEQ)
-            model_rows, model_notes = _run_model(r, name, cfg, batch, seq)
+            def save(model_rows: list[dict], model_notes: dict, name: str = name) -> None:
+                # rank 0, as soon as a model is timed: a deadline later on leaves these
+                if r.rank == 0:
+                    done = {"rows": rows + model_rows, "notes": {**notes, name: model_notes}}
+                    pathlib.Path(args.rows).write_text(json.dumps(done))
+
+            model_rows, model_notes = _run_model(r, name, cfg, batch, seq, save)
             rows += model_rows
             notes[name] = model_notes
-            if r.rank == 0:  # after each model: a later one that runs out of time leaves these
-                pathlib.Path(args.rows).write_text(json.dumps({"rows": rows, "notes": notes}))
+            save([], model_notes)
     finally:
         dist.destroy_process_group()
     if r.rank == 0:
