@@ -479,11 +479,27 @@ __all__ = [
 ]
 
 
+def _functional(fn: Any) -> Any:
+    """``fn`` run on functional tensors under ``FunctionalTensorMode`` (AOTAutograd's functionalization)."""
+    from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+    from torch.utils._pytree import tree_map
+
+    def run(*args: Any) -> Any:
+        with FunctionalTensorMode():
+            out = fn(*tree_map(to_fun, args))
+        return tree_map(from_fun, out)
+    return run
+
+
 def insert_traced(graph: fx.Graph, fn: Any, args: tuple[fx.Node, ...], meta_from: fx.Node | None = None) -> Any:
     """Trace ``fn(*args)`` to ATen with Inductor's decompositions (what joint and post-grad graphs hold)
     on the args' fake values and copy it in at the graph's insertion point; returns the output node(s).
 
-    Use it where inserted nodes must already be in Inductor's decomposed form (the joint stage).
+    Use it where inserted nodes must already be in Inductor's decomposed form (the joint stage). Traced under
+    functionalization, as AOTAutograd traces: our Triton ops then decompose into their kernels
+    (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)), which Inductor launches from its own code,
+    instead of staying custom-op nodes that Inductor calls back into Python for (host time per call).
     """
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -491,7 +507,7 @@ def insert_traced(graph: fx.Graph, fn: Any, args: tuple[fx.Node, ...], meta_from
     values = [val(a) for a in args]
     mode = fake_mode_of(values)
     with mode:
-        traced = make_fx(fn, decomposition_table=select_decomp_table())(*values)
+        traced = make_fx(_functional(fn), decomposition_table=select_decomp_table())(*values)
     env = dict(zip(traced.graph.find_nodes(op="placeholder"), args))
     out = graph.graph_copy(traced.graph, env)
     if meta_from is not None:
