@@ -34,7 +34,7 @@ with no host sync.
 
 Metrics: the dispatch rewrite records ``C`` on the router's ``topk`` whose indices its expert ids come from
 (``CAPACITY_META``); with ``metrics=True`` the ``router_metrics`` pass then reports the choices dropped past ``C``
-(``moe/dropped_fraction``). Routers by ``argmax`` (DeepSpeed's top-2) are not recognised by that pass yet.
+(``moe/dropped_fraction``); DeepSpeed's top-2 by two ``argmax`` is marked on each, and counted as one router.
 
 Skips when (reason tags, for einsums of the dispatch or combine shape only): ``not_one_hot`` (the ``[T, E, C]``
 operand is not such a sum of one-hot terms: another op, a product of two one-hots along ``c``, an entry with no
@@ -113,7 +113,8 @@ _ID_VIEWS = FLAT_VIEWS | INDEX_CASTS | {"getitem", "select", "squeeze", "unsquee
 
 
 def _mark_capacity(ids: fx.Node, C: int) -> None:
-    """Record ``C`` on the ``topk`` whose indices the entries' expert ids are read from (through ``_ID_VIEWS``)."""
+    """Record ``C`` on the ``topk`` (or ``argmax``) whose indices the entries' expert ids are read from (through
+    ``_ID_VIEWS``)."""
     node: Any = ids
     for _ in range(8):
         if not isinstance(node, fx.Node):
@@ -121,6 +122,9 @@ def _mark_capacity(ids: fx.Node, C: int) -> None:
         if op_name(node) == "getitem" and isinstance(node.args[0], fx.Node) and op_name(node.args[0]) == "topk" \
                 and node.args[1] == 1:
             node.args[0].meta[CAPACITY_META] = C
+            return
+        if op_name(node) == "argmax":  # DeepSpeed's top-2: one argmax per choice (router_metrics stacks them)
+            node.meta[CAPACITY_META] = C
             return
         if op_name(node) not in _ID_VIEWS:
             return

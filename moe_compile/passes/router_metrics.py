@@ -18,6 +18,8 @@ Routers recognised (Dynamo's Torch IR):
 
 * anchored: the ``expert_idx`` input of a ``torch.ops.moe.permute_pad`` node, through views and casts,
   is ``topk(...)[1]``;
+* argmax: one ``argmax`` per choice over the last dim of the scores (the second over the logits after ``masked_fill``,
+  DeepSpeed-MoE's top-2), marked by ``capacity_dispatch`` as a capacity layer's router: stacked ``[T, K]``;
 * raw: ``topk(s, k, dim=-1)[1]`` where ``s`` is, through casts and views, ``softmax(logits, -1)`` (Mixtral,
   Qwen, OLMoE) or ``logits`` itself (Granite: softmax over the k values afterwards), and ``logits`` come
   from ``linear(x, w[E, H])`` or a matmul with last dim ``E`` (``E <= MAX_EXPERTS``).
@@ -41,7 +43,7 @@ import torch.fx as fx
 
 from moe_compile import metrics
 from moe_compile.passes import PassContext
-from moe_compile.passes._graph import CAPACITY_META, layer_name, op_name
+from moe_compile.passes._graph import CAPACITY_META, graph_call, layer_name, op_name
 from moe_compile.passes._graph import val as _val
 from moe_compile.passes.forms.counts import ids_base
 from moe_compile.passes.forms.ops import CASTS, FLAT_VIEWS
@@ -61,13 +63,14 @@ _PASSTHROUGH = CASTS | FLAT_VIEWS
 
 @dataclasses.dataclass
 class Router:
-    topk: fx.Node
-    expert_idx: fx.Node
+    topk: fx.Node  # the router's topk (its last argmax for an argmax router)
+    expert_idx: fx.Node | None  # None for an argmax router until its choices are stacked (_insert)
     # the linear/matmul that produces the router logits
     logits: fx.Node
     num_experts: int
     path: str
     anchored: bool
+    choices: tuple[fx.Node, ...] = ()  # an argmax router's per-choice [T] ids, in order
 
 
 def run(graph: fx.Graph, ctx: PassContext) -> None:
@@ -127,7 +130,31 @@ def find_routers(graph: fx.Graph) -> tuple[list[Router], list[tuple[str, str, st
         prev = routers.get(router.logits)
         if prev is None or (router.anchored and not prev.anchored):
             routers[router.logits] = router
+    for router in _argmax_routers(graph):
+        routers.setdefault(router.logits, router)
     return sorted(routers.values(), key=lambda r: order[r.topk]), skipped
+
+
+def _argmax_routers(graph: fx.Graph) -> list[Router]:
+    """Top-k by one ``argmax`` per choice (DeepSpeed-MoE's top-2: the second over the logits with the first masked
+    out), recognised where ``capacity_dispatch`` marked the argmaxes (``CAPACITY_META``): one router per logits."""
+    by_logits: dict[fx.Node, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if op_name(node) != "argmax" or CAPACITY_META not in node.meta:
+            continue
+        scores = _arg(node, 0, "input")
+        if isinstance(scores, fx.Node) and op_name(scores) == "masked_fill":
+            scores = scores.args[0]
+        logits = _logits_root(scores, allow_softmax=True)
+        val = _val(scores)
+        if logits is not None and isinstance(val, torch.Tensor) and _arg(node, 1, "dim") in (-1, val.dim() - 1):
+            by_logits.setdefault(logits, []).append(node)
+    routers = []
+    for logits, choices in by_logits.items():
+        E = _val(logits).shape[-1]
+        if isinstance(E, int) and len(choices) < E:
+            routers.append(Router(choices[-1], None, logits, E, module_path(logits), False, tuple(choices)))
+    return routers
 
 
 def _match_router(topk: fx.Node, anchored: bool) -> tuple[Router | None, str]:
@@ -268,6 +295,9 @@ def module_path(node: fx.Node) -> str:
 
 
 def _insert(graph: fx.Graph, gm: torch.nn.Module, r: Router) -> None:
+    if r.expert_idx is None:  # an argmax router: its choices side by side, [T, K]
+        with graph.inserting_after(r.topk):
+            r.expert_idx = graph_call(graph, torch.stack, list(r.choices), -1, meta_from=r.topk)
     logits_val = _val(r.logits)
     entry = metrics.accumulator(r.path or "router", r.num_experts, logits_val.device)
     capacity_factor = float(entry.capacity_factor or 0.0)

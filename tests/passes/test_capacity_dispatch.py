@@ -115,17 +115,18 @@ def test_dynamic_capacity_left_alone_without_error():
     assert "symbolic_shape" in skips, rep.table()
 
 
-def test_dropped_fraction_reported_by_the_metrics():
-    """With ``metrics=True`` (and validation on) the rewritten GShard layer reports ``moe/dropped_fraction``: the
-    fraction of its routed choices past the capacity, as eager's dispatch tensor drops them, averaged over the
-    steps."""
+@pytest.mark.parametrize("style", STYLES)
+def test_dropped_fraction_reported_by_the_metrics(style):
+    """With ``metrics=True`` (and validation on) the rewritten layer reports ``moe/dropped_fraction``: the fraction
+    of its routed choices past the capacity, as eager's dispatch tensor drops them, averaged over the steps (GShard's
+    top-k router, and DeepSpeed's top-2 by two ``argmax``)."""
     from moe_compile import metrics
     from moe_compile.backend import ConfiguredBackend
     from moe_compile.config import make_config
 
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     # float32: in bf16 a token within rounding of a top-k tie is routed either way by any compile
-    model = CapacityMoE(capacity_factor=0.75, style="gshard", dtype=torch.float32,
+    model = CapacityMoE(capacity_factor=0.75, style=style, dtype=torch.float32,
                         seed=int(torch.randint(0, 2**16, (), generator=gen)))
     xs = [torch.randn(48, 16, generator=gen) for _ in range(3)]
     metrics.forget()
@@ -145,7 +146,8 @@ def test_dropped_fraction_reported_by_the_metrics():
     dropped = []
     for x in xs:
         logits = F.linear(x, model.router).float()
-        kept = float(model._gshard(logits, model.capacity(48))[0].sum())
+        route = model._gshard if style == "gshard" else model._deepspeed
+        kept = float(route(logits, model.capacity(48))[0].sum())
         dropped.append(1 - kept / (48 * model.top_k))
     assert max(dropped) > 0, "nothing dropped: the metric is not exercised"
     assert got["moe/dropped_fraction"] == pytest.approx(sum(dropped) / len(dropped), abs=1e-6)
