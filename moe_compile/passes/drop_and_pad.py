@@ -26,6 +26,9 @@ Both are the ops they replace for any index values: the gathers bitwise, the com
 Skips when (reason tags): ``combine_buffer_reused`` (the zero buffer is read or written elsewhere before the
 combine), ``unexpected_signature`` (a gather along another dim, a combine whose rows or buffer do not match).
 
+Metrics: the capacity ``C`` is recorded on the router's ``topk`` over the experts that the routing map comes from;
+with ``metrics=True`` ``router_metrics`` reports the choices past ``C`` (``moe/dropped_fraction``).
+
 Stage: pre-grad (AOTAutograd differentiates the ops' registered backward).
 
 Seen in: ``tests/models/capacity_layers.py::MegatronDropAndPadMoE`` (Megatron-LM ``moe_utils.permute`` /
@@ -40,6 +43,7 @@ import torch.fx as fx
 from moe_compile.ops.segment_sum import gather_segment_sum, segment_sum
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._graph import (
+    CAPACITY_META,
     arg,
     erase_dead,
     graph_call,
@@ -76,6 +80,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             if what:
                 done.append(what)
         if done:
+            _mark_capacity(node)
             ctx.rewrite(layer, f"drop-and-pad dispatch at argsort slots ({node.name}): " + "; ".join(done),
                         "moe_compile.passes.drop_and_pad: moe.gather_segment_sum gathers and a moe.segment_sum "
                         "combine (fixed order, no atomics)")
@@ -96,6 +101,25 @@ def _slot_sort(node: fx.Node) -> fx.Node | None:
             and isinstance(index[1], slice) and index[1].start in (None, 0) and index[1].step in (None, 1)):
         return None
     return node
+
+
+def _mark_capacity(slots: fx.Node, depth: int = 12) -> None:
+    """Record ``C`` (the slots' count per expert) on the router's ``topk`` over the experts (last dim) that the
+    routing map comes from, found by walking up from the argsort: ``router_metrics`` then reports the choices past
+    ``C`` (``moe/dropped_fraction``), whatever the drop policy picked."""
+    C = tensor_val(slots).shape[-1]
+    frontier, seen = [slots.args[0]], set()
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if not isinstance(n, fx.Node) or n in seen:
+                continue
+            seen.add(n)
+            if op_name(n) == "topk" and known_int(arg(n, 2, "dim", -1)) in (-1, tensor_val(n.args[0]).dim() - 1):
+                n.meta.setdefault(CAPACITY_META, known_int(C))
+                return
+            nxt.extend(a for a in n.all_input_nodes)
+        frontier = nxt
 
 
 def _gather_rows(src: torch.Tensor, idx_N: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from moe_compile import report
@@ -67,3 +68,34 @@ def test_combine_buffer_read_before_the_combine_is_left_alone():
     assert any(r.pass_name == "drop_and_pad" and r.kind == "skip" and r.what == "combine_buffer_reused"
                for r in rep.records), rep.table()
     assert torch.equal(got, model(x))
+
+
+def test_dropped_fraction_reported_by_the_metrics():
+    """With ``metrics=True`` the rewritten layer reports ``moe/dropped_fraction``: the routed choices past each
+    expert's capacity (eager's routing map keeps ``C`` of them), averaged over the steps."""
+    from moe_compile import metrics
+    from moe_compile.backend import ConfiguredBackend
+    from moe_compile.config import make_config
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    model = MegatronDropAndPadMoE(capacity_factor=0.75, dtype=torch.float32,
+                                  seed=int(torch.randint(0, 2**16, (), generator=gen)))
+    xs = [torch.randn(48, 16, generator=gen) for _ in range(3)]
+    metrics.forget()
+    torch._dynamo.reset()
+    patches = {**metrics.inductor_patches(True), "force_disable_caches": True}
+    with torch._inductor.config.patch(patches), report.collecting() as rep:
+        compiled = torch.compile(model, backend=ConfiguredBackend(make_config(metrics=True)), fullgraph=True)
+        for x in xs:
+            compiled(x)
+    got = metrics.collect(per_layer=True)
+    metrics.forget()
+    torch._dynamo.reset()
+    assert rep.count("drop_and_pad") == 1, rep.table()
+    dropped = []
+    for x in xs:
+        ids = torch.nn.functional.linear(x, model.router).float().softmax(-1).topk(model.top_k, dim=-1).indices
+        counts = torch.bincount(ids.flatten(), minlength=model.num_experts)
+        dropped.append(float((counts - model.capacity(48)).clamp(min=0).sum()) / ids.numel())
+    assert max(dropped) > 0, "nothing dropped: the metric is not exercised"
+    assert got["moe/dropped_fraction"] == pytest.approx(sum(dropped) / len(dropped), abs=1e-6)
