@@ -23,7 +23,8 @@ Rewrites to::
 Both are the ops they replace for any index values: the gathers bitwise, the combine up to the order of its adds
 (fp32 accumulation, one rounding). No atomics forward or backward, no host sync.
 
-Skips when (reason tags): ``combine_buffer_reused`` (the zero buffer is read or written elsewhere before the
+Skips when (reason tags): ``symbolic_shape`` (the tokens or slots are not numbers: a dynamic-shape compile),
+``combine_buffer_reused`` (the zero buffer is read or written elsewhere before the
 combine), ``unexpected_signature`` (a gather along another dim, a combine whose rows or buffer do not match).
 
 Metrics: the capacity ``C`` is recorded on the router's ``topk`` over the experts that the routing map comes from;
@@ -107,7 +108,9 @@ def _mark_capacity(slots: fx.Node, depth: int = 12) -> None:
     """Record ``C`` (the slots' count per expert) on the router's ``topk`` over the experts (last dim) that the
     routing map comes from, found by walking up from the argsort: ``router_metrics`` then reports the choices past
     ``C`` (``moe/dropped_fraction``), whatever the drop policy picked."""
-    C = tensor_val(slots).shape[-1]
+    C = known_int(tensor_val(slots).shape[-1])
+    if C is None:
+        return
     frontier, seen = [slots.args[0]], set()
     for _ in range(depth):
         nxt = []
@@ -116,7 +119,7 @@ def _mark_capacity(slots: fx.Node, depth: int = 12) -> None:
                 continue
             seen.add(n)
             if op_name(n) == "topk" and known_int(arg(n, 2, "dim", -1)) in (-1, tensor_val(n.args[0]).dim() - 1):
-                n.meta.setdefault(CAPACITY_META, known_int(C))
+                n.meta.setdefault(CAPACITY_META, C)
                 return
             nxt.extend(a for a in n.all_input_nodes)
         frontier = nxt
@@ -150,6 +153,8 @@ def _rewrite_gather(graph: fx.Graph, node: fx.Node, derived: set[fx.Node]) -> st
     if src is None or iv is None or iv.dim() != 1 or iv.dtype.is_floating_point or iv.dtype == torch.bool \
             or not src.is_floating_point() or src.dim() == 0:
         return None
+    if known_int(iv.shape[0]) is None:
+        raise NoMatch("symbolic_shape", f"{node.name}: {iv.shape[0]} gathered rows (a dynamic-shape compile)")
     what = f"gather {name}({node.args[0].name})"
     with graph.inserting_before(node):
         new = graph_call(graph, _gather_rows, node.args[0], idx, meta_from=node)
@@ -167,9 +172,12 @@ def _rewrite_combine(graph: fx.Graph, node: fx.Node, derived: set[fx.Node]) -> s
     bv, yv, iv = tensor_val(buf), tensor_val(y), tensor_val(acc.index)
     if not isinstance(buf, fx.Node) or op_name(buf) not in _ZEROS or bv is None or yv is None or iv is None \
             or bv.dim() != 2 or yv.dim() != 2 or bv.shape[1] != yv.shape[1] or yv.shape[0] != iv.shape[0] \
-            or bv.dtype != yv.dtype or known_int(bv.shape[0]) is None:
+            or bv.dtype != yv.dtype:
         raise NoMatch("unexpected_signature", f"{node.name}: the combine's buffer or rows do not match "
                       f"(buffer {getattr(bv, 'shape', None)}, rows {getattr(yv, 'shape', None)})")
+    if known_int(bv.shape[0]) is None or known_int(yv.shape[0]) is None:
+        raise NoMatch("symbolic_shape", f"{node.name}: {bv.shape[0]} tokens, {yv.shape[0]} slots "
+                      "(a dynamic-shape compile)")
     order = topo_index(graph)
     early = [u for u in buf.users if u is not node and order[u] < order[node]]
     if early or (not acc.inplace and len(buf.users) > 1):

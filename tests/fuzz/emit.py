@@ -381,7 +381,7 @@ def expert_methods(spec: Spec) -> list[str]:
     needed = {"sorted": "grouped" if spec.exec != "split_loop" else "expert", "masked": "grouped"
               if spec.exec != "split_loop" else "expert", "loop": "expert", "hit_loop": "expert", "skip_loop": "expert",
               "dense": "all_experts", "capacity": "all_experts", "batched": "row_experts",
-              "expert_choice": "all_experts"}[spec.dispatch]
+              "expert_choice": "all_experts", "drop_and_pad": "all_experts"}[spec.dispatch]
     out = []
     for signature, body in methods.items():
         if not signature.startswith(needed + "("):

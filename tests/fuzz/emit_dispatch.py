@@ -14,7 +14,8 @@ from tests.fuzz.grammar import COUNTS, PERMUTES, Spec
 def dispatch_lines(spec: Spec) -> list[str]:
     """The lines of the forward from the routing to ``out_TH``."""
     return {"sorted": _sorted, "masked": _sorted, "loop": _loop, "hit_loop": _loop, "skip_loop": _loop, "dense": _dense,
-            "batched": _batched, "capacity": _capacity, "expert_choice": _expert_choice}[spec.dispatch](spec)
+            "batched": _batched, "capacity": _capacity, "expert_choice": _expert_choice,
+            "drop_and_pad": _drop_and_pad}[spec.dispatch](spec)
 
 
 def _scale_rows(spec: Spec, name: str) -> list[str]:
@@ -245,4 +246,28 @@ def _expert_choice(spec: Spec) -> list[str]:
     out.append({"index_add": "out_TH.index_add_(0, tok_EC.reshape(-1), y_ECH.reshape(-1, H))",
                 "scatter_add": "out_TH.scatter_add_(0, tok_EC.reshape(-1, 1).expand(-1, H), y_ECH.reshape(-1, H))"}
                [spec.combine])
+    return out + ["out_TH = out_TH.to(x_TH.dtype)"]
+
+
+def _drop_and_pad(spec: Spec) -> list[str]:
+    """Megatron-LM's drop-and-pad: each expert keeps its first ``C`` routed tokens (capacity factor 1.25, at most
+    ``T``), the routing map turned ``[E, T]`` and ``argsort(descending=True, stable=True)[:, :C]`` gives each expert's
+    tokens in token order padded with unrouted ones (weight 0), gathers by ``index_select`` (the gates through flat
+    ``e*T + t`` indices), the experts batched over ``[E, C, H]``, and the weighted rows added back into a zero buffer."""
+    up = ".float()" if spec.weight == "rows_fp32" else ""
+    out = ["C = min(T, (5 * T * K + 4 * E - 1) // (4 * E))",
+           "gates_TE = torch.zeros(T, E, dtype=w_TK.dtype, device=x_TH.device).scatter(1, idx_TK, w_TK)",
+           "routed_TE = torch.zeros(T, E, dtype=torch.bool, device=x_TH.device).scatter(1, idx_TK, True)",
+           "map_TE = routed_TE & (torch.cumsum(routed_TE.int(), 0) <= C)",
+           "slots_N = map_TE.to(torch.int8).T.contiguous().argsort(dim=-1, descending=True, stable=True)[:, :C]"
+           ".contiguous().view(-1)",
+           "flat_N = (torch.arange(E, device=x_TH.device).unsqueeze(-1) * T + slots_N.view(E, C)).view(-1)",
+           "probs_N = (gates_TE * map_TE).T.contiguous().view(-1).index_select(0, flat_N)",
+           "y_ECH = self.all_experts(x_TH.index_select(0, slots_N).view(E, C, H))"]
+    out += _scale_rows(spec, "y_ECH")
+    cast = "" if up else ".to(y_ECH.dtype)"
+    out += [f"y_NH = y_ECH.reshape(E * C, H){up} * probs_N.unsqueeze(-1){cast}",
+            "out_TH = torch.zeros(T, H, dtype=y_NH.dtype, device=x_TH.device)"]
+    out.append({"index_add": "out_TH.index_add_(0, slots_N, y_NH)",
+                "scatter_add": "out_TH.scatter_add_(0, slots_N.unsqueeze(1).expand(-1, H), y_NH)"}[spec.combine])
     return out + ["out_TH = out_TH.to(x_TH.dtype)"]

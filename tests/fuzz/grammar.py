@@ -62,7 +62,8 @@ COMBINES = ACCUMULATES + tuple(f"{u}_{r}" for u in UNPERMUTES for r in REDUCES)
 # before the experts, the un-permuted [T, K, H] view (sum reduce), or inside the reduce (einsum / bmm)
 WEIGHTS = ("rows_fp32", "rows_act", "before_experts", "after_unpermute", "in_combine")
 
-DISPATCHES = ("sorted", "masked", "loop", "hit_loop", "skip_loop", "dense", "batched", "capacity", "expert_choice")
+DISPATCHES = ("sorted", "masked", "loop", "hit_loop", "skip_loop", "dense", "batched", "capacity", "expert_choice",
+              "drop_and_pad")
 EXECS = ("grouped_mm", "hf_fallback", "split_loop")
 SELECTS = ("eq", "one_hot", "nonzero", "mask_any")
 LOOP_COMBINES = ("index_add", "index_put_acc", "setitem_add")
@@ -224,7 +225,7 @@ def draw(choose: Choose) -> Spec:
         c["weight"] = choose("weight", ("rows_fp32", "rows_act", "after_unpermute"))
     elif dispatch in ("dense", "capacity"):
         c["weight"] = choose("weight", ("rows_fp32", "rows_act"))
-    elif dispatch == "expert_choice":
+    elif dispatch in ("expert_choice", "drop_and_pad"):
         c["weight"] = choose("weight", ("rows_fp32", "rows_act"))
         c["combine"] = choose("combine", ("index_add", "scatter_add"))
     c["layout"] = layout = choose("layout", LAYOUTS)

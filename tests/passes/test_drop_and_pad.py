@@ -99,3 +99,21 @@ def test_dropped_fraction_reported_by_the_metrics():
         dropped.append(float((counts - model.capacity(48)).clamp(min=0).sum()) / ids.numel())
     assert max(dropped) > 0, "nothing dropped: the metric is not exercised"
     assert got["moe/dropped_fraction"] == pytest.approx(sum(dropped) / len(dropped), abs=1e-6)
+
+
+def test_dynamic_shapes_left_alone_with_a_tag():
+    """A dynamic-shape compile (symbolic tokens and slots: the fuzzer's finding) is skipped as ``symbolic_shape``,
+    not a pass error, and the result is eager's within its bound."""
+    model, x, cot = _step(torch.seed() % 2**31, capacity_factor=1.0)
+    ref_model = copy.deepcopy(model).float()
+    eager = tol.layer_step(model, model, x, cot)
+    ref = tol.layer_step(ref_model, ref_model, x, cot, torch.float32)
+    torch._dynamo.reset()
+    with report.collecting() as rep:
+        got = tol.layer_step(torch.compile(model, backend="moe_compile", dynamic=True), model, x, cot)
+    torch._dynamo.reset()
+    assert not [r for r in rep.records if r.kind == "error"], rep.table()
+    assert any(r.pass_name == "drop_and_pad" and r.kind == "skip" and r.what == "symbolic_shape"
+               for r in rep.records), rep.table()
+    ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, always_judged=("out",))
+    assert ok and not unjudged, (worst, unjudged)
