@@ -241,19 +241,16 @@ def _expert_choice(spec: Spec) -> list[str]:
             "y_ECH = self.all_experts(x_TH[tok_EC])"]
     out += _scale_rows(spec, "y_ECH")
     cast = "" if up else ".to(y_ECH.dtype)"
-    out += [f"y_ECH = y_ECH{up} * g_EC.unsqueeze(-1){cast}",
-            "out_TH = torch.zeros(T, H, dtype=y_ECH.dtype, device=x_TH.device)"]
-    out.append({"index_add": "out_TH.index_add_(0, tok_EC.reshape(-1), y_ECH.reshape(-1, H))",
-                "scatter_add": "out_TH.scatter_add_(0, tok_EC.reshape(-1, 1).expand(-1, H), y_ECH.reshape(-1, H))"}
-               [spec.combine])
-    return out + ["out_TH = out_TH.to(x_TH.dtype)"]
+    out.append(f"y_NH = y_ECH.reshape(-1, H){up} * g_EC.reshape(-1, 1){cast}")
+    return out + _add_into_tokens(spec, "tok_EC.reshape(-1)", "y_NH")
 
 
 def _drop_and_pad(spec: Spec) -> list[str]:
     """Megatron-LM's drop-and-pad: each expert keeps its first ``C`` routed tokens (capacity factor 1.25, at most
     ``T``), the routing map turned ``[E, T]`` and ``argsort(descending=True, stable=True)[:, :C]`` gives each expert's
     tokens in token order padded with unrouted ones (weight 0), gathers by ``index_select`` (the gates through flat
-    ``e*T + t`` indices), the experts batched over ``[E, C, H]``, and the weighted rows added back into a zero buffer."""
+    ``e*T + t`` indices), the experts batched over ``[E, C, H]``, and the weighted rows added back into a zero
+    buffer."""
     up = ".float()" if spec.weight == "rows_fp32" else ""
     out = ["C = min(T, (5 * T * K + 4 * E - 1) // (4 * E))",
            "gates_TE = torch.zeros(T, E, dtype=w_TK.dtype, device=x_TH.device).scatter(1, idx_TK, w_TK)",
@@ -266,8 +263,14 @@ def _drop_and_pad(spec: Spec) -> list[str]:
            "y_ECH = self.all_experts(x_TH.index_select(0, slots_N).view(E, C, H))"]
     out += _scale_rows(spec, "y_ECH")
     cast = "" if up else ".to(y_ECH.dtype)"
-    out += [f"y_NH = y_ECH.reshape(E * C, H){up} * probs_N.unsqueeze(-1){cast}",
-            "out_TH = torch.zeros(T, H, dtype=y_NH.dtype, device=x_TH.device)"]
-    out.append({"index_add": "out_TH.index_add_(0, slots_N, y_NH)",
-                "scatter_add": "out_TH.scatter_add_(0, slots_N.unsqueeze(1).expand(-1, H), y_NH)"}[spec.combine])
-    return out + ["out_TH = out_TH.to(x_TH.dtype)"]
+    out.append(f"y_NH = y_ECH.reshape(E * C, H){up} * probs_N.unsqueeze(-1){cast}")
+    return out + _add_into_tokens(spec, "slots_N", "y_NH")
+
+
+def _add_into_tokens(spec: Spec, tok: str, rows: str) -> list[str]:
+    """``out_TH``: the rows added into a zero ``[T, H]`` buffer at their tokens (``index_add_`` or ``scatter_add_``),
+    cast back to the input's dtype."""
+    add = {"index_add": f"out_TH.index_add_(0, {tok}, {rows})",
+           "scatter_add": f"out_TH.scatter_add_(0, {tok}.unsqueeze(1).expand(-1, H), {rows})"}[spec.combine]
+    return [f"out_TH = torch.zeros(T, H, dtype={rows}.dtype, device=x_TH.device)", add,
+            "out_TH = out_TH.to(x_TH.dtype)"]

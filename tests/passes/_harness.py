@@ -225,3 +225,26 @@ def deterministic_seed(seed: int = 0):
 
 def clone_module(module: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(module)
+
+
+def metrics_over_calls(model: torch.nn.Module, xs: Sequence[torch.Tensor], *, per_layer: bool = False,
+                       **config: Any) -> tuple[dict[str, float], Any]:
+    """``(metrics.collect(per_layer), report)`` of ``model`` compiled with ``metrics=True`` (and ``config``, e.g.
+    ``validate=True``) and called on each of ``xs``, from fresh metrics and a fresh Dynamo; both left fresh after."""
+    from moe_compile import metrics
+    from moe_compile.backend import ConfiguredBackend
+    from moe_compile.config import make_config
+
+    metrics.forget()
+    torch._dynamo.reset()
+    patches = {**metrics.inductor_patches(True), "force_disable_caches": True}
+    try:
+        with torch._inductor.config.patch(patches), report_mod.collecting() as rep:
+            compiled = torch.compile(model, backend=ConfiguredBackend(make_config(metrics=True, **config)),
+                                     fullgraph=True)
+            for x in xs:
+                compiled(x)
+        return metrics.collect(per_layer=per_layer), rep
+    finally:
+        metrics.forget()
+        torch._dynamo.reset()

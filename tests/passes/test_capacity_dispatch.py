@@ -12,6 +12,7 @@ from moe_compile import report
 from moe_compile.passes.capacity_dispatch import capacity_combine, capacity_dispatch
 from tests import _tolerance as tol
 from tests.models.capacity_layers import STYLES, CapacityMoE
+from tests.passes._harness import metrics_over_calls
 
 
 @pytest.mark.parametrize("style", STYLES)
@@ -120,26 +121,12 @@ def test_dropped_fraction_reported_by_the_metrics(style):
     """With ``metrics=True`` (and validation on) the rewritten layer reports ``moe/dropped_fraction``: the fraction
     of its routed choices past the capacity, as eager's dispatch tensor drops them, averaged over the steps (GShard's
     top-k router, and DeepSpeed's top-2 by two ``argmax``)."""
-    from moe_compile import metrics
-    from moe_compile.backend import ConfiguredBackend
-    from moe_compile.config import make_config
-
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     # float32: in bf16 a token within rounding of a top-k tie is routed either way by any compile
     model = CapacityMoE(capacity_factor=0.75, style=style, dtype=torch.float32,
                         seed=int(torch.randint(0, 2**16, (), generator=gen)))
     xs = [torch.randn(48, 16, generator=gen) for _ in range(3)]
-    metrics.forget()
-    torch._dynamo.reset()
-    patches = {**metrics.inductor_patches(True), "force_disable_caches": True}
-    with torch._inductor.config.patch(patches), report.collecting() as rep:
-        compiled = torch.compile(model, backend=ConfiguredBackend(make_config(metrics=True, validate=True)),
-                                 fullgraph=True)
-        for x in xs:
-            compiled(x)
-    got = metrics.collect(per_layer=True)
-    metrics.forget()
-    torch._dynamo.reset()
+    got, rep = metrics_over_calls(model, xs, per_layer=True, validate=True)
     assert rep.count("capacity_dispatch") == 2, rep.table()
     # router_metrics is validated bitwise against the graph capacity_dispatch left, not the stage's first graph
     assert not [r for r in rep.records if r.what == "validation_failed"], rep.table()

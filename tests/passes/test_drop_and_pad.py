@@ -11,6 +11,7 @@ import torch
 from moe_compile import report
 from tests import _tolerance as tol
 from tests.models.capacity_layers import MegatronDropAndPadMoE
+from tests.passes._harness import metrics_over_calls
 
 
 def _step(seed: int, capacity_factor: float):
@@ -73,24 +74,11 @@ def test_combine_buffer_read_before_the_combine_is_left_alone():
 def test_dropped_fraction_reported_by_the_metrics():
     """With ``metrics=True`` the rewritten layer reports ``moe/dropped_fraction``: the routed choices past each
     expert's capacity (eager's routing map keeps ``C`` of them), averaged over the steps."""
-    from moe_compile import metrics
-    from moe_compile.backend import ConfiguredBackend
-    from moe_compile.config import make_config
-
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     model = MegatronDropAndPadMoE(capacity_factor=0.75, dtype=torch.float32,
                                   seed=int(torch.randint(0, 2**16, (), generator=gen)))
     xs = [torch.randn(48, 16, generator=gen) for _ in range(3)]
-    metrics.forget()
-    torch._dynamo.reset()
-    patches = {**metrics.inductor_patches(True), "force_disable_caches": True}
-    with torch._inductor.config.patch(patches), report.collecting() as rep:
-        compiled = torch.compile(model, backend=ConfiguredBackend(make_config(metrics=True)), fullgraph=True)
-        for x in xs:
-            compiled(x)
-    got = metrics.collect(per_layer=True)
-    metrics.forget()
-    torch._dynamo.reset()
+    got, rep = metrics_over_calls(model, xs, per_layer=True)
     assert rep.count("drop_and_pad") == 1, rep.table()
     dropped = []
     for x in xs:
