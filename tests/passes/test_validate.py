@@ -253,6 +253,12 @@ def _capacity_layer():
     return CapacityMoE(capacity_factor=0.75, dtype=torch.float32), (torch.randn(24, 16),), {}
 
 
+def _drop_and_pad_layer():
+    from tests.models.capacity_layers import MegatronDropAndPadMoE
+
+    return MegatronDropAndPadMoE(capacity_factor=0.75, dtype=torch.float32), (torch.randn(24, 16),), {}
+
+
 def _expert_choice():
     from tests.models.expert_choice import ExpertChoiceMoE
 
@@ -305,6 +311,7 @@ CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str, tuple[Callable[..
     "strip_host_padding": (_host_padded, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "fuse_dispatch": (_sort_dispatch, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "capacity_dispatch": (_capacity_layer, {}, "passes+aot_eager", (scale_forward, break_backward)),
+    "drop_and_pad": (_drop_and_pad_layer, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "replace_grouped_mm_fallback": (_grouped_mm_fallback, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "fuse_expert_mlp": (_glu_inference, {}, "passes+aot_eager", (scale_forward,)),
     "router_metrics": (_routers, {"metrics": True}, "passes+aot_eager", (nudge_input,)),
