@@ -205,12 +205,16 @@ def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int, save) -> tu
     notes: dict = {}
     torch._dynamo.reset()
 
-    def step(variant: str) -> torch.Tensor:
+    def forward_backward(variant: str) -> torch.Tensor:
         opts[variant].zero_grad(set_to_none=True)
         loss = (fns[variant](x).float() * cot.float()).sum()
         loss.backward()
-        opts[variant].step()
         return loss.detach()
+
+    def step(variant: str) -> torch.Tensor:
+        loss = forward_backward(variant)
+        opts[variant].step()
+        return loss
 
     for variant in VARIANTS:
         if not r.agree(r.elapsed() < args.budget_s * 0.7):
@@ -249,10 +253,16 @@ def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int, save) -> tu
             "buffer_bytes": int(detail.split(" bytes per buffer")[0].rsplit(" ", 1)[-1]) if ep else None,
             "S": int(detail.split("(S=")[1].split(",")[0]) if ep else None,
             "host_reads_left": sorted({rec.what for rec in rep.left if "_local_scalar_dense" in rec.what}),
+            "ep_skips": sorted({f"{rec.what}: {rec.detail}"[:400] for rec in rep.skips
+                                if rec.pass_name == "expert_parallel"}),
+            "pass_errors": sorted({f"{rec.pass_name}: {rec.detail}"[:400] for rec in rep.records
+                                   if rec.kind == "error"}),
         }
         if r.rank == 0:
             print(f"{name} {variant}: first step {first_s:.1f} s, ep rewrites {len(ep)}, "
-                  f"graph breaks {info[variant]['graph_breaks']}, graphs {info[variant]['graphs']}", flush=True)
+                  f"graph breaks {info[variant]['graph_breaks']}, graphs {info[variant]['graphs']}"
+                  + "".join(f"\n  expert_parallel skipped: {why}" for why in info[variant]["ep_skips"])
+                  + "".join(f"\n  pass error: {why}" for why in info[variant]["pass_errors"]), flush=True)
     live = list(fns)
     routing = _routing(r, models["eager"], x, S_cf) if "eager" in models else {}
     if args.start_timing_after:  # another job shared the GPUs during the compiles: time once it is done
@@ -291,7 +301,7 @@ def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int, save) -> tu
     for variant in live:
         if r.agree(r.elapsed() < args.budget_s * 0.85):
             extra[variant]["kernel_ms"] = _kernel_ms(r, lambda v=variant: step(v))
-            extra[variant]["step_extra_gb"] = _step_memory_gb(r, lambda v=variant: step(v))
+            extra[variant]["fwd_bwd_extra_gb"] = _step_memory_gb(r, lambda v=variant: forward_backward(v))
     for variant in live:
         if r.agree(r.elapsed() < args.budget_s * 0.9):
             extra[variant]["bitwise_10_steps"] = _reproducible(r, models[variant], state, step, variant, opts)
@@ -313,7 +323,7 @@ def _row(r: _Rank, variant: str, name: str, cfg: dict, batch: int, seq: int, inf
            "local_experts": L, "routed_rows": N, "dtype": "bf16", "variant": variant,
            "capacity_factor": CAPACITY_FACTOR if variant.endswith("cf1.25") else None,
            "step_ms": None, "step_ms_rank0": None, "rounds": args.rounds, "kernel_ms": None,
-           "step_extra_gb": None, "bitwise_10_steps": None, "buffer_rows": None, "buffer_bytes": None,
+           "fwd_bwd_extra_gb": None, "bitwise_10_steps": None, "buffer_rows": None, "buffer_bytes": None,
            "dropped_fraction": None, "error": None}
     row.update({k: v for k, v in info.get(variant, {}).items()})
     if variant in slowest:
@@ -351,7 +361,8 @@ def _kernel_ms(r: _Rank, run) -> float | None:
 
 
 def _step_memory_gb(r: _Rank, run) -> float | None:
-    """Memory a step allocates past what is resident (every variant's weights and optimizer states)."""
+    """Peak memory of a forward and backward past what is resident (every variant's weights and optimizer states;
+    the optimizer step is left out: foreach AdamW's temporaries, the size of the parameters, would be the peak)."""
     if not r.cuda:
         return None
     r.sync()

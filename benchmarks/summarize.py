@@ -270,11 +270,30 @@ def capacity(rows: list[Row]) -> tuple[str, str]:
             "moe_compile", "; ".join(parts))
 
 
+def ep(rows: list[Row]) -> tuple[str, str]:
+    parts = []
+    for model in _ordered(rows, "model"):
+        got = {r["variant"]: r for r in rows if r["model"] == model}
+        cells = " / ".join(_num(got[v]["step_ms"]) if v in got else "-"
+                           for v in ("eager", "inductor", "moe_compile", "moe_compile_cf1.25"))
+        ours = got.get("moe_compile", {})
+        text = f"{MODELS.get(model, model)} {cells}"
+        if ours.get("ep_rewrites") is not None:
+            text += f" (expert_parallel rewrites: {ours['ep_rewrites']}"
+            if ours.get("bitwise_10_steps") is not None:
+                text += f"; 10 AdamW steps bitwise: {'yes' if ours['bitwise_10_steps'] else 'no'}"
+            text += ")"
+        parts.append(text)
+    return (f"expert parallelism over {rows[0]['W']} GPUs (TitanStyleEP decoder, 2 layers, 2 x 2048 tokens per rank), "
+            "training step ms: eager / plain Inductor / moe_compile / moe_compile ep_capacity_factor 1.25",
+            "; ".join(parts))
+
+
 FORMATTERS: dict[str, Callable[[list[Row]], tuple[str, str]]] = {
     "moe_block": moe_block, "loops": loops, "host_cost": host_cost, "dispatch": dispatch, "decode": decode,
     "grouped_gemm": grouped_gemm, "grouped_gemm_sweep": grouped_gemm_sweep, "grouped_weight": grouped_weight,
     "quant_block": quant_block, "attention": attention, "train_determinism": train_determinism,
-    "validation_cost": validation_cost, "capacity": capacity,
+    "validation_cost": validation_cost, "capacity": capacity, "ep": ep,
 }
 
 

@@ -156,6 +156,8 @@ def _compiled_phase(fresh, x, cot, ref, eager, left_reads, device) -> dict:
             rewrites=sorted({f"{r.layer}:{r.pass_name}" for r in rep.rewrites}),
             rewrite_details=[r.detail for r in rep.rewrites if r.pass_name == "expert_parallel"],
             skips=sorted({f"{r.pass_name}:{r.what}" for r in rep.skips}),
+            skip_details=_ep_skips(rep),
+            errors=sorted({f"{r.pass_name}: {r.what}: {r.detail}"[:600] for r in rep.records if r.kind == "error"}),
             left=sorted({r.what for r in rep.left}),
             graph_breaks=sum(torch._dynamo.utils.counters["graph_break"].values()),
             host_reads_left=left_reads[:],
@@ -197,6 +199,11 @@ def _deterministic(fresh, x, cot, ref, eager) -> dict:
             "differing": sorted(k for k in got if not torch.equal(got[k], again[k]))}
 
 
+def _ep_skips(rep) -> list[str]:
+    """Why ``expert_parallel`` left an exchange alone (reason tag and detail)."""
+    return sorted({f"{r.pass_name}:{r.what}: {r.detail}" for r in rep.skips if r.pass_name == "expert_parallel"})
+
+
 def _capture_phase(fresh, tokens, references, left_reads) -> dict:
     import moe_compile
     from moe_compile import report
@@ -209,9 +216,9 @@ def _capture_phase(fresh, tokens, references, left_reads) -> dict:
     left_reads.clear()
     model = fresh()
     steps = 0
-    try:
-        compiled = moe_compile.compile(model, mode="reduce-overhead")
-        with torch._inductor.config.patch({**STRICT, "force_disable_caches": True}), report.collecting() as rep:
+    compiled = moe_compile.compile(model, mode="reduce-overhead")
+    with torch._inductor.config.patch({**STRICT, "force_disable_caches": True}), report.collecting() as rep:
+        try:
             for _ in range(4):  # warm-up, record, replays on new tokens (new routing, new counts)
                 x, cot = tokens()
                 torch.compiler.cudagraph_mark_step_begin()
@@ -220,16 +227,16 @@ def _capture_phase(fresh, tokens, references, left_reads) -> dict:
             torch.compiler.cudagraph_mark_step_begin()
             again = tol.layer_step(compiled, model, x, cot)
             steps += 1
-        out.update(rewrites=sorted({f"{r.layer}:{r.pass_name}" for r in rep.rewrites}),
-                   host_reads_left=left_reads[:],
-                   cudagraph_skips=counters["inductor"]["cudagraph_skips"],
-                   bitwise_replay=all(torch.equal(got[k], again[k]) for k in got),
-                   differing=sorted(k for k in got if not torch.equal(got[k], again[k])))
-        ref, eager = references(x, cot)
-        out.update(_judge(got, eager, ref))
-        out["captured"] = True
-    except Exception as exc:  # noqa: BLE001 - why capture failed, recorded
-        out.update(captured=False, steps_done=steps, **_error(exc))
+        except Exception as exc:  # noqa: BLE001 - why capture failed, recorded
+            out.update(captured=False, steps_done=steps, skip_details=_ep_skips(rep), **_error(exc))
+            return out
+    out.update(rewrites=sorted({f"{r.layer}:{r.pass_name}" for r in rep.rewrites}), skip_details=_ep_skips(rep),
+               host_reads_left=left_reads[:], cudagraph_skips=counters["inductor"]["cudagraph_skips"],
+               bitwise_replay=all(torch.equal(got[k], again[k]) for k in got),
+               differing=sorted(k for k in got if not torch.equal(got[k], again[k])))
+    ref, eager = references(x, cot)
+    out.update(_judge(got, eager, ref))
+    out["captured"] = True
     return out
 
 
