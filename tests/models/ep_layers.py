@@ -52,6 +52,8 @@ class _ExpertParallelBase(nn.Module):
 
 
 class TitanStyleEP(_ExpertParallelBase):
+    exchange = staticmethod(funcol.all_to_all_single_autograd)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, order, counts, rows = self.route(x)
         counts_recv = funcol.all_to_all_single(counts, None, None, self.group)
@@ -59,7 +61,7 @@ class TitanStyleEP(_ExpertParallelBase):
         by_src = counts_recv.view(self.world, self.local)  # [source rank, local expert]
         input_splits = counts.view(self.world, self.local).sum(1).tolist()
         output_splits = by_src.sum(1).tolist()
-        recv = funcol.all_to_all_single_autograd(rows, output_splits, input_splits, self.group)
+        recv = self.exchange(rows, output_splits, input_splits, self.group)
         # regroup: received segments are (source, expert)-major; the experts want (expert, source)-major
         seg_counts = by_src.t().flatten()
         seg_starts = (by_src.flatten().cumsum(0) - by_src.flatten()).view(self.world, self.local).t().flatten()
@@ -71,8 +73,34 @@ class TitanStyleEP(_ExpertParallelBase):
         gate, up = torch._grouped_mm(recv[perm], self.w_gate_up, offs=offs).chunk(2, dim=-1)
         out = torch._grouped_mm(F.silu(gate) * up, self.w_down, offs=offs)
         back = torch.zeros_like(out).index_copy(0, perm, out)
-        returned = funcol.all_to_all_single_autograd(back, input_splits, output_splits, self.group)
+        returned = self.exchange(back, input_splits, output_splits, self.group)
         return self.combine(returned, order, weights)
+
+
+class _WaitOnUse(torch.autograd.Function):
+    """torch <= 2.11's ``_FromTorchTensor``: the collective's result waited on when traced, gradient unchanged."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return funcol.wait_tensor(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def all_to_all_single_autograd_211(rows, output_splits, input_splits, group):
+    """``funcol.all_to_all_single_autograd`` as torch 2.11 writes it (the device machines' torch): the autograd
+    collective op, then an autograd function that waits; torch 2.13's is the plain op (autograd built in) + a wait."""
+    group_name = funcol._resolve_group_name(group)
+    out = torch.ops._c10d_functional_autograd.all_to_all_single(rows, output_splits, input_splits, group_name)
+    return _WaitOnUse.apply(out)
+
+
+class TitanStyleEP211(TitanStyleEP):
+    """:class:`TitanStyleEP` with torch 2.11's spelling of the autograd all-to-all (whatever torch runs the test)."""
+
+    exchange = staticmethod(all_to_all_single_autograd_211)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -116,4 +144,4 @@ class AutogradAllToAllEP(_ExpertParallelBase):
         return self.combine(returned, order, weights)
 
 
-EP_LAYERS = {"titan": TitanStyleEP, "autograd_all_to_all": AutogradAllToAllEP}
+EP_LAYERS = {"titan": TitanStyleEP, "titan_211": TitanStyleEP211, "autograd_all_to_all": AutogradAllToAllEP}

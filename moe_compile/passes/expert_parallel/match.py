@@ -98,12 +98,51 @@ def has_host_splits(node: fx.Node) -> bool:
 
 
 def waits(node: fx.Node) -> tuple[fx.Node, ...]:
-    """The chain of ``wait_tensor`` calls on a collective's result (Dynamo may record two)."""
+    """The chain of nodes that waits on a collective's result, the waited tensor last: ``wait_tensor`` calls (Dynamo
+    may record two), or torch 2.11's ``all_to_all_single_autograd``, whose autograd function waits
+    (:func:`_wait_on_use`: the ``autograd_function_apply`` and its ``getitem``)."""
     chain: list[fx.Node] = []
     while len(node.users) == 1 and op_name(next(iter(node.users))) == WAIT:
         node = next(iter(node.users))
         chain.append(node)
+    if not chain and len(node.users) == 1:
+        hop = next(iter(node.users))
+        got = _wait_on_use(hop, node)
+        if got is not None:
+            chain += [hop, got]
     return tuple(chain)
+
+
+def _wait_on_use(hop: fx.Node, tensor: fx.Node) -> fx.Node | None:
+    """``getitem(hop, 0)`` when ``hop`` is an ``autograd_function_apply`` whose forward only waits on ``tensor``
+    (besides grad-mode switches) and whose backward hands the gradient back unchanged (torch 2.11's
+    ``_FromTorchTensor``), else None."""
+    gm = hop.graph.owning_module
+    if op_name(hop) != "autograd_function_apply" or gm is None or len(hop.args) < 3 \
+            or not all(isinstance(a, fx.Node) and a.op == "get_attr" for a in hop.args[:2]):
+        return None
+    inputs = list(hop.args[2:])
+    if inputs.count(tensor) != 1 or len(hop.users) != 1:
+        return None
+    (item,) = hop.users
+    if op_name(item) != "getitem" or item.args[1] != 0:
+        return None
+    fwd, bwd = (getattr(gm, a.target, None) for a in hop.args[:2])
+    if not isinstance(fwd, fx.GraphModule) or not isinstance(bwd, fx.GraphModule):
+        return None
+    at = inputs.index(tensor)
+    fwd_in = list(fwd.graph.find_nodes(op="placeholder"))
+    calls = [n for n in fwd.graph.nodes if n.op == "call_function" and n.target is not torch._C._set_grad_enabled]
+    if len(fwd_in) != len(inputs) or len(calls) != 1 or op_name(calls[0]) != WAIT or calls[0].args[0] is not fwd_in[at]:
+        return None
+    out = fwd.graph.output_node().args[0]
+    if not (isinstance(out, tuple) and out and isinstance(out[0], tuple) and out[0] == (calls[0],)):
+        return None
+    grad = next(iter(bwd.graph.find_nodes(op="placeholder")), None)
+    bwd_out = bwd.graph.output_node().args[0]
+    if grad is None or not isinstance(bwd_out, tuple) or len(bwd_out) != len(inputs) or bwd_out[at] is not grad:
+        return None
+    return item
 
 
 def _readers(node: fx.Node) -> list[fx.Node]:

@@ -16,6 +16,7 @@ from moe_compile.passes._graph import (
     fake_mode_of,
     graph_call,
     layer_name,
+    op_name,
     ops_available,
     refresh_example_values,
     same_int,
@@ -65,6 +66,22 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         erase_dead_host_reads(graph)
 
 
+class _WaitWithGrad(torch.autograd.Function):
+    """``wait_tensor`` whose gradient is the incoming one (whatever torch's own wait registers for autograd)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.ops._c10d_functional.wait_tensor(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def wait_with_grad(tensor: torch.Tensor) -> torch.Tensor:
+    return _WaitWithGrad.apply(tensor)
+
+
 def capacity(ex: Exchange, factor: float | None) -> int:
     """``S``: rows one rank sends one rank. ``None``: the bound (no row dropped); ``f``: ``ceil(f * N / W)``, at
     least 1 and at most the bound."""
@@ -82,7 +99,9 @@ def rewrite(graph: fx.Graph, ex: Exchange, S: int) -> str:
     W, L, N = ex.world, ex.local, ex.num_rows
     gather_rows = torch.ops.moe.gather_rows.default
     group = arg(ex.send, 3, "group_name")
-    wait = ex.send_waits[0].target
+    # torch 2.11's autograd all-to-all waits inside an autograd function (its host-read sizes among the
+    # function's inputs): the new exchange waits through ours
+    wait = ex.send_waits[0].target if op_name(ex.send_waits[0]) != "autograd_function_apply" else wait_with_grad
     splits = [S] * W
     meta = ex.send
     with graph.inserting_before(ex.send):
@@ -114,7 +133,7 @@ def rewrite(graph: fx.Graph, ex: Exchange, S: int) -> str:
         graph.erase_node(node)
     erase_dead(graph, [ex.back, *ex.inverse_nodes, ex.gather])
     for node in (*reversed(ex.send_waits), ex.send):  # collectives: erased by hand (FX may call them impure)
-        if not node.users:
+        if not node.users and not getattr(node, "_erased", False):
             graph.erase_node(node)
     erase_dead(graph, [ex.perm, *ex.offs])
     order = topo_index(graph)
