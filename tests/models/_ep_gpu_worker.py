@@ -51,23 +51,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
 
-    from moe_compile.passes import expert_parallel
-    from moe_compile.passes._host_sync import host_reads
     from tests import _tolerance as tol
+    from tests.models._ep_worker import record_host_reads_left
     from tests.models.ep_layers import EP_LAYERS
 
     rank, world = args.rank, args.world
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    left_reads: list[list[str]] = []
-    run_pass = expert_parallel.run
-
-    def recording_run(graph, ctx):  # the host reads each graph keeps after the pass
-        run_pass(graph, ctx)
-        left_reads.append(sorted(r.item.name for r in host_reads(graph).values()))
-
-    expert_parallel.run = recording_run
+    left_reads, stop_recording = record_host_reads_left()
     result: dict = {"rank": rank, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__}
 
@@ -123,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         save()
         raise
     finally:
-        expert_parallel.run = run_pass
+        stop_recording()
         dist.destroy_process_group()
     save()
 

@@ -11,6 +11,7 @@ import copy
 import json
 import math
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,22 +52,33 @@ def _dropping(cls, capacity):
     return type(f"Dropping{cls.__name__}", (_Drops, cls), {"capacity": capacity})
 
 
+def record_host_reads_left() -> tuple[list[list[str]], Callable[[], None]]:
+    """Wrap the ``expert_parallel`` pass so that it appends, per graph it runs on, the host reads the graph keeps
+    after it; returns that list and the function that puts the pass back."""
+    from moe_compile.passes import expert_parallel
+    from moe_compile.passes._host_sync import host_reads
+
+    left: list[list[str]] = []
+    run_pass = expert_parallel.run
+
+    def recording_run(graph, ctx):
+        run_pass(graph, ctx)
+        left.append(sorted(r.item.name for r in host_reads(graph).values()))
+
+    expert_parallel.run = recording_run
+
+    def stop() -> None:
+        expert_parallel.run = run_pass
+    return left, stop
+
+
 def main(kind: str, rank: int, world: int, store_path: str, result_path: str, factor: float | None = None) -> None:
     import moe_compile
     from moe_compile import report
-    from moe_compile.passes import expert_parallel
-    from moe_compile.passes._host_sync import host_reads
     from tests import _tolerance as tol
     from tests.models.ep_layers import EP_LAYERS
 
-    left_reads: list[list[str]] = []
-    run_pass = expert_parallel.run
-
-    def recording_run(graph, ctx):  # the host reads each graph keeps after the pass
-        run_pass(graph, ctx)
-        left_reads.append(sorted(r.item.name for r in host_reads(graph).values()))
-
-    expert_parallel.run = recording_run
+    left_reads, stop_recording = record_host_reads_left()
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)  # the router is replicated: the same on every rank
@@ -111,7 +123,7 @@ def main(kind: str, rank: int, world: int, store_path: str, result_path: str, fa
             result["drops"] = _check_drops(kind, layer, x, factor, fresh, left_reads)
     finally:
         dist.destroy_process_group()
-        expert_parallel.run = run_pass
+        stop_recording()
     with open(result_path, "w") as f:
         json.dump(result, f)
 
