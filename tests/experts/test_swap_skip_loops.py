@@ -49,9 +49,14 @@ def test_skip_loop_swapped_one_graph_within_eager_bound(experts, gate):
     assert "routed by gate_call" in swaps[0].detail and "+ shared_experts" in swaps[0].detail, swaps[0].detail
     assert not [r for r in rep.records if r.kind == "skip" and r.layer.endswith("experts")], rep
     assert rep.clean, rep
-    ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, dtype=torch.float32, always_judged=("out",))
+    # one expert's gradient sums the few rows routed to it: eager's error there is one draw of a few roundings, which
+    # may land near the reference by luck (fresh-clone CI: expert 7's w1 gradient 5.4e-7 off, its bound 5.1e-7); the
+    # step's noise is its floor, as for one-token tensors (few_samples, FINDINGS C5)
+    few = {n for n in ref if n.startswith("grad:experts.") and n.split(".")[1].isdigit()}
+    ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, dtype=torch.float32, always_judged=("out",),
+                                                 few_samples=few)
     assert ok and not unjudged, (worst, unjudged, [(r.name, r.compiled, r.bound) for r in tol.eager_bound_errors(
-        got, eager, ref, dtype=torch.float32) if r.ratio > 1])
+        got, eager, ref, dtype=torch.float32, few_samples=few) if r.ratio > 1])
 
 
 def test_skip_loop_gate_without_ids_is_left_alone():
