@@ -185,6 +185,9 @@ def _launch_triton(src: Tensor, idx: Tensor, num_rows: int, mask: Tensor | None,
     return out
 
 
+SEARCH_BLOCK = 256  # queries per program of the sorted offsets' binary search
+
+
 def _sorted_offsets(idx: Tensor, num_rows: int) -> Tensor:
     """int64 ``[R + 1]``: ``offsets[r]`` = the first position of the non-decreasing ``idx`` whose value is ``>= r``
     (``torch.searchsorted(idx, arange(R + 1))``, by a Triton binary search: Inductor 2.11 cannot lower
@@ -198,9 +201,6 @@ def _sorted_offsets(idx: Tensor, num_rows: int) -> Tensor:
                           idx, out, N, num_rows + 1, STEPS=steps, BLOCK=SEARCH_BLOCK,
                           traced=_common.is_traced(idx), options=dict(num_warps=4))
     return out
-
-
-SEARCH_BLOCK = 256
 
 
 # ===== op (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)) =====
@@ -282,15 +282,14 @@ def segment_sum(src_ND: Tensor, idx_N: Tensor, num_rows: int, mask_N: Tensor | N
 
 
 def gather_segment_sum_reference(src_SD: Tensor, src_idx_N: Tensor, idx_N: Tensor, num_rows: int,
-                                 weight_N: Tensor | None = None, mask_N: Tensor | None = None,
-                                 idx_sorted: bool = False) -> Tensor:
+                                 weight_N: Tensor | None = None, mask_N: Tensor | None = None) -> Tensor:
     """Pure-PyTorch ``moe.gather_segment_sum`` (the CPU kernel and the test oracle): each row the sum, in entry
-    order, of ``weight[i] * src[src_idx[i]]`` over its entries ``i`` (fp32 accumulation for 16-bit ``src``)."""
+    order, of ``weight[i] * src[src_idx[i]]`` over its entries ``i`` (fp32 accumulation for 16-bit ``src``). Sorted
+    ``idx`` or not: the stable sort keeps each row's entries in entry order (``idx_sorted`` saves it on CUDA only)."""
     keep_N = (idx_N >= 0) & (idx_N < num_rows)
     if mask_N is not None:
         keep_N = keep_N & mask_N
     acc = torch.float64 if src_SD.dtype == torch.float64 else torch.float32
-    # sorted or not: the stable sort keeps each row's entries in entry order (``idx_sorted`` saves it on CUDA only)
     order_N, offsets_R1 = _segments(idx_N, num_rows, keep_N)
     rows_N = torch.where(keep_N, src_idx_N, 0).index_select(0, order_N)
     vals = src_SD.index_select(0, rows_N).to(acc) if src_SD.shape[0] else \
@@ -302,8 +301,6 @@ def gather_segment_sum_reference(src_SD: Tensor, src_idx_N: Tensor, idx_N: Tenso
 
 
 def _check_gather_args(src, src_idx, idx, num_rows, weight, mask, idx_sorted, src_idx_sorted, debug) -> None:
-    if not isinstance(src, Tensor):
-        raise ValueError(f"src must be a torch.Tensor, got {type(src).__name__}")
     _common.check_float_tensor(src, "src", 2)
     _common.check_int_tensor(src_idx, "src_idx", 1)
     _common.check_int_tensor(idx, "idx", 1)
@@ -328,7 +325,7 @@ def _check_gather_args(src, src_idx, idx, num_rows, weight, mask, idx_sorted, sr
         _common.check_bool(flag, name)
 
 
-def _check_gather_values(src, src_idx, idx, num_rows, mask, idx_sorted) -> None:
+def _check_gather_values(src, src_idx, idx, mask, idx_sorted) -> None:
     """Host checks (CPU tensors, not traced): the read rows in range; ``idx`` sorted where it says so."""
     if mask is not None:
         src_idx = src_idx[mask]
@@ -348,8 +345,8 @@ def _gather_segment_sum_body(src: Tensor, src_idx: Tensor, idx: Tensor, num_rows
                                 "moe.gather_segment_sum: src_idx values must be in [0, src rows) (debug=True)")
         return _launch_triton(src, idx, num_rows, mask, debug, gather=src_idx, weight=weight, idx_sorted=idx_sorted)
     if not _common.is_traced(src):
-        _check_gather_values(src, src_idx, idx, num_rows, mask, idx_sorted)
-    return gather_segment_sum_reference(src, src_idx, idx, num_rows, weight, mask, idx_sorted)
+        _check_gather_values(src, src_idx, idx, mask, idx_sorted)
+    return gather_segment_sum_reference(src, src_idx, idx, num_rows, weight, mask)
 
 
 def _gather_segment_sum_fake(src, src_idx, idx, num_rows, weight=None, mask=None, idx_sorted=False,
@@ -387,13 +384,12 @@ def _gather_backward(ctx, grad_out):
     if ctx.has[1]:
         keep = keep & mask
     idx_sorted, src_idx_sorted = ctx.flags
+    safe = torch.where(keep, idx, 0)
     grad_src = grad_weight = None
     if ctx.needs_input_grad[0]:
-        grad_src = _GATHER_SEGMENT_SUM(grad_out, torch.where(keep, idx, 0), src_idx, ctx.src_rows, weight, keep,
-                                       src_idx_sorted, idx_sorted)
+        grad_src = _GATHER_SEGMENT_SUM(grad_out, safe, src_idx, ctx.src_rows, weight, keep, src_idx_sorted, idx_sorted)
     if weight is not None and ctx.needs_input_grad[4]:
         acc = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
-        safe = torch.where(keep, idx, 0)
         dots = (grad_out.index_select(0, safe).to(acc) * src.index_select(0, torch.where(keep, src_idx, 0)).to(acc)
                 ).sum(-1)
         grad_weight = torch.where(keep, dots, torch.zeros((), dtype=acc, device=dots.device)).to(weight.dtype)

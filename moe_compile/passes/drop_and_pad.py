@@ -56,8 +56,8 @@ from moe_compile.passes._graph import (
     transitive_users,
 )
 from moe_compile.passes.forms.combine import read_accumulate
+from moe_compile.passes.forms.ops import is_zeros
 
-_ZEROS = ("zeros", "zeros_like", "new_zeros")
 _GATHERS = ("index_select", "getitem")
 
 
@@ -133,10 +133,6 @@ def _gather_rows(src: torch.Tensor, idx_N: torch.Tensor) -> torch.Tensor:
     return gather_segment_sum(flat, idx_N, entries, n, idx_sorted=True).view(n, *src.shape[1:])
 
 
-def _combine(y_NH: torch.Tensor, slots_N: torch.Tensor, rows: int) -> torch.Tensor:
-    return segment_sum(y_NH, slots_N, rows)
-
-
 def _rewrite_gather(graph: fx.Graph, node: fx.Node, derived: set[fx.Node]) -> str | None:
     name = op_name(node)
     if name not in _GATHERS or not isinstance(node.args[0], fx.Node):
@@ -170,7 +166,7 @@ def _rewrite_combine(graph: fx.Graph, node: fx.Node, derived: set[fx.Node]) -> s
         return None
     buf, y = acc.buffer, acc.src
     bv, yv, iv = tensor_val(buf), tensor_val(y), tensor_val(acc.index)
-    if not isinstance(buf, fx.Node) or op_name(buf) not in _ZEROS or bv is None or yv is None or iv is None \
+    if not isinstance(buf, fx.Node) or not is_zeros(buf) or bv is None or yv is None or iv is None \
             or bv.dim() != 2 or yv.dim() != 2 or bv.shape[1] != yv.shape[1] or yv.shape[0] != iv.shape[0] \
             or bv.dtype != yv.dtype:
         raise NoMatch("unexpected_signature", f"{node.name}: the combine's buffer or rows do not match "
@@ -184,7 +180,7 @@ def _rewrite_combine(graph: fx.Graph, node: fx.Node, derived: set[fx.Node]) -> s
         raise NoMatch("combine_buffer_reused", f"{buf.name} is used before or beside {node.name}")
     what = f"combine {op_name(node)} into {buf.name}"
     with graph.inserting_before(node):
-        new = graph_call(graph, _combine, y, acc.index, known_int(bv.shape[0]), meta_from=node)
+        new = graph_call(graph, segment_sum, y, acc.index, known_int(bv.shape[0]), meta_from=node)
     for user in list(buf.users):
         if user is not node:
             user.replace_input_with(buf, new)

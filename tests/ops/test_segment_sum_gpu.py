@@ -38,7 +38,7 @@ def test_gather_segment_sum_kernel(S, N, H, R, dtype, idx_sorted):
     idx = idx.sort().values if idx_sorted else idx
     weight = torch.rand(N, generator=gen)
     mask = torch.rand(N, generator=gen) > 0.2
-    want = gather_segment_sum_reference(src, src_idx, idx, R, weight, mask, idx_sorted)
+    want = gather_segment_sum_reference(src, src_idx, idx, R, weight, mask)
     args = [t.cuda() for t in (src, src_idx, idx)]
     got = gather_segment_sum(*args, R, weight.cuda(), mask.cuda(), idx_sorted=idx_sorted, debug=True)
     terms = src.double()[src_idx].abs() * weight.double()[:, None]

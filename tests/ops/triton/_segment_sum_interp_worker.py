@@ -140,7 +140,7 @@ def _run_gather_case(S, N, D, R, dtype_name, weighted, masked, idx_sorted, block
     mask = torch.rand(N, generator=gen) > 0.3 if masked else None
     if mask is not None:
         src_idx = torch.where(mask, src_idx, 10**6)  # a skipped entry's row is never read
-    want = ss.gather_segment_sum_reference(src, src_idx, idx, R, weight, mask, idx_sorted)
+    want = ss.gather_segment_sum_reference(src, src_idx, idx, R, weight, mask)
     got = ss._launch_triton(src, idx, R, mask, gather=src_idx, weight=weight, idx_sorted=idx_sorted,
                             block_j=block_j)
     assert got.dtype == want.dtype and got.shape == want.shape == (R, D), (got.shape, want.shape)
