@@ -13,6 +13,12 @@ Variants, each on its own copy of the same weights:
 * ``moe_compile_cf1.25``: the same with ``ep_capacity_factor=1.25``: ``S = ceil(1.25 * N / W)``, rows past ``S`` per
   destination dropped; ``dropped_fraction`` is counted from the routing at the initial weights and tokens (rows
   each rank sends one rank past ``S``, over all routed rows of all layers and ranks).
+* ``moe_compile_graphs`` / ``moe_compile_graphs_cf1.25``: the same two under ``mode="reduce-overhead"`` with strict
+  capture (``triton.cudagraph_or_error``, no graph partition: the whole forward and backward each one CUDA graph;
+  AdamW runs outside), what the rewrite makes possible: the host-synced exchange cannot be captured. CUDA only.
+
+Every ``moe_compile`` variant is compiled with ``deterministic=True`` (the bitwise promise is one of the targets);
+eager and plain Inductor run as users run them (FlashAttention's backward adds dQ with atomics there).
 
 Per variant: the step's wall time (median over interleaved rounds after warm-up of the slowest rank's time per
 round), the GPU kernel time of one profiled step (sum over kernels, rank 0; NCCL kernels count their waiting), the
@@ -31,6 +37,7 @@ runs a small configuration over gloo (a check of the script, not a measurement).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -49,7 +56,11 @@ from torch import nn
 
 from benchmarks._bench_env import REPO_ROOT, add_results_args, device_env, results_path, sync, write_results
 
-VARIANTS = ("eager", "moe_compile", "inductor", "moe_compile_cf1.25")  # compile order: the core comparison first
+# compile order: the core comparison first
+VARIANTS = ("eager", "moe_compile", "inductor", "moe_compile_cf1.25", "moe_compile_graphs", "moe_compile_graphs_cf1.25")
+CUDA_ONLY = ("moe_compile_graphs", "moe_compile_graphs_cf1.25")
+# strict capture (as tests/models/_ep_gpu_worker.py): a part Inductor cannot capture raises instead of running eagerly
+STRICT = {"graph_partition": False, "triton.cudagraph_or_error": True}
 CAPACITY_FACTOR = 1.25
 LAYERS, BATCH, SEQ = 2, 2, 2048
 # MHA, 16 heads of 128 (Qwen3-30B-A3B has GQA 32 / 4 heads, DeepSeek-V3 latent attention; the MoE is the subject)
@@ -182,9 +193,12 @@ def _compile(variant: str, model: nn.Module):
         return model
     if variant == "inductor":
         return torch.compile(model)
-    if variant == "moe_compile":
-        return moe_compile.compile(model)
-    return moe_compile.compile(model, ep_capacity_factor=CAPACITY_FACTOR)
+    kwargs: dict = {"deterministic": True}
+    if variant.endswith("cf1.25"):
+        kwargs["ep_capacity_factor"] = CAPACITY_FACTOR
+    if "_graphs" in variant:
+        kwargs["mode"] = "reduce-overhead"
+    return moe_compile.compile(model, **kwargs)
 
 
 def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int, save) -> tuple[list[dict], dict]:
@@ -207,6 +221,8 @@ def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int, save) -> tu
 
     def forward_backward(variant: str) -> torch.Tensor:
         opts[variant].zero_grad(set_to_none=True)
+        if "_graphs" in variant:
+            torch.compiler.cudagraph_mark_step_begin()
         loss = (fns[variant](x).float() * cot.float()).sum()
         loss.backward()
         return loss.detach()
@@ -217,6 +233,8 @@ def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int, save) -> tu
         return loss
 
     for variant in VARIANTS:
+        if variant in CUDA_ONLY and not r.cuda:
+            continue
         if not r.agree(r.elapsed() < args.budget_s * 0.7):
             notes.setdefault("skipped", []).append(f"{variant}: time budget")
             continue
@@ -225,8 +243,10 @@ def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int, save) -> tu
         fns[variant] = _compile(variant, models[variant])
         breaks = sum(counters["graph_break"].values())
         graphs = counters["stats"]["unique_graphs"]
+        skips_before = counters["inductor"]["cudagraph_skips"]
+        strict = torch._inductor.config.patch(STRICT) if "_graphs" in variant else contextlib.nullcontext()
         try:
-            with report.collecting() as rep:
+            with report.collecting() as rep, strict:
                 t = time.perf_counter()
                 step(variant)
                 r.sync()
@@ -249,6 +269,7 @@ def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int, save) -> tu
         info[variant] = {
             "first_step_s": first_s, "graph_breaks": sum(counters["graph_break"].values()) - breaks,
             "graphs": counters["stats"]["unique_graphs"] - graphs, "ep_rewrites": len(ep),
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips_before,
             "ep_detail": detail[:400],
             "buffer_bytes": int(detail.split(" bytes per buffer")[0].rsplit(" ", 1)[-1]) if ep else None,
             "S": int(detail.split("(S=")[1].split(",")[0]) if ep else None,
@@ -337,7 +358,7 @@ def _row(r: _Rank, variant: str, name: str, cfg: dict, batch: int, seq: int, inf
         row["buffer_rows"] = routing["recv_rows_mean"]
         row["buffer_rows_max"] = routing["recv_rows_max"]
         row["buffer_bytes"] = int(routing["recv_rows_max"] * H * 2)
-    if variant == "moe_compile":
+    if variant in ("moe_compile", "moe_compile_graphs"):
         row["dropped_fraction"] = 0.0
     elif variant.endswith("cf1.25") and routing:
         row["dropped_fraction"] = routing["dropped_fraction_cf"]
@@ -431,7 +452,9 @@ def _print_targets(rows: list[dict]) -> None:
     by = {(r["model"], r["W"], r["variant"]): r["step_ms"] for r in rows}
     for model, W in sorted({(r["model"], r["W"]) for r in rows}):
         eager, plain = by.get((model, W, "eager")), by.get((model, W, "inductor"))
-        for variant in ("moe_compile", "moe_compile_cf1.25"):
+        for variant in VARIANTS[1:]:
+            if variant == "inductor":
+                continue
             ours = by.get((model, W, variant))
             if not ours:
                 print(f"target {model} W={W} {variant}: no time measured")

@@ -47,10 +47,12 @@ if [ "$what" != tests ]; then
     # capacity layers at T 16384: eager's one-hot [T, E, C] einsums and 9 compiles per shape
     [ "$stem" = capacity ] && limit=420
     # expert parallelism: launches one process per GPU itself (NCCL, NVLink multicast off) and writes ep_w<W>.json;
-    # prints a skip and writes nothing below 2 GPUs. Its budget skips the second model when the compiles run long
-    [ "$stem" = ep ] && { extra=(--budget-s 200); limit=360; }
+    # prints a skip and writes nothing below 2 GPUs. Its budget skips the second model when the compiles run long;
+    # EP_WORLD=W runs W ranks of a larger machine (default: every GPU)
+    [ "$stem" = ep ] && { extra=(--budget-s ${EP_BUDGET_S:-300}); limit=$((${EP_BUDGET_S:-300} + 160)); }
     if [ -n "${BUDGET_S:-}" ] && grep -q -- "--budget-s" "$bench"; then extra=(--budget-s "$BUDGET_S"); limit=$((BUDGET_S + 90)); fi
     echo "=== $bench"
+    [ "$stem" = ep ] && [ -n "${EP_WORLD:-}" ] && extra+=(--world "$EP_WORLD")
     timeout $limit python3 -m "benchmarks.bench_$stem" --save "${extra[@]}" "$@" > "/tmp/bench_$stem.log" 2>&1 || status=1
     grep -v Warning "/tmp/bench_$stem.log" | tail -4
   done

@@ -274,19 +274,23 @@ def ep(rows: list[Row]) -> tuple[str, str]:
     parts = []
     for model in _ordered(rows, "model"):
         got = {r["variant"]: r for r in rows if r["model"] == model}
-        cells = " / ".join(_num(got[v]["step_ms"]) if v in got else "-"
-                           for v in ("eager", "inductor", "moe_compile", "moe_compile_cf1.25"))
-        ours = got.get("moe_compile", {})
+        cells = " / ".join(_num(got[v]["step_ms"]) if v in got else "-" for v in EP_VARIANTS)
         text = f"{MODELS.get(model, model)} {cells}"
-        if ours.get("ep_rewrites") is not None:
-            text += f" (expert_parallel rewrites: {ours['ep_rewrites']}"
-            if ours.get("bitwise_10_steps") is not None:
-                text += f"; 10 AdamW steps bitwise: {'yes' if ours['bitwise_10_steps'] else 'no'}"
+        ours = [got[v] for v in EP_VARIANTS[2:] if v in got]
+        if ours and ours[0].get("ep_rewrites") is not None:
+            text += f" (expert_parallel rewrites: {ours[0]['ep_rewrites']}"
+            bitwise = [r["bitwise_10_steps"] for r in ours if r.get("bitwise_10_steps") is not None]
+            if bitwise:
+                text += f"; 10 AdamW steps bitwise: {'yes' if all(bitwise) else 'no'} ({len(bitwise)} variants)"
             text += ")"
         parts.append(text)
     return (f"expert parallelism over {rows[0]['W']} GPUs (TitanStyleEP decoder, 2 layers, 2 x 2048 tokens per rank), "
-            "training step ms: eager / plain Inductor / moe_compile / moe_compile ep_capacity_factor 1.25",
-            "; ".join(parts))
+            "training step ms: eager / plain Inductor / moe_compile / ep_capacity_factor 1.25 / CUDA graphs / "
+            "CUDA graphs at 1.25 (moe_compile deterministic=True)", "; ".join(parts))
+
+
+EP_VARIANTS = ("eager", "inductor", "moe_compile", "moe_compile_cf1.25", "moe_compile_graphs",
+               "moe_compile_graphs_cf1.25")
 
 
 FORMATTERS: dict[str, Callable[[list[Row]], tuple[str, str]]] = {
