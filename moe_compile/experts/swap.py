@@ -495,7 +495,7 @@ def swap_expert_loops(model: nn.Module) -> list[tuple[str, str, str, str]]:
     the experts interface (``experts/interface.py``) covers them.
     Records are ``(block name, "rewrite" | "skip", tag, detail)``.
     """
-    records = []
+    records = _zero_compute_experts(model)
     modules = dict(model.named_modules())
     groups = [*find_expert_weights(model), *_single_expert_lists(model)]
     groups += _flat_expert_groups(model, groups)
@@ -513,3 +513,14 @@ def swap_expert_loops(model: nn.Module) -> list[tuple[str, str, str, str]]:
             continue
         records.append((block_name or "<root>", "rewrite", "expert_loop_swapped", detail))
     return records
+
+
+def _zero_compute_experts(model: nn.Module) -> list[tuple[str, str, str, str]]:
+    """Skip records for experts modules with zero-compute (identity) experts beside their MLP experts (LongCat-Flash:
+    ``zero_expert_num`` ids past the routed ones return the token times its weight): the fused path runs MLP experts
+    only, so their blocks are left alone, saying so (``zero_compute_experts``) rather than ``not_in_graph``."""
+    return [(name.rpartition(".")[0] or "<root>", "skip", "zero_compute_experts",
+             f"{type(m).__name__}: {m.zero_expert_num} identity experts beside the MLP experts (ids past the routed "
+             "ones return the token times its weight), which the fused path does not run")
+            for name, m in model.named_modules()
+            if isinstance(getattr(m, "zero_expert_num", None), int) and m.zero_expert_num > 0]
