@@ -105,7 +105,7 @@ def _capacity_forward(
     projections: Callable[[], tuple[tuple[Projection, ...], Projection]],
     hidden: Tensor,
 ) -> Tensor:
-    """NOTE [capacity swap]: the block's own router, then the kept (token, expert) pairs through the grouped GEMMs."""
+    """The block's own router, then the kept (token, expert) pairs through the grouped GEMMs (NOTE [capacity swap])."""
     H, E = hidden.shape[-1], len(plan.experts)
     x = hidden.reshape(-1, H) if plan.flatten_first else hidden
     mask, probs, _ = block.router(x)

@@ -357,9 +357,9 @@ def test_switch_router_jitter_draws_match():
 
 
 def test_switch_keeps_its_parameters():
-    """The ModuleDict experts keep their parameter objects and ``state_dict`` keys (NOTE [grouped views]
-    (moe_compile/experts/swap.py)); an optimizer built before the swap steps the swapped forward's weights, and
-    ``load_state_dict`` reaches it."""
+    """The ModuleDict experts keep their parameter objects and ``state_dict`` keys
+    (NOTE [grouped views] (moe_compile/experts/swap.py)); an optimizer built before the swap steps the swapped
+    forward's weights, and ``load_state_dict`` reaches it."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     block, other = _block("switch_transformers", gen), _block("switch_transformers", gen)
     eager = copy.deepcopy(block)
