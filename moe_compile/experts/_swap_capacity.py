@@ -288,7 +288,7 @@ def swap_capacity_block(block: nn.Module, group: ExpertGroup) -> str:
     act = _act_of(experts[0])
     if act is None:
         raise NotSwappable("capacity_activation_unknown", "the experts name no act / act_fn / activation module")
-    weight = next(block.parameters())
+    weight = next(experts[0].parameters())  # not the router's: Switch's casts its classifier to float32 on every call
     if weight.dtype not in SUPPORTED_DTYPES:
         raise NotSwappable("dtype", f"{weight.dtype} (supported: bf16, fp16, fp32)")
     plan = _CapacityPlan(experts, names, gated, act)

@@ -102,11 +102,12 @@ OUTSIDE: dict[str, Outside] = {
         {"share_expert_dim": 32, "intermediate_size": 64}, cls="Step3p7TextModel", kind="base", swapped=True),
     "switch_transformers": Outside(
         "SwitchTransformersExperts: top-1 capacity routing (cumsum positions), a ModuleDict of dense experts "
-        "(swapped: NOTE [capacity swap] (moe_compile/experts/_swap_capacity.py); with the experts' dropout on, "
-        "released configs' 0.1, left alone: expert_dropout)",
+        "(swapped in float32: NOTE [capacity swap] (moe_compile/experts/_swap_capacity.py); in bf16, as here, left "
+        "alone: probe_grad_mismatch, its float32 router's weight gradient, computed from bf16 probabilities, is "
+        "judged in float32 ulps; with the experts' dropout on, released configs' 0.1: expert_dropout)",
         {**_NO_DROPOUT, "d_model": HIDDEN, "d_kv": 16, "d_ff": 64, "num_heads": 4, "num_layers": 2,
          "num_decoder_layers": 2, "num_sparse_encoder_layers": 1, "num_sparse_decoder_layers": 1,
-         "expert_capacity": 16, "tie_word_embeddings": True, "decoder_start_token_id": 0}, swapped=True),
+         "expert_capacity": 16, "tie_word_embeddings": True, "decoder_start_token_id": 0}),
     "doge": Outside(
         "DogeCDMoE: product-key retrieval of single-neuron experts from nn.Embedding tables (16 experts, 4 keys)",
         {"is_moe": True, "num_experts": 16}),
