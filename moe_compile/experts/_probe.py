@@ -69,12 +69,16 @@ def outputs(out: Any) -> tuple[Any, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
-def verify(block: nn.Module, forward_error: Callable[[], float], fused: Callable[[Tensor], Any], x: Tensor) -> None:
+def verify(block: nn.Module, forward_error: Callable[[], float], fused: Callable[[Tensor], Any], x: Tensor, *,
+           same_draws: bool = False) -> None:
     """The chosen candidate in training mode too (the block's training forward may differ: an extra output, noise):
     ``forward_error()`` (the candidate against the block's own forward on the probe, ``<= 1`` a match) in eval and
     in training mode; and the backward of ``fused`` against the block's own (a custom autograd function in the block
     has a backward that the forward does not show): gradients of the probe and of every parameter that requires one,
-    each within :func:`row_mismatch`. Raises :class:`NotSwappable` on a mismatch."""
+    each within :func:`row_mismatch`. Raises :class:`NotSwappable` on a mismatch.
+
+    ``same_draws``: the two backward forwards start from one random state and each takes its own copy of the probe
+    (:func:`same_draws_run`), for a candidate that calls the block's own noisy router (its draws are then the same)."""
     for training in (False, True):
         block.train(training)
         with torch.no_grad():
@@ -88,8 +92,10 @@ def verify(block: nn.Module, forward_error: Callable[[], float], fused: Callable
     probe = x.detach().clone().requires_grad_(x.is_floating_point())
     gen = torch.Generator(device="cpu").manual_seed(1)
     with torch.enable_grad():
-        want = outputs(block.forward(probe))[0]
-        got = outputs(fused(probe))[0]
+        if same_draws:
+            want, got = (outputs(out)[0] for out in same_draws_run(block.forward, fused, probe))
+        else:
+            want, got = outputs(block.forward(probe))[0], outputs(fused(probe))[0]
         cot = torch.randn(want.shape, generator=gen).to(device=want.device, dtype=want.dtype)
         inputs = (probe, *params)
         grads_want = torch.autograd.grad(want, inputs, cot, allow_unused=True)
@@ -107,5 +113,17 @@ def verify(block: nn.Module, forward_error: Callable[[], float], fused: Callable
                                                       f"of {name} (worst row {err:.3g}x of {PROBE_ULPS} ulps)")
 
 
+def same_draws_run(first: Callable[[Tensor], Any], second: Callable[[Tensor], Any], x: Tensor) -> tuple[Any, Any]:
+    """``(first(x'), second(x''))`` from one random state (put back after ``first``, so ``second`` draws what it
+    drew; ``second``'s draws are kept), each on its own copy of ``x`` (a router that jitters its input in place,
+    SwitchTransformers' in fp32, would otherwise hand the second call a jittered probe, and cannot scale a leaf in
+    place)."""
+    devices = [x.device] if x.device.type != "cpu" else []
+    with torch.random.fork_rng(devices=devices, device_type=x.device.type):
+        a = first(x.clone())
+    b = second(x.clone())
+    return a, b
+
+
 __all__ = ["PROBE_FLOOR_ULPS", "PROBE_SHAPES", "PROBE_ULPS", "NotSwappable", "outputs", "probe_input",
-           "row_mismatch", "verify"]
+           "row_mismatch", "same_draws_run", "verify"]

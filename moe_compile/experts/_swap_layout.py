@@ -19,7 +19,7 @@ from moe_compile.experts.quantize import GroupedExpertList
 
 _GATED = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"), ("w1", "v1", "w2"))
 _FUSED_GATED = (("gate_up_proj", "down_proj"),)  # one [E, 2I, H] gate-then-up weight (transformers' *Experts)
-_PLAIN = (("fc1", "fc2"), ("up_proj", "down_proj"), ("w1", "w2"))
+_PLAIN = (("fc1", "fc2"), ("up_proj", "down_proj"), ("w1", "w2"), ("wi", "wo"))  # wi/wo: SwitchTransformers
 _ACT_NAMES = ("act_fn", "act", "activation", "activation_fn")
 
 
@@ -42,7 +42,7 @@ def _projection_names(available: set[str]) -> tuple[tuple[str, ...], bool]:
         if set(names) <= available:
             return names, False
     raise NotSwappable("unknown_expert_mlp", f"projections {sorted(available)} are not w1/w3/w2, w1/v1/w2, "
-                                             "gate/up/down, gate_up/down, fc1/fc2")
+                                             "gate/up/down, gate_up/down, fc1/fc2, up/down, w1/w2, wi/wo")
 
 
 def _projection_keys(group: ExpertGroup) -> set[str]:
@@ -209,3 +209,12 @@ class _GroupedViews:
                 if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
                     return False
         return True
+
+
+def _apply_then_regroup(self: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -> nn.Module:
+    """``module.to()`` / ``.half()`` rebind every ``p.data``: regroup afterwards
+    (NOTE [grouped views] (moe_compile/experts/swap.py))."""
+    out = nn.Module._apply(self, fn, *args, **kwargs)
+    if not self._moe_compile_views.aliased():
+        self._moe_compile_views.regroup()
+    return out

@@ -80,9 +80,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_compile.experts._probe import PROBE_ULPS, NotSwappable, outputs, probe_input, row_mismatch, verify
+from moe_compile.experts._swap_capacity import module_dict_groups, swap_capacity_block
 from moe_compile.experts._swap_layout import (
     _FUSED_GATED,
     _act_of,
+    _apply_then_regroup,
     _flat_expert_groups,
     _GroupedViews,
     _projection_keys,
@@ -473,14 +475,6 @@ def _swapped_stacked_forward(self: nn.Module, hidden_states: Tensor, *args: Any,
                                                      stacked[plan.paths[-1]]), hidden_states)
 
 
-def _apply_then_regroup(self: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -> nn.Module:
-    """``module.to()`` / ``.half()`` rebind every ``p.data``: regroup afterwards (NOTE [grouped views])."""
-    out = nn.Module._apply(self, fn, *args, **kwargs)
-    if not self._moe_compile_views.aliased():
-        self._moe_compile_views.regroup()
-    return out
-
-
 def _single_expert_lists(model: nn.Module) -> list[ExpertGroup]:
     """``experts`` ModuleLists of one expert (``experts.py`` wants ``E >= 2``: one expert is no group to it)."""
     groups = []
@@ -501,10 +495,11 @@ def swap_expert_loops(model: nn.Module) -> list[tuple[str, str, str, str]]:
     the experts interface (``experts/interface.py``) covers them.
     Records are ``(block name, "rewrite" | "skip", tag, detail)``.
     """
-    records = []
+    records = _zero_compute_experts(model)
     modules = dict(model.named_modules())
     groups = [*find_expert_weights(model), *_single_expert_lists(model)]
-    for group in [*groups, *_flat_expert_groups(model, groups)]:
+    groups += _flat_expert_groups(model, groups)
+    for group in [*groups, *module_dict_groups(model, groups)]:
         if is_hf_experts(group.module) or getattr(group.module, "_moe_compile_swapped", False):
             continue
         block_name = group.name.rpartition(".")[0]
@@ -512,9 +507,20 @@ def swap_expert_loops(model: nn.Module) -> list[tuple[str, str, str, str]]:
         if block is None or getattr(block, "_moe_compile_original_forward", None) is not None:
             continue
         try:
-            detail = swap_block(block, group)
+            detail = swap_capacity_block(block, group) if group.kind == "module_dict" else swap_block(block, group)
         except NotSwappable as why:
             records.append((block_name or "<root>", "skip", why.tag, why.detail))
             continue
         records.append((block_name or "<root>", "rewrite", "expert_loop_swapped", detail))
     return records
+
+
+def _zero_compute_experts(model: nn.Module) -> list[tuple[str, str, str, str]]:
+    """Skip records for experts modules with zero-compute (identity) experts beside their MLP experts (LongCat-Flash:
+    ``zero_expert_num`` ids past the routed ones return the token times its weight): the fused path runs MLP experts
+    only, so their blocks are left alone, saying so (``zero_compute_experts``) rather than ``not_in_graph``."""
+    return [(name.rpartition(".")[0] or "<root>", "skip", "zero_compute_experts",
+             f"{type(m).__name__}: {m.zero_expert_num} identity experts beside the MLP experts (ids past the routed "
+             "ones return the token times its weight), which the fused path does not run")
+            for name, m in model.named_modules()
+            if isinstance(getattr(m, "zero_expert_num", None), int) and m.zero_expert_num > 0]

@@ -3,8 +3,11 @@
 ``route_tokens_to_experts(router(x))``), Llama4 (``Llama4TextMoe``: every token through every expert, scaled by
 sigmoid scores that are zero outside the top-k, NOTE [dense experts] (moe_compile/experts/swap.py); a shared expert;
 returns ``(out [T, H], router_logits)``) and Step3p7 (``Step3p7SparseMoeBlock``: an eager loop over stacked
-``[E, 2I, H]`` weights, a router returning ``(logits, weights, ids)``, a shared expert). The blocks are transformers'
-own classes, built from the tiny configs of the family matrix (``tests/models/hf_families.py``) with fresh random
+``[E, 2I, H]`` weights, a router returning ``(logits, weights, ids)``, a shared expert) and SwitchTransformers
+(``SwitchTransformersSparseMLP``: top-1 capacity routing that drops tokens, a ModuleDict of ``wi/wo`` experts,
+NOTE [capacity swap] (moe_compile/experts/_swap_capacity.py)); NLLB-MoE is left alone (its eager loop runs other
+experts than its router chose), and so is LongCat-Flash (identity experts). The blocks are transformers' own
+classes, built from the tiny configs of the family matrix (``tests/models/hf_families.py``) with fresh random
 weights.
 
 Each block is swapped, and its step (output and every gradient) must be as close to a float64 eager run of the
@@ -52,7 +55,12 @@ def _block(family: str, gen: torch.Generator) -> nn.Module:
     from tests.models.hf_families import tiny_config
 
     config = tiny_config(family)
-    if family == "dbrx":
+    if family == "switch_transformers":
+        from transformers.models.switch_transformers.modeling_switch_transformers import SwitchTransformersSparseMLP
+
+        config.expert_capacity = SWITCH_CAPACITY
+        block = SwitchTransformersSparseMLP(config)
+    elif family == "dbrx":
         from transformers.models.dbrx.modeling_dbrx import DbrxFFN
 
         block = DbrxFFN(config)
@@ -75,7 +83,11 @@ SWAPPED = {
                "routed by router_call (dense)", "+ shared_expert"),
     "step3p7": ("stacked experts (8, gated gate_up_proj/down_proj)", "weights after the MLP",
                 "routed by gate_call (triple)", "+ shared_experts"),
+    "switch_transformers": ("module_dict experts (8, plain wi/wo)", "top-1 capacity routing by the block's router "
+                            "on its input", "dropped choices exact zeros"),
 }
+# Switch's capacity per sequence: 12 tokens over 8 experts at capacity 2 drop tokens in almost every draw (asserted)
+SWITCH_CAPACITY = 2
 
 
 def _steps(family: str, compiled: bool, tokens: tuple[int, int] = (2, 12)):
@@ -88,8 +100,8 @@ def _steps(family: str, compiled: bool, tokens: tuple[int, int] = (2, 12)):
     if family == "llama4":  # [T, H] out
         cot = cot.reshape(-1, cot.shape[-1])
     eager_model = _Out(original)
-    eager = tol.layer_step(eager_model, eager_model, x, cot)
-    ref = tol.layer_step(ref_model, ref_model, x, cot, torch.float64)
+    eager = _with_zero_grads(tol.layer_step(eager_model, eager_model, x, cot), eager_model)
+    ref = _with_zero_grads(tol.layer_step(ref_model, ref_model, x, cot, torch.float64), ref_model)
     swapped = _Out(copy.deepcopy(original))
     rep = None
     if compiled:
@@ -104,7 +116,17 @@ def _steps(family: str, compiled: bool, tokens: tuple[int, int] = (2, 12)):
     else:
         records = swap_expert_loops(swapped)
         got = tol.layer_step(swapped, swapped, x, cot)
-    return got, eager, ref, swapped.block, original, records, rep
+    return _with_zero_grads(got, swapped), eager, ref, swapped.block, original, records, rep
+
+
+def _with_zero_grads(step: dict, model: nn.Module) -> dict:
+    """``step`` with an exactly zero gradient for every trained parameter that got none: an expert no kept token
+    reached has none in the eager loop (it never ran) and zeros swapped (its rows of the grouped gradient); both are
+    zero, and the zeros are then judged as exact zeros."""
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            step.setdefault(f"grad:{name}", torch.zeros_like(p))
+    return step
 
 
 def original_hidden(block: nn.Module) -> int:
@@ -264,3 +286,161 @@ def test_dbrx_router_jitter_is_left_alone():
     records = swap_expert_loops(block)
     assert [r[1:3] for r in records] == [("skip", "probe_mismatch")], records
     assert "training mode" in records[0][3] and block.forward == forward
+
+
+# ===== SwitchTransformers: top-1 capacity routing, NOTE [capacity swap] (moe_compile/experts/_swap_capacity.py) =====
+
+
+def _switch_steps(train: bool, gen: torch.Generator):
+    """``(swapped step, its repeat, eager step, float64 step, dropped [T] bool, records)`` of a Switch block at
+    capacity :data:`SWITCH_CAPACITY`, in training or eval mode (gradients in both)."""
+    original = _block("switch_transformers", gen).train(train)
+    x = torch.randn(2, 12, original_hidden(original), generator=gen)
+    cot = torch.randn(x.shape, generator=gen)
+    with torch.no_grad():
+        dropped = ~(original.router(x.clone())[0].reshape(-1, original.router.num_experts) != 0).any(-1)
+    ref_model = _Out(copy.deepcopy(original).double())
+    eager_model, swapped = _Out(original), _Out(copy.deepcopy(original))
+    eager = _with_zero_grads(tol.layer_step(eager_model, eager_model, x, cot), eager_model)
+    ref = _with_zero_grads(tol.layer_step(ref_model, ref_model, x, cot, torch.float64), ref_model)
+    records = swap_expert_loops(swapped)
+    got = _with_zero_grads(tol.layer_step(swapped, swapped, x, cot), swapped)
+    again = _with_zero_grads(tol.layer_step(swapped, swapped, x, cot), swapped)
+    return got, again, eager, ref, dropped, records
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_switch_capacity_drops_within_eager_bound(train):
+    """A Switch block whose router drops tokens (asserted: some, not all): swapped, its output and every gradient
+    (router and experts) within eager's bound from a float64 run, exact zeros exact (the dropped tokens' outputs and
+    input gradients, an expert no kept token reached); a repeated step is bitwise the same. The router's jitter is 0
+    here (the family matrix's config): with jitter, transformers' router scales a float32 input in place, so float32
+    eager's experts see the jittered tokens and the float64 reference's (a cast copy) do not, and no bound from that
+    reference means anything; ``test_switch_router_jitter_draws_match`` covers it against eager."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    got, again, eager, ref, dropped, records = _switch_steps(train, gen)
+    _assert_swapped_and_within_bound("switch_transformers", got, eager, ref, records)
+    assert 0 < int(dropped.sum()) < dropped.numel(), dropped
+    for step in (got, eager):
+        assert torch.all(step["out"].reshape(-1, step["out"].shape[-1])[dropped] == 0)
+        assert torch.all(step["grad:x"].reshape(-1, step["grad:x"].shape[-1])[dropped] == 0)
+    for name, value in got.items():
+        assert torch.equal(value, again[name]), name
+
+
+def test_switch_router_jitter_draws_match():
+    """With router jitter in training, the swapped block calls the router itself, so from one random state it draws
+    the noise eager draws: the same tokens dropped, output and gradients within the layer's bound of eager's. From
+    another random state it is not (the check can fail)."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    block = _block("switch_transformers", gen)
+    block.router.jitter_noise = 0.05
+    swapped = copy.deepcopy(block)
+    assert [r[1] for r in swap_expert_loops(swapped)] == ["rewrite"]
+    x = torch.randn(2, 12, original_hidden(block), generator=gen)
+    cot = torch.randn(x.shape, generator=gen)
+    k_dims = tol.gemm_k_dims([block.experts.expert_0.wi.weight, block.experts.expert_0.wo.weight])
+
+    def step(model: nn.Module, seed: int):
+        torch.manual_seed(seed)
+        # ``t * 1``: the router scales a float32 input in place, which a leaf that requires grad refuses
+        return _with_zero_grads(tol.layer_step(lambda t: model(t * 1), model, x, cot), model)
+
+    seed = torch.seed() % 2**31
+    want, got, other = step(block, seed), step(swapped, seed), step(swapped, seed + 1)
+    assert torch.equal(got["out"] == 0, want["out"] == 0)
+    for name, w in want.items():
+        name_ = name.replace("grad:", "")
+        tol.assert_layer_close(got[name], w, k_dims, backward=name != "out", rows=24, what=name_)
+    with pytest.raises(AssertionError):
+        tol.assert_layer_close(other["out"], want["out"], k_dims, what="another draw")
+
+
+def test_switch_keeps_its_parameters():
+    """The ModuleDict experts keep their parameter objects and ``state_dict`` keys
+    (NOTE [grouped views] (moe_compile/experts/swap.py)); an optimizer built before the swap steps the swapped
+    forward's weights, and ``load_state_dict`` reaches it."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    block, other = _block("switch_transformers", gen), _block("switch_transformers", gen)
+    eager = copy.deepcopy(block)
+    params = dict(block.named_parameters())
+    keys = {k: v.shape for k, v in block.state_dict().items()}
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (block, eager)]
+    assert [r[1] for r in swap_expert_loops(block)] == ["rewrite"]
+    assert dict(block.named_parameters()) == params and {k: v.shape for k, v in block.state_dict().items()} == keys
+    k_dims = tol.gemm_k_dims([block.experts.expert_0.wi.weight, block.experts.expert_0.wo.weight])
+    H = original_hidden(block)
+    for _ in range(2):
+        x = torch.randn(2, 12, H, generator=gen)
+        for model, opt in zip((block, eager), opts):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    for name, p in block.named_parameters():
+        tol.assert_layer_close(p, eager.get_parameter(name), k_dims, backward=True, rows=24, what=name)
+    block.load_state_dict(other.state_dict())
+    x = torch.randn(2, 12, H, generator=gen)
+    tol.assert_layer_close(block(x), other(x), k_dims, what="after load_state_dict")
+
+
+def test_switch_expert_dropout_is_left_alone():
+    """Switch's experts hold a dropout (``dropout_rate``, 0.1 in released configs): in training it draws per expert
+    in the eager loop's order, which the fused path cannot reproduce, so the block is left alone
+    (``expert_dropout``) and runs as written."""
+    from transformers.models.switch_transformers.modeling_switch_transformers import SwitchTransformersSparseMLP
+
+    from tests.models.hf_families import tiny_config
+
+    config = tiny_config("switch_transformers")
+    config.dropout_rate = 0.1
+    block = SwitchTransformersSparseMLP(config)
+    forward = block.forward
+    records = swap_expert_loops(block)
+    assert [r[1:3] for r in records] == [("skip", "expert_dropout")], records
+    assert block.forward == forward
+
+
+def test_nllb_is_left_alone_its_eager_runs_experts_by_mask_value():
+    """NLLB-MoE (transformers 5.24): ``NllbMoeExperts`` one-hots the router's ``[T, E]`` top-1 mask a second time,
+    so its loop runs ``expert_1`` on every token's kept top-1 weight and ``expert_0`` on the rest of its combine
+    weights (the mask's values 1 and 0 taken as expert ids), not the experts the router chose. No routed reading
+    computes that: the block is left alone (``capacity_eager_mismatch``). Checked here on the block itself: when
+    transformers computes the routing it returns, this test fails, and the block is worth another look."""
+    from transformers.models.nllb_moe.modeling_nllb_moe import NllbMoeSparseMLP
+
+    from tests.models.hf_families import tiny_config
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    block = NllbMoeSparseMLP(tiny_config("nllb_moe"), 64)
+    _fill(block, gen)
+    x = torch.randn(24, 64, generator=gen)
+    with torch.no_grad():
+        mask, combine, _ = block.router(x)
+        experts = block.experts
+        by_value = experts["expert_1"](x) * (combine * mask).sum(-1, keepdim=True) \
+            + experts["expert_0"](x) * (combine * (1 - mask)).sum(-1, keepdim=True)
+        routed = sum(combine[:, e, None] * experts[f"expert_{e}"](x) for e in range(8))
+        out = block(x[None])[0]
+    k_dims = tol.gemm_k_dims([experts["expert_0"].fc1.weight, experts["expert_0"].fc2.weight])
+    tol.assert_layer_close(out, by_value, k_dims, rows=8, what="the eager loop, read by mask value")
+    assert (out - routed).abs().max() > 0.1 * routed.abs().max()
+    forward = block.forward
+    records = swap_expert_loops(block)
+    assert [r[1:3] for r in records] == [("skip", "capacity_eager_mismatch")], records
+    assert block.forward == forward
+
+
+def test_longcat_zero_compute_experts_are_left_alone():
+    """LongCat-Flash's experts include ``zero_expert_num`` identity experts (an id past the routed ones returns the
+    token times its weight; the tiny config has 2, and the router routes to them): the fused path runs MLP experts
+    only, so the block is left alone with its tag (``zero_compute_experts``) and runs as written."""
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMoE
+
+    from tests.models.hf_families import tiny_config
+
+    block = LongcatFlashMoE(tiny_config("longcat_flash"))
+    assert block.experts.zero_expert_num == 2
+    forward = block.forward
+    records = swap_expert_loops(block)
+    assert [r[1:3] for r in records] == [("skip", "zero_compute_experts")], records
+    assert block.forward == forward

@@ -87,11 +87,13 @@ OUTSIDE: dict[str, Outside] = {
         "scores, zero outside the top-k), no dispatch; plus a shared expert",
         {"interleave_moe_layer_step": 1, "no_rope_layers": [1]}, swapped=True),
     "longcat_flash": Outside(
-        "LongcatFlashExperts: an eager per-expert loop that includes zero-compute (identity) experts",
+        "LongcatFlashExperts: an eager per-expert loop that includes zero-compute (identity) experts; left alone "
+        "(zero_compute_experts): the fused path runs MLP experts only",
         {"num_layers": 1, "expert_ffn_hidden_size": 32, "zero_expert_num": 2, "qk_head_dim": 32}),
     "nllb_moe": Outside(
         "NllbMoeSparseMLP: top-2 capacity routing (one-hot dispatch mask, a ModuleDict of dense experts run on "
-        "masked tokens)",
+        "masked tokens); left alone (capacity_eager_mismatch): transformers 5.24's NllbMoeExperts one-hots the "
+        "one-hot top-1 mask again and runs expert_0 / expert_1 by its values, not the experts the router chose",
         {**_NO_DROPOUT, "d_model": HIDDEN, "encoder_layers": 1, "decoder_layers": 1, "encoder_ffn_dim": 64,
          "decoder_ffn_dim": 64, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "expert_capacity": 16,
          "encoder_sparse_step": 1, "decoder_sparse_step": 1, "moe_token_dropout": 0.0, "tie_word_embeddings": True}),
@@ -99,7 +101,10 @@ OUTSIDE: dict[str, Outside] = {
         "Step3p7Experts: an eager per-expert loop (not decorated), stacked [E, 2I, H] weights",
         {"share_expert_dim": 32, "intermediate_size": 64}, cls="Step3p7TextModel", kind="base", swapped=True),
     "switch_transformers": Outside(
-        "SwitchTransformersExperts: top-1 capacity routing (cumsum positions), a ModuleDict of dense experts",
+        "SwitchTransformersExperts: top-1 capacity routing (cumsum positions), a ModuleDict of dense experts "
+        "(swapped in float32: NOTE [capacity swap] (moe_compile/experts/_swap_capacity.py); in bf16, as here, left "
+        "alone: probe_grad_mismatch, its float32 router's weight gradient, computed from bf16 probabilities, is "
+        "judged in float32 ulps; with the experts' dropout on, released configs' 0.1: expert_dropout)",
         {**_NO_DROPOUT, "d_model": HIDDEN, "d_kv": 16, "d_ff": 64, "num_heads": 4, "num_layers": 2,
          "num_decoder_layers": 2, "num_sparse_encoder_layers": 1, "num_sparse_decoder_layers": 1,
          "expert_capacity": 16, "tie_word_embeddings": True, "decoder_start_token_id": 0}),
