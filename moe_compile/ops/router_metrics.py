@@ -19,7 +19,10 @@ slot   name                    added per call (``T`` tokens, ``K`` top-k, ``E`` 
 4      ``entropy``             ``mean_t H(softmax(logits_t))`` in nats
 5      ``max_over_mean_load``  ``max_e count_e / mean_e count_e`` (1 when perfectly balanced)
 6      ``over_capacity``       fraction of the ``T*K`` assignments beyond each expert's capacity
-                               ``ceil(capacity_factor * T*K / E)`` (0 without a capacity)
+                               ``ceil(capacity_factor * T*K / E)`` (0 without a capacity); with
+                               ``capacity_group = g``, beyond the capacity ``ceil(capacity_factor * T*K
+                               / (E/g))`` of each block of ``g`` consecutive experts (an expert-parallel
+                               destination rank's experts, whose rows share one static buffer)
 7      ``invalid_ids``         assignments whose expert id is outside ``[0, E)``: ``T*K - sum_e count_e``
                                (``moe.permute_pad`` drops them and poisons their tokens with NaN,
                                NOTE [dropped entries] (moe_compile/ops/permute_pad.py); this is the
@@ -43,17 +46,22 @@ ACC_DTYPE = torch.float64
 
 _LIB = torch.library.Library("moe", "FRAGMENT")
 _LIB.define(
-    "router_metrics_(Tensor(a!) acc_S, Tensor logits, Tensor expert_idx, float capacity_factor=0.0) -> ()"
+    "router_metrics_(Tensor(a!) acc_S, Tensor logits, Tensor expert_idx, float capacity_factor=0.0, "
+    "int capacity_group=1) -> ()"
 )
 
 
-def router_stats(logits: torch.Tensor, expert_idx: torch.Tensor, capacity_factor: float = 0.0) -> torch.Tensor:
+def router_stats(
+    logits: torch.Tensor, expert_idx: torch.Tensor, capacity_factor: float = 0.0, capacity_group: int = 1
+) -> torch.Tensor:
     """The row that one call adds to the accumulator: float32 ``[NUM_STATS + E]`` (see the module doc).
 
     Args:
         logits: router logits ``[..., E]``, any float dtype (cast to fp32, detached).
         expert_idx: chosen experts ``[..., K]`` of the same leading size, integer dtype.
         capacity_factor: expert capacity as a multiple of the balanced load ``T*K/E``; ``<= 0`` for none.
+        capacity_group: experts per capacity block (``E`` divisible by it): the capacity bounds each block's
+            summed count, ``capacity_factor`` a multiple of the block's balanced load ``T*K / (E/g)``.
     """
     E = logits.shape[-1]
     with torch.no_grad():
@@ -74,8 +82,10 @@ def router_stats(logits: torch.Tensor, expert_idx: torch.Tensor, capacity_factor
         routed = counts_E.sum()
         max_over_mean = counts_E.max() * E / routed.clamp_min(1.0)
         if capacity_factor > 0:
-            capacity = torch.ceil(assignments * (capacity_factor / E))
-            over = (counts_E - capacity).clamp_min(0.0).sum() / assignments.clamp_min(1.0)
+            blocks = E // capacity_group
+            capacity = torch.ceil(assignments * (capacity_factor / blocks))
+            per_block = counts_E.view(blocks, capacity_group).sum(1)
+            over = (per_block - capacity).clamp_min(0.0).sum() / assignments.clamp_min(1.0)
         else:
             over = torch.zeros_like(routed)
         invalid = assignments - routed
@@ -94,9 +104,13 @@ def _count_experts(idx_N: torch.Tensor, E: int) -> torch.Tensor:
 
 
 def _router_metrics_(
-    acc_S: torch.Tensor, logits: torch.Tensor, expert_idx: torch.Tensor, capacity_factor: float = 0.0
+    acc_S: torch.Tensor,
+    logits: torch.Tensor,
+    expert_idx: torch.Tensor,
+    capacity_factor: float = 0.0,
+    capacity_group: int = 1,
 ) -> None:
-    stats = router_stats(logits, expert_idx, capacity_factor)
+    stats = router_stats(logits, expert_idx, capacity_factor, capacity_group)
     with torch.no_grad():
         acc_S.add_(stats.to(acc_S.dtype))
 
@@ -112,7 +126,11 @@ def new_accumulator(num_experts: int, device: torch.device | str) -> torch.Tenso
 
 
 def router_metrics_(
-    acc_S: torch.Tensor, logits: torch.Tensor, expert_idx: torch.Tensor, capacity_factor: float = 0.0
+    acc_S: torch.Tensor,
+    logits: torch.Tensor,
+    expert_idx: torch.Tensor,
+    capacity_factor: float = 0.0,
+    capacity_group: int = 1,
 ) -> None:
     """Add one router call's statistics into ``acc_S`` in place (``torch.ops.moe.router_metrics_``).
 
@@ -136,7 +154,10 @@ def router_metrics_(
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
             or capacity_factor != capacity_factor:
         raise ValueError(f"capacity_factor must be a number (<= 0 for none), got {capacity_factor!r}")
+    if isinstance(capacity_group, bool) or not isinstance(capacity_group, int) or capacity_group < 1 \
+            or E % capacity_group:
+        raise ValueError(f"capacity_group must be a positive int dividing E={E}, got {capacity_group!r}")
     devices = {t.device for t in (acc_S, logits, expert_idx)}
     if len(devices) > 1:
         raise ValueError(f"acc_S, logits and expert_idx must be on one device, got {sorted(map(str, devices))}")
-    torch.ops.moe.router_metrics_(acc_S, logits, expert_idx, float(capacity_factor))
+    torch.ops.moe.router_metrics_(acc_S, logits, expert_idx, float(capacity_factor), capacity_group)

@@ -33,6 +33,9 @@ import moe_compile.ops  # noqa: F401 - registers torch.ops.moe.*, which the pass
 # The meta key on a router's ``topk`` node that carries its layer's static expert capacity (set by
 # capacity_dispatch, read by router_metrics to report the choices dropped: ``moe/dropped_fraction``).
 CAPACITY_META = "moe_capacity"
+# With it, optionally: the capacity bounds blocks of this many consecutive experts (expert_parallel: a destination
+# rank's local experts share its ``S`` rows of the static buffer); 1 when absent.
+CAPACITY_GROUP_META = "moe_capacity_group"
 
 # operator.* functions Dynamo emits, by the name we match on
 _OPERATOR_NAMES = {

@@ -59,8 +59,8 @@ import torch.fx as fx
 
 from moe_compile.ops.segment_sum import gather_segment_sum
 from moe_compile.passes import NoMatch, PassContext
-from moe_compile.passes._graph import CAPACITY_META, erase_dead, graph_call, known_int, layer_name, op_name, tensor_val
-from moe_compile.passes.forms.ops import FLAT_VIEWS, INDEX_CASTS
+from moe_compile.passes._graph import erase_dead, graph_call, known_int, layer_name, op_name, tensor_val
+from moe_compile.passes.forms.counts import mark_capacity
 
 _EINSUM = ("einsum",)
 _CASTS = ("to", "float", "double", "half", "bfloat16", "type_as", "type", "long", "int")
@@ -98,7 +98,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
                 new = graph_call(graph, capacity_combine, other, packed, E, C, T, meta_from=node)
         if kind == "dispatch":
             for t in terms:
-                _mark_capacity(t.ids, C)
+                mark_capacity(t.ids, C)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         erase_dead(graph, [d])
@@ -106,29 +106,6 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         ctx.rewrite(layer, f"{what} over a one-hot [T={T}, E={E}, C={C}] {kind} tensor "
                                       f"({len(terms)} term(s) of {math.prod(terms[0].lead)} entries)",
                     f"moe_compile.passes.capacity_dispatch.capacity_{kind}: gathers, linear in T")
-
-
-# what may stand between a router's topk indices and a term's expert ids: views, index casts, a column's selection
-_ID_VIEWS = FLAT_VIEWS | INDEX_CASTS | {"getitem", "select", "squeeze", "unsqueeze", "t", "transpose"}
-
-
-def _mark_capacity(ids: fx.Node, C: int) -> None:
-    """Record ``C`` on the ``topk`` (or ``argmax``) whose indices the entries' expert ids are read from (through
-    ``_ID_VIEWS``)."""
-    node: Any = ids
-    for _ in range(8):
-        if not isinstance(node, fx.Node):
-            return
-        if op_name(node) == "getitem" and isinstance(node.args[0], fx.Node) and op_name(node.args[0]) == "topk" \
-                and node.args[1] == 1:
-            node.args[0].meta[CAPACITY_META] = C
-            return
-        if op_name(node) == "argmax":  # DeepSpeed's top-2: one argmax per choice (router_metrics stacks them)
-            node.meta[CAPACITY_META] = C
-            return
-        if op_name(node) not in _ID_VIEWS:
-            return
-        node = node.args[0]
 
 
 @dataclasses.dataclass

@@ -25,7 +25,7 @@ Routers recognised (Dynamo's Torch IR):
   from ``linear(x, w[E, H])`` or a matmul with last dim ``E`` (``E <= MAX_EXPERTS``).
 
 Several ``topk`` over the same logits (transformers' aux loss recomputes one) count once: the first in
-graph order, or the anchored one. Logits already fed to a ``router_metrics_`` node (from a hook of
+graph order, or the anchored one, or the one a rewrite marked with its static capacity (``CAPACITY_META``). Logits already fed to a ``router_metrics_`` node (from a hook of
 :func:`moe_compile.metrics.attach`, traced by Dynamo) are left alone.
 
 Needs the pre-grad passes to run before AOTAutograd lifts the module's buffers: always so on torch
@@ -43,7 +43,7 @@ import torch.fx as fx
 
 from moe_compile import metrics
 from moe_compile.passes import PassContext
-from moe_compile.passes._graph import CAPACITY_META, graph_call, layer_name, op_name
+from moe_compile.passes._graph import CAPACITY_GROUP_META, CAPACITY_META, graph_call, layer_name, op_name
 from moe_compile.passes._graph import val as _val
 from moe_compile.passes.forms.counts import ids_base
 from moe_compile.passes.forms.ops import CASTS, FLAT_VIEWS
@@ -93,10 +93,13 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         for r in routers:
             ctx.skip(r.path, "late_pre_grad_timing", msg)
         return
-    instrumented = {_logits_root(n.args[1]) for n in _metrics_nodes(graph)}
+    hooked = {_logits_root(n.args[1]): n for n in _metrics_nodes(graph)}
+    instrumented = set(hooked)
     for r in routers:
         if r.logits in instrumented:
             ctx.skip(r.path, "already_instrumented", "a router_metrics_ op (attach hook) reads these logits")
+            if r.logits in hooked and CAPACITY_META in r.topk.meta:  # the hook cannot know a rewrite's capacity
+                _set_capacity(hooked[r.logits], r)
             continue
         _insert(graph, gm, r)
         instrumented.add(r.logits)
@@ -128,7 +131,9 @@ def find_routers(graph: fx.Graph) -> tuple[list[Router], list[tuple[str, str, st
                 skipped.append((path or "<root>", why, f"topk node {node.name}"))
             continue
         prev = routers.get(router.logits)
-        if prev is None or (router.anchored and not prev.anchored):
+        # the anchored one, else the one a rewrite marked with its capacity (an attach hook's topk comes first)
+        if prev is None or (router.anchored and not prev.anchored) \
+                or (CAPACITY_META in node.meta and CAPACITY_META not in prev.topk.meta and not prev.anchored):
             routers[router.logits] = router
     for router in _argmax_routers(graph):
         routers.setdefault(router.logits, router)
@@ -300,14 +305,7 @@ def _insert(graph: fx.Graph, gm: torch.nn.Module, r: Router) -> None:
             r.expert_idx = graph_call(graph, torch.stack, list(r.choices), -1, meta_from=r.topk)
     logits_val = _val(r.logits)
     entry = metrics.accumulator(r.path or "router", r.num_experts, logits_val.device)
-    capacity_factor = float(entry.capacity_factor or 0.0)
-    dropping = r.topk.meta.get(CAPACITY_META)
-    idx_val = _val(r.expert_idx)
-    if isinstance(dropping, int) and idx_val is not None and isinstance(idx_val.numel(), int):
-        # a capacity layer (capacity_dispatch): its choices past C per expert are dropped, and over_capacity at
-        # ceil(factor * T*K / E) == C counts them; the half keeps the ceil at C whatever the float rounding
-        capacity_factor = (dropping - 0.5) * r.num_experts / idx_val.numel()
-        entry.drops = True
+    capacity_factor, group = _capacity(r, entry)
     attr = _register_accumulator(gm, entry.acc_S)
     anchor = r.expert_idx
     with graph.inserting_after(anchor):
@@ -315,7 +313,7 @@ def _insert(graph: fx.Graph, gm: torch.nn.Module, r: Router) -> None:
     with graph.inserting_after(acc_node):
         call = graph.call_function(
             torch.ops.moe.router_metrics_.default,
-            (acc_node, r.logits, r.expert_idx, capacity_factor),
+            (acc_node, r.logits, r.expert_idx, capacity_factor, group),
         )
     fake_mode = getattr(logits_val, "fake_mode", None)
     acc_val = fake_mode.from_tensor(entry.acc_S, static_shapes=True) if fake_mode is not None else entry.acc_S
@@ -325,6 +323,28 @@ def _insert(graph: fx.Graph, gm: torch.nn.Module, r: Router) -> None:
         for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
             if key in r.topk.meta:
                 node.meta[key] = r.topk.meta[key]
+
+
+def _capacity(r: Router, entry: metrics.LayerAccumulator) -> tuple[float, int]:
+    """``(capacity_factor, capacity_group)`` of ``router_metrics_`` for ``r``: the user's factor, or where a rewrite
+    marked the router's layer as dropping (capacity_dispatch, drop_and_pad; expert_parallel per destination rank) its
+    choices past ``C`` per expert (per block of ``group`` experts), the factor at which over_capacity counts exactly
+    those: ``ceil(factor * T*K / (E/group)) == C`` (the half keeps the ceil at ``C`` whatever the float rounding)."""
+    dropping = r.topk.meta.get(CAPACITY_META)
+    idx_val = _val(r.expert_idx)
+    if isinstance(dropping, int) and idx_val is not None and isinstance(idx_val.numel(), int):
+        group = r.topk.meta.get(CAPACITY_GROUP_META, 1)
+        entry.drops = True
+        return (dropping - 0.5) * (r.num_experts // group) / idx_val.numel(), group
+    return float(entry.capacity_factor or 0.0), 1
+
+
+def _set_capacity(call: fx.Node, r: Router) -> None:
+    """Give an attach hook's ``router_metrics_`` node the capacity a rewrite marked on the same router."""
+    entry = metrics.accumulator(r.path or "router", r.num_experts, _val(r.logits).device)
+    capacity_factor, group = _capacity(r, entry)
+    call.args = (*call.args[:3], capacity_factor, group)
+    call.kwargs = {}
 
 
 def _register_accumulator(gm: torch.nn.Module, acc_S: torch.Tensor) -> str:

@@ -103,10 +103,11 @@ def main(kind: str, rank: int, world: int, store_path: str, result_path: str, fa
         torch._dynamo.reset()
         compiled_layer = fresh().to(torch.bfloat16)
         with report.collecting() as rep:
-            run = moe_compile.compile(compiled_layer)
+            run = moe_compile.compile(compiled_layer, metrics=True)
             compiled = _step(compiled_layer, x.bfloat16(), run)
             compiled_layer.zero_grad(set_to_none=True)
             again = _step(compiled_layer, x.bfloat16(), run)
+        dropped_at_bound = moe_compile.metrics.collect().get("moe/dropped_fraction")
         ok, worst, unjudged = tol.within_eager_bound(compiled, eager, ref, dtype=torch.bfloat16,
                                                      always_judged=tuple(ref))
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
@@ -115,7 +116,7 @@ def main(kind: str, rank: int, world: int, store_path: str, result_path: str, fa
                   "rewrite_details": [r.detail for r in rep.rewrites if r.pass_name == "expert_parallel"],
                   "skips": sorted({f"{r.pass_name}:{r.what}" for r in rep.skips}),
                   "left": sorted({r.what for r in rep.left}), "graph_breaks": breaks, "graphs": rep.graphs,
-                  "host_reads_left": left_reads[:],
+                  "host_reads_left": left_reads[:], "dropped_fraction_at_bound": dropped_at_bound,
                   "bitwise_repeat": all(torch.equal(compiled[k], again[k]) for k in compiled),
                   "no_grad": [f"{side}:{k}" for side, d in (("eager", eager), ("compiled", compiled))
                               for k, v in d.items() if v is None]}
@@ -145,9 +146,12 @@ def _check_drops(kind, layer, x, factor, fresh, left_reads) -> dict:
     compiled_layer = fresh().to(torch.bfloat16)
     left_reads.clear()
     with report.collecting() as rep:
-        compiled = _step(compiled_layer, x.bfloat16(), moe_compile.compile(compiled_layer, ep_capacity_factor=factor))
+        run = moe_compile.compile(compiled_layer, ep_capacity_factor=factor, metrics=True)
+        compiled = _step(compiled_layer, x.bfloat16(), run)
+    reported = moe_compile.metrics.collect().get("moe/dropped_fraction")
     ok, worst, unjudged = tol.within_eager_bound(compiled, eager, ref, dtype=torch.bfloat16, always_judged=tuple(ref))
     return {"ok": ok and not unjudged, "worst": list(worst), "unjudged": unjudged, "capacity": S, "dropped": dropped,
+            "routed": N, "dropped_fraction": reported,
             "rewrite_details": [r.detail for r in rep.rewrites if r.pass_name == "expert_parallel"],
             "host_reads_left": left_reads[:]}
 

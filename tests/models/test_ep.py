@@ -4,12 +4,14 @@ Each rank runs eager and the compiled layer in bf16 on its own tokens, and an fp
 (input, router, its experts) within eager's own distance from fp64 (NOTE [derived tolerances] (tests/_tolerance.py)).
 What the passes did with the exchange is printed (``-s``). The titan layer is rewritten by ``expert_parallel``: no host
 read is left in its graph, two runs are bitwise equal, and with a small ``ep_capacity_factor`` the compiled layer
-matches eager and fp64 layers that drop the same rows (the pass's contract: rows past ``S`` in a destination's block).
+matches eager and fp64 layers that drop the same rows (the pass's contract: rows past ``S`` in a destination's block),
+and ``metrics=True`` reports the rows each rank dropped (``moe/dropped_fraction``; exactly 0 at the bound).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -55,5 +57,11 @@ def test_expert_parallel_layer_matches_eager(kind, tmp_path):
         assert drops["ok"], drops
         assert drops["capacity"] == 6 and "S=6" in drops["rewrite_details"][0], drops
         assert drops["host_reads_left"] and not any(drops["host_reads_left"]), drops
+        # metrics=True: the rows this rank sent past S, counted on the device, as a fraction of its routed rows
+        # (one fp32 division: within its rounding), and exactly 0 at the bound
+        assert drops["dropped_fraction"] is not None, drops
+        assert math.isclose(drops["dropped_fraction"], drops["dropped"] / drops["routed"], rel_tol=2**-23,
+                            abs_tol=0.0), drops
+        assert result["dropped_fraction_at_bound"] == 0.0, result
         dropped += drops["dropped"]
     assert dropped > 0, "the small capacity factor dropped nothing: the drop test tests nothing"

@@ -26,6 +26,7 @@ from moe_compile.passes._graph import (
 )
 from moe_compile.passes._host_sync import erase_dead_host_reads, host_reads
 from moe_compile.passes.expert_parallel.match import Exchange, has_host_splits, match_exchange
+from moe_compile.passes.forms.counts import mark_capacity
 
 
 def run(graph: fx.Graph, ctx: PassContext) -> None:
@@ -139,10 +140,13 @@ def rewrite(graph: fx.Graph, ex: Exchange, S: int) -> str:
     order = topo_index(graph)
     stale = transitive_users(returned)
     refresh_example_values(sorted(stale, key=order.__getitem__))
+    # router_metrics (metrics=True) then counts each destination's rows past S: moe/dropped_fraction (0 at the bound)
+    reported = ex.bincount is not None and mark_capacity(ex.bincount.args[0], S, group=L)
     static_counts = ex.bincount is not None and _static_histogram(graph, ex.bincount, W * L)
     row_bytes = _row_bytes(ex.rows)
     buffer = f"[{W * S}, {', '.join(str(d) for d in tensor_val(ex.rows).shape[1:])}]"
     drops = "no row dropped" if S >= ex.bound else f"rows past S={S} in a destination's block dropped"
+    drops += " (reported as moe/dropped_fraction with metrics=True)" if reported else ""
     drops += "; counts: bincount -> searchsorted of the sorted ids (static length)" if static_counts else ""
     return (f"all_to_all_single x2 of a padded {buffer} buffer at equal splits [{S}]*{W} (S={S}, bound "
             f"{ex.bound_why}; {drops}; {W * S * row_bytes} bytes per buffer) + moe.gather_rows pack / regroup "

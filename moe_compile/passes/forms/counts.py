@@ -21,8 +21,8 @@ from typing import Any
 
 import torch.fx as fx
 
-from moe_compile.passes._graph import arg, known_int, op_name, tensor_val
-from moe_compile.passes.forms.ops import CASTS, FLAT_VIEWS, is_zeros, strip_casts
+from moe_compile.passes._graph import CAPACITY_GROUP_META, CAPACITY_META, arg, known_int, op_name, tensor_val
+from moe_compile.passes.forms.ops import CASTS, FLAT_VIEWS, INDEX_CASTS, is_zeros, strip_casts
 
 IsIds = Callable[[Any], bool]
 
@@ -169,3 +169,33 @@ def expert_counts(node: Any, is_ids: IsIds) -> tuple[int, str] | None:
 
 
 __all__ = ["COUNT_FORMS", "expert_counts", "ids_base", "permutation_of", "routing_map_ids"]
+
+
+# what may stand between a router's topk indices and the expert ids a dispatch reads: views, index casts, a column
+_ID_VIEWS = FLAT_VIEWS | INDEX_CASTS | {"getitem", "select", "squeeze", "unsqueeze", "t", "transpose"}
+
+
+def mark_capacity(ids: fx.Node, C: int, group: int = 1) -> bool:
+    """Record a static capacity ``C`` (per block of ``group`` consecutive experts) on the router ``topk`` (or
+    ``argmax``) whose indices ``ids`` are read from through ``_ID_VIEWS``: ``router_metrics`` then reports the
+    choices past it (``moe/dropped_fraction``). Returns whether a router was found."""
+    node: Any = ids
+    for _ in range(8):
+        if not isinstance(node, fx.Node):
+            return False
+        router = None
+        if op_name(node) == "getitem" and isinstance(node.args[0], fx.Node) and op_name(node.args[0]) == "topk":
+            if node.args[1] != 1:  # the values
+                return False
+            router = node.args[0]
+        elif op_name(node) == "argmax":  # DeepSpeed's top-2: one argmax per choice (router_metrics stacks them)
+            router = node
+        if router is not None:
+            router.meta[CAPACITY_META] = C
+            if group != 1:
+                router.meta[CAPACITY_GROUP_META] = group
+            return True
+        if op_name(node) not in _ID_VIEWS:
+            return False
+        node = node.args[0]
+    return False
