@@ -52,7 +52,9 @@ if [ "$what" != tests ]; then
     [ "$stem" = ep ] && { extra=(--budget-s ${EP_BUDGET_S:-300}); limit=$((${EP_BUDGET_S:-300} + 160)); }
     if [ -n "${BUDGET_S:-}" ] && grep -q -- "--budget-s" "$bench"; then extra=(--budget-s "$BUDGET_S"); limit=$((BUDGET_S + 90)); fi
     echo "=== $bench"
-    [ "$stem" = ep ] && [ -n "${EP_WORLD:-}" ] && extra+=(--world "$EP_WORLD")
+    # the exchange alone: NCCL exact / padded vs symmetric-memory all_to_all_vdev (ep_transport_w<W>.json)
+    [ "$stem" = ep_transport ] && { extra=(--budget-s 150); limit=200; }
+    [[ "$stem" = ep* ]] && [ -n "${EP_WORLD:-}" ] && extra+=(--world "$EP_WORLD")
     timeout $limit python3 -m "benchmarks.bench_$stem" --save "${extra[@]}" "$@" > "/tmp/bench_$stem.log" 2>&1 || status=1
     grep -v Warning "/tmp/bench_$stem.log" | tail -4
   done

@@ -289,6 +289,19 @@ def ep(rows: list[Row]) -> tuple[str, str]:
             "CUDA graphs at 1.25 (moe_compile deterministic=True)", "; ".join(parts))
 
 
+def ep_transport(rows: list[Row]) -> tuple[str, str]:
+    parts = []
+    for model in _ordered(rows, "model"):
+        got = [r for r in rows if r["model"] == model]
+        cells = ", ".join(f"{r['transport']} {_num(r['ms'], 3)}" for r in got if r.get("ms") is not None)
+        vdev = next((r for r in got if r["transport"] == "symm_mem_vdev"), {})
+        checks = (f"; vdev rows as NCCL's: {vdev.get('same_rows_as_nccl')}, captured replay: "
+                  f"{vdev.get('captured_replay_correct')}") if vdev else ""
+        parts.append(f"{MODELS.get(model, model)} ({got[0]['rows_per_rank']} rows): {cells}{checks}")
+    return (f"expert-parallel exchange alone over {rows[0]['W']} GPUs, ms per call (rows of 2048 bf16 per rank, "
+            "uniform destinations)", "; ".join(parts))
+
+
 EP_VARIANTS = ("eager", "inductor", "moe_compile", "moe_compile_cf1.25", "moe_compile_graphs",
                "moe_compile_graphs_cf1.25")
 
@@ -297,7 +310,7 @@ FORMATTERS: dict[str, Callable[[list[Row]], tuple[str, str]]] = {
     "moe_block": moe_block, "loops": loops, "host_cost": host_cost, "dispatch": dispatch, "decode": decode,
     "grouped_gemm": grouped_gemm, "grouped_gemm_sweep": grouped_gemm_sweep, "grouped_weight": grouped_weight,
     "quant_block": quant_block, "attention": attention, "train_determinism": train_determinism,
-    "validation_cost": validation_cost, "capacity": capacity, "ep": ep,
+    "validation_cost": validation_cost, "capacity": capacity, "ep": ep, "ep_transport": ep_transport,
 }
 
 
