@@ -68,15 +68,10 @@ def test_compiled_over_nccl_within_eager_bound(ranks):
         assert got["ok"], (got["worst"], got["unjudged"], got["no_grad"])
 
 
-# Seen on 2 H100s (torch 2.11.0+cu130, 2026-11-27): expert_parallel leaves this layer alone on CUDA with reason
-# regroup_not_matched (on CPU, torch 2.13, test_ep.py, it rewrites it); moe_compile then compiles the host-synced
-# exchange as captured: .tolist() -> _local_scalar_dense and bincount of unbacked size stay, and a step under the
-# sync debug mode raises "called a synchronizing CUDA operation" at aten.bincount. The skip's detail is in
-# skip_details (recorded since that run).
 # The first device run (H100 x2, torch 2.11, d623ec6) skipped the layer (regroup_not_matched): torch 2.11 writes
 # all_to_all_single_autograd as the autograd op + an autograd function that waits, which the match did not know;
-# tests/models/test_ep.py's titan_211 reproduces that spelling on CPU, and the match reads it since. Not yet rerun
-# on the device: these tests assert what the CPU run shows.
+# tests/models/test_ep.py's titan_211 reproduces that spelling on CPU, and the match reads it since. Rerun on 2 H200s
+# (torch 2.11.0+cu130, 09e6ffe, 2026-11-27): the four tests of this file pass.
 def test_rewritten_over_nccl_without_host_reads(ranks):
     for result in ranks:
         got = result["compiled"]
