@@ -5,7 +5,8 @@ Each rank runs eager and the compiled layer in bf16 on its own tokens, and an fp
 What the passes did with the exchange is printed (``-s``). The titan layer is rewritten by ``expert_parallel``: no host
 read is left in its graph, two runs are bitwise equal, and with a small ``ep_capacity_factor`` the compiled layer
 matches eager and fp64 layers that drop the same rows (the pass's contract: rows past ``S`` in a destination's block),
-and ``metrics=True`` reports the rows each rank dropped (``moe/dropped_fraction``; exactly 0 at the bound).
+and ``metrics=True`` reports the rows each rank dropped (``moe/dropped_fraction``; exactly 0 at the bound). With FSDP2
+on a 2-D mesh (4 ranks: ``dp`` 2 x ``ep`` 2, ``_ep_fsdp_worker.py``) the same holds.
 """
 
 from __future__ import annotations
@@ -22,16 +23,17 @@ from tests._subprocess import REPO_ROOT
 WORLD = 2
 
 
-def _run_ranks(kind: str, tmp_path, *extra: str) -> list[dict]:
+def _run_ranks(kind: str | None, tmp_path, *extra: str, world: int = WORLD,
+               worker: str = "tests.models._ep_worker") -> list[dict]:
     store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.models._ep_worker", kind, str(rank), str(WORLD),
+    procs = [subprocess.Popen([sys.executable, "-m", worker, *([kind] if kind else []), str(rank), str(world),
                                str(store), str(tmp_path / f"rank{rank}.json"), *extra], cwd=REPO_ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(WORLD)]
+             for rank in range(world)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-6000:]
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
 # the autograd-function layer breaks the graph 5 times (10 graphs to compile on each rank): in the slow run
@@ -65,3 +67,16 @@ def test_expert_parallel_layer_matches_eager(kind, tmp_path):
         assert result["dropped_fraction_at_bound"] == 0.0, result
         dropped += drops["dropped"]
     assert dropped > 0, "the small capacity factor dropped nothing: the drop test tests nothing"
+
+
+def test_fsdp2_with_expert_parallel(tmp_path):
+    """4 gloo ranks, a 2-D mesh: FSDP2 shards over ``dp`` (2), the experts' exchange runs over ``ep`` (2)."""
+    results = _run_ranks(None, tmp_path, world=4, worker="tests.models._ep_fsdp_worker")
+    for rank, result in enumerate(results):
+        print(f"rank {rank}: {result}")
+        assert result["ok"], result
+        assert "grad:router.weight" in result["judged"] and "grad:w_gate_up" in result["judged"], result
+        assert "<graph>:expert_parallel" in result["rewrites"], result
+        assert result["host_reads_left"] and not any(result["host_reads_left"]), result
+        assert not [w for w in result["left"] if "_local_scalar_dense" in w], result
+        assert result["bitwise_repeat"], result
