@@ -163,10 +163,14 @@ def forget() -> None:
 # ----------------------------------------------------------------------------------------- collect
 
 
-def collect(reset: bool = True, per_layer: bool = False) -> dict[str, float]:
+def collect(reset: bool = True, per_layer: bool = False, group: Any = None) -> dict[str, float]:
     """Read every accumulator back and return averaged metrics as plain floats.
 
-    Values are averaged over the calls (steps) of each layer since the last reset, then over layers:
+    Values are averaged over the calls (steps) of each layer since the last reset, then over layers. With a
+    ``torch.distributed`` process ``group`` (expert or data parallelism) every rank of it must call ``collect`` at
+    the same point: the accumulators are summed over the group's ranks first (one ``all_reduce`` per device), so
+    each value is averaged over every rank's calls, ``tokens_per_expert/{e}`` included (per rank and call: times
+    the group's size, the load of expert ``e`` across the ranks) and ``moe/ranks`` gives the size:
 
     ``moe/lb_loss``            load-balancing loss ``E * sum_e f_e P_e`` (transformers' convention,
                                ``f_e = count_e / T``; equals ``K`` when perfectly balanced)
@@ -193,10 +197,14 @@ def collect(reset: bool = True, per_layer: bool = False) -> dict[str, float]:
     for entry in entries:
         by_device.setdefault(entry.acc_S.device, []).append(entry)
     rows: dict[str, list[float]] = {}
-    for group in by_device.values():
-        flat = torch.cat([e.acc_S for e in group]).tolist()  # the sync
+    for on_device in by_device.values():
+        on_device.sort(key=lambda e: e.name)  # the same order on every rank of a group
+        flat_S = torch.cat([e.acc_S for e in on_device])
+        if group is not None:
+            torch.distributed.all_reduce(flat_S, group=group)
+        flat = flat_S.tolist()  # the sync
         start = 0
-        for e in group:
+        for e in on_device:
             row = flat[start : start + e.acc_S.numel()]
             start += e.acc_S.numel()
             if e.name in rows:  # the same router on two devices
@@ -205,7 +213,10 @@ def collect(reset: bool = True, per_layer: bool = False) -> dict[str, float]:
     if reset:
         _zero_all()
     capacity = {e.name: e.capacity_factor for e in entries}
-    return _summarise(rows, capacity, per_layer, frozenset(e.name for e in entries if e.drops))
+    out = _summarise(rows, capacity, per_layer, frozenset(e.name for e in entries if e.drops))
+    if group is not None and out:
+        out[PREFIX + "ranks"] = float(torch.distributed.get_world_size(group))
+    return out
 
 
 def _summarise(rows: dict[str, list[float]], capacity: dict[str, float | None], per_layer: bool,

@@ -25,8 +25,9 @@ Routers recognised (Dynamo's Torch IR):
   from ``linear(x, w[E, H])`` or a matmul with last dim ``E`` (``E <= MAX_EXPERTS``).
 
 Several ``topk`` over the same logits (transformers' aux loss recomputes one) count once: the first in
-graph order, or the anchored one, or the one a rewrite marked with its static capacity (``CAPACITY_META``). Logits already fed to a ``router_metrics_`` node (from a hook of
-:func:`moe_compile.metrics.attach`, traced by Dynamo) are left alone.
+graph order, or the anchored one, or the one a rewrite marked with its static capacity (``CAPACITY_META``).
+Logits already fed to a ``router_metrics_`` node (from a hook of :func:`moe_compile.metrics.attach`, traced by
+Dynamo) are left alone, except that such a node takes the capacity a rewrite marked on the same router.
 
 Needs the pre-grad passes to run before AOTAutograd lifts the module's buffers: always so on torch
 2.11; on 2.13 with ``pre_grad_pass_timing="early"`` (:func:`moe_compile.metrics.inductor_patches`).

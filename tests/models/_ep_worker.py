@@ -107,7 +107,9 @@ def main(kind: str, rank: int, world: int, store_path: str, result_path: str, fa
             compiled = _step(compiled_layer, x.bfloat16(), run)
             compiled_layer.zero_grad(set_to_none=True)
             again = _step(compiled_layer, x.bfloat16(), run)
-        dropped_at_bound = moe_compile.metrics.collect().get("moe/dropped_fraction")
+        own = moe_compile.metrics.collect(reset=False, per_layer=True)  # this rank's calls
+        across = moe_compile.metrics.collect(per_layer=True, group=dist.group.WORLD)  # every rank's
+        dropped_at_bound = own.get("moe/dropped_fraction")
         ok, worst, unjudged = tol.within_eager_bound(compiled, eager, ref, dtype=torch.bfloat16,
                                                      always_judged=tuple(ref))
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
@@ -120,6 +122,7 @@ def main(kind: str, rank: int, world: int, store_path: str, result_path: str, fa
                   "bitwise_repeat": all(torch.equal(compiled[k], again[k]) for k in compiled),
                   "no_grad": [f"{side}:{k}" for side, d in (("eager", eager), ("compiled", compiled))
                               for k, v in d.items() if v is None]}
+        result["metrics_across_ranks"] = _across_ranks(own, across, world)
         if factor is not None:
             result["drops"] = _check_drops(kind, layer, x, factor, fresh, left_reads)
     finally:
@@ -127,6 +130,19 @@ def main(kind: str, rank: int, world: int, store_path: str, result_path: str, fa
         stop_recording()
     with open(result_path, "w") as f:
         json.dump(result, f)
+
+
+def _across_ranks(own: dict[str, float], across: dict[str, float], world: int) -> dict:
+    """``collect(group=...)`` against the mean of every rank's own ``collect``: the tokens per expert (integer counts
+    summed in fp64: exact), the routed tokens, and ``moe/ranks``."""
+    keys = sorted(k for k in own if "/tokens_per_expert/" in k or k == "moe/tokens")
+    mine = torch.tensor([own[k] for k in keys], dtype=torch.float64)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    mean = (torch.stack(everyone).sum(0) / world).tolist()
+    return {"keys": len(keys), "ranks": across.get("moe/ranks"),
+            "equal": all(across.get(k) == m for k, m in zip(keys, mean)),
+            "total_routed": sum(across[k] for k in keys if "/tokens_per_expert/" in k) * world}
 
 
 def _check_drops(kind, layer, x, factor, fresh, left_reads) -> dict:

@@ -65,6 +65,10 @@ def test_expert_parallel_layer_matches_eager(kind, tmp_path):
         assert math.isclose(drops["dropped_fraction"], drops["dropped"] / drops["routed"], rel_tol=2**-23,
                             abs_tol=0.0), drops
         assert result["dropped_fraction_at_bound"] == 0.0, result
+        # collect(group=...): every rank's accumulators summed, tokens per expert the mean over the ranks' calls
+        across = result["metrics_across_ranks"]
+        assert across["equal"] and across["keys"] > 8 and across["ranks"] == WORLD, across
+        assert across["total_routed"] == WORLD * 24 * 2, across  # tokens x top-k on every rank
         dropped += drops["dropped"]
     assert dropped > 0, "the small capacity factor dropped nothing: the drop test tests nothing"
 
