@@ -9,6 +9,8 @@ Each rank holds ``E / world`` experts; every layer sends each routed row to the 
 * :class:`AutogradAllToAllEP`: the Megatron / DeepSpeed shape. ``dist.all_to_all_single`` into a buffer the host
   sized, inside an ``autograd.Function`` whose backward is the reverse exchange; experts as a host loop over
   ``torch.split`` chunks, combine by ``index_add_``.
+* :class:`AutogradExchangeGroupedEP`: that exchange with the experts as ``torch._grouped_mm`` (Megatron's
+  ``GroupedMLP``): Dynamo traces the function (an ``autograd_function_apply``), no graph break.
 
 Both take ``x [T, H]`` and return ``[T, H]``; softmax top-k routing, weights applied at the combine. Sizes divisible
 by 4 (``torch._grouped_mm`` on CPU wants 16-byte strides in fp32).
@@ -144,4 +146,16 @@ class AutogradAllToAllEP(_ExpertParallelBase):
         return self.combine(returned, order, weights)
 
 
-EP_LAYERS = {"titan": TitanStyleEP, "titan_211": TitanStyleEP211, "autograd_all_to_all": AutogradAllToAllEP}
+def _autograd_exchange(rows, output_splits, input_splits, group):
+    return _AllToAll.apply(rows, output_splits, input_splits, group)
+
+
+class AutogradExchangeGroupedEP(TitanStyleEP):
+    """Megatron's shape with grouped experts: the rows exchanged by the ``autograd.Function`` around
+    ``dist.all_to_all_single`` (Megatron's ``_AllToAll``), the experts by ``torch._grouped_mm`` (its ``GroupedMLP``)."""
+
+    exchange = staticmethod(_autograd_exchange)
+
+
+EP_LAYERS = {"titan": TitanStyleEP, "titan_211": TitanStyleEP211, "autograd_all_to_all": AutogradAllToAllEP,
+             "autograd_grouped": AutogradExchangeGroupedEP}

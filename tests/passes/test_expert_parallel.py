@@ -152,3 +152,68 @@ def test_two_layers_in_one_graph(fake_group):
     assert _records(ctx) == [("rewrite", ""), ("rewrite", "")]
     assert not host_reads(graph)
     assert [op_name(n) for n in graph.nodes].count("moe.gather_rows") == 8
+
+
+class _Exchange(torch.autograd.Function):
+    """Megatron's ``_AllToAll`` (``dist.all_to_all_single`` into a host-sized buffer), or a wrong one (``mistake``)."""
+
+    @staticmethod
+    def forward(ctx, rows, output_splits, input_splits, mistake):
+        ctx.splits, ctx.mistake = (output_splits, input_splits), mistake
+        out = rows.new_empty(sum(output_splits), rows.shape[1])
+        dist.all_to_all_single(out, rows.contiguous(), output_splits, input_splits)
+        return out * 2 if mistake == "scaled_forward" else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        if ctx.mistake == "backward_not_reversed":  # the forward's splits again: the wrong rows come back
+            back = grad.new_empty(sum(output_splits), grad.shape[1])
+            dist.all_to_all_single(back, grad.contiguous(), output_splits, input_splits)
+        else:
+            back = grad.new_empty(sum(input_splits), grad.shape[1])
+            dist.all_to_all_single(back, grad.contiguous(), input_splits, output_splits)
+        return back, None, None, None
+
+
+class _AutogradExchange(_Variant):
+    """The titan layer with its exchanges an ``autograd.Function`` (``mistake`` applies to the function)."""
+
+    exchange_mistake = ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, order, counts, rows = self.route(x)
+        counts_recv = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, self.group))
+        by_src = counts_recv.view(self.world, self.local)
+        input_splits = counts.view(self.world, self.local).sum(1).tolist()
+        output_splits = by_src.sum(1).tolist()
+        recv = _Exchange.apply(rows, output_splits, input_splits, self.exchange_mistake)
+        seg_counts = by_src.t().flatten()
+        seg_starts = (by_src.flatten().cumsum(0) - by_src.flatten()).view(self.world, self.local).t().flatten()
+        total = sum(output_splits)
+        seg = torch.repeat_interleave(torch.arange(seg_counts.numel()), seg_counts, output_size=total)
+        perm = seg_starts[seg] + torch.arange(total) - (seg_counts.cumsum(0) - seg_counts)[seg]
+        offs = by_src.sum(0).cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(recv[perm], self.w_gate_up, offs=offs).chunk(2, dim=-1)
+        out = torch._grouped_mm(F.silu(gate) * up, self.w_down, offs=offs)
+        back = torch.zeros_like(out).index_copy(0, perm, out)
+        returned = _Exchange.apply(back, input_splits, output_splits, "")
+        return self.combine(returned, order, weights)
+
+
+@pytest.mark.parametrize("mistake", ["", "scaled_forward", "backward_not_reversed"])
+def test_autograd_function_exchange(fake_group, mistake):
+    """Megatron's spelling is made the functional autograd collective and rewritten; a function whose forward does
+    more than the exchange, or whose backward does not reverse it, is left alone (``autograd_exchange_unproven``)."""
+    torch.manual_seed(0)
+    layer = _AutogradExchange(hidden=32, inter=16, experts=8, top_k=2).to(torch.bfloat16)
+    layer.exchange_mistake = mistake
+    ctx, graph = _pass(layer)
+    if not mistake:
+        assert _records(ctx) == [("rewrite", "")], [(r.what, r.detail) for r in ctx.records]
+        assert not host_reads(graph)
+        assert "autograd_function_apply" not in [op_name(n) for n in graph.nodes]
+        return
+    assert ("skip", "autograd_exchange_unproven") in _records(ctx), [(r.what, r.detail) for r in ctx.records]
+    assert ("rewrite", "") not in _records(ctx)
+    assert host_reads(graph)  # left alone

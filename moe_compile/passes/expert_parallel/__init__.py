@@ -41,10 +41,16 @@ device permutation, the region from there to one un-regroup by the same permutat
 the permutation and the offsets are checked on sample counts as functions of the received counts ``C`` alone.
 The program is assumed valid as eager requires (the input split sizes sum to ``N``).
 
-Skips when (reason tags, reported through ``explain``): ``splits_not_host_reads``, ``symbolic_rows`` (``N`` not
-static), ``regroup_not_matched``, ``region_not_rowwise``, ``rows_escape_region``, ``inverse_not_matched``,
-``no_grouped_gemm``, ``exchanges_not_paired``, ``counts_not_exchanged``, ``offsets_not_matched``,
-``ops_unavailable``, ``internal_error``.
+An exchange written as an ``autograd.Function`` around ``dist.all_to_all_single`` (Megatron's ``_AllToAll``),
+which Dynamo traces into an ``autograd_function_apply``, is first made the functional autograd collective when its
+bodies are proven to be the exchange and its reverse
+(:mod:`~moe_compile.passes.expert_parallel.autograd_exchange`), then matched as above.
+
+Skips when (reason tags, reported through ``explain``): ``splits_not_host_reads``, ``splits_are_graph_inputs``,
+``autograd_exchange_unproven``, ``symbolic_rows`` (``N`` not static), ``regroup_not_matched``,
+``region_not_rowwise``, ``rows_escape_region``, ``inverse_not_matched``, ``no_grouped_gemm``,
+``exchanges_not_paired``, ``counts_not_exchanged``, ``offsets_not_matched``, ``ops_unavailable``,
+``internal_error``.
 
 Stage: pre-grad (Dynamo's Torch IR); AOTAutograd traces the ops' autograd and the functional all-to-all's.
 Translation validation cannot run graphs with collectives (``validation_unavailable``): ``tests/models/test_ep.py``

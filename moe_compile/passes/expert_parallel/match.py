@@ -99,10 +99,11 @@ def has_host_splits(node: fx.Node) -> bool:
 
 def waits(node: fx.Node) -> tuple[fx.Node, ...]:
     """The chain of nodes that waits on a collective's result, the waited tensor last: ``wait_tensor`` calls (Dynamo
-    may record two), or torch 2.11's ``all_to_all_single_autograd``, whose autograd function waits
-    (:func:`_wait_on_use`: the ``autograd_function_apply`` and its ``getitem``)."""
+    may record two; ``wait_with_grad``: an autograd-function exchange made canonical), or torch 2.11's
+    ``all_to_all_single_autograd``, whose autograd function waits (:func:`_wait_on_use`: the
+    ``autograd_function_apply`` and its ``getitem``)."""
     chain: list[fx.Node] = []
-    while len(node.users) == 1 and op_name(next(iter(node.users))) == WAIT:
+    while len(node.users) == 1 and op_name(next(iter(node.users))) in (WAIT, "wait_with_grad"):
         node = next(iter(node.users))
         chain.append(node)
     if not chain and len(node.users) == 1:
@@ -154,6 +155,9 @@ def match_exchange(send: fx.Node, order: dict[fx.Node, int], reads: dict[Any, Ho
     out_sizes, in_sizes = arg(send, 1, "output_split_sizes"), arg(send, 2, "input_split_sizes")
     recv_sizes = split_reads(out_sizes, reads)
     send_counts = split_reads(in_sizes, reads)
+    if all(isinstance(s, fx.Node) and s.op == "placeholder" for s in (*out_sizes, *in_sizes)):
+        raise NoMatch("splits_are_graph_inputs", f"{send.name}'s split sizes are inputs of this graph (the body of "
+                      "an autograd.Function: its call is matched in the caller's graph)")
     if recv_sizes is None or send_counts is None or len(out_sizes) != len(in_sizes):
         raise NoMatch("splits_not_host_reads", f"{send.name}'s split sizes are not .item() reads of a device "
                       "vector [W] each (counts.tolist())")

@@ -25,12 +25,17 @@ from moe_compile.passes._graph import (
     transitive_users,
 )
 from moe_compile.passes._host_sync import erase_dead_host_reads, host_reads
+from moe_compile.passes.expert_parallel.autograd_exchange import canonicalise, wait_with_grad
 from moe_compile.passes.expert_parallel.match import Exchange, has_host_splits, match_exchange
 from moe_compile.passes.forms.counts import mark_capacity
 
 
 def run(graph: fx.Graph, ctx: PassContext) -> None:
     """Find and rewrite every provable expert-parallel exchange of ``graph``."""
+    # autograd-function exchanges (Megatron's _AllToAll) -> the functional autograd collective
+    for hop in canonicalise(graph):
+        ctx.skip(layer_name(hop), "autograd_exchange_unproven", f"{hop.name}: an autograd.Function whose forward "
+                 "calls all_to_all_single, not proven to be one exchange with the reverse exchange as its backward")
     candidates = [n for n in graph.nodes if has_host_splits(n)]
     if not candidates:
         return
@@ -65,22 +70,6 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         rewrote = True
     if rewrote:
         erase_dead_host_reads(graph)
-
-
-class _WaitWithGrad(torch.autograd.Function):
-    """``wait_tensor`` whose gradient is the incoming one (whatever torch's own wait registers for autograd)."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.ops._c10d_functional.wait_tensor(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-def wait_with_grad(tensor: torch.Tensor) -> torch.Tensor:
-    return _WaitWithGrad.apply(tensor)
 
 
 def capacity(ex: Exchange, factor: float | None) -> int:
