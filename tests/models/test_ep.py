@@ -43,36 +43,41 @@ def _run_ranks(kind: str | None, tmp_path, *extra: str, world: int = WORLD,
                                   pytest.param("autograd_all_to_all", marks=pytest.mark.slow)])
 def test_expert_parallel_layer_matches_eager(kind, tmp_path):
     rewritten = kind != "autograd_all_to_all"  # its host loop over chunk sizes breaks the graph
-    results = _run_ranks(kind, tmp_path, *(("0.25",) if rewritten else ()))
+    # the capacity factor's drops once, on torch 2.13's spelling (the others reach the same rewrite)
+    results = _run_ranks(kind, tmp_path, *(("0.25",) if kind == "titan" else ()))
     for rank, result in enumerate(results):
         print(f"rank {rank}: {result}")
         assert result["ok"], result
         assert result["bitwise_repeat"], result
     if not rewritten:
         return
-    dropped = 0
     for result in results:
         assert "<graph>:expert_parallel" in result["rewrites"], result
         assert result["host_reads_left"] and not any(result["host_reads_left"]), result
         assert not [w for w in result["left"] if "_local_scalar_dense" in w], result
         (detail,) = result["rewrite_details"]
         assert "equal splits [48]*2" in detail and "no row dropped" in detail, detail
-        drops = result["drops"]
-        assert drops["ok"], drops
-        assert drops["capacity"] == 6 and "S=6" in drops["rewrite_details"][0], drops
-        assert drops["host_reads_left"] and not any(drops["host_reads_left"]), drops
-        # metrics=True: the rows this rank sent past S, counted on the device, as a fraction of its routed rows
-        # (one fp32 division: within its rounding), and exactly 0 at the bound
-        assert drops["dropped_fraction"] is not None, drops
-        assert math.isclose(drops["dropped_fraction"], drops["dropped"] / drops["routed"], rel_tol=2**-23,
-                            abs_tol=0.0), drops
-        assert result["dropped_fraction_at_bound"] == 0.0, result
+        assert result["dropped_fraction_at_bound"] == 0.0, result  # metrics=True: nothing dropped at the bound
         # collect(group=...): every rank's accumulators summed, tokens per expert the mean over the ranks' calls
         across = result["metrics_across_ranks"]
         assert across["equal"] and across["keys"] > 8 and across["ranks"] == WORLD, across
         assert across["total_routed"] == WORLD * 24 * 2, across  # tokens x top-k on every rank
-        dropped += drops["dropped"]
-    assert dropped > 0, "the small capacity factor dropped nothing: the drop test tests nothing"
+    if kind == "titan":
+        _check_drops([result["drops"] for result in results])
+
+
+def _check_drops(per_rank: list[dict]) -> None:
+    """``ep_capacity_factor=0.25``: against eager layers dropping the same rows, and the reported fraction."""
+    for drops in per_rank:
+        assert drops["ok"], drops
+        assert drops["capacity"] == 6 and "S=6" in drops["rewrite_details"][0], drops
+        assert drops["host_reads_left"] and not any(drops["host_reads_left"]), drops
+        # metrics=True: the rows this rank sent past S, counted on the device, as a fraction of its routed rows
+        # (one fp32 division: within its rounding)
+        assert drops["dropped_fraction"] is not None, drops
+        assert math.isclose(drops["dropped_fraction"], drops["dropped"] / drops["routed"], rel_tol=2**-23,
+                            abs_tol=0.0), drops
+    assert sum(d["dropped"] for d in per_rank) > 0, "the small capacity factor dropped nothing: the test tests nothing"
 
 
 def test_fsdp2_with_expert_parallel(tmp_path):
