@@ -86,6 +86,8 @@ def _stacked_projections(group: ExpertGroup, down: str | None = None) -> dict[st
     flip = _gate_up_transposed(group)
     for lin in group.linears:
         w = getattr(module, lin.path)
+        if w.shape[0] != lin.num_experts:  # rows of identity experts that no id reads (identity_expert_groups)
+            w = w[:lin.num_experts]
         bias = getattr(module, lin.path + "_bias", None)
         out[lin.path] = Projection(w.transpose(1, 2) if lin.is_transposed or flip else w, bias)
     return out
@@ -121,6 +123,31 @@ def _flat_expert_groups(model: nn.Module, claimed: list[ExpertGroup]) -> list[Ex
         groups.append(ExpertGroup(name, module, "flat", linears))
         taken.append(name)
     return groups
+
+
+def identity_expert_groups(model: nn.Module) -> tuple[list[ExpertGroup], list[tuple[str, nn.Module]]]:
+    """``(groups, unmatched)``: experts modules with ``Z = zero_expert_num > 0`` identity experts beside their MLP
+    experts (LongCat-Flash's ``LongcatFlashExperts``: ids ``E .. E+Z-1`` return the token times its weight,
+    NOTE [identity experts] (moe_compile/experts/interface.py)). A group: the module's own rank-3 parameters, the
+    ``E`` MLP experts' ``[E, N, K]`` (``E`` the smallest leading size, the module's ``num_routed_experts`` where it
+    has one), each holding ``E`` or ``E + Z`` experts (LongCat's ``gate_up_proj`` is ``[E + Z, 2I, H]``, whose last
+    ``Z`` no id reads: :func:`_stacked_projections` reads its first ``E``), as a ``"stacked"`` group of ``E``;
+    ``unmatched``: the ``(name, module)`` of any other such module (``zero_compute_experts``)."""
+    groups, unmatched = [], []
+    for name, module in model.named_modules():
+        Z = getattr(module, "zero_expert_num", None)
+        if isinstance(Z, bool) or not isinstance(Z, int) or Z < 1:
+            continue
+        params = dict(module.named_parameters(recurse=False))
+        E = min((p.shape[0] for p in params.values()), default=0)
+        declared = getattr(module, "num_routed_experts", E)
+        if (E < 1 or declared != E or len(params) < 2 or any(p.dim() != 3 for p in params.values())
+                or any(p.shape[0] not in (E, E + Z) for p in params.values())):
+            unmatched.append((name, module))
+            continue
+        linears = tuple(ExpertLinear(n, E, p.shape[1], p.shape[2]) for n, p in params.items())
+        groups.append(ExpertGroup(name, module, "stacked", linears))
+    return groups, unmatched
 
 
 class _GroupedViews:

@@ -24,6 +24,17 @@ One place runs experts whose Python loop Dynamo cannot capture (``nonzero``-driv
 
 Routing weights are applied where the model applies them: after the MLP (in the combine, the default)
 or before it (``weights_before=True``: the permuted rows are scaled first).
+
+NOTE [identity experts]: LongCat-Flash routes some choices to ``Z`` zero-compute experts, ids ``E .. E+Z-1`` past
+the ``E`` MLP experts, whose output is the token itself (``fused_experts_forward(identity_experts=Z)``).
+``permute_pad`` groups the rows over all ``E + Z`` ids, so the identity experts' rows are the last segments; the
+grouped GEMMs run over the first ``E`` segments only (``offs_E[:E]``), with ``zero_tail``: the rows past them are
+exact zeros in every GEMM output and in every ``dX``; ``where(row >= offs_E[E-1], rows_MH, y_MH)`` then puts the
+token's own row there, and ``unpad_unpermute`` weights and sums every choice in fp32 in ascending expert order
+(the identity experts last, as the eager loop adds them). Backward: the ``where`` passes ``dy`` to the identity rows
+and exact zeros to the GEMMs' rows there (no weight gradient from them); ``permute_pad``'s backward gathers
+``dx[t]`` over all its rows. No host read, no per-expert loop, no accumulating scatter; the inference path through
+``expert_gemm`` is not taken (its epilogue has no identity rows).
 """
 
 from __future__ import annotations
@@ -89,16 +100,18 @@ def expert_of_rows(offs_E: Tensor, num_rows: int) -> Tensor:
     return torch.searchsorted(offs_E, rows_M, right=True).clamp_(max=offs_E.shape[0] - 1)
 
 
-def grouped_linear(x_MK: Tensor, proj: Projection, offs_E: Tensor, onehot_ME: Tensor | None) -> Tensor:
+def grouped_linear(x_MK: Tensor, proj: Projection, offs_E: Tensor, onehot_ME: Tensor | None, *,
+                   zero_tail: bool = False) -> Tensor:
     """``x_MK @ w_ENK[e]^T (+ bias_EN[e])`` per expert segment; ``onehot_ME`` is needed only with a bias.
 
     The bias is added as ``onehot_ME @ bias_EN`` rather than ``bias_EN[expert_M]``: the gather's backward is an
     accumulating scatter (atomics, order-dependent); the matmul's is ``onehot^T @ dY``, deterministic.
     Without biases, rows past the last expert are left unspecified (``zero_tail=False``): everything after the
     GEMMs is row-wise and ``unpad_unpermute`` reads only the rows its row map names. A bias's gradient
-    ``onehot^T @ dY`` sums every row, so with biases those rows stay zero.
+    ``onehot^T @ dY`` sums every row, so with biases those rows stay zero; so do they with ``zero_tail`` (and the
+    rows of ``dX``): NOTE [identity experts] reads its rows there.
     """
-    y_MN = gmm.grouped_mm(x_MK, proj.w_ENK, offs_E, zero_tail=onehot_ME is not None)
+    y_MN = gmm.grouped_mm(x_MK, proj.w_ENK, offs_E, zero_tail=zero_tail or onehot_ME is not None)
     if proj.bias_EN is not None:
         y_MN = y_MN + onehot_ME @ proj.bias_EN.to(y_MN.dtype)
     return y_MN
@@ -117,6 +130,7 @@ def fused_experts_forward(
     post: Callable[[Tensor], Tensor] | None = None,
     align: int = 1,
     glu: str | None = None,
+    identity_experts: int = 0,
 ) -> Tensor:
     """``sum_k w[t, k] * down(middle(up(x[t])))`` with expert ``ids[t, k]``, through the fused ops.
 
@@ -135,6 +149,8 @@ def fused_experts_forward(
         align: segment alignment of ``permute_pad``.
         glu: a name in ``GLU_ACTIVATIONS`` (:func:`glu_of`) when ``middle`` is that GLU over one ``up``
             projection (gate rows first): NOTE [expert MLP through expert_gemm].
+        identity_experts: ``Z``: ids in ``[num_experts, num_experts + Z)`` are identity experts, whose term is
+            ``w[t, k] * x[t]`` (NOTE [identity experts]).
 
     Returns:
         ``[T, H]`` in ``x_TH.dtype``; the combine accumulates in fp32 in a fixed order.
@@ -148,21 +164,28 @@ def fused_experts_forward(
     has_bias = any(p.bias_EN is not None for p in (*ups, down))
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x_TH, weights_TK, *(p.w_ENK for p in ups), down.w_ENK))
-    if glu is not None and not needs_grad and not weights_before and not has_bias and len(ups) == 1:
+    if glu is not None and not needs_grad and not weights_before and not has_bias and len(ups) == 1 \
+            and not identity_experts:
         return _expert_gemm_mlp(x_TH, ids_TK, weights_TK, ups[0], down, num_experts, post, align, glu)
     probs = weights_TK if weights_before else None
-    out = permute_pad(x_TH, ids_TK, probs, num_experts=num_experts, align=align)
+    out = permute_pad(x_TH, ids_TK, probs, num_experts=num_experts + identity_experts, align=align)
+    # the MLP experts' segments; identity experts' rows follow them (NOTE [identity experts])
+    offs_E = out.offs_E[:num_experts] if identity_experts else out.offs_E
     rows_MH = out.rows_MH
     if weights_before:
         rows_MH = (rows_MH * out.probs_M.unsqueeze(-1)).to(x_TH.dtype)
     onehot_ME = None
     if has_bias:
-        expert_M = expert_of_rows(out.offs_E, rows_MH.shape[0])
+        expert_M = expert_of_rows(offs_E, rows_MH.shape[0])
         onehot_ME = (expert_M[:, None] == torch.arange(num_experts, device=expert_M.device)).to(x_TH.dtype)
-    h_MI = middle(*(grouped_linear(rows_MH, proj, out.offs_E, onehot_ME) for proj in ups))
-    y_MH = grouped_linear(h_MI.to(x_TH.dtype), down, out.offs_E, onehot_ME)
+    zero_tail = identity_experts > 0
+    h_MI = middle(*(grouped_linear(rows_MH, proj, offs_E, onehot_ME, zero_tail=zero_tail) for proj in ups))
+    y_MH = grouped_linear(h_MI.to(x_TH.dtype), down, offs_E, onehot_ME, zero_tail=zero_tail)
     if post is not None:
         y_MH = post(y_MH)
+    if identity_experts:
+        rows_M = torch.arange(rows_MH.shape[0], device=offs_E.device, dtype=offs_E.dtype)
+        y_MH = torch.where((rows_M >= offs_E[-1]).unsqueeze(-1), rows_MH, y_MH)
     return unpad_unpermute(y_MH, out.row_map, None if weights_before else weights_TK).to(x_TH.dtype)
 
 

@@ -90,6 +90,7 @@ from moe_compile.experts._swap_layout import (
     _projection_keys,
     _projection_names,
     _stacked_projections,
+    identity_expert_groups,
 )
 from moe_compile.experts.discovery import ExpertGroup, ExpertLinear, find_expert_weights
 from moe_compile.experts.interface import SUPPORTED_DTYPES, Projection, fused_experts_forward, glu_of, is_hf_experts
@@ -116,6 +117,8 @@ class _Plan:
     gate_fn: Callable[[Tensor], Tensor] | None = None  # the experts' own GLU over one gate_up output (_apply_gate)
     scale: float = 1.0  # the routed experts' output times this (the block's routed_scaling_factor)
     flat_out: bool = False  # the block returns [T, H] for a [B, S, H] input (Llama4TextMoe)
+    # Z identity experts, ids E .. E+Z-1 (LongCat-Flash): NOTE [identity experts] (moe_compile/experts/interface.py)
+    identity_experts: int = 0
 
     @property
     def router_module(self) -> str:
@@ -227,7 +230,8 @@ def _fused_block_forward(block: nn.Module, plan: _Plan, projections: Callable[[]
     ids_TK, weights_TK, logits_TE = _route(block, plan, x_TH)
     ups, down = projections()
     y_TH = fused_experts_forward(x_TH, ids_TK, weights_TK, ups, _middle(plan, len(ups)), down,
-                                 num_experts=plan.num_experts, weights_before=plan.weights_before, glu=plan.glu)
+                                 num_experts=plan.num_experts, weights_before=plan.weights_before, glu=plan.glu,
+                                 identity_experts=plan.identity_experts)
     if plan.scale != 1.0:
         y_TH = y_TH * plan.scale
     if plan.shared is not None:
@@ -239,7 +243,7 @@ def _fused_block_forward(block: nn.Module, plan: _Plan, projections: Callable[[]
     return (y, logits_TE) if plan.returns_logits else y
 
 
-def _plan_block(block: nn.Module, group: ExpertGroup) -> _Plan:
+def _plan_block(block: nn.Module, group: ExpertGroup, identity_experts: int) -> _Plan:
     E = group.linears[0].num_experts
     available = {lin.path for lin in group.linears} if group.kind == "module_list" else _projection_keys(group)
     names, gated = _projection_names(available)
@@ -254,7 +258,7 @@ def _plan_block(block: nn.Module, group: ExpertGroup) -> _Plan:
     gate, router_module = getattr(block, "gate", None), getattr(block, "router", None)
     if callable(getattr(block, "route", None)):
         router = "route"
-    elif isinstance(gate, nn.Linear) and gate.out_features == E and isinstance(top_k, int):
+    elif isinstance(gate, nn.Linear) and gate.out_features == E + identity_experts and isinstance(top_k, int):
         router = "gate_linear"
     elif isinstance(gate, nn.Module) and not isinstance(gate, nn.Linear):
         router = "gate_call"  # a gate module that routes itself: (weights, ids) = gate(x)
@@ -267,7 +271,7 @@ def _plan_block(block: nn.Module, group: ExpertGroup) -> _Plan:
         raise NotSwappable("no_router", "no route(x) method, no gate Linear(H, E) with top_k, no gate or router "
                                         "module returning (weights, ids), (logits, weights, ids) or (scores, logits)")
     plan = _Plan(names, gated, act, E, top_k if router in ("gate_linear", "router_call") else None, router=router,
-                 gate_fn=gate_fn if callable(gate_fn) else None)
+                 gate_fn=gate_fn if callable(gate_fn) else None, identity_experts=identity_experts)
     if router != "route":
         _check_no_other_state(block, group, plan.router_module)
     return plan
@@ -360,7 +364,7 @@ def _set_routing_form(block: nn.Module, plan: _Plan, x_TH: Tensor) -> None:
         out = block.route_tokens_to_experts(block.router(x_TH.clone()))
     else:
         return
-    plan.routing_form = _routing_form(out, plan.num_experts, plan.top_k)
+    plan.routing_form = _routing_form(out, plan.num_experts + plan.identity_experts, plan.top_k)
 
 
 def _check_dense(block: nn.Module, plan: _Plan, projections: Callable[[], tuple[tuple[Projection, ...], Projection]],
@@ -393,13 +397,14 @@ def _check_dense(block: nn.Module, plan: _Plan, projections: Callable[[], tuple[
                                                     f"({int((rest != 0).sum())} of {rest.numel()} are not)")
 
 
-def swap_block(block: nn.Module, group: ExpertGroup) -> str:
+def swap_block(block: nn.Module, group: ExpertGroup, identity_experts: int = 0) -> str:
     """Swap ``block``'s forward to the fused path (see the module docstring); returns a description.
+    ``identity_experts``: the ``Z`` identity experts past the group's ``E`` (:func:`identity_expert_groups`).
 
     Raises:
         NotSwappable: the block is left unchanged; ``tag`` says why.
     """
-    plan = _plan_block(block, group)
+    plan = _plan_block(block, group, identity_experts)
     weight = next(block.parameters())
     if weight.dtype not in SUPPORTED_DTYPES:
         raise NotSwappable("dtype", f"{weight.dtype} (supported: bf16, fp16, fp32)")
@@ -449,6 +454,7 @@ def swap_block(block: nn.Module, group: ExpertGroup) -> str:
                       f", routed by {plan.router}" if plan.router != "gate_linear" else "",
                       f" ({plan.routing_form})" if plan.routing_form else "",
                       f", routed output x{plan.scale:g}" if plan.scale != 1.0 else "",
+                      f", + {plan.identity_experts} identity experts" if plan.identity_experts else "",
                       f", + {plan.shared}" if plan.shared else "",
                       f" (gated by {plan.shared_gate})" if plan.shared_gate else ""])
     return (f"{group.kind} experts ({plan.num_experts}, {'gated' if plan.gated else 'plain'} "
@@ -495,32 +501,37 @@ def swap_expert_loops(model: nn.Module) -> list[tuple[str, str, str, str]]:
     the experts interface (``experts/interface.py``) covers them.
     Records are ``(block name, "rewrite" | "skip", tag, detail)``.
     """
-    records = _zero_compute_experts(model)
+    identity, unmatched = identity_expert_groups(model)
+    records = [_zero_compute_skip(name, m, "its weights are not rank-3 [E or E + Z, N, K] parameters of E MLP "
+                                  "experts") for name, m in unmatched]
+    zero_compute = {id(m) for _, m in unmatched} | {id(g.module) for g in identity}
     modules = dict(model.named_modules())
-    groups = [*find_expert_weights(model), *_single_expert_lists(model)]
-    groups += _flat_expert_groups(model, groups)
-    for group in [*groups, *module_dict_groups(model, groups)]:
+    groups = [g for g in (*find_expert_weights(model), *_single_expert_lists(model))
+              if id(g.module) not in zero_compute]
+    groups += _flat_expert_groups(model, [*groups, *identity])
+    for group in [*groups, *identity, *module_dict_groups(model, [*groups, *identity])]:
         if is_hf_experts(group.module) or getattr(group.module, "_moe_compile_swapped", False):
             continue
         block_name = group.name.rpartition(".")[0]
         block = modules.get(block_name)
         if block is None or getattr(block, "_moe_compile_original_forward", None) is not None:
             continue
+        Z = group.module.zero_expert_num if id(group.module) in zero_compute else 0
         try:
-            detail = swap_capacity_block(block, group) if group.kind == "module_dict" else swap_block(block, group)
+            detail = swap_capacity_block(block, group) if group.kind == "module_dict" else swap_block(block, group, Z)
         except NotSwappable as why:
-            records.append((block_name or "<root>", "skip", why.tag, why.detail))
+            if Z:  # the form the fused path cannot match keeps the family's tag, the probe's reason in its detail
+                records.append(_zero_compute_skip(group.name, group.module, f"{why.tag}: {why.detail}"))
+            else:
+                records.append((block_name or "<root>", "skip", why.tag, why.detail))
             continue
         records.append((block_name or "<root>", "rewrite", "expert_loop_swapped", detail))
     return records
 
 
-def _zero_compute_experts(model: nn.Module) -> list[tuple[str, str, str, str]]:
-    """Skip records for experts modules with zero-compute (identity) experts beside their MLP experts (LongCat-Flash:
-    ``zero_expert_num`` ids past the routed ones return the token times its weight): the fused path runs MLP experts
-    only, so their blocks are left alone, saying so (``zero_compute_experts``) rather than ``not_in_graph``."""
-    return [(name.rpartition(".")[0] or "<root>", "skip", "zero_compute_experts",
-             f"{type(m).__name__}: {m.zero_expert_num} identity experts beside the MLP experts (ids past the routed "
-             "ones return the token times its weight), which the fused path does not run")
-            for name, m in model.named_modules()
-            if isinstance(getattr(m, "zero_expert_num", None), int) and m.zero_expert_num > 0]
+def _zero_compute_skip(name: str, module: nn.Module, why: str) -> tuple[str, str, str, str]:
+    """The skip record of an experts module with zero-compute (identity) experts beside its MLP experts
+    (LongCat-Flash) that the swap leaves alone (``zero_compute_experts``), rather than ``not_in_graph``."""
+    return (name.rpartition(".")[0] or "<root>", "skip", "zero_compute_experts",
+            f"{type(module).__name__}: {module.zero_expert_num} identity experts beside the MLP experts, left alone: "
+            f"{why}")

@@ -5,8 +5,9 @@ sigmoid scores that are zero outside the top-k, NOTE [dense experts] (moe_compil
 returns ``(out [T, H], router_logits)``) and Step3p7 (``Step3p7SparseMoeBlock``: an eager loop over stacked
 ``[E, 2I, H]`` weights, a router returning ``(logits, weights, ids)``, a shared expert) and SwitchTransformers
 (``SwitchTransformersSparseMLP``: top-1 capacity routing that drops tokens, a ModuleDict of ``wi/wo`` experts,
-NOTE [capacity swap] (moe_compile/experts/_swap_capacity.py)); NLLB-MoE is left alone (its eager loop runs other
-experts than its router chose), and so is LongCat-Flash (identity experts). The blocks are transformers' own
+NOTE [capacity swap] (moe_compile/experts/_swap_capacity.py)) and LongCat-Flash (``LongcatFlashMoE``: stacked experts
+beside identity experts, NOTE [identity experts] (moe_compile/experts/interface.py)); NLLB-MoE is left alone (its
+eager loop runs other experts than its router chose). The blocks are transformers' own
 classes, built from the tiny configs of the family matrix (``tests/models/hf_families.py``) with fresh random
 weights.
 
@@ -68,6 +69,12 @@ def _block(family: str, gen: torch.Generator) -> nn.Module:
         from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 
         block = Llama4TextMoe(config)
+    elif family == "longcat_flash":
+        from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMoE
+
+        block = LongcatFlashMoE(config)
+        # a selection bias the router reads itself (zeros at init, trained in released checkpoints)
+        block.router.e_score_correction_bias.copy_(torch.randn(block.router.n_routed_experts, generator=gen) * 0.05)
     else:
         from transformers.models.step3p7.modeling_step3p7 import Step3p7SparseMoeBlock
 
@@ -83,6 +90,8 @@ SWAPPED = {
                "routed by router_call (dense)", "+ shared_expert"),
     "step3p7": ("stacked experts (8, gated gate_up_proj/down_proj)", "weights after the MLP",
                 "routed by gate_call (triple)", "+ shared_experts"),
+    "longcat_flash": ("stacked experts (8, gated gate_up_proj/down_proj)", "weights after the MLP",
+                      "routed by router_call (triple)", "+ 2 identity experts"),
     "switch_transformers": ("module_dict experts (8, plain wi/wo)", "top-1 capacity routing by the block's router "
                             "on its input", "dropped choices exact zeros"),
 }
@@ -430,17 +439,55 @@ def test_nllb_is_left_alone_its_eager_runs_experts_by_mask_value():
     assert block.forward == forward
 
 
-def test_longcat_zero_compute_experts_are_left_alone():
-    """LongCat-Flash's experts include ``zero_expert_num`` identity experts (an id past the routed ones returns the
-    token times its weight; the tiny config has 2, and the router routes to them): the fused path runs MLP experts
-    only, so the block is left alone with its tag (``zero_compute_experts``) and runs as written."""
-    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMoE
+# ===== LongCat-Flash: identity experts, NOTE [identity experts] (moe_compile/experts/interface.py) =====
 
-    from tests.models.hf_families import tiny_config
 
-    block = LongcatFlashMoE(tiny_config("longcat_flash"))
-    assert block.experts.zero_expert_num == 2
+def test_longcat_identity_experts_within_eager_bound():
+    """LongCat-Flash's experts include ``zero_expert_num`` identity experts (an id past the 8 MLP experts adds the
+    token times its weight; the tiny config has 2): swapped, with tokens routed to them (asserted: some choices, not
+    all), the output and every gradient (router, experts, the ``gate_up_proj`` rows of the identity experts that no
+    id reads: exact zeros) are within eager's bound from a float64 run; a repeated step is bitwise the same."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    original = _block("longcat_flash", gen)
+    E = original.experts.num_routed_experts
+    x = torch.randn(2, 12, original_hidden(original), generator=gen)
+    cot = torch.randn(x.shape, generator=gen)
+    with torch.no_grad():
+        identity = original.router(x)[2] >= E
+    assert 0 < int(identity.sum()) < identity.numel(), identity
+    ref_model = _Out(copy.deepcopy(original).double())
+    eager_model, swapped = _Out(original), _Out(copy.deepcopy(original))
+    eager = _with_zero_grads(tol.layer_step(eager_model, eager_model, x, cot), eager_model)
+    ref = _with_zero_grads(tol.layer_step(ref_model, ref_model, x, cot, torch.float64), ref_model)
+    records = swap_expert_loops(swapped)
+    got = _with_zero_grads(tol.layer_step(swapped, swapped, x, cot), swapped)
+    again = _with_zero_grads(tol.layer_step(swapped, swapped, x, cot), swapped)
+    _assert_swapped_and_within_bound("longcat_flash", got, eager, ref, records)
+    assert torch.all(got["grad:block.experts.gate_up_proj"][E:] == 0)
+    for name, value in got.items():
+        assert torch.equal(value, again[name]), name
+
+
+class _Halve(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5
+
+
+def test_longcat_other_identity_form_is_left_alone():
+    """A LongCat block whose "zero-compute" experts are not the identity (here: half the token): the fused path's
+    identity rows do not compute it, the probe sees it, and the block is left alone with the family's tag
+    (``zero_compute_experts``, the probe's reason in its detail) and runs as written. The unmodified block swaps
+    (``test_longcat_identity_experts_within_eager_bound``), so this is the probe's doing."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    block = _block("longcat_flash", gen)
+    block.experts.identity_expert = _Halve()
+    x = torch.randn(2, 12, original_hidden(block), generator=gen)
+    with torch.no_grad():
+        assert bool((block.router(x)[2] >= block.experts.num_routed_experts).any())
+        want = block(x)
     forward = block.forward
     records = swap_expert_loops(block)
     assert [r[1:3] for r in records] == [("skip", "zero_compute_experts")], records
-    assert block.forward == forward
+    assert "probe_mismatch" in records[0][3] and block.forward == forward
+    with torch.no_grad():
+        assert torch.equal(block(x), want)

@@ -87,9 +87,10 @@ OUTSIDE: dict[str, Outside] = {
         "scores, zero outside the top-k), no dispatch; plus a shared expert",
         {"interleave_moe_layer_step": 1, "no_rope_layers": [1]}, swapped=True),
     "longcat_flash": Outside(
-        "LongcatFlashExperts: an eager per-expert loop that includes zero-compute (identity) experts; left alone "
-        "(zero_compute_experts): the fused path runs MLP experts only",
-        {"num_layers": 1, "expert_ffn_hidden_size": 32, "zero_expert_num": 2, "qk_head_dim": 32}),
+        "LongcatFlashExperts: an eager per-expert loop that includes zero-compute (identity) experts; swapped: "
+        "grouped GEMMs over the MLP experts, the identity experts' rows the tokens themselves "
+        "(NOTE [identity experts] (moe_compile/experts/interface.py)); another form of them: zero_compute_experts",
+        {"num_layers": 1, "expert_ffn_hidden_size": 32, "zero_expert_num": 2, "qk_head_dim": 32}, swapped=True),
     "nllb_moe": Outside(
         "NllbMoeSparseMLP: top-2 capacity routing (one-hot dispatch mask, a ModuleDict of dense experts run on "
         "masked tokens); left alone (capacity_eager_mismatch): transformers 5.24's NllbMoeExperts one-hots the "
