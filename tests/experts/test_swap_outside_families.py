@@ -20,6 +20,7 @@ with their tag.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -146,9 +147,14 @@ def _assert_swapped_and_within_bound(family: str, got, eager, ref, records) -> N
     assert [r[1:3] for r in records] == [("rewrite", "expert_loop_swapped")], records
     for part in SWAPPED[family]:
         assert part in records[0][3], records[0][3]
-    ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, dtype=torch.float32, always_judged=tuple(ref))
+    # one expert's own gradient (ModuleList / ModuleDict experts) sums the few rows routed to it: eager's error there
+    # is one draw of a few roundings (seen: Switch's expert_4.wo at 1.13x a bound eager met by luck); the step's
+    # noise is its floor, as in test_swap_skip_loops.py (few_samples)
+    few = {n for n in ref if re.search(r"\.experts\.(expert_)?\d+\.", n)}
+    ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, dtype=torch.float32, always_judged=tuple(ref),
+                                                 few_samples=few)
     assert ok and not unjudged, (worst, [(r.name, r.compiled, r.bound, r.note) for r in tol.eager_bound_errors(
-        got, eager, ref, dtype=torch.float32) if r.ratio > 1])
+        got, eager, ref, dtype=torch.float32, few_samples=few) if r.ratio > 1])
     # the step judged every parameter the original block trains
     assert {n for n in got if n.startswith("grad:")} == {n for n in eager if n.startswith("grad:")}
 
