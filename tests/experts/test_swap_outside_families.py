@@ -213,24 +213,15 @@ def test_dbrx_keeps_its_parameters():
     eager = copy.deepcopy(block)
     params = dict(block.named_parameters())
     keys = {k: v.shape for k, v in block.state_dict().items()}
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (block, eager)]
     assert [r[1] for r in swap_expert_loops(block)] == ["rewrite"]
     assert dict(block.named_parameters()) == params and {k: v.shape for k, v in block.state_dict().items()} == keys
-
-    H = original_hidden(block)
     k_dims = tol.gemm_k_dims([block.experts.mlp.w1, block.experts.mlp.w2.T])
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (block, eager)]
-    for _ in range(2):
-        x = torch.randn(2, 6, H, generator=gen)
-        for model, opt in zip((block, eager), opts):
-            opt.zero_grad()
-            model(x).square().mean().backward()
-            assert model.experts.mlp.w1.grad.shape == model.experts.mlp.w1.shape
-            opt.step()
-    for name, p in block.named_parameters():
-        tol.assert_layer_close(p, eager.get_parameter(name), k_dims, backward=True, rows=12, what=name)
-    block.load_state_dict(other.state_dict())
-    x = torch.randn(2, 6, H, generator=gen)
-    tol.assert_layer_close(block(x), other(x), k_dims, what="after load_state_dict")
+
+    def grads_in_place(model: nn.Module) -> None:
+        assert model.experts.mlp.w1.grad.shape == model.experts.mlp.w1.shape
+
+    _trains_and_loads_like_eager(block, eager, other, opts, k_dims, (2, 6), gen, grads_in_place)
 
 
 def test_dense_router_with_softmax_scores_is_left_alone():
@@ -384,17 +375,27 @@ def test_switch_keeps_its_parameters():
     assert [r[1] for r in swap_expert_loops(block)] == ["rewrite"]
     assert dict(block.named_parameters()) == params and {k: v.shape for k, v in block.state_dict().items()} == keys
     k_dims = tol.gemm_k_dims([block.experts.expert_0.wi.weight, block.experts.expert_0.wo.weight])
+    _trains_and_loads_like_eager(block, eager, other, opts, k_dims, (2, 12), gen)
+
+
+def _trains_and_loads_like_eager(block: nn.Module, eager: nn.Module, other: nn.Module, opts: list, k_dims, shape,
+                                 gen: torch.Generator, check=None) -> None:
+    """Two optimizer steps (built before the swap) of the swapped ``block`` and its eager copy land on the same
+    parameters; ``load_state_dict`` of ``other``'s weights then reaches the swapped forward."""
     H = original_hidden(block)
     for _ in range(2):
-        x = torch.randn(2, 12, H, generator=gen)
+        x = torch.randn(*shape, H, generator=gen)
         for model, opt in zip((block, eager), opts):
             opt.zero_grad()
             model(x).square().mean().backward()
+            if check is not None:
+                check(model)
             opt.step()
+    rows = shape[0] * shape[1]
     for name, p in block.named_parameters():
-        tol.assert_layer_close(p, eager.get_parameter(name), k_dims, backward=True, rows=24, what=name)
+        tol.assert_layer_close(p, eager.get_parameter(name), k_dims, backward=True, rows=rows, what=name)
     block.load_state_dict(other.state_dict())
-    x = torch.randn(2, 12, H, generator=gen)
+    x = torch.randn(*shape, H, generator=gen)
     tol.assert_layer_close(block(x), other(x), k_dims, what="after load_state_dict")
 
 

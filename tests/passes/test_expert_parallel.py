@@ -30,7 +30,7 @@ class _Variant(TitanStyleEP):
         by_src = counts_recv.view(self.world, self.local)
         input_splits = counts.view(self.world, self.local).sum(1).tolist()
         output_splits = by_src.sum(1).tolist()
-        recv = funcol.all_to_all_single_autograd(rows, output_splits, input_splits, self.group)
+        recv = self.exchange(rows, output_splits, input_splits, self.group)
         seg_counts = by_src.t().flatten()
         seg_starts = (by_src.flatten().cumsum(0) - by_src.flatten()).view(self.world, self.local).t().flatten()
         total = sum(output_splits)
@@ -54,7 +54,7 @@ class _Variant(TitanStyleEP):
             back[perm] = out
         else:
             back = torch.zeros_like(out).index_copy(0, perm, out)
-        returned = funcol.all_to_all_single_autograd(back, input_splits, output_splits, self.group)
+        returned = self.exchange(back, input_splits, output_splits, self.group)
         return self.combine(returned, order, weights)
 
 
@@ -177,28 +177,12 @@ class _Exchange(torch.autograd.Function):
 
 
 class _AutogradExchange(_Variant):
-    """The titan layer with its exchanges an ``autograd.Function`` (``mistake`` applies to the function)."""
+    """The titan layer with its exchanges an ``autograd.Function`` (``exchange_mistake`` applies to both)."""
 
     exchange_mistake = ""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, order, counts, rows = self.route(x)
-        counts_recv = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, self.group))
-        by_src = counts_recv.view(self.world, self.local)
-        input_splits = counts.view(self.world, self.local).sum(1).tolist()
-        output_splits = by_src.sum(1).tolist()
-        recv = _Exchange.apply(rows, output_splits, input_splits, self.exchange_mistake)
-        seg_counts = by_src.t().flatten()
-        seg_starts = (by_src.flatten().cumsum(0) - by_src.flatten()).view(self.world, self.local).t().flatten()
-        total = sum(output_splits)
-        seg = torch.repeat_interleave(torch.arange(seg_counts.numel()), seg_counts, output_size=total)
-        perm = seg_starts[seg] + torch.arange(total) - (seg_counts.cumsum(0) - seg_counts)[seg]
-        offs = by_src.sum(0).cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(recv[perm], self.w_gate_up, offs=offs).chunk(2, dim=-1)
-        out = torch._grouped_mm(F.silu(gate) * up, self.w_down, offs=offs)
-        back = torch.zeros_like(out).index_copy(0, perm, out)
-        returned = _Exchange.apply(back, input_splits, output_splits, "")
-        return self.combine(returned, order, weights)
+    def exchange(self, rows, output_splits, input_splits, group):
+        return _Exchange.apply(rows, output_splits, input_splits, self.exchange_mistake)
 
 
 @pytest.mark.parametrize("mistake", ["", "scaled_forward", "backward_not_reversed"])

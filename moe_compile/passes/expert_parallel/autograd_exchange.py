@@ -87,8 +87,9 @@ def _calls_all_to_all(hop: fx.Node) -> bool:
     return isinstance(fwd, fx.GraphModule) and any(op_name(n) == ALL_TO_ALL for n in fwd.graph.nodes)
 
 
-def _exchange_of(hop: fx.Node) -> tuple[fx.Node, fx.Node, list[Any], list[Any], str] | None:
-    """``(getitem, rows, out_sizes, in_sizes, group)`` of the main graph when ``hop`` is a proven exchange."""
+def function_bodies(hop: fx.Node) -> tuple[fx.Node, fx.GraphModule, fx.GraphModule, list[Any]] | None:
+    """``(getitem, fwd_body, bwd_body, inputs)`` when ``hop`` is an ``autograd_function_apply`` read once, at its
+    first output (the function's result), else None."""
     gm = hop.graph.owning_module
     if op_name(hop) != "autograd_function_apply" or gm is None or len(hop.args) < 3 or len(hop.users) != 1 \
             or not all(isinstance(a, fx.Node) and a.op == "get_attr" for a in hop.args[:2]):
@@ -99,7 +100,15 @@ def _exchange_of(hop: fx.Node) -> tuple[fx.Node, fx.Node, list[Any], list[Any], 
     fwd, bwd = (getattr(gm, a.target, None) for a in hop.args[:2])
     if not isinstance(fwd, fx.GraphModule) or not isinstance(bwd, fx.GraphModule):
         return None
-    inputs = list(hop.args[2:])
+    return item, fwd, bwd, list(hop.args[2:])
+
+
+def _exchange_of(hop: fx.Node) -> tuple[fx.Node, fx.Node, list[Any], list[Any], str] | None:
+    """``(getitem, rows, out_sizes, in_sizes, group)`` of the main graph when ``hop`` is a proven exchange."""
+    parts = function_bodies(hop)
+    if parts is None:
+        return None
+    item, fwd, bwd, inputs = parts
     fwd_in = list(fwd.graph.find_nodes(op="placeholder"))
     if len(fwd_in) != len(inputs):
         return None

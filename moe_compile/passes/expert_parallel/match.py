@@ -32,6 +32,7 @@ from moe_compile.passes._graph import (
     tensor_val,
 )
 from moe_compile.passes._host_sync import HostRead, sym_expr
+from moe_compile.passes.expert_parallel.autograd_exchange import function_bodies
 from moe_compile.passes.forms.counts import expert_counts, ids_base
 from moe_compile.passes.forms.ops import GROUPED_MM, is_zeros
 from moe_compile.passes.forms.rowwise import DISPATCH, RowwiseProof
@@ -118,18 +119,11 @@ def _wait_on_use(hop: fx.Node, tensor: fx.Node) -> fx.Node | None:
     """``getitem(hop, 0)`` when ``hop`` is an ``autograd_function_apply`` whose forward only waits on ``tensor``
     (besides grad-mode switches) and whose backward hands the gradient back unchanged (torch 2.11's
     ``_FromTorchTensor``), else None."""
-    gm = hop.graph.owning_module
-    if op_name(hop) != "autograd_function_apply" or gm is None or len(hop.args) < 3 \
-            or not all(isinstance(a, fx.Node) and a.op == "get_attr" for a in hop.args[:2]):
+    parts = function_bodies(hop)
+    if parts is None:
         return None
-    inputs = list(hop.args[2:])
-    if inputs.count(tensor) != 1 or len(hop.users) != 1:
-        return None
-    (item,) = hop.users
-    if op_name(item) != "getitem" or item.args[1] != 0:
-        return None
-    fwd, bwd = (getattr(gm, a.target, None) for a in hop.args[:2])
-    if not isinstance(fwd, fx.GraphModule) or not isinstance(bwd, fx.GraphModule):
+    item, fwd, bwd, inputs = parts
+    if inputs.count(tensor) != 1:
         return None
     at = inputs.index(tensor)
     fwd_in = list(fwd.graph.find_nodes(op="placeholder"))
