@@ -298,13 +298,18 @@ def test_dbrx_router_jitter_is_left_alone():
 
 
 def _switch_steps(train: bool, gen: torch.Generator):
-    """``(swapped step, its repeat, eager step, float64 step, dropped [T] bool, records)`` of a Switch block at
+    """``(swapped step, its repeat, eager step, float64 step, records, dropped [T] bool)`` of a Switch block at
     capacity :data:`SWITCH_CAPACITY`, in training or eval mode (gradients in both)."""
     original = _block("switch_transformers", gen).train(train)
     x = torch.randn(2, 12, original_hidden(original), generator=gen)
     cot = torch.randn(x.shape, generator=gen)
     with torch.no_grad():
         dropped = ~(original.router(x.clone())[0].reshape(-1, original.router.num_experts) != 0).any(-1)
+    return (*_swapped_eager_ref(original, x, cot), dropped)
+
+
+def _swapped_eager_ref(original: nn.Module, x: torch.Tensor, cot: torch.Tensor):
+    """``(swapped step, its repeat, eager step, float64 step, swap records)`` of ``original`` (left as it is)."""
     ref_model = _Out(copy.deepcopy(original).double())
     eager_model, swapped = _Out(original), _Out(copy.deepcopy(original))
     eager = _with_zero_grads(tol.layer_step(eager_model, eager_model, x, cot), eager_model)
@@ -312,7 +317,7 @@ def _switch_steps(train: bool, gen: torch.Generator):
     records = swap_expert_loops(swapped)
     got = _with_zero_grads(tol.layer_step(swapped, swapped, x, cot), swapped)
     again = _with_zero_grads(tol.layer_step(swapped, swapped, x, cot), swapped)
-    return got, again, eager, ref, dropped, records
+    return got, again, eager, ref, records
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
@@ -324,7 +329,7 @@ def test_switch_capacity_drops_within_eager_bound(train):
     eager's experts see the jittered tokens and the float64 reference's (a cast copy) do not, and no bound from that
     reference means anything; ``test_switch_router_jitter_draws_match`` covers it against eager."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    got, again, eager, ref, dropped, records = _switch_steps(train, gen)
+    got, again, eager, ref, records, dropped = _switch_steps(train, gen)
     _assert_swapped_and_within_bound("switch_transformers", got, eager, ref, records)
     assert 0 < int(dropped.sum()) < dropped.numel(), dropped
     for step in (got, eager):
@@ -462,13 +467,7 @@ def test_longcat_identity_experts_within_eager_bound():
     with torch.no_grad():
         identity = original.router(x)[2] >= E
     assert 0 < int(identity.sum()) < identity.numel(), identity
-    ref_model = _Out(copy.deepcopy(original).double())
-    eager_model, swapped = _Out(original), _Out(copy.deepcopy(original))
-    eager = _with_zero_grads(tol.layer_step(eager_model, eager_model, x, cot), eager_model)
-    ref = _with_zero_grads(tol.layer_step(ref_model, ref_model, x, cot, torch.float64), ref_model)
-    records = swap_expert_loops(swapped)
-    got = _with_zero_grads(tol.layer_step(swapped, swapped, x, cot), swapped)
-    again = _with_zero_grads(tol.layer_step(swapped, swapped, x, cot), swapped)
+    got, again, eager, ref, records = _swapped_eager_ref(original, x, cot)
     _assert_swapped_and_within_bound("longcat_flash", got, eager, ref, records)
     assert torch.all(got["grad:block.experts.gate_up_proj"][E:] == 0)
     for name, value in got.items():
