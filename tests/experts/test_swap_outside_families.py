@@ -210,12 +210,7 @@ def test_dbrx_keeps_its_parameters():
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     block = _block("dbrx", gen)
     other = _block("dbrx", gen)
-    eager = copy.deepcopy(block)
-    params = dict(block.named_parameters())
-    keys = {k: v.shape for k, v in block.state_dict().items()}
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (block, eager)]
-    assert [r[1] for r in swap_expert_loops(block)] == ["rewrite"]
-    assert dict(block.named_parameters()) == params and {k: v.shape for k, v in block.state_dict().items()} == keys
+    eager, opts = _swap_keeping_parameters(block)
     k_dims = tol.gemm_k_dims([block.experts.mlp.w1, block.experts.mlp.w2.T])
 
     def grads_in_place(model: nn.Module) -> None:
@@ -373,14 +368,21 @@ def test_switch_keeps_its_parameters():
     forward's weights, and ``load_state_dict`` reaches it."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     block, other = _block("switch_transformers", gen), _block("switch_transformers", gen)
+    eager, opts = _swap_keeping_parameters(block)
+    k_dims = tol.gemm_k_dims([block.experts.expert_0.wi.weight, block.experts.expert_0.wo.weight])
+    _trains_and_loads_like_eager(block, eager, other, opts, k_dims, (2, 12), gen)
+
+
+def _swap_keeping_parameters(block: nn.Module) -> tuple[nn.Module, list]:
+    """Swap ``block`` (asserted: rewritten, the same parameter objects, ``state_dict`` keys and shapes); returns its
+    eager copy and an SGD optimizer for each, built before the swap."""
     eager = copy.deepcopy(block)
     params = dict(block.named_parameters())
     keys = {k: v.shape for k, v in block.state_dict().items()}
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (block, eager)]
     assert [r[1] for r in swap_expert_loops(block)] == ["rewrite"]
     assert dict(block.named_parameters()) == params and {k: v.shape for k, v in block.state_dict().items()} == keys
-    k_dims = tol.gemm_k_dims([block.experts.expert_0.wi.weight, block.experts.expert_0.wo.weight])
-    _trains_and_loads_like_eager(block, eager, other, opts, k_dims, (2, 12), gen)
+    return eager, opts
 
 
 def _trains_and_loads_like_eager(block: nn.Module, eager: nn.Module, other: nn.Module, opts: list, k_dims, shape,
