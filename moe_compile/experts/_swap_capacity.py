@@ -42,7 +42,13 @@ import torch
 from torch import Tensor, nn
 
 from moe_compile.experts._probe import NotSwappable, probe_input, row_mismatch, same_draws_run, verify
-from moe_compile.experts._swap_layout import _act_of, _apply_then_regroup, _GroupedViews, _projection_names
+from moe_compile.experts._swap_layout import (
+    _act_of,
+    _apply_then_regroup,
+    _GroupedViews,
+    _projection_names,
+    per_expert_projections,
+)
 from moe_compile.experts.discovery import ExpertGroup, ExpertLinear
 from moe_compile.experts.interface import SUPPORTED_DTYPES, Projection, fused_experts_forward
 
@@ -266,16 +272,6 @@ def _probe(block: nn.Module, plan: _CapacityPlan, projections: Callable[..., Any
         router.expert_capacity = capacity
 
 
-def _stacked(plan: _CapacityPlan) -> tuple[tuple[Projection, ...], Projection]:
-    """The experts' projections stacked per call, for the probe only (the swapped forward uses grouped views)."""
-    out = []
-    for path in plan.paths:
-        mods = [e.get_submodule(path) for e in plan.experts]
-        bias = torch.stack([m.bias for m in mods]) if mods[0].bias is not None else None
-        out.append(Projection(torch.stack([m.weight for m in mods]), bias))
-    return tuple(out[:-1]), out[-1]
-
-
 def swap_capacity_block(block: nn.Module, group: ExpertGroup) -> str:
     """Swap ``block``'s forward to NOTE [capacity swap]'s fused path; returns a description.
 
@@ -306,7 +302,7 @@ def swap_capacity_block(block: nn.Module, group: ExpertGroup) -> str:
                 "capacity_extra_inputs",
                 f"the block's forward takes {extra} besides the hidden states, which the fused path would not read",
             )
-        _probe(block, plan, lambda: _stacked(plan), x)
+        _probe(block, plan, lambda: per_expert_projections(plan.experts, plan.paths), x)
     finally:
         for m, t in zip(block.modules(), was_training):
             m.training = t

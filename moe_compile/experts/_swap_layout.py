@@ -245,3 +245,15 @@ def _apply_then_regroup(self: nn.Module, fn: Callable, *args: Any, **kwargs: Any
     if not self._moe_compile_views.aliased():
         self._moe_compile_views.regroup()
     return out
+
+
+def per_expert_projections(experts: list[nn.Module],
+                           paths: tuple[str, ...]) -> tuple[tuple[Projection, ...], Projection]:
+    """The projections at ``paths`` of per-expert modules stacked per call (``[E, N, K]``; the last path is down), for
+    the probe only: the swapped forward reads the grouped views."""
+    out = []
+    for path in paths:
+        mods = [e.get_submodule(path) for e in experts]
+        bias = torch.stack([m.bias for m in mods]) if mods[0].bias is not None else None
+        out.append(Projection(torch.stack([m.weight for m in mods]), bias))
+    return tuple(out[:-1]), out[-1]

@@ -91,6 +91,7 @@ from moe_compile.experts._swap_layout import (
     _projection_names,
     _stacked_projections,
     identity_expert_groups,
+    per_expert_projections,
 )
 from moe_compile.experts.discovery import ExpertGroup, ExpertLinear, find_expert_weights
 from moe_compile.experts.interface import SUPPORTED_DTYPES, Projection, fused_experts_forward, glu_of, is_hf_experts
@@ -409,14 +410,8 @@ def swap_block(block: nn.Module, group: ExpertGroup, identity_experts: int = 0) 
     if weight.dtype not in SUPPORTED_DTYPES:
         raise NotSwappable("dtype", f"{weight.dtype} (supported: bf16, fp16, fp32)")
     if group.kind == "module_list":
-        def stacked() -> tuple[tuple[Projection, ...], Projection]:  # the probe only: the forward uses the views
-            out = []
-            for path in plan.paths:
-                mods = [e.get_submodule(path) for e in group.module]
-                bias = torch.stack([m.bias for m in mods]) if mods[0].bias is not None else None
-                out.append(Projection(torch.stack([m.weight for m in mods]), bias))
-            return tuple(out[:-1]), out[-1]
-        probe_projections = stacked
+        def probe_projections() -> tuple[tuple[Projection, ...], Projection]:
+            return per_expert_projections(list(group.module), plan.paths)
     else:
         def probe_projections() -> tuple[tuple[Projection, ...], Projection]:
             projs = _stacked_projections(group, down=plan.paths[-1])
