@@ -8,8 +8,12 @@ The einsums cost ``2*T*E*C*H`` FLOPs each way (``C = capacity_factor * T * K / E
 the rewrite aims at is the experts' alone (``experts_floor_ms``: their forward and backward FLOPs at this
 device's measured dense matmul rate). ``dropless`` is the same router and experts on the sort path (grouped GEMMs
 over the routed rows, nothing dropped): the issue's comparison, on CUDA only (float32 grouped GEMMs do not compile
-on CPU). Variants are timed in interleaved rounds (the machine may be shared); on CUDA the GPU kernel time of the
-step is read from the profiler too.
+on CPU). ``skip_loop`` is the host loop with data-dependent skips (``tests/models/skip_loops.py``: counts read with
+``.tolist()``, experts with no tokens skipped, ``y[tok] += ...``; stacked SwiGLU experts), compiled by
+``moe_compile.compile`` (its swap) and by plain ``torch.compile`` (graph breaks at the host read); ``sort_swiglu`` is
+the same gate and experts on the sort path, its comparison. Variants are timed in interleaved rounds (the machine may
+be shared); on CUDA the GPU kernel time of the step and its number of kernels are read from the profiler, and
+``host_ms`` is the time to issue one step (the host's share: where it is near ``step_ms`` the step is host-bound).
 
     python -m benchmarks.bench_capacity [--quick] [--save]
 """
@@ -23,18 +27,32 @@ import time
 
 import torch
 
-import moe_compile  # noqa: F401 - registers the backend
-from benchmarks._bench_env import add_results_args, device_env, measured_mm_tflops, results_path, sync, write_results
+import moe_compile
+from benchmarks._bench_env import (
+    add_results_args,
+    device_env,
+    measured_mm_tflops,
+    results_path,
+    sync,
+    timed_calls,
+    write_results,
+)
 from moe_compile import report
 from tests.models.capacity_layers import CapacityMoE, DroplessSortMoE
 from tests.models.expert_choice import ExpertChoiceMoE
+from tests.models.skip_loops import SkipLoopMoE, SortedSkipLoopMoE
 
 VARIANTS = ("eager", "inductor", "moe_compile")
+# the layers compared with the sort path are timed captured too (mode="reduce-overhead": no host launch cost)
+GRAPHS = "moe_compile_graphs"
 # "dropless": the same router and experts on the sort path (grouped GEMMs over the T*K routed rows, nothing dropped),
 # the issue's comparison for the rewritten capacity layer
 # "expert_choice": each expert takes its top-C tokens (capacity factor 2: E*C = 2T rows, the experts' FLOPs of top-2)
-STYLES = ("gshard", "deepspeed", "expert_choice", "dropless")
-REWRITES = ("capacity_dispatch", "fuse_dispatch", "expert_choice")
+# "skip_loop" / "sort_swiglu": the host loop with data-dependent skips and the same experts on the sort path
+STYLES = ("gshard", "deepspeed", "expert_choice", "dropless", "skip_loop", "sort_swiglu")
+REWRITES = ("capacity_dispatch", "fuse_dispatch", "expert_choice", "swap_expert_loops")
+# style -> the sort-path style it is compared with (the issue's targets)
+SORT_PATH = {"gshard": "dropless", "deepspeed": "dropless", "expert_choice": "dropless", "skip_loop": "sort_swiglu"}
 
 
 class _TokensFirst(torch.nn.Module):
@@ -55,6 +73,9 @@ def _layer(style: str, T: int, H: int, E: int, inter: int, dtype: torch.dtype) -
     if style == "expert_choice":
         torch.manual_seed(0)
         return _TokensFirst(ExpertChoiceMoE(hidden=H, ffn=inter, experts=E, capacity_factor=2.0).to(dtype))
+    if style in ("skip_loop", "sort_swiglu"):
+        cls = SkipLoopMoE if style == "skip_loop" else SortedSkipLoopMoE
+        return cls(hidden=H, inter=inter, num_experts=E, top_k=2, experts="stacked", shared=False, dtype=dtype, seed=0)
     if style == "dropless":
         return DroplessSortMoE(hidden=H, inter=inter, num_experts=E, top_k=2, capacity_factor=1.25, dtype=dtype,
                                seed=0)
@@ -65,26 +86,67 @@ def _layer(style: str, T: int, H: int, E: int, inter: int, dtype: torch.dtype) -
 def _step(model: torch.nn.Module, fn, x: torch.Tensor, g: torch.Tensor) -> None:
     for p in model.parameters():
         p.grad = None
+    if getattr(fn, "graphs", False):
+        torch.compiler.cudagraph_mark_step_begin()
     fn(x).backward(g)
 
 
-def _kernel_ms(model, fn, x, g) -> float | None:
+def _variants(style: str, device: str) -> tuple[str, ...]:
+    compared = style in SORT_PATH.values() or style in ("expert_choice", "skip_loop")
+    return VARIANTS + ((GRAPHS,) if compared and device == "cuda" else ())
+
+
+def _compiled(style: str, variant: str, m: torch.nn.Module):
+    """The step's callable: the host loop goes through ``moe_compile.compile`` (its swap; Dynamo captures the host
+    read) and plain ``torch.compile`` without ``fullgraph`` (it graph-breaks there, as a user would see it)."""
+    if variant == "eager":
+        return m
+    if variant == GRAPHS:
+        fn = moe_compile.compile(m, mode="reduce-overhead") if style == "skip_loop" else \
+            torch.compile(m, backend="moe_compile", mode="reduce-overhead", fullgraph=True)
+        return _Graphs(fn)
+    if style == "skip_loop":
+        return moe_compile.compile(m) if variant == "moe_compile" else torch.compile(m)
+    return torch.compile(m, backend=variant, fullgraph=True)
+
+
+class _Graphs:
+    """A ``reduce-overhead`` callable: each step starts a new CUDA-graph step."""
+
+    graphs = True
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def _kernels(model, fn, x, g) -> tuple[float | None, int | None]:
+    """(GPU kernel ms, kernels launched) of one step, from the profiler (CUDA only)."""
     if x.device.type != "cuda":
-        return None
+        return None, None
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _step(model, fn, x, g)
         sync("cuda")
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    events = prof.key_averages()
+    return sum(e.self_device_time_total for e in events) / 1e3, sum(e.count for e in events if e.device_time_total)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one small shape")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--styles", default=",".join(STYLES),
+                        help="comma-separated layer styles to run (default: all; a subset saves to "
+                             "capacity_<styles>.json)")
     add_results_args(parser)
     args = parser.parse_args(argv)
+    unknown = set(args.styles.split(",")) - set(STYLES)
+    if unknown:
+        parser.error(f"--styles: unknown {sorted(unknown)}; known: {', '.join(STYLES)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if device == "cpu":
@@ -96,16 +158,16 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     tflops = measured_mm_tflops(device, dtype)
     for T, H, E, inter in shapes:
-        for style in STYLES if device == "cuda" else STYLES[:2]:
+        for style in [s for s in args.styles.split(",") if device == "cuda" or s in STYLES[:2]]:
             model = _layer(style, T, H, E, inter, dtype).to(device)
             C = model.capacity(T)
             x = torch.randn(T, H, device=device, dtype=dtype, requires_grad=True)
             g = torch.randn(T, H, device=device, dtype=dtype)
             fns, rewrites, failed = {}, {}, {}
-            for variant in VARIANTS:
+            for variant in _variants(style, device):
                 torch._dynamo.reset()
                 m = copy.deepcopy(model)
-                fn = m if variant == "eager" else torch.compile(m, backend=variant, fullgraph=True)
+                fn = _compiled(style, variant, m)
                 # caches off: a cache hit would run the rewritten code without the passes, and record nothing
                 try:
                     with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True):
@@ -115,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
                     del m, fn
                     torch.cuda.empty_cache()
                     continue
+                rep.records[:0] = report.module_records(m)  # moe_compile.compile's loop swap lives on the module
                 rewrites[variant] = sum(r.kind == "rewrite" and r.pass_name in REWRITES for r in rep.records)
                 fns[variant] = (m, fn)
             times: dict[str, list[float]] = {v: [] for v in fns}
@@ -127,20 +190,24 @@ def main(argv: list[str] | None = None) -> None:
                         _step(m, fn, x, g)
                     sync(device)
                     times[variant].append((time.perf_counter() - start) / 3 * 1e3)
-            for variant in VARIANTS:
+            for variant in _variants(style, device):
                 row = {"style": style, "T": T, "H": H, "E": E, "I": inter, "K": 2, "C": C, "dtype": str(dtype),
                        "variant": variant,
                        "dispatch_gflop": 2 * 2 * T * E * C * H / 1e9 if style in ("gshard", "deepspeed") else 0,
-                       "experts_gflop": 2 * 2 * (T * 2 if style == "dropless" else E * C) * H * inter / 1e9}
+                       "experts_gflop": (3 if style in ("skip_loop", "sort_swiglu") else 2) * 2
+                       * (T * 2 if style in ("dropless", "skip_loop", "sort_swiglu") else E * C) * H * inter / 1e9}
                 # the floor: the experts' forward and backward GEMMs (3x the forward's FLOPs) at the dense rate
                 row["experts_floor_ms"] = 3 * row["experts_gflop"] / tflops
                 row["matmul_tflops"] = tflops
                 if variant in failed:
-                    row.update(step_ms=None, kernel_ms=None, rewrites=None, error=failed[variant])
+                    row.update(step_ms=None, kernel_ms=None, kernels=None, host_ms=None, rewrites=None,
+                               error=failed[variant])
                 else:
                     m, fn = fns[variant]
-                    row.update(step_ms=statistics.median(times[variant]), kernel_ms=_kernel_ms(m, fn, x, g),
-                               rewrites=rewrites[variant])
+                    kernel_ms, kernels = _kernels(m, fn, x, g)
+                    host_ms = timed_calls(lambda m=m, fn=fn: _step(m, fn, x, g), device, 5)[1] / 1e3
+                    row.update(step_ms=statistics.median(times[variant]), kernel_ms=kernel_ms, kernels=kernels,
+                               host_ms=host_ms, rewrites=rewrites[variant])
                 rows.append(row)
                 print(f"{style} T={T} C={C} {variant}: " + (f"{row['step_ms']:.2f} ms (rewrites {row['rewrites']})"
                       if row["step_ms"] is not None else row["error"]), flush=True)
@@ -151,20 +218,33 @@ def main(argv: list[str] | None = None) -> None:
     _print_targets(rows)
     env = device_env(threads=torch.get_num_threads() if device == "cpu" else None)
     if args.save:
-        write_results(results_path(args, "capacity", "cpu" if device == "cpu" else None), rows, env)
+        styles = args.styles.split(",")
+        # a subset of the styles is its own configuration (the full table's file keeps one run)
+        subset = None if set(styles) == set(STYLES) else "_".join(sorted(styles))
+        config = "_".join(c for c in ("cpu" if device == "cpu" else None, subset) if c) or None
+        write_results(results_path(args, "capacity", config), rows, env)
 
 
 def _print_targets(rows: list[dict]) -> None:
     """The issue's targets per T: moe_compile vs plain Inductor on the capacity layer, and vs the dropless sort path."""
-    by = {(r["style"], r["T"], r["variant"]): r["step_ms"] for r in rows}
+    by = {(r["style"], r["T"], r["variant"]): r for r in rows}
     for T in sorted({r["T"] for r in rows}):
-        sort_ms = by.get(("dropless", T, "moe_compile"))
-        for style in ("gshard", "deepspeed", "expert_choice"):
+        for style, sort_style in SORT_PATH.items():
             ours, plain = by.get((style, T, "moe_compile")), by.get((style, T, "inductor"))
-            if ours:
-                print(f"target {style} T={T}: plain Inductor / moe_compile = "
-                      f"{plain / ours if plain else float('nan'):.2f}x; moe_compile / dropless sort path = "
-                      f"{ours / sort_ms if sort_ms else float('nan'):.2f}x", flush=True)
+            sort = by.get((sort_style, T, "moe_compile"))
+            if not ours or ours["step_ms"] is None:
+                continue
+
+            def ratio(a, b, key):
+                return a[key] / b[key] if a and b and a.get(key) and b.get(key) else float("nan")
+
+            print(f"target {style} T={T}: plain Inductor / moe_compile = {ratio(plain, ours, 'step_ms'):.2f}x; "
+                  f"moe_compile / {sort_style} sort path = {ratio(ours, sort, 'step_ms'):.2f}x wall, "
+                  f"{ratio(ours, sort, 'kernel_ms'):.2f}x GPU kernel time", flush=True)
+            graphs, sort_graphs = by.get((style, T, GRAPHS)), by.get((sort_style, T, GRAPHS))
+            if graphs and sort_graphs:
+                print(f"target {style} T={T}, CUDA graphs: moe_compile / {sort_style} sort path = "
+                      f"{ratio(graphs, sort_graphs, 'step_ms'):.2f}x wall", flush=True)
 
 
 if __name__ == "__main__":

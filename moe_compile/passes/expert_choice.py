@@ -15,10 +15,16 @@ i.e. any accumulation into a fresh ``zeros`` along its rows whose index is the i
 the rows of a ``[rows, E]`` matrix (directly, ``dim=0``, or along the last dim of its transpose) with as many rows
 as the target (a choice of rows among the target's rows).
 
-Rewrites to (each such accumulation)::
+Rewrites to (each such accumulation; ``N = E*C`` entries, each expert's ``C`` tokens distinct)::
 
-    out_TH = moe.segment_sum(rows, tok.view(-1), T)    (a token's contributions summed in entry order, expert-major,
-                                                        in fp32: deterministic_scatter's lowering)
+    present_TE = zeros(T*E + 1, bool).scatter(0, tok*E + expert, True)       (which expert took which token)
+    dest_N     = (cumsum(present_TE) - 1)[tok*E + expert]     (each entry's place, sorted by (token, expert))
+    out_TH     = moe.gather_segment_sum(rows, entry at dest, tok at dest, T, idx_sorted=True)
+                                           (a token's contributions summed in expert order, in fp32)
+
+deterministic_scatter's lowering with the sort replaced by a table and a prefix sum: the same sums, bitwise, for
+``[E, C]`` indices (expert order is entry order there); ``moe.segment_sum`` for a masked accumulation, integer rows,
+or a table past ``MAX_GROUP_TABLE`` cells.
 
 The rewrite is the same values in another order of the adds, for any index; what the match decides is only where
 moe_compile spends a sort by default (``deterministic=True`` rewrites every accumulation anyway). A token-choice
@@ -35,15 +41,20 @@ Seen in: ``tests/test_cpu_miscompile.py::ExpertChoiceMoE`` (expert-choice as pub
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import torch
 import torch.fx as fx
 
+from moe_compile.ops.segment_sum import segment_sum_by_groups
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._graph import arg, known_int, layer_name, op_name, tensor_val
 from moe_compile.passes.deterministic_scatter import REPLACED_BY, rewrite_accumulation
 from moe_compile.passes.forms import accumulate as acc
 
+BY_GROUPS = ("moe.gather_segment_sum over the entries ordered by a [T, E] presence table and its prefix sum (each "
+             "expert's tokens are distinct: no sort, no atomics)")
 # views and copies an index may pass through between topk and the accumulation
 _THROUGH = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.clone", "aten._to_copy", "aten.alias",
             "prims.convert_element_type", "aten.flatten", "aten.contiguous"}
@@ -58,23 +69,43 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             continue
         base = tensor_val(a.base)
         rows = known_int(base.shape[0]) if base is not None and base.dim() >= 1 else None
-        if rows is None or _rows_chosen(a.index) != rows:
+        choice = _choice(a.index)
+        if rows is None or choice is None or choice.rows != rows:
             continue
         layer = layer_name(node)
         try:
-            detail = rewrite_accumulation(graph, node)
+            detail = rewrite_accumulation(graph, node, choice.segment_sum)
         except NoMatch as skip:
             ctx.skip(layer, skip.reason, skip.detail)
             continue
         ctx.rewrite(layer, f"{op_name(node)} into the tokens' rows at expert-choice topk indices",
-                    detail or REPLACED_BY)
+                    (detail or REPLACED_BY).replace(REPLACED_BY, BY_GROUPS))
 
 
-def _rows_chosen(index: Any) -> int | None:
-    """The number of rows ``index`` chose among, where it is the indices output of a ``topk`` (through views and int
-    casts) along the rows of a ``[rows, E]`` matrix, as expert choice selects (``topk(scores_TE.t(), C)`` or
-    ``topk(scores_TE, C, dim=0)``); None otherwise: a token-choice ``topk`` runs along the matrix's last dim (the
-    experts), and what it indexes (a per-expert table) is no token's row."""
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+    """An expert-choice ``topk``'s indices: ``rows`` chosen among, ``experts`` groups of distinct rows, laid out
+    ``[E, C]`` (``expert_major``: ``topk(scores.t(), C)``) or ``[C, E]`` (``topk(scores, C, dim=0)``)."""
+
+    rows: int
+    experts: int
+    expert_major: bool
+
+    def segment_sum(self, src_ND: torch.Tensor, idx_N: torch.Tensor, rows: int, mask_N: torch.Tensor | None):
+        """The accumulation over the flat (row-major) indices, each token's contributions in expert order."""
+        if mask_N is not None:
+            return torch.ops.moe.segment_sum.default(src_ND, idx_N, rows, mask_N)
+        n = torch.arange(idx_N.shape[0], device=idx_N.device)
+        per_expert = idx_N.shape[0] // self.experts
+        group_N = n // per_expert if self.expert_major else n % self.experts
+        return segment_sum_by_groups(src_ND, idx_N, rows, group_N, self.experts)
+
+
+def _choice(index: Any) -> _Choice | None:
+    """Where ``index`` is the indices output of a ``topk`` (through views and int casts) along the rows of a
+    ``[rows, E]`` matrix, as expert choice selects (``topk(scores_TE.t(), C)`` or ``topk(scores_TE, C, dim=0)``):
+    what it chose; None otherwise: a token-choice ``topk`` runs along the matrix's last dim (the experts), and what
+    it indexes (a per-expert table) is no token's row."""
     node = index
     while isinstance(node, fx.Node) and op_name(node) in _THROUGH and node.args:
         node = node.args[0]
@@ -95,7 +126,11 @@ def _rows_chosen(index: Any) -> int | None:
         dim = 1 - dim
     if dim != 0:
         return None
-    return known_int(src.shape[arg(topk, 2, "dim", -1) % 2])
+    along = arg(topk, 2, "dim", -1) % 2
+    rows, experts = known_int(src.shape[along]), known_int(src.shape[1 - along])
+    if rows is None or experts is None:
+        return None
+    return _Choice(rows, experts, expert_major=along == 1)
 
 
 __all__ = ["run"]

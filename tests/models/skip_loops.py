@@ -113,3 +113,32 @@ class SkipLoopMoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.view(shape)
+
+
+class SortedSkipLoopMoE(SkipLoopMoE):
+    """The same gate and stacked SwiGLU experts as :class:`SkipLoopMoE` (``experts="stacked"``), dispatched on the
+    sort path without a host read: choices sorted by expert, ``index_select`` of the rows, grouped GEMMs
+    (``torch._grouped_mm``) over the sorted rows, ``scatter_add_`` back. The benchmark's comparison for the
+    host-loop layer: what the loop computes, written as the dropless sort-based layer."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**{**kwargs, "experts": "stacked"})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.size()
+        x = x.view(-1, shape[-1])
+        weights, indices = self.gate_outputs(x)
+        top_k = indices.shape[-1]
+        ids = indices.reshape(-1)
+        _, perm = torch.sort(ids, stable=True)
+        token = perm // top_k
+        rows = x.index_select(0, token)
+        offs = torch.cumsum(torch.bincount(ids, minlength=self.num_experts), 0).to(torch.int32)
+        w = self.experts
+        h = F.silu(torch._grouped_mm(rows, w.w1.transpose(1, 2), offs=offs)) \
+            * torch._grouped_mm(rows, w.w3.transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(h, w.w2.transpose(1, 2), offs=offs) * weights.reshape(-1)[perm].unsqueeze(-1)
+        out = torch.zeros_like(x).scatter_add_(0, token.unsqueeze(-1).expand(-1, shape[-1]), y)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)

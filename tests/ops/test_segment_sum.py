@@ -11,6 +11,7 @@ import torch
 from torch.library import opcheck
 
 from moe_compile.ops import gather_segment_sum, segment_sum, segment_sum_reference
+from moe_compile.ops.segment_sum import segment_sum_by_groups
 from tests import _tolerance as tol
 from tests.passes._harness import ATOMIC_ADD
 
@@ -246,3 +247,61 @@ def test_gather_bad_arguments_name_the_argument(bad, match):
     with pytest.raises(ValueError, match=match):
         gather_segment_sum(args["src"], args["src_idx"], args["idx"], args["num_rows"], args["weight"], args["mask"],
                            idx_sorted=args["idx_sorted"])
+
+
+# ===== segment_sum_by_groups: expert-choice indices (distinct within each expert), ordered without a sort =====
+
+
+def _expert_choice_indices(T, E, C, expert_major, gen):
+    """Each of ``E`` experts' top-``C`` tokens of random scores, as ``topk(scores.t(), C)`` (``[E, C]``) or
+    ``topk(scores, C, dim=0)`` (``[C, E]``) lays them out, flat; and each entry's expert."""
+    scores = torch.rand(T, E, generator=gen)
+    n = torch.arange(E * C)
+    if expert_major:
+        return torch.topk(scores.t(), C, dim=-1).indices.reshape(-1), n // C
+    return torch.topk(scores, C, dim=0).indices.reshape(-1), n % E
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("expert_major", [True, False], ids=["E_C", "C_E"])
+def test_by_groups_is_segment_sum_in_expert_order(dtype, expert_major):
+    """Bitwise the sort-based segment sum of the entries taken in expert order (for ``[E, C]`` indices that is
+    their own order), on a fresh draw; rows no expert took are zero."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    T, E, C, D = 37, 6, 9, 5
+    idx, group = _expert_choice_indices(T, E, C, expert_major, gen)
+    src = torch.randn(E * C, D, generator=gen).to(dtype)
+    got = segment_sum_by_groups(src, idx, T, group, E)
+    order = torch.argsort(group, stable=True)
+    assert torch.equal(got, segment_sum(src[order], idx[order], T))
+    if expert_major:
+        assert torch.equal(got, segment_sum(src, idx, T))
+    untouched = torch.ones(T, dtype=torch.bool).index_fill_(0, idx, False)
+    assert untouched.any() and not got[untouched].any()
+
+
+def test_by_groups_skips_out_of_range_entries():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    T, E, C, D = 20, 4, 6, 3
+    idx, group = _expert_choice_indices(T, E, C, True, gen)
+    idx[2], idx[9], idx[-1] = -1, T, T + 5
+    src = torch.randn(E * C, D, generator=gen)
+    keep = (idx >= 0) & (idx < T)
+    assert torch.equal(segment_sum_by_groups(src, idx, T, group, E), segment_sum(src, idx, T, keep))
+
+
+def test_by_groups_integer_rows_take_the_sort():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    idx, group = _expert_choice_indices(15, 3, 5, True, gen)
+    src = torch.randint(-9, 9, (15, 2), generator=gen)
+    assert torch.equal(segment_sum_by_groups(src, idx, 15, group, 3), segment_sum(src, idx, 15))
+
+
+def test_by_groups_bad_arguments_name_the_argument():
+    src, idx = torch.randn(6, 2), torch.tensor([0, 1, 2, 0, 1, 2])
+    with pytest.raises(ValueError, match="group_N"):
+        segment_sum_by_groups(src, idx, 3, torch.zeros(5, dtype=torch.int64), 2)
+    with pytest.raises(ValueError, match="group_N"):
+        segment_sum_by_groups(src, idx, 3, torch.zeros(6), 2)
+    with pytest.raises(ValueError, match="num_groups"):
+        segment_sum_by_groups(src, idx, 3, torch.zeros(6, dtype=torch.int64), -1)

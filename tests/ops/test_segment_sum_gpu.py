@@ -81,3 +81,31 @@ def test_segment_sum_int32_sort_keys_unchanged_result():
     got = segment_sum(src.cuda(), idx.cuda(), 512, mask.cuda())
     keep = mask & (idx >= 0) & (idx < 512)
     tol.assert_within(got.cpu(), want, _bound(src.double().abs(), idx, keep, 512, want, torch.float32), "segment_sum")
+
+
+@pytest.mark.parametrize("expert_major", [True, False], ids=["E_C", "C_E"])
+def test_by_groups_compiled_has_no_sort_and_matches_segment_sum(expert_major):
+    """Expert-choice indices (each expert's top-C tokens) summed by ``segment_sum_by_groups`` under Inductor: no
+    sort in the generated code, within the sum's bound of the exact sums, bitwise run to run."""
+    from torch._inductor.utils import run_and_get_code
+
+    from moe_compile.ops.segment_sum import segment_sum_by_groups
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    T, E, C, D = 4096, 64, 128, 256
+    scores = torch.rand(T, E, device="cuda", generator=gen)
+    n = torch.arange(E * C, device="cuda")
+    if expert_major:
+        idx, group = torch.topk(scores.t(), C, dim=-1).indices.reshape(-1), n // C
+    else:
+        idx, group = torch.topk(scores, C, dim=0).indices.reshape(-1), n % E
+    src = torch.randn(E * C, D, device="cuda", generator=gen).to(torch.bfloat16)
+    torch._dynamo.reset()
+    got, code = run_and_get_code(torch.compile(segment_sum_by_groups, fullgraph=True), src, idx, T, group, E)
+    assert not [c for c in code if "aten.sort" in c or "torch.sort" in c], "a sort in the compiled code"
+    exact = torch.zeros(T, D, dtype=torch.float64, device="cuda").index_add_(0, idx, src.double())
+    keep = torch.ones_like(idx, dtype=torch.bool)
+    bound = _bound(src.double().abs().cpu(), idx.cpu(), keep.cpu(), T, exact.cpu(), torch.bfloat16)
+    assert ((got.double() - exact).abs().cpu() <= bound).all()
+    again = torch.compile(segment_sum_by_groups, fullgraph=True)(src, idx, T, group, E)
+    assert torch.equal(got, again)

@@ -1,5 +1,6 @@
 """``expert_choice``: an expert-choice layer's combine and the backward of its token gather (accumulations into the
-tokens' rows at topk-over-tokens indices) become ``moe.segment_sum``; token-choice layers are not matched."""
+tokens' rows at topk-over-tokens indices) become fixed-order segment sums ordered by a presence table (no sort);
+token-choice layers are not matched."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from moe_compile import report
+from moe_compile.passes.expert_choice import BY_GROUPS
 from tests._tolerance import eager_bound_errors, within_eager_bound
 from tests.test_cpu_miscompile import _layer
 
@@ -16,6 +18,7 @@ def test_expert_choice_accumulations_rewritten_within_eager_bound(dtype):
     got, eager, ref, seed, rep = _layer(dtype, "moe_compile")
     rewrites = [r for r in rep.records if r.pass_name == "expert_choice" and r.kind == "rewrite"]
     assert len(rewrites) == 2, rep.table()  # the combine and the token gather's backward
+    assert all(r.detail.startswith(BY_GROUPS) for r in rewrites), rep.table()
     assert rep.clean and rep.deterministic, rep.table()  # no atomic add left, forward or backward
     ok, worst, unjudged = within_eager_bound(got, eager, ref, dtype=dtype)
     assert ok and not unjudged, f"seed {seed}: {worst}: {eager_bound_errors(got, eager, ref, dtype=dtype)}"
