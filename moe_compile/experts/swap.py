@@ -43,13 +43,13 @@ takes tokens only) in ``eval`` mode next to the block's own forward; the closest
 output is within ``PROBE_ULPS`` ulps of its own largest value (errors computed in fp32). It must then match in
 training mode too (a training-only output or noise), and its backward must match the block's own: gradients of
 the probe and of every parameter that requires one, with a random cotangent (a custom autograd function in the
-router or on the expert outputs shows only there). Otherwise the block is left alone, and ``explain`` says why
-(``probe_mismatch``, ``probe_grad_mismatch``, ``probe_failed``, ``no_router``, ``dense_experts_biased``,
-``dense_scores_not_topk``, ...). A probe cannot prove that a
-block computes what the fused path computes; it finds the differences the fuzzer found (``tests/fuzz``): a custom
-backward, an output only in training, a selection bias that changes some tokens' experts. A block routed by ``gate``
-that holds any other tensor (a selection bias, a counter) is not probed at all (``block_state_unused``): a probe can
-miss the few tokens such a tensor moves.
+router or on the expert outputs shows only there), each in ulps of the lowest precision on its autograd path
+(NOTE [gradient precision] (moe_compile/experts/_probe.py)). Otherwise the block is left alone, and ``explain``
+says why (``probe_mismatch``, ``probe_grad_mismatch``, ``probe_failed``, ``no_router``, ``dense_experts_biased``,
+``dense_scores_not_topk``, ...). A probe cannot prove that a block computes what the fused path computes; it
+finds the differences the fuzzer found (``tests/fuzz``): a custom backward, an output only in training, a selection
+bias that changes some tokens' experts. A block routed by ``gate`` that holds any other tensor (a selection bias, a
+counter) is not probed at all (``block_state_unused``): a probe can miss the few tokens such a tensor moves.
 
 NOTE [grouped views]: ``nn.ModuleList`` experts keep their per-expert ``nn.Parameter`` objects (same identity, so
 optimizers and their state stay valid; same ``state_dict`` keys and values). Each projection's weights are copied

@@ -143,7 +143,7 @@ def original_hidden(block: nn.Module) -> int:
     return next(m for m in block.modules() if isinstance(m, nn.Linear)).in_features
 
 
-def _assert_swapped_and_within_bound(family: str, got, eager, ref, records) -> None:
+def _assert_swapped_and_within_bound(family: str, got, eager, ref, records, dtype=torch.float32) -> None:
     assert [r[1:3] for r in records] == [("rewrite", "expert_loop_swapped")], records
     for part in SWAPPED[family]:
         assert part in records[0][3], records[0][3]
@@ -151,10 +151,10 @@ def _assert_swapped_and_within_bound(family: str, got, eager, ref, records) -> N
     # is one draw of a few roundings (seen: Switch's expert_4.wo at 1.13x a bound eager met by luck); the step's
     # noise is its floor, as in test_swap_skip_loops.py (few_samples)
     few = {n for n in ref if re.search(r"\.experts\.(expert_)?\d+\.", n)}
-    ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, dtype=torch.float32, always_judged=tuple(ref),
+    ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, dtype=dtype, always_judged=tuple(ref),
                                                  few_samples=few)
     assert ok and not unjudged, (worst, [(r.name, r.compiled, r.bound, r.note) for r in tol.eager_bound_errors(
-        got, eager, ref, dtype=torch.float32, few_samples=few) if r.ratio > 1])
+        got, eager, ref, dtype=dtype, few_samples=few) if r.ratio > 1])
     # the step judged every parameter the original block trains
     assert {n for n in got if n.startswith("grad:")} == {n for n in eager if n.startswith("grad:")}
 
@@ -332,6 +332,75 @@ def test_switch_capacity_drops_within_eager_bound(train):
         assert torch.all(step["grad:x"].reshape(-1, step["grad:x"].shape[-1])[dropped] == 0)
     for name, value in got.items():
         assert torch.equal(value, again[name]), name
+
+
+def test_switch_bf16_is_swapped_within_eager_bound():
+    """Switch in bf16 (the family matrix's dtype): its router casts the bf16 tokens and its classifier to float32 and
+    its probabilities back to bf16 before they weight the experts, so the float32 classifier's gradient carries bf16
+    roundings. The probe judges it in bf16 ulps (NOTE [gradient precision] (moe_compile/experts/_probe.py); in
+    float32 ulps it was 2e3-5e3x past the tolerance and the block was refused), so the block is swapped, and its
+    step (output and every gradient, the float32 classifier's included) is within bf16 eager's bound from a float64
+    run, exact zeros exact (the dropped tokens' outputs and input gradients). The router computes in float32 on the
+    same bf16 tokens in every run here, so eager, swapped and the reference route alike (asserted: some tokens
+    dropped, not all)."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    original = _block("switch_transformers", gen).to(torch.bfloat16)
+    x = torch.randn(2, 12, original_hidden(original), generator=gen).to(torch.bfloat16)
+    cot = torch.randn(x.shape, generator=gen)
+    with torch.no_grad():
+        dropped = ~(original.router(x.clone())[0].reshape(-1, original.router.num_experts) != 0).any(-1)
+    assert original.router.classifier.weight.dtype == torch.float32  # the router's own cast, on its first call
+    got, again, eager, ref, records = _swapped_eager_ref(original, x, cot)
+    _assert_swapped_and_within_bound("switch_transformers", got, eager, ref, records, dtype=torch.bfloat16)
+    assert 0 < int(dropped.sum()) < dropped.numel(), dropped
+    for step in (got, eager):
+        assert torch.all(step["out"].reshape(-1, step["out"].shape[-1])[dropped] == 0)
+        assert torch.all(step["grad:x"].reshape(-1, step["grad:x"].shape[-1])[dropped] == 0)
+    for name, value in got.items():
+        assert torch.equal(value, again[name]), name
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, whose backward scales the gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def test_switch_bf16_wrong_router_gradient_is_refused():
+    """The bf16 unit of NOTE [gradient precision] (moe_compile/experts/_probe.py) still refuses a wrong backward: a
+    Switch block whose experts loop scales its routing weights' gradient by ``1 + 32 eps_bf16`` (1.25; the forward
+    unchanged) gets a float32 classifier gradient 32 bf16 ulps of each element away from the fused path's, where the
+    probe allows 8 of the row's largest value plus 4 of the largest gradient's: the block is left alone
+    (``probe_grad_mismatch``, in bfloat16 ulps) and runs as written. The same block unscaled is swapped
+    (``test_switch_bf16_is_swapped_within_eager_bound``)."""
+    from transformers.models.switch_transformers.modeling_switch_transformers import SwitchTransformersExperts
+
+    from tests.models.hf_families import tiny_config
+
+    factor = 1 + 32 * torch.finfo(torch.bfloat16).eps
+
+    class ScaledExperts(SwitchTransformersExperts):
+        def forward(self, hidden_states, selected_experts, routing_weights):
+            return super().forward(hidden_states, selected_experts, _ScaleGrad.apply(routing_weights, factor))
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    block = _block("switch_transformers", gen)
+    experts = ScaledExperts(tiny_config("switch_transformers"))
+    experts.load_state_dict(block.experts.state_dict())
+    block.experts = experts
+    block = block.to(torch.bfloat16)
+    forward = block.forward
+    records = swap_expert_loops(block)
+    assert [r[1:3] for r in records] == [("skip", "probe_grad_mismatch")], records
+    assert "router.classifier.weight" in records[0][3] and "bfloat16 ulps" in records[0][3], records[0][3]
+    assert block.forward == forward
 
 
 def test_switch_router_jitter_draws_match():

@@ -12,7 +12,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
+from moe_compile.experts._probe import path_dtypes
 from moe_compile.experts.swap import swap_expert_loops
 from tests.fuzz.emit import build
 from tests.fuzz.grammar import Spec
@@ -54,3 +56,20 @@ def test_swap_refuses_what_the_fused_path_does_not_compute(case):
     result = check(spec, "passes")
     assert result.kind == "ok", result.failure_message()
     assert ("swap_expert_loops" in result.rewrites) == (tag is None), result.summary()
+
+
+def test_path_dtypes_is_the_lowest_precision_on_each_gradients_path():
+    """NOTE [gradient precision] (moe_compile/experts/_probe.py): each leaf's unit is the lowest floating precision
+    among the tensors its gradient flows through from the output, not its own dtype nor the graph's lowest. A float32
+    weight whose product is rounded to bf16 gets bfloat16 (so does the float64 input of that product); a float32
+    weight in the same graph whose gradient flows through float32 nodes only (``h * w + exp(w)``: the mul, the add and
+    the exp) keeps float32; a float64 leaf cast to float32 gets float32; a leaf the output does not reach gets None."""
+    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    through_bf16 = torch.randn(8, 4, requires_grad=True)
+    in_fp32 = torch.randn(4, requires_grad=True)
+    unused = torch.randn(3, requires_grad=True)
+    h = (x.float() @ through_bf16).to(torch.bfloat16).float()
+    out = h * in_fp32 + in_fp32.exp()
+    assert path_dtypes(out, (x, through_bf16, in_fp32, unused)) == [
+        torch.bfloat16, torch.bfloat16, torch.float32, None]
+    assert path_dtypes(x.float().sum(), (x,)) == [torch.float32]
