@@ -1,4 +1,6 @@
-"""One rank of ``test_ep.py::test_fsdp2_with_expert_parallel``: :class:`TitanStyleEP` on a 2-D device mesh, FSDP2
+"""One rank of ``test_ep.py::test_fsdp2_with_expert_parallel`` (gloo, CPU) and of
+``test_ep_gpu.py::test_fsdp2_with_expert_parallel_over_nccl`` (NCCL, ``cuda:<rank>``, with ``cuda`` as the last
+argument): :class:`TitanStyleEP` on a 2-D device mesh, FSDP2
 (``fully_shard``) over the ``dp`` dimension and the experts' exchange over ``ep``, eager bf16 and
 ``moe_compile.compile`` bf16 against an fp64 reference built the same way; writes the verdict as JSON.
 
@@ -28,7 +30,7 @@ def _full_step(model: torch.nn.Module, run, x: torch.Tensor, cot: torch.Tensor) 
     return {"out": out.detach(), "grad:x": x.grad, **grads}
 
 
-def main(rank: int, world: int, store_path: str, result_path: str) -> None:
+def main(rank: int, world: int, store_path: str, result_path: str, device: str = "cpu") -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -39,9 +41,12 @@ def main(rank: int, world: int, store_path: str, result_path: str) -> None:
     from tests.models.ep_layers import EP_LAYERS
 
     left_reads, stop_recording = record_host_reads_left()
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "ep"))
+        mesh = init_device_mesh(device, (world // 2, 2), mesh_dim_names=("dp", "ep"))
         ep = mesh["ep"]
         torch.manual_seed(0)  # the router: the same on every rank
         layer = EP_LAYERS["titan"](hidden=HIDDEN, inter=INTER, experts=EXPERTS, top_k=TOP_K, group=ep.get_group())
@@ -52,13 +57,13 @@ def main(rank: int, world: int, store_path: str, result_path: str) -> None:
         layer.to(torch.bfloat16).float()  # bf16-rounded weights on every side
         state = copy.deepcopy(layer.state_dict())
         gen = torch.Generator().manual_seed(10 + rank)
-        x = torch.randn(TOKENS, HIDDEN, generator=gen).bfloat16()
-        cot = torch.randn(TOKENS, HIDDEN, generator=gen)
+        x = torch.randn(TOKENS, HIDDEN, generator=gen).bfloat16().to(device)
+        cot = torch.randn(TOKENS, HIDDEN, generator=gen).to(device)
 
         def sharded(kind: str, dtype: torch.dtype) -> torch.nn.Module:
             model = EP_LAYERS[kind](hidden=HIDDEN, inter=INTER, experts=EXPERTS, top_k=TOP_K, group=ep.get_group())
             model.load_state_dict(state)
-            model.to(dtype)
+            model.to(device=device, dtype=dtype)
             fully_shard(model, mesh=mesh["dp"])
             return model
 
@@ -92,4 +97,4 @@ def main(rank: int, world: int, store_path: str, result_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], *sys.argv[5:6])

@@ -5,7 +5,8 @@ mode raises nothing), output and every gradient are within eager's distance from
 (``tests/_tolerance.py``), two runs are bitwise equal, and the training step is captured under strict CUDA graphs
 (``mode="reduce-overhead"``, ``graph_partition=False``, ``triton.cudagraph_or_error=True``).
 
-The CPU form of the same checks (gloo) is ``test_ep.py``; this file is skipped without 2 CUDA devices.
+The CPU form of the same checks (gloo) is ``test_ep.py``; this file is skipped without 2 CUDA devices. With 4, FSDP2
+on a 2-D mesh (``dp`` 2 x ``ep`` 2, ``_ep_fsdp_worker.py``) over NCCL too.
 """
 
 from __future__ import annotations
@@ -104,3 +105,28 @@ def test_training_step_captured_by_strict_cuda_graphs(ranks):
         assert cap["cudagraph_skips"] == 0, cap
         assert cap["bitwise_replay"], cap["differing"]
         assert cap["ok"], (cap["worst"], cap["unjudged"], cap["no_grad"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices (dp 2 x ep 2)")
+def test_fsdp2_with_expert_parallel_over_nccl(tmp_path):
+    """FSDP2 (``fully_shard`` over ``dp``) and the experts' exchange over ``ep`` on one 4-GPU mesh, NCCL: rewritten,
+    no host read left, FSDP2's gradients within eager's distance from fp64, bitwise repeat."""
+    env = {**os.environ, **NO_MULTICAST,
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.models._ep_fsdp_worker", str(rank), "4",
+                               str(tmp_path / "store"), str(tmp_path / f"rank{rank}.json"), "cuda"], cwd=REPO_ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(4)]
+    logs = [p.communicate(timeout=400)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-6000:]
+    for rank in range(4):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        print(f"rank {rank}: {result}")
+        assert result["ok"], result
+        assert "grad:router.weight" in result["judged"] and "grad:w_gate_up" in result["judged"], result
+        assert "<graph>:expert_parallel" in result["rewrites"], result
+        assert result["host_reads_left"] and not any(result["host_reads_left"]), result
+        assert not [w for w in result["left"] if "_local_scalar_dense" in w], result
+        assert result["graph_breaks"] == 0, result
+        assert result["bitwise_repeat"], result
