@@ -14,6 +14,7 @@ overrides, an encoder-decoder (``kind="seq2seq"``: ids in, labels to the decoder
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -22,6 +23,7 @@ import re
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters
 
 HIDDEN, EXPERTS, TOP_K, VOCAB, LAYERS = 64, 8, 2, 128, 1
 
@@ -59,6 +61,9 @@ class Outside:
         kind: with ``cls``: ``"lm"``, ``"base"`` (the text base model on ``text_config``) or ``"vision"``.
         swapped: ``moe_compile.compile``'s expert-loop swap rewrites every experts layer (the matrix asserts it);
             False: each carries explain's reason tag instead.
+        known_break: with ``swapped``, the graph break of the family's own code that Dynamo cannot capture whatever
+            the swap does (a part of the break's developer context): the matrix then allows that break and no
+            break inside the frames Dynamo traces; empty: the step is captured whole.
     """
 
     why: str
@@ -66,6 +71,7 @@ class Outside:
     cls: str | None = None
     kind: str = "lm"
     swapped: bool = False
+    known_break: str = ""
 
 
 _NO_DROPOUT = {"dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "encoder_layerdrop": 0.0,
@@ -103,12 +109,17 @@ OUTSIDE: dict[str, Outside] = {
         {"share_expert_dim": 32, "intermediate_size": 64}, cls="Step3p7TextModel", kind="base", swapped=True),
     "switch_transformers": Outside(
         "SwitchTransformersExperts: top-1 capacity routing (cumsum positions), a ModuleDict of dense experts "
-        "(swapped in float32: NOTE [capacity swap] (moe_compile/experts/_swap_capacity.py); in bf16, as here, left "
-        "alone: probe_grad_mismatch, its float32 router's weight gradient, computed from bf16 probabilities, is "
-        "judged in float32 ulps; with the experts' dropout on, released configs' 0.1: expert_dropout)",
+        "(swapped: NOTE [capacity swap] (moe_compile/experts/_swap_capacity.py); in bf16 its float32 router's "
+        "gradient, computed from bf16 probabilities, is probed in bf16 ulps: "
+        "NOTE [gradient precision] (moe_compile/experts/_probe.py); with the experts' dropout on, released configs' "
+        "0.1: expert_dropout). Not captured whole without an attention mask: transformers 5.24's "
+        "SwitchTransformersStack makes the all-ones mask only when not is_torchdynamo_compiling(), then its encoder "
+        "subscripts the None mask (a TypeError that Dynamo sees, and runs that frame eagerly; "
+        "test_hf_families.py::test_switch_graph_break_is_transformers_own)",
         {**_NO_DROPOUT, "d_model": HIDDEN, "d_kv": 16, "d_ff": 64, "num_heads": 4, "num_layers": 2,
          "num_decoder_layers": 2, "num_sparse_encoder_layers": 1, "num_sparse_decoder_layers": 1,
-         "expert_capacity": 16, "tie_word_embeddings": True, "decoder_start_token_id": 0}),
+         "expert_capacity": 16, "tie_word_embeddings": True, "decoder_start_token_id": 0}, swapped=True,
+        known_break="""raised exception TypeError("'NoneType' object is not subscriptable")"""),
     "doge": Outside(
         "DogeCDMoE: product-key retrieval of single-neuron experts from nn.Embedding tables (16 experts, 4 keys)",
         {"is_moe": True, "num_experts": 16}),
@@ -335,6 +346,9 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
     bf16 eager is (:func:`tests._tolerance.within_eager_bound` states the bound), ``worst`` the tensor closest
     to failing it. Where that fails, plain Inductor's own distance from fp32 is added to the bound (``noise``
     says so), and ``unjudged`` names the tensors left out as noise (NOTE [cancelling sums] (tests/_tolerance.py)).
+    A family outside the interface that Dynamo cannot capture whole runs with graph breaks: ``graph_breaks`` and
+    ``break_context`` are the first line and the developer context of the break ``fullgraph`` stopped at,
+    ``breaks_in_frames`` the reasons of the breaks inside the frames Dynamo then traced.
     """
     import copy
 
@@ -347,7 +361,7 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
     eager = _loss_and_grads(model, inputs)
     outside = family in OUTSIDE and backend == "moe_compile"
     plain = copy.deepcopy(model) if outside else model  # moe_compile.compile may swap the model's expert loops
-    breaks = ""
+    breaks, context, in_frames = "", "", []
     try:
         try:
             compiled, rep = _compiled_step(model, inputs, backend, outside, fullgraph=True)
@@ -360,7 +374,11 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
             if not outside:  # the interface families must be captured whole: no backend sees a model Dynamo breaks
                 return {"family": family, "status": f"skip: Dynamo cannot capture it (fullgraph): {_first_line(exc)}"}
             breaks = _first_line(exc)
+            context = next(iter(re.findall(r"Developer debug context: (.*)", str(exc))), "").strip()
+            before = collections.Counter(counters["graph_break"])
             compiled, rep = _compiled_step(model, inputs, backend, outside, fullgraph=False)
+            # breaks inside the frames Dynamo traced (a frame it cannot trace at all runs eagerly, not counted here)
+            in_frames = sorted({_first_line(reason) for reason in counters["graph_break"] - before})
     except Exception as exc:  # noqa: BLE001 - the backend fails
         return {"family": family, "status": f"compile fails: {type(exc).__name__}: {_first_line(exc)}"}
     finally:
@@ -391,7 +409,8 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
     return {"family": family, "status": "ok", "rewritten": rewritten, "left": left, "numerics": ok,
             "refused": refused, "unchecked": unchecked,
             "worst": f"{worst[0]} ({worst[1]:.2f} of bound)", "noise": noise, "unjudged": unjudged,
-            "records": records_of(rep), "layers": layers, "graph_breaks": breaks}
+            "records": records_of(rep), "layers": layers, "graph_breaks": breaks, "break_context": context,
+            "breaks_in_frames": in_frames}
 
 
 def _compiled_step(model: torch.nn.Module, inputs: dict[str, Any], backend: str, outside: bool, fullgraph: bool
@@ -445,7 +464,10 @@ def main() -> None:
         for layer, outcome in row.get("layers", {}).items():
             print(f"    experts {layer}: {outcome or 'NO REASON'}", flush=True)
         if row.get("graph_breaks"):
-            print(f"    graph breaks (fullgraph=False): {row['graph_breaks'][:200]}", flush=True)
+            print(f"    graph breaks (fullgraph=False): {row['graph_breaks'][:200]} ({row['break_context']})",
+                  flush=True)
+        for reason in row.get("breaks_in_frames", []):
+            print(f"    graph break in a traced frame: {reason}", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         import transformers

@@ -79,10 +79,17 @@ def _check_outside(family: str, records_path: str | None = None) -> None:
     assert row["layers"], f"{family} ({OUTSIDE[family].why}): no experts layer found, so explain accounts for none"
     untagged = [layer for layer, outcome in row["layers"].items() if not outcome]
     assert untagged == [], f"{family}: experts layers neither rewritten nor given a reason: {untagged}"
-    if OUTSIDE[family].swapped:
+    spec = OUTSIDE[family]
+    if spec.swapped:
         left = {layer: outcome for layer, outcome in row["layers"].items() if outcome != "rewritten"}
         assert left == {}, f"{family}: experts layers the swap should rewrite: {left}"
-        assert row["graph_breaks"] == "", f"{family}: swapped, yet Dynamo breaks: {row['graph_breaks']}"
+        if spec.known_break:  # the family's own break, and no break inside a frame Dynamo traces (the swapped layers)
+            assert spec.known_break in row["break_context"], (
+                f"{family}: not the family's own known break ({spec.known_break!r}) but {row['graph_breaks']!r} "
+                f"({row['break_context']!r}); none at all: the family no longer breaks, drop its known_break")
+            assert row["breaks_in_frames"] == [], f"{family}: swapped, yet Dynamo breaks: {row['breaks_in_frames']}"
+        else:
+            assert row["graph_breaks"] == "", f"{family}: swapped, yet Dynamo breaks: {row['graph_breaks']}"
     assert row["refused"] == [] and row["unchecked"] == [], "\n".join(row["refused"] + row["unchecked"])
     assert row["numerics"], f"{family}: worst gradient {row['worst']}"
 
@@ -96,6 +103,27 @@ def test_outside_family_training_step(family, request):
 @pytest.mark.parametrize("family", [f for f in outside_interface_families() if f not in DEFAULT_OUTSIDE])
 def test_every_outside_family_training_step(family, request):
     _check_outside(family, request.config.getoption("family_records"))
+
+
+def test_switch_graph_break_is_transformers_own():
+    """The graph break of the Switch row (``Outside.known_break``) is transformers' code, not the swap's:
+    transformers 5.24's ``SwitchTransformersStack`` makes the all-ones attention mask only when not
+    ``is_torchdynamo_compiling()``, then its encoder (not a decoder) subscripts the ``None`` mask
+    (``attention_mask[:, None, None, :]``). Run eagerly with that flag on (no compile, no swap) it raises the
+    ``TypeError`` Dynamo reports; given a mask, it runs. When transformers makes the mask under Dynamo too, this test
+    fails: the row is then captured whole and its ``known_break`` can go."""
+    from unittest import mock
+
+    import transformers.models.switch_transformers.modeling_switch_transformers as switch
+
+    from tests.models.hf_families import build
+
+    model, inputs = build("switch_transformers")
+    assert "'NoneType' object is not subscriptable" in OUTSIDE["switch_transformers"].known_break
+    with torch.no_grad(), mock.patch.object(switch, "is_torchdynamo_compiling", lambda: True):
+        with pytest.raises(TypeError, match="'NoneType' object is not subscriptable"):
+            model(**inputs)
+        model(**inputs, attention_mask=torch.ones_like(inputs["input_ids"]))
 
 
 def test_outside_families_are_found():
