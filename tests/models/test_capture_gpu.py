@@ -72,6 +72,18 @@ def _skip_loop() -> torch.nn.Module:
     return SkipLoopMoE(hidden=H, inter=128, num_experts=8)
 
 
+def _selection_loop() -> torch.nn.Module:
+    from tests.models.expert_loops import SelectionLoopMoE
+
+    return SelectionLoopMoE(hidden=H, inter=128, num_experts=8, top_k=2, experts="swiglu_list")
+
+
+def _module_list_loop() -> torch.nn.Module:
+    from tests.models.loop_models import make_loop_moe
+
+    return make_loop_moe(hidden=H, inter=128, num_experts=8, top_k=2, dtype=torch.bfloat16)
+
+
 # name -> (builder, entry, the pass whose rewrite makes the layer capturable, input shape)
 LAYERS: dict[str, tuple[Callable[[], torch.nn.Module], str, str, tuple[int, ...]]] = {
     "sort_index_select_scatter_add": (_handwritten("SortIndexSelectScatterAdd"), "backend", "fuse_dispatch", (T, H)),
@@ -86,6 +98,10 @@ LAYERS: dict[str, tuple[Callable[[], torch.nn.Module], str, str, tuple[int, ...]
     "megatron_drop_and_pad": (_drop_and_pad, "backend", "drop_and_pad", (T, H)),
     "expert_choice": (_expert_choice, "backend", "expert_choice", (2, T // 2, H)),
     "skip_loop": (_skip_loop, "api", "swap_expert_loops", (2, T // 2, H)),
+    # a loop over experts selecting tokens with torch.where, unrolled by Dynamo (fuse_expert_loop), and the
+    # nonzero-driven ModuleList loop of transformers 4.x (the swap)
+    "selection_loop": (_selection_loop, "backend", "fuse_expert_loop", (T, H)),
+    "module_list_loop": (_module_list_loop, "api", "swap_expert_loops", (2, T // 2, H)),
 }
 
 
