@@ -315,6 +315,17 @@ def _swapped_eager_ref(original: nn.Module, x: torch.Tensor, cot: torch.Tensor):
     return got, again, eager, ref, records
 
 
+def _assert_drops_exact_and_repeat_bitwise(dropped, got, again, eager) -> None:
+    """Some tokens dropped, not all; their outputs and input gradients exact zeros (compiled and eager); a repeated
+    step bitwise the same."""
+    assert 0 < int(dropped.sum()) < dropped.numel(), dropped
+    for step in (got, eager):
+        assert torch.all(step["out"].reshape(-1, step["out"].shape[-1])[dropped] == 0)
+        assert torch.all(step["grad:x"].reshape(-1, step["grad:x"].shape[-1])[dropped] == 0)
+    for name, value in got.items():
+        assert torch.equal(value, again[name]), name
+
+
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_switch_capacity_drops_within_eager_bound(train):
     """A Switch block whose router drops tokens (asserted: some, not all): swapped, its output and every gradient
@@ -326,12 +337,7 @@ def test_switch_capacity_drops_within_eager_bound(train):
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     got, again, eager, ref, records, dropped = _switch_steps(train, gen)
     _assert_swapped_and_within_bound("switch_transformers", got, eager, ref, records)
-    assert 0 < int(dropped.sum()) < dropped.numel(), dropped
-    for step in (got, eager):
-        assert torch.all(step["out"].reshape(-1, step["out"].shape[-1])[dropped] == 0)
-        assert torch.all(step["grad:x"].reshape(-1, step["grad:x"].shape[-1])[dropped] == 0)
-    for name, value in got.items():
-        assert torch.equal(value, again[name]), name
+    _assert_drops_exact_and_repeat_bitwise(dropped, got, again, eager)
 
 
 def test_switch_bf16_is_swapped_within_eager_bound():
@@ -352,12 +358,7 @@ def test_switch_bf16_is_swapped_within_eager_bound():
     assert original.router.classifier.weight.dtype == torch.float32  # the router's own cast, on its first call
     got, again, eager, ref, records = _swapped_eager_ref(original, x, cot)
     _assert_swapped_and_within_bound("switch_transformers", got, eager, ref, records, dtype=torch.bfloat16)
-    assert 0 < int(dropped.sum()) < dropped.numel(), dropped
-    for step in (got, eager):
-        assert torch.all(step["out"].reshape(-1, step["out"].shape[-1])[dropped] == 0)
-        assert torch.all(step["grad:x"].reshape(-1, step["grad:x"].shape[-1])[dropped] == 0)
-    for name, value in got.items():
-        assert torch.equal(value, again[name]), name
+    _assert_drops_exact_and_repeat_bitwise(dropped, got, again, eager)
 
 
 class _ScaleGrad(torch.autograd.Function):

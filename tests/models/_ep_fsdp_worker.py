@@ -96,5 +96,17 @@ def main(rank: int, world: int, store_path: str, result_path: str, device: str =
         json.dump(result, f)
 
 
+def check_result(result: dict) -> None:
+    """A rank's verdict as the tests require it: within the bound, the router's and experts' gradients judged,
+    rewritten, no host read or graph break left, bitwise repeat."""
+    assert result["ok"], result
+    assert "grad:router.weight" in result["judged"] and "grad:w_gate_up" in result["judged"], result
+    assert "<graph>:expert_parallel" in result["rewrites"], result
+    assert result["host_reads_left"] and not any(result["host_reads_left"]), result
+    assert not [w for w in result["left"] if "_local_scalar_dense" in w], result
+    assert result["graph_breaks"] == 0, result
+    assert result["bitwise_repeat"], result
+
+
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], *sys.argv[5:6])
