@@ -4,7 +4,8 @@
   (a failure prints ``@reproduce_failure(...)`` for its example), no deadline (the CPU may be shared),
   random (not derandomised) inputs. Profile ``derandomize``: the same inputs on every run.
 * One seed per session: unless ``--hypothesis-seed=N`` is given, a fresh seed is drawn and every Hypothesis
-  test runs from it; the summary names it when a test failed, and ``--hypothesis-seed=N`` replays that run.
+  test runs from it (pytest-xdist's workers too: they inherit it through ``MOE_COMPILE_HYPOTHESIS_SEED``); the
+  summary names it when a test failed, and ``--hypothesis-seed=N`` replays that run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "moe_compile"))
 os.environ.setdefault("MOE_COMPILE_VALIDATE_ALL", "1")
 
 _SESSION_SEED: list[int] = []
+_SEED_ENV = "MOE_COMPILE_HYPOTHESIS_SEED"
 
 
 def pytest_addoption(parser) -> None:
@@ -35,7 +37,9 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config) -> None:
     if config.getoption("hypothesis_seed", None) is None and not settings.default.derandomize:
-        seed = random.SystemRandom().randrange(2**32)
+        # pytest-xdist's workers (-n 2) start after this hook and inherit the environment: one seed for the run
+        seed = int(os.environ.get(_SEED_ENV) or random.SystemRandom().randrange(2**32))
+        os.environ[_SEED_ENV] = str(seed)
         core.global_force_seed = seed
         _SESSION_SEED.append(seed)
 

@@ -255,7 +255,7 @@ def test_public_api():
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    marker = "python3 -m pip install -e \".[test,hf]\" && python3 -m pytest -q -ra tests"
+    marker = "python3 -m pip install -e \".[test,hf]\" && python3 -m pytest -q -ra -n 2 tests"
     assert marker in readme
     ci_line = next(line for line in ci.splitlines() if "pytest" in line and not line.startswith("#"))
     assert ci_line.replace("--quiet ", "") in readme

@@ -44,7 +44,7 @@ def _fuzz(data: st.DataObject, backend: str) -> None:
 _SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
 
 
-@settings(max_examples=_examples("MOE_FUZZ_EXAMPLES", 24), **_SETTINGS)
+@settings(max_examples=_examples("MOE_FUZZ_EXAMPLES", 12), **_SETTINGS)
 @given(data=st.data())
 def test_fuzz_passes(data):
     _fuzz(data, "passes")

@@ -107,7 +107,7 @@ def test_qwen3_norm_topk_prob_both_values(norm_topk_prob):
     assert_matches_eager(run, model, (), inputs, train=True, eager=eager)
 
 
-@pytest.mark.parametrize("path", ["api", "fullgraph"])
+@pytest.mark.parametrize("path", ["api", pytest.param("fullgraph", marks=pytest.mark.slow)])
 def test_jetmoe_host_loops_compile_and_match_eager(path):
     """JetMoE's layer holds four host-sized expert loops (two routers' ``.tolist()`` counts). Once the first loop
     was rewritten, the refresh of the example values below it gave the later loops' host reads fresh unbacked
