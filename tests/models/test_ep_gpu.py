@@ -72,8 +72,8 @@ def test_compiled_over_nccl_within_eager_bound(ranks):
 
 # The first device run (H100 x2, torch 2.11, d623ec6) skipped the layer (regroup_not_matched): torch 2.11 writes
 # all_to_all_single_autograd as the autograd op + an autograd function that waits, which the match did not know;
-# tests/models/test_ep.py's titan_211 (slow run) reproduces that spelling on CPU, and the match reads it since. Rerun on 2 H200s
-# (torch 2.11.0+cu130, 09e6ffe, 2026-11-27): the four tests of this file pass.
+# tests/models/test_ep.py's titan_211 (slow run) reproduces that spelling on CPU, and the match reads it since.
+# Rerun on 2 H200s (torch 2.11.0+cu130, 09e6ffe, 2026-11-27): the four tests of this file pass.
 def test_rewritten_over_nccl_without_host_reads(ranks):
     for result in ranks:
         got = result["compiled"]
