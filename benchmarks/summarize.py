@@ -261,13 +261,15 @@ def attention(rows: list[Row]) -> tuple[str, str]:
 
 def capacity(rows: list[Row]) -> tuple[str, str]:
     parts = []
+    variants = ("eager", "inductor", "moe_compile", "moe_compile_graphs")
     for style in _ordered(rows, "style"):
-        for T in _ordered([r for r in rows if r["style"] == style], "T"):
-            got = {r["variant"]: r for r in rows if r["style"] == style and r["T"] == T}
-            cells = " / ".join(_num(got[v]["step_ms"]) for v in ("eager", "inductor", "moe_compile") if v in got)
-            parts.append(f"{style} T {T}: {cells}")
-    return ("capacity-factor layer (one-hot [T, E, C] einsums) training step ms: eager / plain Inductor / "
-            "moe_compile", "; ".join(parts))
+        mine = [r for r in rows if r["style"] == style]
+        for shape in dict.fromkeys((r["T"], r["H"], r["E"]) for r in mine):  # in the file's order
+            got = {r["variant"]: r for r in mine if (r["T"], r["H"], r["E"]) == shape}
+            cells = " / ".join(_num(got[v]["step_ms"]) for v in variants if v in got)
+            parts.append(f"{style} T {shape[0]} H {shape[1]} E {shape[2]}: {cells}")
+    return ("capacity-factor, expert-choice and host-loop layers, training step ms: eager / plain Inductor / "
+            "moe_compile (/ moe_compile under CUDA graphs, where run)", "; ".join(parts))
 
 
 def ep(rows: list[Row]) -> tuple[str, str]:
