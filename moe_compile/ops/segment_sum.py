@@ -440,7 +440,7 @@ MAX_GROUP_TABLE = 1 << 26
 
 
 def segment_sum_by_groups(src_ND: Tensor, idx_N: Tensor, num_rows: int, group_N: Tensor,
-                          num_groups: int) -> Tensor:
+                          num_groups: int, mask_N: Tensor | None = None) -> Tensor:
     """:func:`segment_sum` of entries that come in ``num_groups`` groups, no two entries of one group with the same
     ``idx`` (each expert's top-``C`` tokens in expert-choice routing): each row's entries summed in ascending group
     order (fp32 accumulation), ordered without a sort.
@@ -449,7 +449,8 @@ def segment_sum_by_groups(src_ND: Tensor, idx_N: Tensor, num_rows: int, group_N:
     prefix sum give each entry its position among the entries sorted by ``(idx, group)``; one scatter to those
     (distinct) positions sorts the entries, and ``moe.gather_segment_sum`` sums the sorted segments (``idx_sorted``).
     Bitwise :func:`segment_sum` wherever the groups are consecutive runs of entries (ascending group order is then
-    ascending entry order). Entries with ``idx`` outside ``[0, num_rows)`` are skipped. Float ``src`` only; beyond
+    ascending entry order). Entries with ``idx`` outside ``[0, num_rows)``, or ``False`` in ``mask_N``, are skipped.
+    Float ``src`` only; beyond
     ``MAX_GROUP_TABLE`` cells (or for integer ``src``) it is :func:`segment_sum` (a sort, entry order).
 
     Args:
@@ -458,8 +459,9 @@ def segment_sum_by_groups(src_ND: Tensor, idx_N: Tensor, num_rows: int, group_N:
         num_rows: ``R``.
         group_N: ``[N]`` integer group of each entry, in ``[0, num_groups)``.
         num_groups: ``G``.
+        mask_N: optional ``[N]`` bool; entries with ``False`` are skipped (distinct or not).
     """
-    _check_args(src_ND, idx_N, num_rows, None)
+    _check_args(src_ND, idx_N, num_rows, mask_N)
     _common.check_int_tensor(group_N, "group_N", 1)
     if group_N.shape[0] != idx_N.shape[0]:
         raise ValueError(f"group_N must have one entry per entry of idx_N: group_N.shape={tuple(group_N.shape)}, "
@@ -467,9 +469,11 @@ def segment_sum_by_groups(src_ND: Tensor, idx_N: Tensor, num_rows: int, group_N:
     _common.check_count(num_groups, "num_groups")
     cells = num_rows * num_groups
     if not src_ND.is_floating_point() or cells > MAX_GROUP_TABLE:
-        return segment_sum(src_ND, idx_N, num_rows)
+        return segment_sum(src_ND, idx_N, num_rows, mask_N)
     N, device = idx_N.shape[0], idx_N.device
     ok_N = (idx_N >= 0) & (idx_N < num_rows)
+    if mask_N is not None:
+        ok_N = ok_N & mask_N
     cell_N = idx_N.to(torch.int64) * num_groups + group_N.to(torch.int64)
     present = torch.zeros(cells + 1, dtype=torch.bool, device=device).scatter(
         0, torch.where(ok_N, cell_N, cells), True)[:cells]

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -91,8 +91,15 @@ def _segment_sum(src_ND: torch.Tensor, idx_N: torch.Tensor, rows: int, mask_N: t
     return torch.ops.moe.segment_sum.default(src_ND, idx_N, rows, mask_N)
 
 
-# (src_ND, idx_N, rows, mask_N or None) -> [rows, D]: a fixed-order lowering of the accumulation
-SegmentSum = Callable[[torch.Tensor, torch.Tensor, int, "torch.Tensor | None"], torch.Tensor]
+class Lowering(NamedTuple):
+    """A fixed-order lowering of the row-wise accumulations: ``sum_fn(src_ND, idx_N, rows, mask_N or None) ->
+    [rows, D]``, and what ``explain`` says replaced them."""
+
+    sum_fn: Callable[[torch.Tensor, torch.Tensor, int, "torch.Tensor | None"], torch.Tensor]
+    replaced_by: str
+
+
+SORTED = Lowering(_segment_sum, REPLACED_BY)
 
 
 def _rows(node: Any) -> int:
@@ -123,7 +130,7 @@ def _index_put_form(node: fx.Node) -> tuple[Any, Any, Any, Any]:
     return base, indices[0], values, (arg(node, 1, "mask") if masked else None)
 
 
-def _rewrite_index_put(graph: fx.Graph, node: fx.Node, sum_fn: SegmentSum = _segment_sum) -> str:
+def _rewrite_index_put(graph: fx.Graph, node: fx.Node, lowering: Lowering = SORTED) -> str:
     base, idx, values, mask = _index_put_form(node)
     rows, zeros = _rows(base), acc.is_zeros(base)
     base_v = tensor_val(base)
@@ -141,12 +148,12 @@ def _rewrite_index_put(graph: fx.Graph, node: fx.Node, sum_fn: SegmentSum = _seg
         idx_N = torch.where(idx_N < 0, idx_N + rows, idx_N)  # index_put wraps negative indices
         src_ND = values.expand(*idx.shape, *rest).reshape(n, math.prod(rest))
         mask_N = maybe_mask[0].reshape(maybe_mask[0].shape[:lead]).expand(idx.shape).reshape(n) if maybe_mask else None
-        summed = sum_fn(src_ND, idx_N, rows, mask_N).reshape(base.shape)
+        summed = lowering.sum_fn(src_ND, idx_N, rows, mask_N).reshape(base.shape)
         return summed if zeros else base + summed
 
     args = (base, idx, values) + ((mask,) if mask is not None else ())
     _replace(graph, node, fn, args)
-    return REPLACED_BY + ("" if mask is None else ", masked entries skipped")
+    return lowering.replaced_by + ("" if mask is None else ", masked entries skipped")
 
 
 def _rewrite_embedding_backward(graph: fx.Graph, node: fx.Node) -> str:
@@ -173,7 +180,7 @@ def _rewrite_embedding_backward(graph: fx.Graph, node: fx.Node) -> str:
         (", scaled by 1/count" if scale else "")
 
 
-def _rewrite_index_add(graph: fx.Graph, node: fx.Node, sum_fn: SegmentSum = _segment_sum) -> str:
+def _rewrite_index_add(graph: fx.Graph, node: fx.Node, lowering: Lowering = SORTED) -> str:
     base, index, src = node.args[0], arg(node, 2, "index"), arg(node, 3, "source")
     alpha = arg(node, 4, "alpha", 1)
     base_v = tensor_val(base)
@@ -191,11 +198,11 @@ def _rewrite_index_add(graph: fx.Graph, node: fx.Node, sum_fn: SegmentSum = _seg
         src_ND = src.movedim(dim, 0).reshape(n, math.prod(moved.shape[1:]))
         if alpha != 1:
             src_ND = src_ND * alpha
-        summed = sum_fn(src_ND, index.reshape(n), rows, None).reshape(moved.shape).movedim(0, dim)
+        summed = lowering.sum_fn(src_ND, index.reshape(n), rows, None).reshape(moved.shape).movedim(0, dim)
         return summed if zeros else base + summed
 
     _replace(graph, node, fn, (base, index, src))
-    return REPLACED_BY
+    return lowering.replaced_by
 
 
 def _rewrite_scatter_add(graph: fx.Graph, node: fx.Node) -> str:
@@ -237,19 +244,19 @@ _FORMS: dict[Any, Callable[[fx.Graph, fx.Node], str]] = {
 }
 
 
-def rewrite_accumulation(graph: fx.Graph, node: fx.Node, sum_fn: SegmentSum | None = None) -> str:
+def rewrite_accumulation(graph: fx.Graph, node: fx.Node, lowering: Lowering | None = None) -> str:
     """Replace the accumulation ``node`` by ``moe.segment_sum``; returns the rewrite's detail, raises NoMatch (with
-    this pass's reason tags) where it cannot (``expert_choice`` asks this too). ``sum_fn``: another fixed-order
-    lowering of ``segment_sum(src_ND, idx_N, rows, mask_N)`` for the row-wise forms (``index_put``, ``index_add``),
-    where the caller knows more about the index (``expert_choice``: each expert's tokens are distinct)."""
+    this pass's reason tags) where it cannot (``expert_choice`` asks this too). ``lowering``: another fixed-order
+    lowering for the row-wise forms (``index_put``, ``index_add``), where the caller knows more about the index
+    (``expert_choice``: each expert's tokens are distinct)."""
     if node.target in _INPLACE:
         raise NoMatch("inplace", f"{op_name(node)}: in-place accumulation in a functional graph")
     form = _FORMS.get(node.target)
     if form is None:
         raise NoMatch("unsupported_form", f"{op_name(node)} has no deterministic lowering here")
     _check_dtype(node)
-    if sum_fn is not None and form in (_rewrite_index_put, _rewrite_index_add):
-        return form(graph, node, sum_fn)
+    if lowering is not None and form in (_rewrite_index_put, _rewrite_index_add):
+        return form(graph, node, lowering)
     return form(graph, node)
 
 
@@ -267,4 +274,4 @@ REWRITES: tuple[tuple[str, Callable[[fx.Node], bool], Callable[[fx.Graph, fx.Nod
     ("accumulate", acc.order_dependent, rewrite_accumulation),
 )
 
-__all__ = ["REPLACED_BY", "REWRITES", "rewrite_accumulation", "run"]
+__all__ = ["REPLACED_BY", "REWRITES", "Lowering", "rewrite_accumulation", "run"]

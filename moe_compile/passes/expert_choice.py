@@ -23,8 +23,8 @@ Rewrites to (each such accumulation; ``N = E*C`` entries, each expert's ``C`` to
                                            (a token's contributions summed in expert order, in fp32)
 
 deterministic_scatter's lowering with the sort replaced by a table and a prefix sum: the same sums, bitwise, for
-``[E, C]`` indices (expert order is entry order there); ``moe.segment_sum`` for a masked accumulation, integer rows,
-or a table past ``MAX_GROUP_TABLE`` cells.
+``[E, C]`` indices (expert order is entry order there); ``moe.segment_sum`` (the sort, and explain says so) for
+integer rows or a table past ``MAX_GROUP_TABLE`` cells.
 
 The rewrite is the same values in another order of the adds, for any index; what the match decides is only where
 moe_compile spends a sort by default (``deterministic=True`` rewrites every accumulation anyway). A token-choice
@@ -47,10 +47,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from moe_compile.ops.segment_sum import segment_sum_by_groups
+from moe_compile.ops.segment_sum import MAX_GROUP_TABLE, segment_sum_by_groups
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._graph import arg, known_int, layer_name, op_name, tensor_val
-from moe_compile.passes.deterministic_scatter import REPLACED_BY, rewrite_accumulation
+from moe_compile.passes.deterministic_scatter import REPLACED_BY, Lowering, rewrite_accumulation
 from moe_compile.passes.forms import accumulate as acc
 
 BY_GROUPS = ("moe.gather_segment_sum over the entries ordered by a [T, E] presence table and its prefix sum (each "
@@ -74,12 +74,12 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             continue
         layer = layer_name(node)
         try:
-            detail = rewrite_accumulation(graph, node, choice.segment_sum)
+            detail = rewrite_accumulation(graph, node, choice.lowering(tensor_val(node).dtype))
         except NoMatch as skip:
             ctx.skip(layer, skip.reason, skip.detail)
             continue
         ctx.rewrite(layer, f"{op_name(node)} into the tokens' rows at expert-choice topk indices",
-                    (detail or REPLACED_BY).replace(REPLACED_BY, BY_GROUPS))
+                    detail or REPLACED_BY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +91,19 @@ class _Choice:
     experts: int
     expert_major: bool
 
-    def segment_sum(self, src_ND: torch.Tensor, idx_N: torch.Tensor, rows: int, mask_N: torch.Tensor | None):
+    def lowering(self, dtype: torch.dtype) -> Lowering | None:
+        """The table lowering where it applies (float rows, a table within ``MAX_GROUP_TABLE`` cells); None: the
+        sort (``segment_sum_by_groups`` would take it there anyway, and explain then says so)."""
+        if not dtype.is_floating_point or self.rows * self.experts > MAX_GROUP_TABLE:
+            return None
+        return Lowering(self._segment_sum, BY_GROUPS)
+
+    def _segment_sum(self, src_ND: torch.Tensor, idx_N: torch.Tensor, rows: int, mask_N: torch.Tensor | None):
         """The accumulation over the flat (row-major) indices, each token's contributions in expert order."""
-        if mask_N is not None:
-            return torch.ops.moe.segment_sum.default(src_ND, idx_N, rows, mask_N)
         n = torch.arange(idx_N.shape[0], device=idx_N.device)
         per_expert = idx_N.shape[0] // self.experts
         group_N = n // per_expert if self.expert_major else n % self.experts
-        return segment_sum_by_groups(src_ND, idx_N, rows, group_N, self.experts)
+        return segment_sum_by_groups(src_ND, idx_N, rows, group_N, self.experts, mask_N)
 
 
 def _choice(index: Any) -> _Choice | None:

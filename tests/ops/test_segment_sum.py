@@ -280,7 +280,7 @@ def test_by_groups_is_segment_sum_in_expert_order(dtype, expert_major):
     assert untouched.any() and not got[untouched].any()
 
 
-def test_by_groups_skips_out_of_range_entries():
+def test_by_groups_skips_out_of_range_and_masked_entries():
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     T, E, C, D = 20, 4, 6, 3
     idx, group = _expert_choice_indices(T, E, C, True, gen)
@@ -288,6 +288,8 @@ def test_by_groups_skips_out_of_range_entries():
     src = torch.randn(E * C, D, generator=gen)
     keep = (idx >= 0) & (idx < T)
     assert torch.equal(segment_sum_by_groups(src, idx, T, group, E), segment_sum(src, idx, T, keep))
+    mask = torch.rand(E * C, generator=gen) > 0.3
+    assert torch.equal(segment_sum_by_groups(src, idx, T, group, E, mask), segment_sum(src, idx, T, keep & mask))
 
 
 def test_by_groups_integer_rows_take_the_sort():
