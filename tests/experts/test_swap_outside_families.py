@@ -292,14 +292,24 @@ def test_dbrx_router_jitter_is_left_alone():
 # ===== SwitchTransformers: top-1 capacity routing, NOTE [capacity swap] (moe_compile/experts/_swap_capacity.py) =====
 
 
+def _switch_block_that_drops(gen: torch.Generator, dtype: torch.dtype = torch.float32, train: bool = True):
+    """``(block, x, cotangent, dropped [T] bool)``: a Switch block at capacity :data:`SWITCH_CAPACITY` and tokens it
+    routes with some dropped, not all (a draw where capacity drops none, or all, is drawn again)."""
+    for _ in range(32):
+        block = _block("switch_transformers", gen).to(dtype).train(train)
+        x = torch.randn(2, 12, original_hidden(block), generator=gen).to(dtype)
+        cot = torch.randn(x.shape, generator=gen)
+        with torch.no_grad():
+            dropped = ~(block.router(x.clone())[0].reshape(-1, block.router.num_experts) != 0).any(-1)
+        if 0 < int(dropped.sum()) < dropped.numel():
+            return block, x, cot, dropped
+    raise AssertionError("32 draws of a Switch block: none dropped some tokens and kept others")
+
+
 def _switch_steps(train: bool, gen: torch.Generator):
-    """``(swapped step, its repeat, eager step, float64 step, records, dropped [T] bool)`` of a Switch block at
-    capacity :data:`SWITCH_CAPACITY`, in training or eval mode (gradients in both)."""
-    original = _block("switch_transformers", gen).train(train)
-    x = torch.randn(2, 12, original_hidden(original), generator=gen)
-    cot = torch.randn(x.shape, generator=gen)
-    with torch.no_grad():
-        dropped = ~(original.router(x.clone())[0].reshape(-1, original.router.num_experts) != 0).any(-1)
+    """``(swapped step, its repeat, eager step, float64 step, records, dropped [T] bool)`` of a Switch block that
+    drops some tokens, in training or eval mode (gradients in both)."""
+    original, x, cot, dropped = _switch_block_that_drops(gen, train=train)
     return (*_swapped_eager_ref(original, x, cot), dropped)
 
 
@@ -350,11 +360,7 @@ def test_switch_bf16_is_swapped_within_eager_bound():
     same bf16 tokens in every run here, so eager, swapped and the reference route alike (asserted: some tokens
     dropped, not all)."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    original = _block("switch_transformers", gen).to(torch.bfloat16)
-    x = torch.randn(2, 12, original_hidden(original), generator=gen).to(torch.bfloat16)
-    cot = torch.randn(x.shape, generator=gen)
-    with torch.no_grad():
-        dropped = ~(original.router(x.clone())[0].reshape(-1, original.router.num_experts) != 0).any(-1)
+    original, x, cot, dropped = _switch_block_that_drops(gen, torch.bfloat16)
     assert original.router.classifier.weight.dtype == torch.float32  # the router's own cast, on its first call
     got, again, eager, ref, records = _swapped_eager_ref(original, x, cot)
     _assert_swapped_and_within_bound("switch_transformers", got, eager, ref, records, dtype=torch.bfloat16)

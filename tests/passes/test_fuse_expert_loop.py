@@ -94,7 +94,7 @@ class FastLoopTest(unittest.TestCase):
             ("loop", torch.float32, 3),  # torch.ops.moe.grouped_mm (torch._grouped_mm is bf16 only)
         ]
         for kind, dtype, gemms in cases:
-            with self.subTest(kind=kind, dtype=dtype):
+            with self.subTest(kind=kind, dtype=str(dtype)):  # xdist sends subtest parameters: plain values
                 model = make_layer(kind, dtype=dtype)
                 x = layer_input(3, dtype=dtype)
                 gm, inputs, ctx = run_pass_on_layer(fuse_expert_loop.run, model, x)
