@@ -34,8 +34,8 @@ from torch import Tensor
 
 from moe_compile.ops import _common
 
-__all__ = ["gather_segment_sum", "gather_segment_sum_reference", "segment_sum", "segment_sum_by_groups",
-           "segment_sum_reference"]
+__all__ = ["gather_segment_sum", "gather_segment_sum_reference", "group_order", "segment_sum",
+           "segment_sum_by_groups", "segment_sum_reference"]
 
 # dtypes ``src`` may have: floats (fp32/fp64 accumulators) and integers (int64 accumulator)
 SRC_DTYPES = (*_common.FLOAT_DTYPES, torch.int32, torch.int64)
@@ -439,37 +439,27 @@ def gather_segment_sum(src_SD: Tensor, src_idx_N: Tensor, idx_N: Tensor, num_row
 MAX_GROUP_TABLE = 1 << 26
 
 
-def segment_sum_by_groups(src_ND: Tensor, idx_N: Tensor, num_rows: int, group_N: Tensor,
-                          num_groups: int, mask_N: Tensor | None = None) -> Tensor:
-    """:func:`segment_sum` of entries that come in ``num_groups`` groups, no two entries of one group with the same
-    ``idx`` (each expert's top-``C`` tokens in expert-choice routing): each row's entries summed in ascending group
-    order (fp32 accumulation), ordered without a sort.
-
-    A ``[num_rows, num_groups]`` presence table (a scatter of ``True``: every writer writes the same value) and its
-    prefix sum give each entry its position among the entries sorted by ``(idx, group)``; one scatter to those
-    (distinct) positions sorts the entries, and ``moe.gather_segment_sum`` sums the sorted segments (``idx_sorted``).
-    Bitwise :func:`segment_sum` wherever the groups are consecutive runs of entries (ascending group order is then
-    ascending entry order). Entries with ``idx`` outside ``[0, num_rows)``, or ``False`` in ``mask_N``, are skipped.
-    Float ``src`` only; beyond
-    ``MAX_GROUP_TABLE`` cells (or for integer ``src``) it is :func:`segment_sum` (a sort, entry order).
-
-    Args:
-        src_ND: ``[N, D]`` float rows.
-        idx_N: ``[N]`` integer output row of each entry, distinct within each group.
-        num_rows: ``R``.
-        group_N: ``[N]`` integer group of each entry, in ``[0, num_groups)``.
-        num_groups: ``G``.
-        mask_N: optional ``[N]`` bool; entries with ``False`` are skipped (distinct or not).
-    """
-    _check_args(src_ND, idx_N, num_rows, mask_N)
+def _check_groups(idx_N: Tensor, group_N: Tensor, num_groups: int) -> None:
     _common.check_int_tensor(group_N, "group_N", 1)
     if group_N.shape[0] != idx_N.shape[0]:
         raise ValueError(f"group_N must have one entry per entry of idx_N: group_N.shape={tuple(group_N.shape)}, "
                          f"idx_N.shape={tuple(idx_N.shape)}")
     _common.check_count(num_groups, "num_groups")
+
+
+def group_order(idx_N: Tensor, num_rows: int, group_N: Tensor, num_groups: int,
+                mask_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The entries of :func:`segment_sum_by_groups` sorted by ``(idx, group)`` without a sort: ``(entry_N,
+    idx_sorted_N)``, each position's entry and its ``idx`` (non-decreasing; skipped entries last, keyed
+    ``num_rows``), the index pair ``moe.gather_segment_sum(src, entry_N, idx_sorted_N, num_rows, idx_sorted=True)``
+    sums by. ``idx_N`` distinct within each group where kept; a ``[num_rows, num_groups]`` presence table (a scatter
+    of ``True``: every writer writes the same value) and its prefix sum give each kept entry its position, one scatter
+    to those (distinct) positions sorts the entries. Entries with ``idx`` outside ``[0, num_rows)``, or ``False`` in
+    ``mask_N``, are skipped."""
+    _common.check_int_tensor(idx_N, "idx_N", 1)
+    _common.check_count(num_rows, "num_rows")
+    _check_groups(idx_N, group_N, num_groups)
     cells = num_rows * num_groups
-    if not src_ND.is_floating_point() or cells > MAX_GROUP_TABLE:
-        return segment_sum(src_ND, idx_N, num_rows, mask_N)
     N, device = idx_N.shape[0], idx_N.device
     ok_N = (idx_N >= 0) & (idx_N < num_rows)
     if mask_N is not None:
@@ -481,8 +471,35 @@ def segment_sum_by_groups(src_ND: Tensor, idx_N: Tensor, num_rows: int, group_N:
     kept = present.sum()
     skipped_rank_N = torch.cumsum(~ok_N, 0) - 1  # skipped entries go last, keyed num_rows
     dest_N = torch.where(ok_N, position.index_select(0, torch.where(ok_N, cell_N, 0)), kept + skipped_rank_N)
-    entry_N = torch.arange(N, device=device, dtype=torch.int64)
-    src_idx_sorted = torch.zeros(N, dtype=torch.int64, device=device).scatter(0, dest_N, entry_N)
-    idx_sorted = torch.zeros(N, dtype=torch.int64, device=device).scatter(
+    entry_N = torch.zeros(N, dtype=torch.int64, device=device).scatter(
+        0, dest_N, torch.arange(N, device=device, dtype=torch.int64))
+    idx_sorted_N = torch.zeros(N, dtype=torch.int64, device=device).scatter(
         0, dest_N, torch.where(ok_N, idx_N.to(torch.int64), num_rows))
-    return gather_segment_sum(src_ND, src_idx_sorted, idx_sorted, num_rows, idx_sorted=True)
+    return entry_N, idx_sorted_N
+
+
+def segment_sum_by_groups(src_ND: Tensor, idx_N: Tensor, num_rows: int, group_N: Tensor,
+                          num_groups: int, mask_N: Tensor | None = None) -> Tensor:
+    """:func:`segment_sum` of entries that come in ``num_groups`` groups, no two entries of one group with the same
+    ``idx`` (each expert's top-``C`` tokens in expert-choice routing): each row's entries summed in ascending group
+    order (fp32 accumulation), ordered by :func:`group_order` (no sort) and summed by ``moe.gather_segment_sum``.
+
+    Bitwise :func:`segment_sum` wherever the groups are consecutive runs of entries (ascending group order is then
+    ascending entry order). Entries with ``idx`` outside ``[0, num_rows)``, or ``False`` in ``mask_N``, are skipped.
+    Float ``src`` only; beyond ``MAX_GROUP_TABLE`` cells (or for integer ``src``) it is :func:`segment_sum` (a sort,
+    entry order).
+
+    Args:
+        src_ND: ``[N, D]`` float rows.
+        idx_N: ``[N]`` integer output row of each entry, distinct within each group.
+        num_rows: ``R``.
+        group_N: ``[N]`` integer group of each entry, in ``[0, num_groups)``.
+        num_groups: ``G``.
+        mask_N: optional ``[N]`` bool; entries with ``False`` are skipped (distinct or not).
+    """
+    _check_args(src_ND, idx_N, num_rows, mask_N)
+    _check_groups(idx_N, group_N, num_groups)
+    if not src_ND.is_floating_point() or num_rows * num_groups > MAX_GROUP_TABLE:
+        return segment_sum(src_ND, idx_N, num_rows, mask_N)
+    entry_N, idx_sorted_N = group_order(idx_N, num_rows, group_N, num_groups, mask_N)
+    return gather_segment_sum(src_ND, entry_N, idx_sorted_N, num_rows, idx_sorted=True)

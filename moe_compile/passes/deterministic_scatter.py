@@ -92,11 +92,13 @@ def _segment_sum(src_ND: torch.Tensor, idx_N: torch.Tensor, rows: int, mask_N: t
 
 
 class Lowering(NamedTuple):
-    """A fixed-order lowering of the row-wise accumulations: ``sum_fn(src_ND, idx_N, rows, mask_N or None) ->
-    [rows, D]``, and what ``explain`` says replaced them."""
+    """A fixed-order lowering of the row-wise accumulations: ``sum_fn(src_ND, idx_N, rows, mask_N or None, *args)
+    -> [rows, D]``, what ``explain`` says replaced them, and graph nodes the lowering reads besides the
+    accumulation's own operands (``args``: a table computed once for several accumulations)."""
 
-    sum_fn: Callable[[torch.Tensor, torch.Tensor, int, "torch.Tensor | None"], torch.Tensor]
+    sum_fn: Callable[..., torch.Tensor]
     replaced_by: str
+    args: tuple[fx.Node, ...] = ()
 
 
 SORTED = Lowering(_segment_sum, REPLACED_BY)
@@ -142,16 +144,17 @@ def _rewrite_index_put(graph: fx.Graph, node: fx.Node, lowering: Lowering = SORT
         if mask_v.dim() != values_v.dim() or any(known_int(s) != 1 for s in mask_v.shape[max(lead, 0):]):
             raise NoMatch("mask_not_rowwise", f"mask {tuple(mask_v.shape)} varies along the rows' trailing dims")
 
-    def fn(base, idx, values, *maybe_mask):
+    def fn(base, idx, values, *rest_args):
+        maybe_mask, extra = rest_args[:1] if mask is not None else (), rest_args[1 if mask is not None else 0:]
         n = idx.numel()
         idx_N = idx.reshape(n)
         idx_N = torch.where(idx_N < 0, idx_N + rows, idx_N)  # index_put wraps negative indices
         src_ND = values.expand(*idx.shape, *rest).reshape(n, math.prod(rest))
         mask_N = maybe_mask[0].reshape(maybe_mask[0].shape[:lead]).expand(idx.shape).reshape(n) if maybe_mask else None
-        summed = lowering.sum_fn(src_ND, idx_N, rows, mask_N).reshape(base.shape)
+        summed = lowering.sum_fn(src_ND, idx_N, rows, mask_N, *extra).reshape(base.shape)
         return summed if zeros else base + summed
 
-    args = (base, idx, values) + ((mask,) if mask is not None else ())
+    args = (base, idx, values) + ((mask,) if mask is not None else ()) + lowering.args
     _replace(graph, node, fn, args)
     return lowering.replaced_by + ("" if mask is None else ", masked entries skipped")
 
@@ -192,16 +195,16 @@ def _rewrite_index_add(graph: fx.Graph, node: fx.Node, lowering: Lowering = SORT
         raise NoMatch("symbolic_rows", f"index_add along a symbolic dim {base_v.shape[dim]}")
     zeros = acc.is_zeros(base)
 
-    def fn(base, index, src):
+    def fn(base, index, src, *extra):
         moved = base.movedim(dim, 0)
         n = index.numel()
         src_ND = src.movedim(dim, 0).reshape(n, math.prod(moved.shape[1:]))
         if alpha != 1:
             src_ND = src_ND * alpha
-        summed = lowering.sum_fn(src_ND, index.reshape(n), rows, None).reshape(moved.shape).movedim(0, dim)
+        summed = lowering.sum_fn(src_ND, index.reshape(n), rows, None, *extra).reshape(moved.shape).movedim(0, dim)
         return summed if zeros else base + summed
 
-    _replace(graph, node, fn, (base, index, src))
+    _replace(graph, node, fn, (base, index, src) + lowering.args)
     return lowering.replaced_by
 
 

@@ -22,9 +22,11 @@ Rewrites to (each such accumulation; ``N = E*C`` entries, each expert's ``C`` to
     out_TH     = moe.gather_segment_sum(rows, entry at dest, tok at dest, T, idx_sorted=True)
                                            (a token's contributions summed in expert order, in fp32)
 
-deterministic_scatter's lowering with the sort replaced by a table and a prefix sum: the same sums, bitwise, for
-``[E, C]`` indices (expert order is entry order there); ``moe.segment_sum`` (the sort, and explain says so) for
-integer rows or a table past ``MAX_GROUP_TABLE`` cells.
+The table (``moe_compile.ops.segment_sum.group_order``) is built once per topk: the combine and the token gather's
+backward read the same entries in the same order, so both sum by one ``(entry, tok)`` pair (the partitioner saves it
+or recomputes it); a masked accumulation builds its own. This is deterministic_scatter's lowering with the sort
+replaced by a table and a prefix sum: the same sums, bitwise, for ``[E, C]`` indices (expert order is entry order
+there); ``moe.segment_sum`` (the sort, and explain says so) for integer rows or a table past ``MAX_GROUP_TABLE`` cells.
 
 The rewrite is the same values in another order of the adds, for any index; what the match decides is only where
 moe_compile spends a sort by default (``deterministic=True`` rewrites every accumulation anyway). A token-choice
@@ -47,9 +49,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from moe_compile.ops.segment_sum import MAX_GROUP_TABLE, segment_sum_by_groups
+from moe_compile.ops.segment_sum import MAX_GROUP_TABLE, gather_segment_sum, group_order, segment_sum_by_groups
 from moe_compile.passes import NoMatch, PassContext
-from moe_compile.passes._graph import arg, known_int, layer_name, op_name, tensor_val
+from moe_compile.passes._graph import arg, erase_dead, insert_traced, known_int, layer_name, op_name, tensor_val
 from moe_compile.passes.deterministic_scatter import REPLACED_BY, Lowering, rewrite_accumulation
 from moe_compile.passes.forms import accumulate as acc
 
@@ -61,6 +63,7 @@ _THROUGH = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.clone", "ate
 
 
 def run(graph: fx.Graph, ctx: PassContext) -> None:
+    orders: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}  # per topk indices: the entries' order, built once
     for node in list(graph.nodes):
         if not acc.order_dependent(node):
             continue
@@ -73,20 +76,26 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         if rows is None or choice is None or choice.rows != rows:
             continue
         layer = layer_name(node)
+        lowering = choice.lowering(tensor_val(node).dtype)
+        if lowering is not None and choice.indices not in orders:
+            with graph.inserting_before(node):
+                orders[choice.indices] = tuple(insert_traced(graph, choice.order, (choice.indices,), meta_from=node))
         try:
-            detail = rewrite_accumulation(graph, node, choice.lowering(tensor_val(node).dtype))
+            detail = rewrite_accumulation(graph, node, lowering and lowering._replace(args=orders[choice.indices]))
         except NoMatch as skip:
             ctx.skip(layer, skip.reason, skip.detail)
             continue
         ctx.rewrite(layer, f"{op_name(node)} into the tokens' rows at expert-choice topk indices",
                     detail or REPLACED_BY)
+    erase_dead(graph, [n for pair in orders.values() for n in pair])
 
 
 @dataclasses.dataclass(frozen=True)
 class _Choice:
-    """An expert-choice ``topk``'s indices: ``rows`` chosen among, ``experts`` groups of distinct rows, laid out
-    ``[E, C]`` (``expert_major``: ``topk(scores.t(), C)``) or ``[C, E]`` (``topk(scores, C, dim=0)``)."""
+    """An expert-choice ``topk``'s ``indices`` node: ``rows`` chosen among, ``experts`` groups of distinct rows,
+    laid out ``[E, C]`` (``expert_major``: ``topk(scores.t(), C)``) or ``[C, E]`` (``topk(scores, C, dim=0)``)."""
 
+    indices: fx.Node
     rows: int
     experts: int
     expert_major: bool
@@ -98,12 +107,26 @@ class _Choice:
             return None
         return Lowering(self._segment_sum, BY_GROUPS)
 
-    def _segment_sum(self, src_ND: torch.Tensor, idx_N: torch.Tensor, rows: int, mask_N: torch.Tensor | None):
-        """The accumulation over the flat (row-major) indices, each token's contributions in expert order."""
-        n = torch.arange(idx_N.shape[0], device=idx_N.device)
-        per_expert = idx_N.shape[0] // self.experts
-        group_N = n // per_expert if self.expert_major else n % self.experts
-        return segment_sum_by_groups(src_ND, idx_N, rows, group_N, self.experts, mask_N)
+    def _groups(self, n: int, device: torch.device) -> torch.Tensor:
+        """The expert of each of the ``n`` flat (row-major) entries."""
+        entry = torch.arange(n, device=device)
+        return entry // (n // self.experts) if self.expert_major else entry % self.experts
+
+    def order(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``group_order`` of the topk's indices, flat: one table for every accumulation at them (the combine and
+        the token gather's backward read the same entries in the same row-major order)."""
+        idx_N = indices.reshape(-1)
+        return group_order(idx_N, self.rows, self._groups(idx_N.shape[0], idx_N.device), self.experts)
+
+    def _segment_sum(self, src_ND: torch.Tensor, idx_N: torch.Tensor, rows: int, mask_N: torch.Tensor | None,
+                     entry_N: torch.Tensor, idx_sorted_N: torch.Tensor):
+        """The accumulation over the flat (row-major) indices, each token's contributions in expert order. Its
+        ``idx_N`` is the topk's indices flattened (through views and int casts, never negative), so the shared
+        order applies; a masked accumulation keeps its own table."""
+        if mask_N is not None:
+            return segment_sum_by_groups(src_ND, idx_N, rows, self._groups(idx_N.shape[0], idx_N.device),
+                                         self.experts, mask_N)
+        return gather_segment_sum(src_ND, entry_N, idx_sorted_N, rows, idx_sorted=True)
 
 
 def _choice(index: Any) -> _Choice | None:
@@ -116,7 +139,7 @@ def _choice(index: Any) -> _Choice | None:
         node = node.args[0]
     if not (isinstance(node, fx.Node) and op_name(node) in ("getitem", "operator.getitem") and node.args[1] == 1):
         return None
-    topk = node.args[0]
+    index_node, topk = node, node.args[0]
     if not isinstance(topk, fx.Node) or op_name(topk) != "aten.topk" or not isinstance(topk.args[0], fx.Node):
         return None
     src = tensor_val(topk.args[0])
@@ -135,7 +158,7 @@ def _choice(index: Any) -> _Choice | None:
     rows, experts = known_int(src.shape[along]), known_int(src.shape[1 - along])
     if rows is None or experts is None:
         return None
-    return _Choice(rows, experts, expert_major=along == 1)
+    return _Choice(index_node, rows, experts, expert_major=along == 1)
 
 
 __all__ = ["run"]

@@ -43,3 +43,30 @@ def test_token_choice_not_matched(which):
     assert rep.records, "no pass ran (a cache hit?)"
     torch._dynamo.reset()
     assert not [r for r in rep.records if r.pass_name == "expert_choice"], rep.table()
+
+
+def test_one_order_table_for_combine_and_gather_backward():
+    """The combine and the token gather's backward accumulate at the same topk indices in the same entry order: the
+    compiled step (forward and backward) builds their order table once, as many prefix sums as one
+    ``group_order`` traces, not one table per accumulation."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.utils import run_and_get_code
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from moe_compile.ops.segment_sum import group_order
+    from tests.models.expert_choice import ExpertChoiceMoE
+    from tests.passes._harness import fresh_cache
+
+    model = ExpertChoiceMoE(hidden=32, ffn=64, experts=8)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    idx, group = torch.randint(0, 32, (16,)), torch.arange(16) // 2
+    one_table = make_fx(lambda i, g: group_order(i, 32, g, 8), decomposition_table=select_decomp_table())(idx, group)
+    cumsums = sum(n.target == torch.ops.aten.cumsum.default for n in one_table.graph.nodes)
+    assert cumsums > 0
+    torch._dynamo.reset()
+    with report.collecting() as rep, fresh_cache():
+        compiled = torch.compile(model, backend="moe_compile")
+        _, codes = run_and_get_code(lambda: compiled(x).sum().backward())
+    torch._dynamo.reset()
+    assert len([r for r in rep.records if r.pass_name == "expert_choice" and r.kind == "rewrite"]) == 2, rep.table()
+    assert sum(code.count("aten.cumsum.default(") for code in codes) == cumsums, rep.table()
