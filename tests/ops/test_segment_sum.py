@@ -11,7 +11,7 @@ import torch
 from torch.library import opcheck
 
 from moe_compile.ops import gather_segment_sum, segment_sum, segment_sum_reference
-from moe_compile.ops.segment_sum import segment_sum_by_groups
+from moe_compile.ops.segment_sum import group_order, segment_sum_by_groups
 from tests import _tolerance as tol
 from tests.passes._harness import ATOMIC_ADD
 
@@ -290,6 +290,23 @@ def test_by_groups_skips_out_of_range_and_masked_entries():
     assert torch.equal(segment_sum_by_groups(src, idx, T, group, E), segment_sum(src, idx, T, keep))
     mask = torch.rand(E * C, generator=gen) > 0.3
     assert torch.equal(segment_sum_by_groups(src, idx, T, group, E, mask), segment_sum(src, idx, T, keep & mask))
+
+
+@pytest.mark.parametrize("expert_major", [True, False], ids=["EC", "CE"])
+def test_group_order_is_the_stable_sort_by_row_then_group(expert_major):
+    """``group_order`` is a permutation of the entries: kept ones sorted by ``(idx, group)`` (what a stable sort on
+    that key gives), skipped ones (out of range, masked) after them in entry order keyed ``num_rows``."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    T, E, C = 23, 5, 7
+    idx, group = _expert_choice_indices(T, E, C, expert_major, gen)
+    idx[3], idx[11] = -2, T + 1
+    mask = torch.rand(E * C, generator=gen) > 0.2
+    keep = (idx >= 0) & (idx < T) & mask
+    entry, idx_sorted = group_order(idx, T, group, E, mask)
+    key = torch.where(keep, idx * E + group, T * E)
+    expected = torch.sort(key, stable=True).indices
+    assert torch.equal(entry, expected)
+    assert torch.equal(idx_sorted, torch.where(keep, idx, T)[expected])
 
 
 def test_by_groups_integer_rows_take_the_sort():
