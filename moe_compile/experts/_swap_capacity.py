@@ -9,22 +9,29 @@ token's input through, times its router prob). The swapped forward calls the blo
 capacity arithmetic, training-mode jitter, recorded router logits and any attribute it updates stay its own), then,
 on the device, reads each token's expert from the returned dispatch mask (``[..., E]``, one non-zero at the kept
 expert, none for a dropped token: ``argmax``; a dropped token lands on expert 0) and keeps
-``kept = mask[t, id] != 0``. The experts run as grouped GEMMs over every token (``T`` rows: the static bound of
-top-1, dropped ones included) with weight ``where(kept, prob, 0)``, and the output is ``where(kept, y, 0)``: a
-dropped token's output is exactly zero, and ``where``'s backward gives exactly zero to its prob (so to the router)
-and to its expert row, whose rows then add exact zeros to the weight gradients. No ``nonzero``, no host read, no
-accumulating scatter.
+``kept = mask[t, id] != 0``; the router's tuple is read by its form (:func:`_router_form`): ``(mask, probs, logits)``
+(transformers 5.24's Switch) or ``(probs, mask, probs)`` (5.17's: the kept expert's probability twice, the second
+named ``router_logits``; its mask ``[.., 1, E]``). The experts run as grouped GEMMs over every token (``T`` rows: the
+static bound of top-1, dropped ones included) with weight ``where(kept, prob, 0)``, and the output is
+``where(kept, y, 0)``: a dropped token's output is exactly zero, and ``where``'s backward gives exactly zero to its
+prob (so to the router) and to its expert row, whose rows then add exact zeros to the weight gradients. No
+``nonzero``, no host read, no accumulating scatter.
 
 What the probe adds for capacity: the comparison runs at the router's own ``expert_capacity`` and at capacity 1
 (every probe sequence then drops tokens, so the drop semantics are compared, not assumed), each pair of forwards
 from one random state (:func:`moe_compile.experts._probe.same_draws_run`: the router's jitter draws the same);
-an exactly zero output row of the block's own must be exactly zero in the fused one. Left alone (``explain``'s
-tag): ``expert_dropout`` (a dropout inside the experts draws per expert in the loop's order, which the fused path
-cannot reproduce), ``capacity_router_form`` (a router that does not return ``(mask [.., E], probs [.., 1], logits
-[.., E])``), ``capacity_topk_unknown`` (``[.., E]`` combine weights, several experts per token: the fused path
-needs a static top-k), ``capacity_eager_mismatch`` (combine weights whose block does not compute
+an exactly zero output row of the block's own must be exactly zero in the fused one. A router that drops no probe
+token at capacity 1 (transformers 5.17's Switch counts capacity over the size-1 dim of its ``[.., 1, E]`` mask, so
+it never drops at a capacity >= 1) must drop every one at capacity 0, where the block's own forward must return exact
+zeros and send no gradient, as the fused one does (:func:`_probe_all_dropped`); capacity 1 and its own then compare
+no drop. Left alone (``explain``'s tag): ``expert_dropout`` (a dropout inside the experts draws per expert in the
+loop's order, which the fused path cannot reproduce), ``capacity_router_form`` (a router that returns neither
+``(mask [.., E], probs [.., 1], logits [.., E])`` nor ``(probs [.., 1], mask [.., E], the same probs)``),
+``capacity_topk_unknown`` (``[.., E]`` combine weights, several experts per token: the fused path needs a static
+top-k), ``capacity_eager_mismatch`` (combine weights whose block does not compute
 ``sum_e combine[t, e] * expert_e(x[t])``: transformers 5.24's NLLB-MoE, ``tests/models/hf_families.py``),
-``capacity_unknown`` (no integer ``router.expert_capacity`` to probe drops with), and the swap's own tags.
+``capacity_unknown`` (no integer ``router.expert_capacity`` to probe drops with, or a router that drops no probe
+token at capacity 1 and keeps some at capacity 0), and the swap's own tags.
 """
 
 from __future__ import annotations
@@ -62,6 +69,10 @@ class _CapacityPlan:
     gated: bool
     act: Callable[[Tensor], Tensor]
     flatten_first: bool = False  # the router runs on [T, H] (the block flattens first), else on the block's input
+    # where the router's returned tuple holds the dispatch mask and the kept expert's probs (:func:`_router_form`)
+    mask_at: int = 0
+    probs_at: int = 1
+    returns: str = "(mask, probs, logits)"
 
 
 def module_dict_groups(model: nn.Module, claimed: list[ExpertGroup]) -> list[ExpertGroup]:
@@ -114,7 +125,8 @@ def _capacity_forward(
     """The block's own router, then the kept (token, expert) pairs through the grouped GEMMs (NOTE [capacity swap])."""
     H, E = hidden.shape[-1], len(plan.experts)
     x = hidden.reshape(-1, H) if plan.flatten_first else hidden
-    mask, probs, _ = block.router(x)
+    routed = block.router(x)
+    mask, probs = routed[plan.mask_at], routed[plan.probs_at]
     # read after the router: one that jitters its input in place (Switch's, in fp32) feeds the experts that, as in eager
     x_TH = x.reshape(-1, H)
     mask_TE = mask.reshape(-1, E)
@@ -142,27 +154,46 @@ def _swapped_capacity_forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
 # ===== recognising and probing =====
 
 
-def _router_form(block: nn.Module, E: int, x_TH: Tensor) -> str:
-    """``"top1"``: the router returns ``(mask [T, E], probs [T, 1], logits [T, E])`` with at most one non-zero per
-    mask row; ``"combine"``: ``(mask [T, E], combine weights [T, E], logits [T, E])``. Raises NotSwappable
+def _router_form(block: nn.Module, E: int, x_TH: Tensor) -> tuple[str, int, int, str]:
+    """``(form, mask_at, probs_at, returns)``: where the router's returned tuple holds the dispatch mask (``[T, E]`` of
+    0/1) and the probs, and how it reads. ``"top1"``: one of
+
+    - ``(mask [T, E], probs [T, 1], logits [T, E])`` with at most one non-zero per mask row (transformers 5.24's
+      Switch);
+    - ``(probs [T, 1], mask [T, E], probs [T, 1])``, the two probs equal, at most one non-zero per mask row
+      (transformers 5.17's Switch: the kept expert's probability twice, the second under the name ``router_logits``,
+      its mask ``[.., 1, E]``);
+
+    ``"combine"``: ``(mask [T, E], combine weights [T, E], logits [T, E])``. Raises NotSwappable
     (``capacity_router_form``) for anything else."""
     out = block.router(x_TH.clone())
     T = x_TH.shape[0]
     if isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, Tensor) for t in out):
-        mask, probs, logits = (t.reshape(T, -1) if t.numel() % T == 0 else t for t in out)
+        first, second, third = (t.reshape(T, -1) if t.numel() % T == 0 else t for t in out)
+
+        def is_mask(t: Tensor) -> bool:
+            return t.shape == (T, E) and bool(((t == 0) | (t == 1)).all())
+
+        def top1(mask: Tensor) -> bool:
+            return bool(((mask != 0).sum(-1) <= 1).all())
+
+        if third.shape == (T, E) and second.is_floating_point() and is_mask(first):
+            if second.shape == (T, 1) and top1(first):
+                return "top1", 0, 1, "(mask, probs, logits)"
+            if second.shape == (T, E):
+                return "combine", 0, 1, "(mask, combine weights, logits)"
         if (
-            mask.shape == logits.shape == (T, E)
-            and probs.is_floating_point()
-            and bool(((mask == 0) | (mask == 1)).all())
+            first.shape == third.shape == (T, 1)
+            and first.is_floating_point()
+            and torch.equal(first, third)
+            and is_mask(second)
+            and top1(second)
         ):
-            if probs.shape == (T, 1) and bool(((mask != 0).sum(-1) <= 1).all()):
-                return "top1"
-            if probs.shape == (T, E):
-                return "combine"
+            return "top1", 1, 0, "(probs, mask, probs)"
     raise NotSwappable(
         "capacity_router_form",
-        "the router does not return (dispatch mask [.., E] of 0/1, probs "
-        "[.., 1] or combine weights [.., E], logits [.., E])",
+        "the router does not return (dispatch mask [.., E] of 0/1, probs [.., 1] or combine weights [.., E], "
+        "logits [.., E]) nor (probs [.., 1], dispatch mask [.., E] of 0/1, the same probs)",
     )
 
 
@@ -244,16 +275,27 @@ def _probe(block: nn.Module, plan: _CapacityPlan, projections: Callable[..., Any
             return math.inf  # a dropped token's output is exactly zero, and only a dropped token's
         return row_mismatch(got, want)
 
+    def kept() -> Tensor:
+        """``[T]`` bool: the probe tokens the router keeps at its present capacity (eval mode)."""
+        with torch.no_grad():
+            return (router(x.clone())[plan.mask_at].reshape(-1, len(plan.experts)) != 0).any(-1)
+
     try:
         router.expert_capacity = 1
         block.eval()
-        with torch.no_grad():
-            mask = router(x.clone())[0]
-            if bool((mask.reshape(-1, len(plan.experts)) != 0).any(-1).all()):
+        if bool(kept().all()):
+            # transformers 5.17's Switch: its capacity count runs over a dim of size 1, so it never drops at 1
+            router.expert_capacity = 0
+            if bool(kept().any()):
                 raise NotSwappable(
                     "capacity_unknown",
-                    "the router dropped no probe token at capacity 1: its drops could not be compared",
+                    "the router dropped no probe token at capacity 1 and kept some at capacity 0: its drops could "
+                    "not be compared",
                 )
+            _probe_all_dropped(block, fused, error, x)
+            router.expert_capacity = 1
+            block.eval()
+        with torch.no_grad():
             errors = []
             for flatten_first in (False, True):
                 plan.flatten_first = flatten_first
@@ -270,6 +312,41 @@ def _probe(block: nn.Module, plan: _CapacityPlan, projections: Callable[..., Any
             verify(block, error, fused, x, same_draws=True)
     finally:
         router.expert_capacity = capacity
+
+
+def _probe_all_dropped(
+    block: nn.Module, fused: Callable[[Tensor], Tensor], error: Callable[[], float], x: Tensor
+) -> None:
+    """NOTE [capacity swap]'s drops for a router that drops no probe token at capacity 1, at capacity 0, where it
+    drops every one: the block's own forward must return exact zeros as the fused one does (``error``), in eval and
+    in training mode, and neither may send a gradient (none, or exact zeros) to the probe or to any parameter."""
+    for training in (False, True):
+        block.train(training)
+        with torch.no_grad():
+            err = error()
+        if not err <= 1:
+            mode = "training" if training else "eval"
+            raise NotSwappable(
+                "probe_mismatch",
+                f"with every probe token dropped (capacity 0), the block's own forward in {mode} mode does not "
+                f"return the fused path's exact zeros (worst row {err:.3g}x of the probe's tolerance)",
+            )
+    named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
+    probe = x.detach().clone().requires_grad_(x.is_floating_point())
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    with torch.enable_grad():
+        for who, out in zip(("block's own", "fused"), same_draws_run(block.forward, fused, probe)):
+            if not out.requires_grad:
+                continue
+            cot = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
+            grads = torch.autograd.grad(out, (probe, *(p for _, p in named)), cot, allow_unused=True)
+            sent = [n for n, g in zip(("input", *(n for n, _ in named)), grads) if g is not None and bool(g.any())]
+            if sent:
+                raise NotSwappable(
+                    "probe_grad_mismatch",
+                    f"with every probe token dropped (capacity 0), the {who} backward sends a gradient to "
+                    f"{', '.join(sent[:4])}",
+                )
 
 
 def swap_capacity_block(block: nn.Module, group: ExpertGroup) -> str:
@@ -294,7 +371,8 @@ def swap_capacity_block(block: nn.Module, group: ExpertGroup) -> str:
     try:
         x = probe_input(block, hidden, weight.dtype, weight.device)
         with torch.no_grad():
-            if _router_form(block, len(experts), x.reshape(-1, hidden)) == "combine":
+            form, plan.mask_at, plan.probs_at, plan.returns = _router_form(block, len(experts), x.reshape(-1, hidden))
+            if form == "combine":
                 _refuse_combine(block, plan, x)
         extra = list(inspect.signature(block.forward).parameters)[1:]
         if extra:
@@ -314,6 +392,6 @@ def swap_capacity_block(block: nn.Module, group: ExpertGroup) -> str:
     routed = "its tokens [T, H]" if plan.flatten_first else "its input"
     return (
         f"module_dict experts ({len(experts)}, {'gated' if gated else 'plain'} {'/'.join(names)}), top-1 "
-        f"capacity routing by the block's router on {routed} (mask, probs, logits), dropped choices exact "
+        f"capacity routing by the block's router on {routed} {plan.returns}, dropped choices exact "
         "zeros: permute_pad -> grouped GEMMs -> unpad_unpermute"
     )
