@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from ._dispatch_interp_worker import CASES, DEBUG_CASES, INDEX_LOOP_CASES, LAUNCH_COUNTS, POISON_CASES
+from ._dispatch_interp_worker import (
+    CASES,
+    DEBUG_CASES,
+    INDEX_LOOP_CASES,
+    LAUNCH_COUNTS,
+    POISON_CASES,
+    SLOW_POISON_CASES,
+)
 from ._interp import run_worker
 
 KERNELS = (
@@ -39,7 +46,19 @@ def test_launches_per_op(interpreter_results):
 
 @pytest.mark.parametrize(
     "case",
-    sorted(CASES) + list(DEBUG_CASES) + list(INDEX_LOOP_CASES) + ["eager_autograd_function"] + list(POISON_CASES),
+    sorted(CASES) + list(DEBUG_CASES) + list(INDEX_LOOP_CASES) + ["eager_autograd_function"]
+    + [name for name in POISON_CASES if name not in SLOW_POISON_CASES],
 )
 def test_kernel_case(interpreter_results, case):
     assert interpreter_results[case] == "ok", interpreter_results[case]
+
+
+@pytest.fixture(scope="module")
+def slow_interpreter_results() -> dict:
+    return run_worker("_dispatch_interp_worker", "slow", timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_POISON_CASES)
+def test_slow_kernel_case(slow_interpreter_results, case):
+    assert slow_interpreter_results[case] == "ok", slow_interpreter_results[case]
