@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--styles", default=",".join(STYLES),
                         help="comma-separated layer styles to run (default: all; a subset saves to "
                              "capacity_<styles>.json)")
+    parser.add_argument("--shape", action="append", default=None, metavar="TxHxExI",
+                        help="a (tokens, hidden, experts, expert inter) shape instead of the defaults (repeat it for "
+                             "several; saved to capacity_[<styles>_]<shapes>.json)")
     add_results_args(parser)
     args = parser.parse_args(argv)
     unknown = set(args.styles.split(",")) - set(STYLES)
@@ -141,6 +144,13 @@ def main(argv: list[str] | None = None) -> None:
     else:  # (T, H, E, I): the targets, H 2048, E 64, fine-grained experts
         shapes = [(2048, 1024, 16, 512)] if args.quick else [(4096, 1024, 16, 512), (4096, 2048, 64, 1024),
                                                               (16384, 2048, 64, 1024)]
+    if args.shape:
+        try:
+            shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shape]
+        except ValueError:
+            shapes = []
+        if not shapes or any(len(shape) != 4 for shape in shapes):
+            parser.error(f"--shape: expected TxHxExI (four integers), got {args.shape}")
     rows = []
     tflops = measured_mm_tflops(device, dtype)
     for T, H, E, inter in shapes:
@@ -207,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
         styles = args.styles.split(",")
         # a subset of the styles is its own configuration (the full table's file keeps one run)
         subset = None if set(styles) == set(STYLES) else "_".join(sorted(styles))
-        config = "_".join(c for c in ("cpu" if device == "cpu" else None, subset) if c) or None
+        shape_tag = "_".join("x".join(map(str, shape)) for shape in shapes) if args.shape else None
+        config = "_".join(c for c in ("cpu" if device == "cpu" else None, subset, shape_tag) if c) or None
         write_results(results_path(args, "capacity", config), rows, env)
 
 
