@@ -86,6 +86,18 @@ def outputs(out: Any) -> tuple[Any, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
+def forward_in_both_modes(block: nn.Module, forward_error: Callable[[], float],
+                          message: Callable[[str, float], str]) -> None:
+    """``forward_error()`` (no grad) with ``block`` in eval, then in training mode; ``NotSwappable("probe_mismatch",
+    message(mode, error))`` at the first past 1."""
+    for training in (False, True):
+        block.train(training)
+        with torch.no_grad():
+            err = forward_error()
+        if not err <= 1:
+            raise NotSwappable("probe_mismatch", message("training" if training else "eval", err))
+
+
 def verify(block: nn.Module, forward_error: Callable[[], float], fused: Callable[[Tensor], Any], x: Tensor, *,
            same_draws: bool = False) -> None:
     """The chosen candidate in training mode too (the block's training forward may differ: an extra output, noise):
@@ -97,14 +109,8 @@ def verify(block: nn.Module, forward_error: Callable[[], float], fused: Callable
 
     ``same_draws``: the two backward forwards start from one random state and each takes its own copy of the probe
     (:func:`same_draws_run`), for a candidate that calls the block's own noisy router (its draws are then the same)."""
-    for training in (False, True):
-        block.train(training)
-        with torch.no_grad():
-            err = forward_error()
-        if not err <= 1:
-            mode = "training" if training else "eval"
-            raise NotSwappable("probe_mismatch", f"the fused forward does not match the block's own in {mode} mode "
-                                                 f"(worst row {err:.3g}x of {PROBE_ULPS} ulps)")
+    forward_in_both_modes(block, forward_error, lambda mode, err: (
+        f"the fused forward does not match the block's own in {mode} mode (worst row {err:.3g}x of {PROBE_ULPS} ulps)"))
     names, params = zip(*[(n, p) for n, p in block.named_parameters() if p.requires_grad]) if any(
         p.requires_grad for p in block.parameters()) else ((), ())
     probe = x.detach().clone().requires_grad_(x.is_floating_point())
@@ -196,5 +202,5 @@ def same_draws_run(first: Callable[[Tensor], Any], second: Callable[[Tensor], An
     return a, b
 
 
-__all__ = ["PROBE_FLOOR_ULPS", "PROBE_SHAPES", "PROBE_ULPS", "NotSwappable", "outputs", "path_dtypes", "probe_input",
-           "row_mismatch", "same_draws_run", "verify"]
+__all__ = ["PROBE_FLOOR_ULPS", "PROBE_SHAPES", "PROBE_ULPS", "NotSwappable", "forward_in_both_modes", "outputs",
+           "path_dtypes", "probe_input", "row_mismatch", "same_draws_run", "verify"]

@@ -48,7 +48,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from moe_compile.experts._probe import NotSwappable, probe_input, row_mismatch, same_draws_run, verify
+from moe_compile.experts._probe import (
+    NotSwappable,
+    forward_in_both_modes,
+    probe_input,
+    row_mismatch,
+    same_draws_run,
+    verify,
+)
 from moe_compile.experts._swap_layout import (
     _act_of,
     _apply_then_regroup,
@@ -320,17 +327,9 @@ def _probe_all_dropped(
     """NOTE [capacity swap]'s drops for a router that drops no probe token at capacity 1, at capacity 0, where it
     drops every one: the block's own forward must return exact zeros as the fused one does (``error``), in eval and
     in training mode, and neither may send a gradient (none, or exact zeros) to the probe or to any parameter."""
-    for training in (False, True):
-        block.train(training)
-        with torch.no_grad():
-            err = error()
-        if not err <= 1:
-            mode = "training" if training else "eval"
-            raise NotSwappable(
-                "probe_mismatch",
-                f"with every probe token dropped (capacity 0), the block's own forward in {mode} mode does not "
-                f"return the fused path's exact zeros (worst row {err:.3g}x of the probe's tolerance)",
-            )
+    forward_in_both_modes(block, error, lambda mode, err: (
+        f"with every probe token dropped (capacity 0), the block's own forward in {mode} mode does not return the "
+        f"fused path's exact zeros (worst row {err:.3g}x of the probe's tolerance)"))
     named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
     probe = x.detach().clone().requires_grad_(x.is_floating_point())
     gen = torch.Generator(device="cpu").manual_seed(1)
