@@ -305,7 +305,8 @@ def _switch_dropped(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _switch_router_drops() -> bool:
     """Whether the installed transformers' Switch router drops tokens at all: at capacity 1, a sequence of 12 tokens
     over 8 experts must drop 4 or more. transformers 5.17's counts capacity over the size-1 dim of its ``[.., 1, E]``
-    mask and drops none at any capacity >= 1 (the swap then probes its drops at capacity 0, NOTE [capacity swap])."""
+    mask and drops none at any capacity >= 1 (the swap then probes its drops at capacity 0:
+    NOTE [capacity swap] (moe_compile/experts/_swap_capacity.py))."""
     gen = torch.Generator().manual_seed(0)
     block = _block("switch_transformers", gen).eval()
     block.router.expert_capacity = 1
