@@ -25,6 +25,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import moe_compile
@@ -391,6 +392,82 @@ def test_switch_bf16_is_swapped_within_eager_bound():
     got, again, eager, ref, records = _swapped_eager_ref(original, x, cot)
     _assert_swapped_and_within_bound("switch_transformers", got, eager, ref, records, dtype=torch.bfloat16)
     _assert_drops_exact_and_repeat_bitwise(dropped, got, again, eager)
+
+
+class _Top1Router517(nn.Module):
+    """transformers 5.17's Switch router, as it reads (written here: CI has 5.24): a ``[.., 1, E]`` one-hot of the
+    top-1 expert whose capacity cumsum runs over that size-1 dim (it never drops at capacity >= 1), returning
+    ``(kept expert's prob, mask, kept expert's prob)``. ``third="logits"``: a form the swap does not know."""
+
+    def __init__(self, hidden: int, experts: int, capacity: int, third: str = "probs") -> None:
+        super().__init__()
+        self.num_experts, self.expert_capacity, self.third = experts, capacity, third
+        self.classifier = nn.Linear(hidden, experts, bias=False)
+
+    def forward(self, x: torch.Tensor):
+        logits = self.classifier(x)
+        probs = torch.softmax(logits, dim=-1)
+        top, index = torch.max(probs, dim=-1, keepdim=True)
+        one_hot = F.one_hot(index, num_classes=self.num_experts)
+        one_hot = one_hot * (torch.cumsum(one_hot, dim=-2) <= self.expert_capacity)
+        kept = torch.max(probs, dim=-1).values.unsqueeze(-1)
+        return kept, one_hot, (top if self.third == "probs" else logits)
+
+
+class _DenseActDense(nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.wi, self.wo, self.act = nn.Linear(hidden, ffn, bias=False), nn.Linear(ffn, hidden, bias=False), nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wo(self.act(self.wi(x)))
+
+
+class _SparseMLP517(nn.Module):
+    """transformers 5.17's ``SwitchTransformersSparseMLP`` and its ModuleDict experts' loop, as they read: the router
+    on the flattened tokens, the experts weighted by its third output."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int, capacity: int, third: str = "probs") -> None:
+        super().__init__()
+        self.router = _Top1Router517(hidden, experts, capacity, third)
+        self.experts = nn.ModuleDict({f"expert_{e}": _DenseActDense(hidden, ffn) for e in range(experts)})
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = hidden_states.shape
+        x = hidden_states.view(-1, hidden)
+        _, selected, weights = self.router(x)
+        out = torch.zeros_like(x)
+        mask = selected.permute(2, 1, 0)
+        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            idx, top_x = torch.where(mask[e].squeeze(0))
+            y = self.experts[f"expert_{e[0]}"](x[None, top_x].reshape(-1, hidden)) * weights[top_x, idx, None]
+            out.index_add_(0, top_x, y.to(x.dtype))
+        return out.reshape(batch, seq, hidden)
+
+
+def test_switch_517_router_form_is_swapped_within_eager_bound():
+    """transformers 5.17's Switch form (the GPU machine's release), written here: its router never drops at capacity
+    >= 1, so the probe compares drops at capacity 0 (NOTE [capacity swap] (moe_compile/experts/_swap_capacity.py));
+    swapped, the step within eager's bound from a float64 run; a router whose third output is not the kept prob
+    again is left alone (``capacity_router_form``)."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    original = _SparseMLP517(hidden=16, ffn=32, experts=8, capacity=2)
+    with torch.no_grad():
+        for p in original.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    x = torch.randn(2, 12, 16, generator=gen)
+    cot = torch.randn(x.shape, generator=gen)
+    got, again, eager, ref, records = _swapped_eager_ref(original, x, cot)
+    assert [r[1:3] for r in records] == [("rewrite", "expert_loop_swapped")], records
+    for part in ("module_dict experts (8, plain wi/wo)", "(probs, mask, probs)", "dropped choices exact zeros"):
+        assert part in records[0][3], records[0][3]
+    ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, always_judged=tuple(ref),
+                                                 few_samples={n for n in ref if ".experts." in n})
+    assert ok and not unjudged, worst
+    for name, value in got.items():
+        assert torch.equal(value, again[name]), name
+    other = _SparseMLP517(hidden=16, ffn=32, experts=8, capacity=2, third="logits")
+    assert [r[1:3] for r in swap_expert_loops(other)] == [("skip", "capacity_router_form")]
 
 
 class _ScaleGrad(torch.autograd.Function):
