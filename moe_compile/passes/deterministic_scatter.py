@@ -144,8 +144,10 @@ def _rewrite_index_put(graph: fx.Graph, node: fx.Node, lowering: Lowering = SORT
         if mask_v.dim() != values_v.dim() or any(known_int(s) != 1 for s in mask_v.shape[max(lead, 0):]):
             raise NoMatch("mask_not_rowwise", f"mask {tuple(mask_v.shape)} varies along the rows' trailing dims")
 
+    masks = 0 if mask is None else 1  # leading args after values: the mask, then the lowering's own
+
     def fn(base, idx, values, *rest_args):
-        maybe_mask, extra = rest_args[:1] if mask is not None else (), rest_args[1 if mask is not None else 0:]
+        maybe_mask, extra = rest_args[:masks], rest_args[masks:]
         n = idx.numel()
         idx_N = idx.reshape(n)
         idx_N = torch.where(idx_N < 0, idx_N + rows, idx_N)  # index_put wraps negative indices

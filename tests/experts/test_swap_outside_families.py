@@ -145,9 +145,10 @@ def original_hidden(block: nn.Module) -> int:
     return next(m for m in block.modules() if isinstance(m, nn.Linear)).in_features
 
 
-def _assert_swapped_and_within_bound(family: str, got, eager, ref, records, dtype=torch.float32) -> None:
+def _assert_swapped_and_within_bound(parts: tuple[str, ...], got, eager, ref, records, dtype=torch.float32) -> None:
+    """Swapped (its record naming each of ``parts``), the step within eager's bound from the wider run."""
     assert [r[1:3] for r in records] == [("rewrite", "expert_loop_swapped")], records
-    for part in SWAPPED[family]:
+    for part in parts:
         assert part in records[0][3], records[0][3]
     # one expert's own gradient (ModuleList / ModuleDict experts) sums the few rows routed to it: eager's error there
     # is one draw of a few roundings (seen: Switch's expert_4.wo at 1.13x a bound eager met by luck); the step's
@@ -164,7 +165,7 @@ def _assert_swapped_and_within_bound(family: str, got, eager, ref, records, dtyp
 @pytest.mark.parametrize("family", SWAPPED)
 def test_swapped_block_step_within_eager_bound(family):
     got, eager, ref, _, _, records, _ = _steps(family, compiled=False)
-    _assert_swapped_and_within_bound(family, got, eager, ref, records)
+    _assert_swapped_and_within_bound(SWAPPED[family], got, eager, ref, records)
 
 
 @pytest.mark.slow
@@ -174,7 +175,7 @@ def test_compiled_block_one_graph_within_eager_bound(family):
     loop's ``nonzero`` would break it) with no host read or accumulating scatter left. Slow (20-60 s each on 2 CPU
     cores); the family matrix (``-m slow``) checks the same of the whole models."""
     got, eager, ref, _, _, records, rep = _steps(family, compiled=True)
-    _assert_swapped_and_within_bound(family, got, eager, ref, records)
+    _assert_swapped_and_within_bound(SWAPPED[family], got, eager, ref, records)
     assert rep.graphs == 1 and rep.clean, rep.table()
 
 
@@ -373,7 +374,7 @@ def test_switch_capacity_drops_within_eager_bound(train):
         pytest.skip("this transformers release's Switch router drops no token at any capacity >= 1 (5.17)")
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     got, again, eager, ref, records, dropped = _switch_steps(train, gen)
-    _assert_swapped_and_within_bound("switch_transformers", got, eager, ref, records)
+    _assert_swapped_and_within_bound(SWAPPED["switch_transformers"], got, eager, ref, records)
     _assert_drops_exact_and_repeat_bitwise(dropped, got, again, eager)
 
 
@@ -390,7 +391,7 @@ def test_switch_bf16_is_swapped_within_eager_bound():
     original, x, cot, dropped = _switch_block_that_drops(gen, torch.bfloat16)
     assert original.router.classifier.weight.dtype == torch.float32  # the router's own cast, on its first call
     got, again, eager, ref, records = _swapped_eager_ref(original, x, cot)
-    _assert_swapped_and_within_bound("switch_transformers", got, eager, ref, records, dtype=torch.bfloat16)
+    _assert_swapped_and_within_bound(SWAPPED["switch_transformers"], got, eager, ref, records, dtype=torch.bfloat16)
     _assert_drops_exact_and_repeat_bitwise(dropped, got, again, eager)
 
 
@@ -452,18 +453,12 @@ def test_switch_517_router_form_is_swapped_within_eager_bound():
     again is left alone (``capacity_router_form``)."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     original = _SparseMLP517(hidden=16, ffn=32, experts=8, capacity=2)
-    with torch.no_grad():
-        for p in original.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    _fill(original, gen)
     x = torch.randn(2, 12, 16, generator=gen)
     cot = torch.randn(x.shape, generator=gen)
     got, again, eager, ref, records = _swapped_eager_ref(original, x, cot)
-    assert [r[1:3] for r in records] == [("rewrite", "expert_loop_swapped")], records
-    for part in ("module_dict experts (8, plain wi/wo)", "(probs, mask, probs)", "dropped choices exact zeros"):
-        assert part in records[0][3], records[0][3]
-    ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, always_judged=tuple(ref),
-                                                 few_samples={n for n in ref if ".experts." in n})
-    assert ok and not unjudged, worst
+    _assert_swapped_and_within_bound(("module_dict experts (8, plain wi/wo)", "(probs, mask, probs)",
+                                      "dropped choices exact zeros"), got, eager, ref, records)
     for name, value in got.items():
         assert torch.equal(value, again[name]), name
     other = _SparseMLP517(hidden=16, ffn=32, experts=8, capacity=2, third="logits")
@@ -649,7 +644,7 @@ def test_longcat_identity_experts_within_eager_bound():
         identity = original.router(x)[2] >= E
     assert 0 < int(identity.sum()) < identity.numel(), identity
     got, again, eager, ref, records = _swapped_eager_ref(original, x, cot)
-    _assert_swapped_and_within_bound("longcat_flash", got, eager, ref, records)
+    _assert_swapped_and_within_bound(SWAPPED["longcat_flash"], got, eager, ref, records)
     assert torch.all(got["grad:block.experts.gate_up_proj"][E:] == 0)
     for name, value in got.items():
         assert torch.equal(value, again[name]), name
