@@ -104,7 +104,9 @@ def verify(block: nn.Module, forward_error: Callable[[], float], fused: Callable
     ``forward_error()`` (the candidate against the block's own forward on the probe, ``<= 1`` a match) in eval and
     in training mode; and the backward of ``fused`` against the block's own (a custom autograd function in the block
     has a backward that the forward does not show): gradients of the probe and of every parameter that requires one,
-    each within :func:`row_mismatch` in ulps of the lowest precision on its path (NOTE [gradient precision]). Raises
+    each within :func:`row_mismatch` in ulps of the lowest precision on its path (NOTE [gradient precision]), and
+    one exactly zero in the block's own exactly zero in the fused (a cancellation the fused path computes as
+    rounding residue: top-1 ``softmax`` over the top-k logits against a renormalised one). Raises
     :class:`NotSwappable` on a mismatch.
 
     ``same_draws``: the two backward forwards start from one random state and each takes its own copy of the probe
@@ -133,6 +135,10 @@ def verify(block: nn.Module, forward_error: Callable[[], float], fused: Callable
         g = torch.zeros_like(w) if g is None else g
         w = torch.zeros_like(g) if w is None else w
         unit = _coarsest([unit, w.dtype])
+        if not w.any() and g.any():
+            raise NotSwappable("probe_grad_mismatch", f"the fused backward does not match the block's own: gradient "
+                                                      f"of {name} is exactly zero in the block's own, not in the "
+                                                      f"fused (largest {g.abs().max().item():.3g})")
         err = row_mismatch(g, w, scale, torch.finfo(unit).eps if unit is not None else 0.0)
         if not err <= 1:
             raise NotSwappable("probe_grad_mismatch", f"the fused backward does not match the block's own: gradient "

@@ -109,7 +109,10 @@ class _Plan:
     router: str = "gate_linear"
     routing_form: str = ""  # what a routing module returns (_routing_form): pair | triple | dense
     weights_before: bool = False
-    renormalize: bool = False
+    # a gate_linear router's weights: softmax -> topk ("softmax_topk"), then renormalised ("softmax_topk_renorm"),
+    # or topk of the logits -> softmax over those K ("topk_softmax": equal to the renormalised form in exact
+    # arithmetic, not in floating point: at K = 1 its router gradient is exactly zero, the other's is residue)
+    gate_weights: str = "softmax_topk"
     returns_logits: bool = False
     glu: str | None = None  # the gated middle is this fused GLU (experts.interface.glu_of)
     shared: str | None = None  # a shared-experts module whose output is added (and its sigmoid gate module)
@@ -150,9 +153,12 @@ def _route(block: nn.Module, plan: _Plan, x_TH: Tensor) -> tuple[Tensor, Tensor,
         ids_TK, weights_TK, _ = _routing_of(block.route_tokens_to_experts(logits_TE), plan)
         return ids_TK, weights_TK, logits_TE
     logits_TE = block.gate(x_TH)
+    if plan.gate_weights == "topk_softmax":
+        top_TK, ids_TK = torch.topk(logits_TE.float(), plan.top_k, dim=-1)
+        return ids_TK, top_TK.softmax(dim=-1).to(x_TH.dtype), logits_TE
     probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
     weights_TK, ids_TK = torch.topk(probs_TE, plan.top_k, dim=-1)
-    if plan.renormalize:
+    if plan.gate_weights == "softmax_topk_renorm":
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
     return ids_TK, weights_TK.to(x_TH.dtype), logits_TE
 
@@ -322,38 +328,42 @@ def _candidates(block: nn.Module, plan: _Plan) -> list[dict[str, Any]]:
     acts = {plan.act_name: plan.act} if plan.act is not None else _ACT_CANDIDATES
     shared, shared_gate = _shared_modules(block)
     shareds = [(None, None)] + ([(shared, None)] if shared else []) + ([(shared, shared_gate)] if shared_gate else [])
-    renorms = (True, False) if plan.router == "gate_linear" else (False,)
+    gate_weights = (("softmax_topk_renorm", "topk_softmax", "softmax_topk") if plan.router == "gate_linear"
+                    else ("softmax_topk",))
     factor = getattr(block, "routed_scaling_factor", None)
     scales = (1.0,) + ((float(factor),) if isinstance(factor, (int, float)) and not isinstance(factor, bool)
                        and math.isfinite(factor) and factor != 1 else ())
-    return [dict(weights_before=before, renormalize=renorm, act_name=name, act=act, shared=sh, shared_gate=sg,
+    return [dict(weights_before=before, gate_weights=weights, act_name=name, act=act, shared=sh, shared_gate=sg,
                  scale=scale)
-            for before in (False, True) for renorm in renorms for name, act in acts.items() for sh, sg in shareds
+            for before in (False, True) for weights in gate_weights for name, act in acts.items() for sh, sg in shareds
             for scale in scales]
 
 
-def _choose(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projection]], x: Tensor) -> None:
-    """Set ``plan`` to the candidate closest to the block's own forward on the probe ``x``, if it is within
-    tolerance (in bf16 a wrong candidate can come close); raises :class:`NotSwappable` otherwise."""
+def _ranked_candidates(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projection]],
+                       x: Tensor) -> list[dict[str, Any]]:
+    """The candidates whose forward is within tolerance of the block's own on the probe ``x``, closest first (in
+    bf16 a wrong candidate can come close); raises :class:`NotSwappable` if there is none."""
     errors = []
     for i, candidate in enumerate(_candidates(block, plan)):
-        for field, value in candidate.items():
-            setattr(plan, field, value)
-        plan.glu = glu_of(_middle(plan, 1)) if plan.gated else None
+        _set_candidate(plan, candidate)
         try:
             errors.append((_probe_error(block, plan, projections, x), i, candidate))
         except NotSwappable:
             raise
         except Exception:  # noqa: BLE001 - a candidate the block's shapes or dtypes do not admit
             errors.append((math.inf, i, candidate))
-    err, _, best = min(errors, key=lambda e: e[:2])
-    if not err <= 1:
+    errors.sort(key=lambda e: e[:2])
+    if not errors or not errors[0][0] <= 1:
+        closest = errors[0][0] if errors else math.inf
         raise NotSwappable("probe_mismatch", f"no fused candidate matched the block's own forward on a probe "
-                                             f"(closest: worst row {err:.3g}x of {PROBE_ULPS} ulps)")
-    for field, value in best.items():
+                                             f"(closest: worst row {closest:.3g}x of {PROBE_ULPS} ulps)")
+    return [candidate for err, _, candidate in errors if err <= 1]
+
+
+def _set_candidate(plan: _Plan, candidate: dict[str, Any]) -> None:
+    for field, value in candidate.items():
         setattr(plan, field, value)
     plan.glu = glu_of(_middle(plan, 1)) if plan.gated else None
-    _probe_error(block, plan, projections, x)  # sets returns_logits
 
 
 def _set_routing_form(block: nn.Module, plan: _Plan, x_TH: Tensor) -> None:
@@ -425,14 +435,8 @@ def swap_block(block: nn.Module, group: ExpertGroup, identity_experts: int = 0) 
             _set_routing_form(block, plan, x.reshape(-1, hidden))
             if plan.routing_form == "dense":
                 _check_dense(block, plan, probe_projections, x.reshape(-1, hidden))
-            _choose(block, plan, probe_projections, x)
-        returns_logits = plan.returns_logits
-
-        def forward_error() -> float:
-            err = _probe_error(block, plan, probe_projections, x)
-            return err if plan.returns_logits == returns_logits else math.inf
-
-        verify(block, forward_error, lambda t: _fused_block_forward(block, plan, probe_projections, t), x)
+            candidates = _ranked_candidates(block, plan, probe_projections, x)
+        _verify_first(block, plan, probe_projections, x, candidates)
     finally:
         for m, t in zip(block.modules(), was_training):
             m.training = t
@@ -455,6 +459,32 @@ def swap_block(block: nn.Module, group: ExpertGroup, identity_experts: int = 0) 
     return (f"{group.kind} experts ({plan.num_experts}, {'gated' if plan.gated else 'plain'} "
             f"{'/'.join(plan.paths)}), weights {'before' if plan.weights_before else 'after'} the MLP{extras}: "
             "permute_pad -> grouped GEMMs -> unpad_unpermute")
+
+
+def _verify_first(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projection]], x: Tensor,
+                  candidates: list[dict[str, Any]]) -> None:
+    """Set ``plan`` to the first of ``candidates`` (closest forward first) that :func:`verify` accepts: forwards
+    that tie can differ in backward (the two top-k softmax forms at ``K = 1``); raises the first candidate's
+    :class:`NotSwappable` if none is accepted. The block must be in eval mode; ``verify`` leaves it in training."""
+    first: NotSwappable | None = None
+    for candidate in candidates:
+        block.eval()
+        _set_candidate(plan, candidate)
+        with torch.no_grad():
+            _probe_error(block, plan, projections, x)  # sets returns_logits
+        returns_logits = plan.returns_logits
+
+        def forward_error() -> float:
+            err = _probe_error(block, plan, projections, x)
+            return err if plan.returns_logits == returns_logits else math.inf
+
+        try:
+            verify(block, forward_error, lambda t: _fused_block_forward(block, plan, projections, t), x)
+            return
+        except NotSwappable as why:
+            first = first or why
+    assert first is not None
+    raise first
 
 
 def _hidden_size(group: ExpertGroup, plan: _Plan) -> int:

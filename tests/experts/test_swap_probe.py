@@ -73,3 +73,40 @@ def test_path_dtypes_is_the_lowest_precision_on_each_gradients_path():
     assert path_dtypes(out, (x, through_bf16, in_fp32, unused)) == [
         torch.bfloat16, torch.bfloat16, torch.float32, None]
     assert path_dtypes(x.float().sum(), (x,)) == [torch.float32]
+
+
+# top-1 of the logits, then a softmax over that one logit: the weight is exactly 1 and the router's gradient exactly
+# zero in eager (softmax's backward y * (g - y * g) at y = 1); renormalised softmax top-k is the same in exact
+# arithmetic, but its backward leaves rounding residue there (fuzzer, CI of 232f10f, seed 1296)
+TOP1_OF_LOGITS = {"top_k": 1, "topk_on": "logits", "batch3d": False, "tokens": 16}
+
+
+def _router_grads(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = block(x)
+    out = out[0] if isinstance(out, tuple) else out
+    (grad,) = torch.autograd.grad(out, block.gate.weight, torch.randn_like(out))
+    return grad
+
+
+def test_top1_softmax_of_topk_logits_keeps_the_router_gradient_exactly_zero():
+    spec = _spec(TOP1_OF_LOGITS)
+    block = build(spec)
+    x = torch.randn(spec.tokens, spec.hidden, dtype=next(block.parameters()).dtype)
+    assert not _router_grads(block, x).any()
+    records = swap_expert_loops(block)
+    assert [r[1:3] for r in records] == [("rewrite", "expert_loop_swapped")], records
+    assert block._moe_compile_plan.gate_weights == "topk_softmax"
+    assert not _router_grads(block, x).any()
+
+
+def test_probe_refuses_residue_where_the_blocks_gradient_is_exactly_zero(monkeypatch):
+    """Without the exact form among the candidates, the renormalised one matches the forward (1 == 1) and the
+    gradients within ulps, but leaves residue in the router's gradient that the block's own has as exact zeros."""
+    from moe_compile.experts import swap
+
+    candidates = swap._candidates
+    monkeypatch.setattr(swap, "_candidates", lambda block, plan: [
+        c for c in candidates(block, plan) if c["gate_weights"] != "topk_softmax"])
+    records = swap_expert_loops(build(_spec(TOP1_OF_LOGITS)))
+    assert len(records) == 1 and records[0][1:3] == ("skip", "probe_grad_mismatch"), records
+    assert "exactly zero in the block's own" in records[0][3], records
