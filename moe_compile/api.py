@@ -12,7 +12,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from moe_compile import metrics as router_metrics
 from moe_compile import report
 from moe_compile.backend import ConfiguredBackend
-from moe_compile.config import make_config
+from moe_compile.config import CAPTURE_FLAGS, make_config
 from moe_compile.experts.discovery import find_expert_layers
 from moe_compile.experts.interface import is_hf_experts, use_fused_hf_experts
 from moe_compile.experts.swap import swap_expert_loops as swap_loops
@@ -20,7 +20,6 @@ from moe_compile.experts.swap import swap_expert_loops as swap_loops
 # Dynamo graph-breaks on `.tolist()` / `.item()` and on ops with data-dependent output shapes unless
 # these are on (fullgraph=True turns them on implicitly). Host-sized padding regions are only visible
 # to our pre-grad pass when they are captured.
-CAPTURE_FLAGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
 
 
 # The keywords from ``metrics`` to ``validate`` are config.OPTIONS, with their defaults, and their Args entries

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 OPTION_PREFIX = "moe."
+# Dynamo flags under which moe_compile.compile traces host reads (.item(), .tolist(), nonzero) into the graph
+CAPTURE_FLAGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
 
 Kind = Literal["option", "env"]
 # When a value is read: options once per compile (moe_compile.compile, or each graph for options=); environment

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
 from hypothesis import HealthCheck, core, settings
 
 settings.register_profile(
@@ -49,3 +50,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(
             f"hypothesis: this run drew its examples from --hypothesis-seed={_SESSION_SEED[0]} (pass it to replay)"
         )
+
+
+@pytest.fixture(scope="module")
+def fake_group():
+    """A fake process group of 2 ranks, this process rank 0: collectives trace and run, but move no data."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()

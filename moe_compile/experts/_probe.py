@@ -21,7 +21,7 @@ routing-weight gradient scaled by ``1 + 32 eps_bf16``, 2.1x of the tolerance).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -87,15 +87,22 @@ def outputs(out: Any) -> tuple[Any, ...]:
 
 
 def forward_in_both_modes(block: nn.Module, forward_error: Callable[[], float],
-                          message: Callable[[str, float], str]) -> None:
+                         message: Callable[[str, float], str]) -> None:
     """``forward_error()`` (no grad) with ``block`` in eval, then in training mode; ``NotSwappable("probe_mismatch",
     message(mode, error))`` at the first past 1."""
+    first = next(_forward_failures(block, forward_error, message), None)
+    if first is not None:
+        raise first
+
+
+def _forward_failures(block: nn.Module, forward_error: Callable[[], float],
+                      message: Callable[[str, float], str]) -> Iterator[NotSwappable]:
     for training in (False, True):
         block.train(training)
         with torch.no_grad():
             err = forward_error()
         if not err <= 1:
-            raise NotSwappable("probe_mismatch", message("training" if training else "eval", err))
+            yield NotSwappable("probe_mismatch", message("training" if training else "eval", err))
 
 
 def verify(block: nn.Module, forward_error: Callable[[], float], fused: Callable[[Tensor], Any], x: Tensor, *,
@@ -107,11 +114,20 @@ def verify(block: nn.Module, forward_error: Callable[[], float], fused: Callable
     each within :func:`row_mismatch` in ulps of the lowest precision on its path (NOTE [gradient precision]), and
     one exactly zero in the block's own exactly zero in the fused (a cancellation the fused path computes as
     rounding residue: top-1 ``softmax`` over the top-k logits against a renormalised one). Raises
-    :class:`NotSwappable` on a mismatch.
+    :class:`NotSwappable` at the first mismatch.
 
     ``same_draws``: the two backward forwards start from one random state and each takes its own copy of the probe
     (:func:`same_draws_run`), for a candidate that calls the block's own noisy router (its draws are then the same)."""
-    forward_in_both_modes(block, forward_error, lambda mode, err: (
+    first = next(verification_failures(block, forward_error, fused, x, same_draws=same_draws), None)
+    if first is not None:
+        raise first
+
+
+def verification_failures(block: nn.Module, forward_error: Callable[[], float], fused: Callable[[Tensor], Any],
+                          x: Tensor, *, same_draws: bool = False) -> Iterator[NotSwappable]:
+    """:func:`verify`'s mismatches, lazily, in its order: consumed to the end, every forward and backward runs
+    whatever the earlier ones found (a block whose forward calls collectives must call them on every rank)."""
+    yield from _forward_failures(block, forward_error, lambda mode, err: (
         f"the fused forward does not match the block's own in {mode} mode (worst row {err:.3g}x of {PROBE_ULPS} ulps)"))
     names, params = zip(*[(n, p) for n, p in block.named_parameters() if p.requires_grad]) if any(
         p.requires_grad for p in block.parameters()) else ((), ())
@@ -136,12 +152,13 @@ def verify(block: nn.Module, forward_error: Callable[[], float], fused: Callable
         w = torch.zeros_like(g) if w is None else w
         unit = _coarsest([unit, w.dtype])
         if not w.any() and g.any():
-            raise NotSwappable("probe_grad_mismatch", f"the fused backward does not match the block's own: gradient "
+            yield NotSwappable("probe_grad_mismatch", f"the fused backward does not match the block's own: gradient "
                                                       f"of {name} is exactly zero in the block's own, not in the "
                                                       f"fused (largest {g.abs().max().item():.3g})")
+            continue
         err = row_mismatch(g, w, scale, torch.finfo(unit).eps if unit is not None else 0.0)
         if not err <= 1:
-            raise NotSwappable("probe_grad_mismatch", f"the fused backward does not match the block's own: gradient "
+            yield NotSwappable("probe_grad_mismatch", f"the fused backward does not match the block's own: gradient "
                                                       f"of {name} (worst row {err:.3g}x of {PROBE_ULPS} "
                                                       f"{str(unit).removeprefix('torch.')} ulps)")
 
@@ -209,4 +226,4 @@ def same_draws_run(first: Callable[[Tensor], Any], second: Callable[[Tensor], An
 
 
 __all__ = ["PROBE_FLOOR_ULPS", "PROBE_SHAPES", "PROBE_ULPS", "NotSwappable", "forward_in_both_modes", "outputs",
-           "path_dtypes", "probe_input", "row_mismatch", "same_draws_run", "verify"]
+           "path_dtypes", "probe_input", "row_mismatch", "same_draws_run", "verification_failures", "verify"]

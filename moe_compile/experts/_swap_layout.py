@@ -1,14 +1,17 @@
 """The expert layouts the module-level swap (:mod:`moe_compile.experts.swap`) reads: projection names, stacked and
 flat (``[E*I, H]``) parameters as ``[E, N, K]`` projections, and the grouped views of ModuleList experts
-(NOTE [grouped views] (moe_compile/experts/swap.py))."""
+(NOTE [grouped views] (moe_compile/experts/swap.py)); and the activations and linear-router weightings its probe
+tries."""
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_compile.experts._grad_views import GradViews, per_expert_views
@@ -21,11 +24,28 @@ _GATED = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"), ("w1", "v1"
 _FUSED_GATED = (("gate_up_proj", "down_proj"),)  # one [E, 2I, H] gate-then-up weight (transformers' *Experts)
 _PLAIN = (("fc1", "fc2"), ("up_proj", "down_proj"), ("w1", "w2"), ("wi", "wo"))  # wi/wo: SwitchTransformers
 _ACT_NAMES = ("act_fn", "act", "activation", "activation_fn")
+# activations the probe tries for experts that call one directly (``F.silu(self.w1(x))``: no module to read it from)
+ACT_CANDIDATES: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
+# how a linear router's top-k weights are computed, in the order the probe tries them (``_Plan.gate_weights``)
+GATE_WEIGHTS = ("softmax_topk_renorm", "topk_softmax", "softmax_topk")
 
+
+def top_k_of_logits(logits_TE: Tensor, top_k: int, gate_weights: str) -> tuple[Tensor, Tensor]:
+    """``(ids_TK, fp32 weights_TK)`` of a linear router's logits, by ``gate_weights`` (one of
+    :data:`GATE_WEIGHTS`, ``_Plan.gate_weights``)."""
+    if gate_weights == "topk_softmax":
+        top_TK, ids_TK = torch.topk(logits_TE.float(), top_k, dim=-1)
+        return ids_TK, top_TK.softmax(dim=-1)
+    probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+    weights_TK, ids_TK = torch.topk(probs_TE, top_k, dim=-1)
+    if gate_weights == "softmax_topk_renorm":
+        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    return ids_TK, weights_TK
 
 
 def _act_of(*owners: Any) -> Callable[[Tensor], Tensor] | None:
-    """The experts' activation module (``act_fn``, ...), or None: the probe then tries :data:`_ACT_CANDIDATES`."""
+    """The experts' activation module (``act_fn``, ...), or None: the probe then tries :data:`ACT_CANDIDATES`."""
     for owner in owners:
         for name in _ACT_NAMES:
             act = getattr(owner, name, None)

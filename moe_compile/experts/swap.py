@@ -69,20 +69,20 @@ place breaks the aliasing: ``module.to()`` / ``.half()`` are handled (the block 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_compile.experts._probe import PROBE_ULPS, NotSwappable, outputs, probe_input, row_mismatch, verify
 from moe_compile.experts._swap_capacity import module_dict_groups, swap_capacity_block
 from moe_compile.experts._swap_layout import (
     _FUSED_GATED,
+    ACT_CANDIDATES,
+    GATE_WEIGHTS,
     _act_of,
     _apply_then_regroup,
     _flat_expert_groups,
@@ -92,8 +92,10 @@ from moe_compile.experts._swap_layout import (
     _stacked_projections,
     identity_expert_groups,
     per_expert_projections,
+    top_k_of_logits,
 )
 from moe_compile.experts.discovery import ExpertGroup, ExpertLinear, find_expert_weights
+from moe_compile.experts.expert_parallel import swap_ep_blocks
 from moe_compile.experts.interface import SUPPORTED_DTYPES, Projection, fused_experts_forward, glu_of, is_hf_experts
 
 
@@ -130,9 +132,6 @@ class _Plan:
         return {"route": "", "router_call": "router", "router_route": "router"}.get(self.router, "gate")
 
 
-# activations the probe tries for experts that call one directly (``F.silu(self.w1(x))``: no module to read it from)
-_ACT_CANDIDATES: dict[str, Callable[[Tensor], Tensor]] = {
-    "silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
 # shared experts added to the routed experts' output (DeepSeek, Qwen2-MoE), with Qwen2-MoE's sigmoid gate
 _SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
 _SHARED_GATE_NAMES = ("shared_expert_gate",)
@@ -153,13 +152,7 @@ def _route(block: nn.Module, plan: _Plan, x_TH: Tensor) -> tuple[Tensor, Tensor,
         ids_TK, weights_TK, _ = _routing_of(block.route_tokens_to_experts(logits_TE), plan)
         return ids_TK, weights_TK, logits_TE
     logits_TE = block.gate(x_TH)
-    if plan.gate_weights == "topk_softmax":
-        top_TK, ids_TK = torch.topk(logits_TE.float(), plan.top_k, dim=-1)
-        return ids_TK, top_TK.softmax(dim=-1).to(x_TH.dtype), logits_TE
-    probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
-    weights_TK, ids_TK = torch.topk(probs_TE, plan.top_k, dim=-1)
-    if plan.gate_weights == "softmax_topk_renorm":
-        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    ids_TK, weights_TK = top_k_of_logits(logits_TE, plan.top_k, plan.gate_weights)
     return ids_TK, weights_TK.to(x_TH.dtype), logits_TE
 
 
@@ -325,11 +318,10 @@ def _candidates(block: nn.Module, plan: _Plan) -> list[dict[str, Any]]:
     ``gate_linear`` router), the activation (when no module names it), the shared experts added or not, the routed
     output scaled by the block's ``routed_scaling_factor`` or not (Step3p7: after the experts, before the shared
     experts are added)."""
-    acts = {plan.act_name: plan.act} if plan.act is not None else _ACT_CANDIDATES
+    acts = {plan.act_name: plan.act} if plan.act is not None else ACT_CANDIDATES
     shared, shared_gate = _shared_modules(block)
     shareds = [(None, None)] + ([(shared, None)] if shared else []) + ([(shared, shared_gate)] if shared_gate else [])
-    gate_weights = (("softmax_topk_renorm", "topk_softmax", "softmax_topk") if plan.router == "gate_linear"
-                    else ("softmax_topk",))
+    gate_weights = GATE_WEIGHTS if plan.router == "gate_linear" else ("softmax_topk",)
     factor = getattr(block, "routed_scaling_factor", None)
     scales = (1.0,) + ((float(factor),) if isinstance(factor, (int, float)) and not isinstance(factor, bool)
                        and math.isfinite(factor) and factor != 1 else ())
@@ -523,11 +515,14 @@ def swap_expert_loops(model: nn.Module) -> list[tuple[str, str, str, str]]:
     """Swap every recognised expert-loop block of ``model`` (in place); returns explain records.
 
     transformers ``*Experts`` modules (interface-decorated) are skipped here:
-    the experts interface (``experts/interface.py``) covers them.
+    the experts interface (``experts/interface.py``) covers them. Expert-parallel blocks (a process group, local
+    experts) are swapped first, by :func:`moe_compile.experts.expert_parallel.swap_ep_blocks`: every rank of their
+    group must call this at once.
     Records are ``(block name, "rewrite" | "skip", tag, detail)``.
     """
+    records = swap_ep_blocks(model)  # first: their local experts would read as a group of E / W experts
     identity, unmatched = identity_expert_groups(model)
-    records = [_zero_compute_skip(name, m, "its weights are not rank-3 [E or E + Z, N, K] parameters of E MLP "
+    records += [_zero_compute_skip(name, m, "its weights are not rank-3 [E or E + Z, N, K] parameters of E MLP "
                                   "experts") for name, m in unmatched]
     zero_compute = {id(m) for _, m in unmatched} | {id(g.module) for g in identity}
     modules = dict(model.named_modules())

@@ -107,6 +107,8 @@ def main(kind: str, rank: int, world: int, store_path: str, result_path: str, fa
             compiled = _step(compiled_layer, x.bfloat16(), run)
             compiled_layer.zero_grad(set_to_none=True)
             again = _step(compiled_layer, x.bfloat16(), run)
+        # moe_compile.compile's module-level swaps (explain's module stage), recorded on the model
+        swaps = [r for r in report.module_records(compiled_layer) if r.kind == "rewrite"]
         own = moe_compile.metrics.collect(reset=False, per_layer=True)  # this rank's calls
         across = moe_compile.metrics.collect(per_layer=True, group=dist.group.WORLD)  # every rank's
         dropped_at_bound = own.get("moe/dropped_fraction")
@@ -114,8 +116,9 @@ def main(kind: str, rank: int, world: int, store_path: str, result_path: str, fa
                                                      always_judged=tuple(ref))
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
         result = {"ok": ok and not unjudged, "worst": list(worst), "unjudged": unjudged,
-                  "rewrites": sorted({f"{r.layer}:{r.pass_name}" for r in rep.rewrites}),
+                  "rewrites": sorted({f"{r.layer}:{r.pass_name}" for r in (*rep.rewrites, *swaps)}),
                   "rewrite_details": [r.detail for r in rep.rewrites if r.pass_name == "expert_parallel"],
+                  "swap_details": [r.detail for r in swaps],
                   "skips": sorted({f"{r.pass_name}:{r.what}" for r in rep.skips}),
                   "left": sorted({r.what for r in rep.left}), "graph_breaks": breaks, "graphs": rep.graphs,
                   "host_reads_left": left_reads[:], "dropped_fraction_at_bound": dropped_at_bound,

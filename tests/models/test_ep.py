@@ -1,12 +1,14 @@
 """Expert-parallel layers (``ep_layers.py``) over 2 gloo ranks on CPU: ``moe_compile.compile`` matches eager.
 
-Each rank runs eager and the compiled layer in bf16 on its own tokens, and an fp64 reference; output and every gradient
-(input, router, its experts) within eager's own distance from fp64 (NOTE [derived tolerances] (tests/_tolerance.py)).
-What the passes did with the exchange is printed (``-s``). The titan layer is rewritten by ``expert_parallel``: no host
-read is left in its graph, two runs are bitwise equal, and with a small ``ep_capacity_factor`` the compiled layer
-matches eager and fp64 layers that drop the same rows (the pass's contract: rows past ``S`` in a destination's block),
-and ``metrics=True`` reports the rows each rank dropped (``moe/dropped_fraction``; exactly 0 at the bound). With FSDP2
-on a 2-D mesh (4 ranks: ``dp`` 2 x ``ep`` 2, ``_ep_fsdp_worker.py``) the same holds.
+Each rank runs eager and the compiled layer in bf16 on its own tokens, and an fp64 reference; output and every
+gradient (input, router, its experts) within eager's own distance from fp64
+(NOTE [derived tolerances] (tests/_tolerance.py)). What the passes did with the exchange is printed (``-s``). The
+host-loop layer is swapped to the same static exchange before Dynamo (``moe_compile/experts/expert_parallel.py``):
+one graph, no host read. The titan layer is rewritten by ``expert_parallel``: no host read is left in its graph, two
+runs are bitwise equal, and with a small ``ep_capacity_factor`` the compiled layer matches eager and fp64 layers
+that drop the same rows (the pass's contract: rows past ``S`` in a destination's block), and ``metrics=True``
+reports the rows each rank dropped (``moe/dropped_fraction``; exactly 0 at the bound). With FSDP2 on a 2-D mesh
+(4 ranks: ``dp`` 2 x ``ep`` 2, ``_ep_fsdp_worker.py``) the same holds.
 """
 
 from __future__ import annotations
@@ -37,20 +39,20 @@ def _run_ranks(kind: str | None, tmp_path, *extra: str, world: int = WORLD,
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
-# the autograd-function layer breaks the graph 5 times (10 graphs to compile on each rank): in the slow run
 # titan_211: the same layer with torch 2.11's spelling of all_to_all_single_autograd (an autograd function that waits)
 # autograd_grouped: the exchange an autograd.Function around dist.all_to_all_single (Megatron's), experts grouped
+# autograd_all_to_all: that exchange, experts as a host loop over the received chunks (`if size:`): swapped
 @pytest.mark.parametrize("kind", ["titan", pytest.param("titan_211", marks=pytest.mark.slow), "autograd_grouped",
-                                  pytest.param("autograd_all_to_all", marks=pytest.mark.slow)])
+                                  "autograd_all_to_all"])
 def test_expert_parallel_layer_matches_eager(kind, tmp_path):
-    rewritten = kind != "autograd_all_to_all"  # its host loop over chunk sizes breaks the graph
     # the capacity factor's drops once, on torch 2.13's spelling (the others reach the same rewrite)
     results = _run_ranks(kind, tmp_path, *(("0.25",) if kind == "titan" else ()))
     for rank, result in enumerate(results):
         print(f"rank {rank}: {result}")
         assert result["ok"], result
         assert result["bitwise_repeat"], result
-    if not rewritten:
+    if kind == "autograd_all_to_all":
+        _check_swapped(results)
         return
     for result in results:
         assert "<graph>:expert_parallel" in result["rewrites"], result
@@ -65,6 +67,19 @@ def test_expert_parallel_layer_matches_eager(kind, tmp_path):
         assert across["total_routed"] == WORLD * 24 * 2, across  # tokens x top-k on every rank
     if kind == "titan":
         _check_drops([result["drops"] for result in results])
+
+
+def _check_swapped(per_rank: list[dict]) -> None:
+    """The host-loop layer (NOTE in moe_compile/experts/expert_parallel.py): swapped on every rank before Dynamo, one
+    graph, no host read left in it, and the graph pass has no exchange left to rewrite."""
+    for result in per_rank:
+        assert "<root>:swap_expert_loops" in result["rewrites"], result
+        assert not any(r.endswith(":expert_parallel") for r in result["rewrites"]), result
+        (detail,) = result["swap_details"]
+        assert "expert-parallel over 2 ranks" in detail and "no host read" in detail, detail
+        assert result["graph_breaks"] == 0, result
+        assert result["host_reads_left"] and not any(result["host_reads_left"]), result
+        assert not [w for w in result["left"] if "_local_scalar_dense" in w], result
 
 
 def _check_drops(per_rank: list[dict]) -> None:

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from moe_compile.config import make_config
 from moe_compile.passes import PassContext, expert_parallel
@@ -56,13 +55,6 @@ class _Variant(TitanStyleEP):
             back = torch.zeros_like(out).index_copy(0, perm, out)
         returned = self.exchange(back, input_splits, output_splits, self.group)
         return self.combine(returned, order, weights)
-
-
-@pytest.fixture(scope="module")
-def fake_group():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
 
 
 def _pass(layer: torch.nn.Module, factor: float | None = None, out_shape: tuple[int, ...] = (24, 32),

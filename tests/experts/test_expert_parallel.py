@@ -1,0 +1,49 @@
+"""The expert-parallel swap's refusals (``moe_compile/experts/expert_parallel.py``) in one process over a fake process
+group: the checks that refuse a block before the probe runs any collective. ``tests/models/test_ep.py`` swaps the
+host-loop layer on 2 gloo ranks and compares it with eager."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_compile.experts.expert_parallel import process_group_of, swap_ep_blocks
+from tests.models.ep_layers import AutogradAllToAllEP
+
+
+class _WithBias(AutogradAllToAllEP):
+    """The host-loop layer plus an output bias: state the fused path does not read."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bias = nn.Parameter(torch.randn(self.router.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.bias
+
+
+def _refused(layer: nn.Module, tag: str, words: str) -> None:
+    forward = layer.forward
+    (record,) = swap_ep_blocks(layer)
+    assert record[:3] == ("<root>", "skip", tag) and words in record[3], record
+    assert layer.forward == forward and not hasattr(layer, "_moe_compile_ep_plan")
+
+
+def test_block_holding_other_state_is_left_alone(fake_group):
+    _refused(_WithBias(hidden=32, inter=16, experts=8, top_k=2), "block_state_unused", "other parameters ['bias']")
+
+
+def test_expert_weights_without_a_hidden_side_are_left_alone(fake_group):
+    layer = AutogradAllToAllEP(hidden=32, inter=16, experts=8, top_k=2)
+    layer.w_down = nn.Parameter(torch.randn(4, 16, 24))
+    _refused(layer, "unknown_expert_mlp", "no side of the hidden size 32")
+
+
+def test_experts_not_split_over_the_group_are_left_alone(fake_group):
+    layer = AutogradAllToAllEP(hidden=32, inter=16, experts=8, top_k=2)
+    layer.router = nn.Linear(32, 6, bias=False)  # 6 experts over 2 ranks: 3 per rank, the weights hold 4
+    _refused(layer, "block_state_unused", "expected two [L=3, ., .] expert weights")
+
+
+def test_a_block_without_a_process_group_is_not_expert_parallel():
+    assert process_group_of(nn.Linear(2, 2)) is None
