@@ -14,6 +14,7 @@ from moe_compile import report
 from moe_compile.backend import ConfiguredBackend
 from moe_compile.config import CAPTURE_FLAGS, make_config
 from moe_compile.experts.discovery import find_expert_layers
+from moe_compile.experts.expert_parallel import use_hf_expert_parallel
 from moe_compile.experts.interface import is_hf_experts, use_fused_hf_experts
 from moe_compile.experts.swap import swap_expert_loops as swap_loops
 
@@ -119,7 +120,8 @@ def prepare_expert_loops(model: torch.nn.Module) -> list[report.PassRecord]:
 
     Idempotent: already swapped modules are not swapped again. The records are kept for ``explain``.
     """
-    found = [("experts_impl", *r) for r in use_fused_hf_experts(model)]
+    found = [("experts_impl", *r) for r in use_hf_expert_parallel(model)]  # before: they skip EP experts
+    found += [("experts_impl", *r) for r in use_fused_hf_experts(model)]
     found += [("swap_expert_loops", *r) for r in swap_loops(model)]
     records = [report.PassRecord(name, "module", kind, layer, what, detail)
                for name, layer, kind, what, detail in found]

@@ -29,6 +29,13 @@ rank at once: the candidates' errors are reduced across the group (the largest c
 candidate, and each rank runs every check of the probe before the verdicts are reduced, so the ranks call the same
 collectives in the same order. A block refused on one rank is refused on all. A block whose forward Dynamo
 captures whole (torchtitan's shape) is left to the graph pass, which proves its rewrite (:func:`_captured_whole`).
+
+transformers' own expert parallelism (``DistributedConfig(ep_size=W)``: the ``ep_plan`` shards the experts'
+weights and installs an ``EPImplementation`` that the experts module's forward calls) is the third shape: its
+``AllToAllEP`` reads the split sizes to the host every layer. :func:`register_hf_expert_parallel` adds
+``"moe_compile"`` to transformers' implementations (:func:`ep_experts_forward` on the experts' local shards), and
+:func:`use_hf_expert_parallel` (``moe_compile.compile``) swaps it in for ``all_to_all`` / ``auto`` on a model as
+loaded. With tensor parallelism (the ranks of a TP group share one batch) transformers' own stays.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from torch import Tensor, nn
 from moe_compile.config import CAPTURE_FLAGS
 from moe_compile.experts._probe import NotSwappable, outputs, probe_input, row_mismatch, verification_failures
 from moe_compile.experts._swap_layout import ACT_CANDIDATES, GATE_WEIGHTS, _act_of, top_k_of_logits
-from moe_compile.experts.interface import SUPPORTED_DTYPES, Projection, grouped_linear
+from moe_compile.experts.interface import SUPPORTED_DTYPES, Projection, grouped_linear, hf_projection
 from moe_compile.ops.expert_parallel import ep_regroup_index, ep_send_index, gather_rows
 from moe_compile.ops.permute_pad import permute_pad
 from moe_compile.ops.unpad_unpermute import unpad_unpermute
@@ -305,4 +312,103 @@ def swap_ep_blocks(model: nn.Module) -> list[tuple[str, str, str, str]]:
     return records
 
 
-__all__ = ["ep_experts_forward", "process_group_of", "swap_ep_block", "swap_ep_blocks"]
+# ===== transformers' expert parallelism =====
+
+HF_EP_IMPLEMENTATION = "moe_compile"
+
+
+def hf_ep_unsupported_reason(experts: nn.Module, tp_size: int) -> str | None:
+    """Why transformers' expert-parallel ``experts`` module cannot run through :func:`ep_experts_forward`."""
+    if tp_size > 1:
+        return f"tensor parallelism: tp_size {tp_size} (the ranks of a TP group share a batch; only tp_size 1)"
+    if not hasattr(experts, "has_gate") or not hasattr(experts, "down_proj"):
+        return "not_hf_experts: no has_gate / down_proj attributes"
+    if getattr(experts, "has_bias", False) or getattr(experts, "has_post_expert_norm", False):
+        return "expert biases or a post-expert norm"
+    return None
+
+
+def _hf_ep_forward(experts: nn.Module, ep_mesh: Any, hidden_states: Tensor, top_k_index: Tensor,
+                   top_k_weights: Tensor) -> Tensor:
+    """transformers' expert-parallel experts call (its ``EpDispatchExpertsParallel`` hands this rank's tokens, their
+    global top-k ids and weights, with the experts' local shards as plain tensors) through the static exchange."""
+    up = hf_projection(experts, "gate_up_proj" if experts.has_gate else "up_proj")
+    middle = experts._apply_gate if experts.has_gate else experts.act_fn
+    return ep_experts_forward(hidden_states, top_k_index, top_k_weights, up, middle,
+                              hf_projection(experts, "down_proj"), num_experts=experts.num_experts * ep_mesh.size(),
+                              group=ep_mesh.get_group())
+
+
+def register_hf_expert_parallel() -> bool:
+    """Register ``"moe_compile"`` as transformers' expert-parallel implementation
+    (``DistributedConfig(ep_size=W, ep_implementation="moe_compile")``): its experts modules then exchange their
+    tokens through :func:`ep_experts_forward` (no split size read to the host, no atomics) instead of
+    ``AllToAllEP`` (``.tolist()`` of the split sizes every layer, counts by ``scatter_add_``). Returns False where
+    transformers has no ``EPImplementationInterface`` (before 5.21)."""
+    try:
+        from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
+    except Exception:  # noqa: BLE001 - transformers is optional, and older releases have no EP interface
+        return False
+    if HF_EP_IMPLEMENTATION in EPImplementationInterface():
+        return True
+
+    class MoeCompileEP(EPImplementation):
+        """:func:`ep_experts_forward` for transformers' experts modules; raises ``ValueError`` naming what it does
+        not support (:func:`hf_ep_unsupported_reason`) when the plan is applied."""
+
+        def __init__(self, experts: nn.Module, ep_mesh: Any, tp_mesh: Any):
+            super().__init__(experts, ep_mesh, tp_mesh)
+            reason = hf_ep_unsupported_reason(experts, tp_mesh.size())
+            if reason is not None:
+                raise ValueError(f"ep_implementation={HF_EP_IMPLEMENTATION!r}: {type(experts).__name__}: {reason}")
+            self.experts = experts
+
+        def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+            return _hf_ep_forward(self.experts, self.ep_mesh, hidden_states, top_k_index, top_k_weights)
+
+    EPImplementationInterface.register(HF_EP_IMPLEMENTATION, MoeCompileEP)
+    return True
+
+
+def use_hf_expert_parallel(model: nn.Module) -> list[tuple[str, str, str, str]]:
+    """Point every experts module of ``model`` that transformers made expert-parallel with its ``all_to_all`` (or
+    ``auto``) implementation to ``"moe_compile"`` (:func:`register_hf_expert_parallel`): the implementation object
+    the installed forward calls is replaced, the plan (sharded weights, meshes) is kept. Returns explain records
+    ``(module name, kind, tag, detail)``; a module left alone gets a skip with the reason."""
+    records: list[tuple[str, str, str, str]] = []
+    modules = [(n, m) for n, m in model.named_modules() if getattr(m, "_is_expert_parallel", False)]
+    if not modules or not register_hf_expert_parallel():
+        return records
+    from transformers.distributed.expert_parallel import AllToAllEP, AutoEP, EPImplementationInterface
+
+    ours = EPImplementationInterface()[HF_EP_IMPLEMENTATION]
+    for name, module in modules:
+        forward = module.__dict__.get("forward")
+        cells = dict(zip(getattr(getattr(forward, "__code__", None), "co_freevars", ()),
+                         getattr(forward, "__closure__", None) or ()))
+        cell = cells.get("implementation")
+        implementation = cell.cell_contents if cell is not None else None
+        if isinstance(implementation, ours):
+            module._moe_compile_ep_implementation = True
+            continue
+        if type(implementation) not in (AllToAllEP, AutoEP):
+            records.append((name, "skip", "ep_implementation_unknown",
+                            f"expert parallelism by {type(implementation).__name__}: left as it is"))
+            continue
+        reason = hf_ep_unsupported_reason(module, implementation.tp_mesh.size())
+        if reason is None and getattr(implementation, "megamoe", None) is not None:
+            reason = "DeepGEMM Mega MoE experts"
+        if reason is not None:
+            records.append((name, "skip", "ep_unsupported", f"{type(implementation).__name__} kept: {reason}"))
+            continue
+        cell.cell_contents = ours(module, implementation.ep_mesh, implementation.tp_mesh)
+        module._moe_compile_ep_implementation = True
+        records.append((name, "rewrite", f"ep_implementation={type(implementation).__name__}",
+                        f"transformers expert parallelism over {implementation.ep_mesh.size()} ranks: "
+                        "permute_pad -> all_to_all of a static [W*S, H] buffer -> grouped GEMMs at device offsets "
+                        "-> all_to_all back -> unpad_unpermute; no host read"))
+    return records
+
+
+__all__ = ["HF_EP_IMPLEMENTATION", "ep_experts_forward", "hf_ep_unsupported_reason", "process_group_of",
+           "register_hf_expert_parallel", "swap_ep_block", "swap_ep_blocks", "use_hf_expert_parallel"]

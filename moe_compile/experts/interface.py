@@ -225,7 +225,7 @@ def hf_unsupported_reason(module: nn.Module) -> str | None:
     return None
 
 
-def _hf_projection(module: nn.Module, name: str) -> Projection:
+def hf_projection(module: nn.Module, name: str) -> Projection:
     w = getattr(module, name)
     bias = getattr(module, name + "_bias", None) if getattr(module, "has_bias", False) else None
     return Projection(w.transpose(1, 2) if getattr(module, "is_transposed", False) else w, bias)
@@ -247,11 +247,11 @@ def hf_experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Te
     if getattr(module, "_moe_compile_unsupported", None) or hf_unsupported_reason(module) is not None:
         return original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
     has_gate = module.has_gate
-    up = _hf_projection(module, "gate_up_proj" if has_gate else "up_proj")
+    up = hf_projection(module, "gate_up_proj" if has_gate else "up_proj")
     middle = module._apply_gate if has_gate else module.act_fn
     post = module.post_expert_norm if getattr(module, "has_post_expert_norm", False) else None
     return fused_experts_forward(
-        hidden_states, top_k_index, top_k_weights, up, middle, _hf_projection(module, "down_proj"),
+        hidden_states, top_k_index, top_k_weights, up, middle, hf_projection(module, "down_proj"),
         num_experts=module.num_experts, post=post, glu=getattr(module, "_moe_compile_glu", None),
     )
 
@@ -286,6 +286,8 @@ def use_fused_hf_experts(model: nn.Module) -> list[tuple[str, str, str, str]]:
     if not experts or not register_hf_experts():
         return records
     for name, module in experts:
+        if getattr(module, "_moe_compile_ep_implementation", False):  # experts/expert_parallel.py runs them
+            continue
         impl = getattr(module.config, "_experts_implementation", None)
         if impl not in (None, "eager", IMPLEMENTATION_NAME):
             continue

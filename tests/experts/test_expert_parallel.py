@@ -1,13 +1,15 @@
 """The expert-parallel swap's refusals (``moe_compile/experts/expert_parallel.py``) in one process over a fake process
-group: the checks that refuse a block before the probe runs any collective. ``tests/models/test_ep.py`` swaps the
-host-loop layer on 2 gloo ranks and compares it with eager."""
+group: the checks that refuse a block before the probe runs any collective, and the transformers expert-parallel
+blocks that keep transformers' own implementation. ``tests/models/test_ep.py`` swaps the host-loop layer and
+transformers' ``all_to_all`` implementation on 2 gloo ranks and compares them with eager."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from moe_compile.experts.expert_parallel import process_group_of, swap_ep_blocks
+from moe_compile.experts.expert_parallel import process_group_of, swap_ep_blocks, use_hf_expert_parallel
 from tests.models.ep_layers import AutogradAllToAllEP
 
 
@@ -47,3 +49,29 @@ def test_experts_not_split_over_the_group_are_left_alone(fake_group):
 
 def test_a_block_without_a_process_group_is_not_expert_parallel():
     assert process_group_of(nn.Linear(2, 2)) is None
+
+
+def _hf_ep_block(implementation: str, mesh_shape: tuple[int, int]) -> nn.Module:
+    """A Qwen3-MoE block made expert-parallel by transformers over an ``(ep, tp)`` mesh of the fake group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen3MoeConfig
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("ep", "tp"))
+    block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8,
+                                                  num_experts_per_tok=2))
+    plan = {"experts.gate_up_proj": "grouped_gemm", "experts.down_proj": "grouped_gemm",
+            "experts": "ep_dispatch_experts"}
+    return apply_expert_parallelism(block, mesh["ep"], mesh["tp"], plan, ep_implementation=implementation)
+
+
+def test_transformers_expert_parallel_with_tensor_parallel_is_left_alone(fake_group):
+    """The ranks of a TP group share one batch (transformers' ``AllToAllEP`` slices it over TP first): not ours."""
+    pytest.importorskip("transformers.distributed.expert_parallel")
+    block = _hf_ep_block("all_to_all", (1, 2))
+    (record,) = use_hf_expert_parallel(block)
+    assert record[:3] == ("experts", "skip", "ep_unsupported") and "tp_size 2" in record[3], record
+    assert not getattr(block.experts, "_moe_compile_ep_implementation", False)
+    with pytest.raises(ValueError, match="ep_implementation='moe_compile': .*tp_size 2"):
+        _hf_ep_block("moe_compile", (1, 2))

@@ -96,6 +96,21 @@ def _check_drops(per_rank: list[dict]) -> None:
     assert sum(d["dropped"] for d in per_rank) > 0, "the small capacity factor dropped nothing: the test tests nothing"
 
 
+def test_transformers_expert_parallel(tmp_path):
+    """transformers' own expert parallelism (``_hf_ep_worker.py``: its ``all_to_all`` implementation reads the split
+    sizes to the host every layer): under ``moe_compile.compile`` its implementation is swapped to ours, one graph, no
+    host read left, bitwise repeat, within eager's bound from fp64; ``ep_implementation="moe_compile"`` too, eager."""
+    pytest.importorskip("transformers.distributed.expert_parallel")
+    results = _run_ranks(None, tmp_path, worker="tests.models._hf_ep_worker")
+    for result in results:
+        print(f"rank {result['rank']}: {result}")
+        assert result["module_records"] == [["experts", "rewrite", "ep_implementation=AllToAllEP"]], result
+        assert result["graphs"] == 1 and result["graph_breaks"] == 0, result
+        assert not [w for w in result["left"] if w.startswith("host_sync")], result
+        assert result["bitwise_repeat"], result
+        assert result["compiled"]["ok"] and result["implementation"]["ok"], result
+
+
 def test_fsdp2_with_expert_parallel(tmp_path):
     """4 gloo ranks, a 2-D mesh: FSDP2 shards over ``dp`` (2), the experts' exchange runs over ``ep`` (2)."""
     results = _run_ranks(None, tmp_path, world=4, worker="tests.models._ep_fsdp_worker")
