@@ -104,7 +104,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     backend = ConfiguredBackend(config)  # checks the pass names before the model is touched
     swapped: list[Any] = []
     if swap_expert_loops and isinstance(model, torch.nn.Module):
-        prepare_expert_loops(model)
+        prepare_expert_loops(model, ep_capacity_factor)
         swapped = _recycle_expert_gradients(model, not _uses_cuda_graphs(torch_compile_kwargs))
     if metrics and isinstance(model, torch.nn.Module):
         # hooks cover frames Dynamo runs eagerly and checkpointed blocks; the pass never counts a layer twice
@@ -115,14 +115,15 @@ def compile(  # noqa: A001 - mirrors torch.compile
     return _wrap_calls(compiled, capture_host_syncs, swapped)
 
 
-def prepare_expert_loops(model: torch.nn.Module) -> list[report.PassRecord]:
+def prepare_expert_loops(model: torch.nn.Module, ep_capacity_factor: float | None = None) -> list[report.PassRecord]:
     """Route ``model``'s uncapturable expert loops through the fused ops (see ``compile``); returns the records.
 
     Idempotent: already swapped modules are not swapped again. The records are kept for ``explain``.
     """
-    found = [("experts_impl", *r) for r in use_hf_expert_parallel(model)]  # before: they skip EP experts
+    # transformers' expert-parallel experts first: the experts interface skips them
+    found = [("experts_impl", *r) for r in use_hf_expert_parallel(model, ep_capacity_factor)]
     found += [("experts_impl", *r) for r in use_fused_hf_experts(model)]
-    found += [("swap_expert_loops", *r) for r in swap_loops(model)]
+    found += [("swap_expert_loops", *r) for r in swap_loops(model, ep_capacity_factor)]
     records = [report.PassRecord(name, "module", kind, layer, what, detail)
                for name, layer, kind, what, detail in found]
     report.add_module_records(model, records)

@@ -56,7 +56,7 @@ from moe_compile.config import CAPTURE_FLAGS
 from moe_compile.experts._probe import NotSwappable, outputs, probe_input, row_mismatch, verification_failures
 from moe_compile.experts._swap_layout import ACT_CANDIDATES, GATE_WEIGHTS, _act_of, top_k_of_logits
 from moe_compile.experts.interface import SUPPORTED_DTYPES, Projection, grouped_linear, hf_projection
-from moe_compile.ops.expert_parallel import ep_regroup_index, ep_send_index, gather_rows
+from moe_compile.ops.expert_parallel import ep_capacity, ep_regroup_index, ep_send_index, gather_rows
 from moe_compile.ops.permute_pad import permute_pad
 from moe_compile.ops.unpad_unpermute import unpad_unpermute
 
@@ -72,17 +72,22 @@ def _exchange(rows: Tensor, world: int, capacity: int, group: dist.ProcessGroup)
 
 def ep_experts_forward(x_TH: Tensor, ids_TK: Tensor, weights_TK: Tensor, up: Projection,
                        middle: Callable[[Tensor], Tensor], down: Projection, *, num_experts: int,
-                       group: dist.ProcessGroup, weights_before: bool = False) -> Tensor:
+                       group: dist.ProcessGroup, weights_before: bool = False,
+                       capacity_factor: float | None = None) -> Tensor:
     """``sum_k w[t, k] * down(middle(up(x[t])))`` with global expert ``ids[t, k]``, whose weights live on rank
     ``ids[t, k] // L`` of ``group`` (``up`` / ``down``: this rank's ``L`` experts, ``[L, N, H]`` / ``[L, H, I]``),
-    through the static exchange (module docstring). Every rank of ``group`` must call it with the same ``T``."""
+    through the static exchange (module docstring). Every rank of ``group`` must call it with the same ``T``.
+
+    ``capacity_factor``: ``S`` rows per destination (:func:`moe_compile.ops.expert_parallel.ep_capacity`); ``None``
+    the bound ``T * min(K, L)`` (a token sends a rank at most ``min(K, L)`` rows: nothing dropped). A row past ``S``
+    in its destination's block is dropped: its expert term is zero, and it sends no gradient."""
     world = dist.get_world_size(group)
     if num_experts % world or up.w_ENK.shape[0] != num_experts // world:
         raise ValueError(f"num_experts={num_experts} must be world size {world} x the {up.w_ENK.shape[0]} local "
                          "experts of up")
     L = num_experts // world
     T, K = ids_TK.shape
-    S = T * min(K, L)  # the most rows one rank sends one rank: a token sends a rank at most min(K, L) rows
+    S = ep_capacity(T * min(K, L), T * K, world, capacity_factor)
     out = permute_pad(x_TH, ids_TK, weights_TK if weights_before else None, num_experts=num_experts)
     rows_NH = out.rows_MH
     if weights_before:
@@ -116,6 +121,7 @@ class _EPPlan:
     act: Callable[[Tensor], Tensor] | None = None
     weights_before: bool = False
     gate_weights: str = "softmax_topk"
+    capacity_factor: float | None = None  # set after the probe (which compares at the bound)
 
     def projections(self, block: nn.Module) -> tuple[Projection, Projection]:
         up, down = block.get_parameter(self.up), block.get_parameter(self.down)
@@ -135,7 +141,8 @@ def _ep_forward(block: nn.Module, plan: _EPPlan, x: Tensor) -> Tensor:
     ids_TK, weights_TK = top_k_of_logits(getattr(block, plan.router)(x_TH), plan.top_k, plan.gate_weights)
     up, down = plan.projections(block)
     y = ep_experts_forward(x_TH, ids_TK, weights_TK.to(x.dtype), up, plan.middle, down,
-                           num_experts=plan.num_experts, group=plan.group, weights_before=plan.weights_before)
+                           num_experts=plan.num_experts, group=plan.group, weights_before=plan.weights_before,
+                           capacity_factor=plan.capacity_factor)
     return y.view(x.shape)
 
 
@@ -233,9 +240,10 @@ def _captured_whole(block: nn.Module, x: Tensor) -> bool:
     return True
 
 
-def swap_ep_block(block: nn.Module, group: dist.ProcessGroup) -> str | None:
+def swap_ep_block(block: nn.Module, group: dist.ProcessGroup, capacity_factor: float | None = None) -> str | None:
     """Swap ``block``'s forward to :func:`ep_experts_forward` (module docstring) and describe it; ``None`` for a block
-    Dynamo captures whole (left to the graph pass). Every rank of ``group`` must call it at once. Raises
+    Dynamo captures whole (left to the graph pass). Every rank of ``group`` must call it at once. The probe compares
+    at the bound; the swapped forward then sends ``capacity_factor``'s rows (``ep_experts_forward``). Raises
     :class:`NotSwappable` (on every rank) and leaves the block unchanged."""
     plan = _plan_ep_block(block, group)
     weight = block.get_parameter(plan.up)
@@ -284,26 +292,37 @@ def swap_ep_block(block: nn.Module, group: dist.ProcessGroup) -> str | None:
         for m, t in zip(block.modules(), was_training):
             m.training = t
     block._moe_compile_original_forward = block.forward
+    plan.capacity_factor = capacity_factor
     block._moe_compile_ep_plan = plan
     block.forward = types.MethodType(_swapped_ep_forward, block)
     L = plan.num_experts // plan.world
     return (f"expert-parallel over {plan.world} ranks ({L} of {plan.num_experts} experts here, "
             f"{'gated' if plan.gated else 'plain'} {plan.up}/{plan.down}, activation {plan.act_name or 'its own'}, "
             f"weights {'before' if plan.weights_before else 'after'} the MLP, {plan.gate_weights}): permute_pad -> "
-            f"all_to_all of a static [W*S, H] buffer (S = T * min(K, L), nothing dropped) -> grouped GEMMs at "
+            f"all_to_all of a static [W*S, H] buffer ({_capacity_words(capacity_factor)}) -> grouped GEMMs at "
             f"device offsets -> all_to_all back -> unpad_unpermute; no host read")
 
 
-def swap_ep_blocks(model: nn.Module) -> list[tuple[str, str, str, str]]:
+def _capacity_words(factor: float | None) -> str:
+    if factor is None:
+        return "S = T * min(K, L), nothing dropped"
+    return f"S = ceil({factor:g} * T * K / W), rows past S per destination dropped"
+
+
+def swap_ep_blocks(model: nn.Module, capacity_factor: float | None = None) -> list[tuple[str, str, str, str]]:
     """Swap every expert-parallel block of ``model`` that :func:`swap_ep_block` accepts; explain records as
     :func:`moe_compile.experts.swap.swap_expert_loops` returns them. Every rank must call it on the same model."""
     records = []
     for name, block in model.named_modules():
         group = process_group_of(block)
-        if group is None or getattr(block, "_moe_compile_original_forward", None) is not None:
+        if group is None:
+            continue
+        if getattr(block, "_moe_compile_original_forward", None) is not None:
+            if hasattr(block, "_moe_compile_ep_plan"):  # swapped by an earlier compile: its capacity is this one's
+                block._moe_compile_ep_plan.capacity_factor = capacity_factor
             continue
         try:
-            detail = swap_ep_block(block, group)
+            detail = swap_ep_block(block, group, capacity_factor)
         except NotSwappable as why:
             records.append((name or "<root>", "skip", why.tag, why.detail))
             continue
@@ -329,14 +348,14 @@ def hf_ep_unsupported_reason(experts: nn.Module, tp_size: int) -> str | None:
 
 
 def _hf_ep_forward(experts: nn.Module, ep_mesh: Any, hidden_states: Tensor, top_k_index: Tensor,
-                   top_k_weights: Tensor) -> Tensor:
+                   top_k_weights: Tensor, capacity_factor: float | None) -> Tensor:
     """transformers' expert-parallel experts call (its ``EpDispatchExpertsParallel`` hands this rank's tokens, their
     global top-k ids and weights, with the experts' local shards as plain tensors) through the static exchange."""
     up = hf_projection(experts, "gate_up_proj" if experts.has_gate else "up_proj")
     middle = experts._apply_gate if experts.has_gate else experts.act_fn
     return ep_experts_forward(hidden_states, top_k_index, top_k_weights, up, middle,
                               hf_projection(experts, "down_proj"), num_experts=experts.num_experts * ep_mesh.size(),
-                              group=ep_mesh.get_group())
+                              group=ep_mesh.get_group(), capacity_factor=capacity_factor)
 
 
 def register_hf_expert_parallel() -> bool:
@@ -362,15 +381,18 @@ def register_hf_expert_parallel() -> bool:
             if reason is not None:
                 raise ValueError(f"ep_implementation={HF_EP_IMPLEMENTATION!r}: {type(experts).__name__}: {reason}")
             self.experts = experts
+            self.capacity_factor: float | None = None  # moe_compile.compile's ep_capacity_factor
 
         def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-            return _hf_ep_forward(self.experts, self.ep_mesh, hidden_states, top_k_index, top_k_weights)
+            return _hf_ep_forward(self.experts, self.ep_mesh, hidden_states, top_k_index, top_k_weights,
+                                  self.capacity_factor)
 
     EPImplementationInterface.register(HF_EP_IMPLEMENTATION, MoeCompileEP)
     return True
 
 
-def use_hf_expert_parallel(model: nn.Module) -> list[tuple[str, str, str, str]]:
+def use_hf_expert_parallel(model: nn.Module, capacity_factor: float | None = None
+                           ) -> list[tuple[str, str, str, str]]:
     """Point every experts module of ``model`` that transformers made expert-parallel with its ``all_to_all`` (or
     ``auto``) implementation to ``"moe_compile"`` (:func:`register_hf_expert_parallel`): the implementation object
     the installed forward calls is replaced, the plan (sharded weights, meshes) is kept. Returns explain records
@@ -389,6 +411,7 @@ def use_hf_expert_parallel(model: nn.Module) -> list[tuple[str, str, str, str]]:
         cell = cells.get("implementation")
         implementation = cell.cell_contents if cell is not None else None
         if isinstance(implementation, ours):
+            implementation.capacity_factor = capacity_factor
             module._moe_compile_ep_implementation = True
             continue
         if type(implementation) not in (AllToAllEP, AutoEP):
@@ -402,11 +425,12 @@ def use_hf_expert_parallel(model: nn.Module) -> list[tuple[str, str, str, str]]:
             records.append((name, "skip", "ep_unsupported", f"{type(implementation).__name__} kept: {reason}"))
             continue
         cell.cell_contents = ours(module, implementation.ep_mesh, implementation.tp_mesh)
+        cell.cell_contents.capacity_factor = capacity_factor
         module._moe_compile_ep_implementation = True
         records.append((name, "rewrite", f"ep_implementation={type(implementation).__name__}",
                         f"transformers expert parallelism over {implementation.ep_mesh.size()} ranks: "
-                        "permute_pad -> all_to_all of a static [W*S, H] buffer -> grouped GEMMs at device offsets "
-                        "-> all_to_all back -> unpad_unpermute; no host read"))
+                        f"permute_pad -> all_to_all of a static [W*S, H] buffer ({_capacity_words(capacity_factor)}) "
+                        "-> grouped GEMMs at device offsets -> all_to_all back -> unpad_unpermute; no host read"))
     return records
 
 

@@ -511,16 +511,17 @@ def _single_expert_lists(model: nn.Module) -> list[ExpertGroup]:
     return groups
 
 
-def swap_expert_loops(model: nn.Module) -> list[tuple[str, str, str, str]]:
+def swap_expert_loops(model: nn.Module, ep_capacity_factor: float | None = None) -> list[tuple[str, str, str, str]]:
     """Swap every recognised expert-loop block of ``model`` (in place); returns explain records.
 
     transformers ``*Experts`` modules (interface-decorated) are skipped here:
     the experts interface (``experts/interface.py``) covers them. Expert-parallel blocks (a process group, local
     experts) are swapped first, by :func:`moe_compile.experts.expert_parallel.swap_ep_blocks`: every rank of their
-    group must call this at once.
+    group must call this at once; ``ep_capacity_factor`` is theirs (``moe_compile.compile``'s).
     Records are ``(block name, "rewrite" | "skip", tag, detail)``.
     """
-    records = swap_ep_blocks(model)  # first: their local experts would read as a group of E / W experts
+    # first: their local experts would read as a group of E / W experts
+    records = swap_ep_blocks(model, ep_capacity_factor)
     identity, unmatched = identity_expert_groups(model)
     records += [_zero_compute_skip(name, m, "its weights are not rank-3 [E or E + Z, N, K] parameters of E MLP "
                                   "experts") for name, m in unmatched]

@@ -18,8 +18,20 @@ deterministic.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
+
+
+def ep_capacity(bound: int, num_rows: int, world: int, factor: float | None) -> int:
+    """``S``, the rows one rank sends one rank: ``factor=None`` the ``bound`` (no row dropped); a float ``f``
+    ``ceil(f * num_rows / world)`` (a multiple of an even share), at least 1 and at most the bound."""
+    if factor is None:
+        return bound
+    if not factor > 0:
+        raise ValueError(f"ep_capacity_factor must be > 0 or None, got {factor!r}")
+    return max(1, min(bound, math.ceil(factor * num_rows / world)))
 
 
 def _gather(src: Tensor, index: Tensor) -> Tensor:
@@ -123,4 +135,4 @@ def _ep_regroup_index_fake(counts: Tensor, capacity: int) -> tuple[Tensor, Tenso
     return new(W * capacity, dtype=torch.long), new(W * capacity, dtype=torch.long), new(L, dtype=torch.int32)
 
 
-__all__ = ["ep_regroup_index", "ep_send_index", "gather_rows"]
+__all__ = ["ep_capacity", "ep_regroup_index", "ep_send_index", "gather_rows"]

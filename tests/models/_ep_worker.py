@@ -172,6 +172,7 @@ def _check_drops(kind, layer, x, factor, fresh, left_reads) -> dict:
     return {"ok": ok and not unjudged, "worst": list(worst), "unjudged": unjudged, "capacity": S, "dropped": dropped,
             "routed": N, "dropped_fraction": reported,
             "rewrite_details": [r.detail for r in rep.rewrites if r.pass_name == "expert_parallel"],
+            "swap_details": [r.detail for r in report.module_records(compiled_layer) if r.kind == "rewrite"],
             "host_reads_left": left_reads[:]}
 
 

@@ -45,14 +45,16 @@ def _run_ranks(kind: str | None, tmp_path, *extra: str, world: int = WORLD,
 @pytest.mark.parametrize("kind", ["titan", pytest.param("titan_211", marks=pytest.mark.slow), "autograd_grouped",
                                   "autograd_all_to_all"])
 def test_expert_parallel_layer_matches_eager(kind, tmp_path):
-    # the capacity factor's drops once, on torch 2.13's spelling (the others reach the same rewrite)
-    results = _run_ranks(kind, tmp_path, *(("0.25",) if kind == "titan" else ()))
+    # the capacity factor's drops once per path: the graph pass on torch 2.13's spelling (the others reach the same
+    # rewrite), and the host-loop layer's swap
+    results = _run_ranks(kind, tmp_path, *(("0.25",) if kind in ("titan", "autograd_all_to_all") else ()))
     for rank, result in enumerate(results):
         print(f"rank {rank}: {result}")
         assert result["ok"], result
         assert result["bitwise_repeat"], result
     if kind == "autograd_all_to_all":
         _check_swapped(results)
+        _check_drops([result["drops"] for result in results], swapped=True)
         return
     for result in results:
         assert "<graph>:expert_parallel" in result["rewrites"], result
@@ -80,13 +82,17 @@ def _check_swapped(per_rank: list[dict]) -> None:
         assert result["graph_breaks"] == 0, result
         assert result["host_reads_left"] and not any(result["host_reads_left"]), result
         assert not [w for w in result["left"] if "_local_scalar_dense" in w], result
+        assert result["dropped_fraction_at_bound"] == 0.0, result  # metrics=True: the exchange's S is marked
 
 
-def _check_drops(per_rank: list[dict]) -> None:
+def _check_drops(per_rank: list[dict], swapped: bool = False) -> None:
     """``ep_capacity_factor=0.25``: against eager layers dropping the same rows, and the reported fraction."""
     for drops in per_rank:
         assert drops["ok"], drops
-        assert drops["capacity"] == 6 and "S=6" in drops["rewrite_details"][0], drops
+        if swapped:
+            assert drops["capacity"] == 6 and "S = ceil(0.25 * T * K / W)" in drops["swap_details"][0], drops
+        else:
+            assert drops["capacity"] == 6 and "S=6" in drops["rewrite_details"][0], drops
         assert drops["host_reads_left"] and not any(drops["host_reads_left"]), drops
         # metrics=True: the rows this rank sent past S, counted on the device, as a fraction of its routed rows
         # (one fp32 division: within its rounding)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from moe_compile.ops.expert_parallel import ep_capacity
 from moe_compile.passes import NoMatch, PassContext
 from moe_compile.passes._graph import (
     arg,
@@ -32,6 +32,7 @@ from moe_compile.passes.forms.counts import mark_capacity
 
 def run(graph: fx.Graph, ctx: PassContext) -> None:
     """Find and rewrite every provable expert-parallel exchange of ``graph``."""
+    _mark_static_exchanges(graph)
     # autograd-function exchanges (Megatron's _AllToAll) -> the functional autograd collective
     for hop in canonicalise(graph):
         ctx.skip(layer_name(hop), "autograd_exchange_unproven", f"{hop.name}: an autograd.Function whose forward "
@@ -72,12 +73,29 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         erase_dead_host_reads(graph)
 
 
+def _mark_static_exchanges(graph: fx.Graph) -> None:
+    """A static exchange already in the graph (``experts/expert_parallel.py``'s ``ep_experts_forward``: swapped
+    expert-parallel blocks, transformers' ``"moe_compile"`` implementation): mark its ``S`` on the router top-k whose
+    ids its ``permute_pad`` groups, so that ``router_metrics`` reports the rows past ``S`` (``moe/dropped_fraction``),
+    as for the exchanges this pass writes. Its send counts are ``permute_pad(x, ids).counts_E.view(W, L).sum(1)``."""
+    for send in graph.nodes:
+        if send.target is not torch.ops.moe.ep_send_index.default:
+            continue
+        per_rank = send.args[0]
+        by_rank = per_rank.args[0] if isinstance(per_rank, fx.Node) and op_name(per_rank) == "sum" else None
+        counts = by_rank.args[0] if isinstance(by_rank, fx.Node) and op_name(by_rank) == "view" else None
+        if not (isinstance(counts, fx.Node) and op_name(counts) == "getitem" and counts.args[1] == 4):
+            continue
+        dispatch = counts.args[0]
+        grouped = tensor_val(by_rank)
+        if op_name(dispatch) == "moe.permute_pad" and grouped is not None and grouped.dim() == 2:
+            mark_capacity(dispatch.args[1], send.args[2], group=int(grouped.shape[1]))
+
+
 def capacity(ex: Exchange, factor: float | None) -> int:
     """``S``: rows one rank sends one rank. ``None``: the bound (no row dropped); ``f``: ``ceil(f * N / W)``, at
     least 1 and at most the bound."""
-    if factor is None:
-        return ex.bound
-    return max(1, min(ex.bound, math.ceil(factor * ex.num_rows / ex.world)))
+    return ep_capacity(ex.bound, ex.num_rows, ex.world, factor)
 
 
 def _call(graph: fx.Graph, meta_from: fx.Node, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
