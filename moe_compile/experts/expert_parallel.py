@@ -391,6 +391,21 @@ def register_hf_expert_parallel() -> bool:
     return True
 
 
+def _implementation_cell(experts: nn.Module) -> Any:
+    """The closure cell holding the ``EPImplementation`` that transformers' installed forward of ``experts`` calls
+    (``EpDispatchExpertsParallel.install_forward``), or None."""
+    forward = experts.__dict__.get("forward")
+    cells = dict(zip(getattr(getattr(forward, "__code__", None), "co_freevars", ()),
+                     getattr(forward, "__closure__", None) or ()))
+    return cells.get("implementation")
+
+
+def hf_ep_implementation(experts: nn.Module) -> Any:
+    """The ``EPImplementation`` transformers' expert-parallel ``experts`` module calls, or None."""
+    cell = _implementation_cell(experts)
+    return cell.cell_contents if cell is not None else None
+
+
 def use_hf_expert_parallel(model: nn.Module, capacity_factor: float | None = None
                            ) -> list[tuple[str, str, str, str]]:
     """Point every experts module of ``model`` that transformers made expert-parallel with its ``all_to_all`` (or
@@ -405,14 +420,13 @@ def use_hf_expert_parallel(model: nn.Module, capacity_factor: float | None = Non
 
     ours = EPImplementationInterface()[HF_EP_IMPLEMENTATION]
     for name, module in modules:
-        forward = module.__dict__.get("forward")
-        cells = dict(zip(getattr(getattr(forward, "__code__", None), "co_freevars", ()),
-                         getattr(forward, "__closure__", None) or ()))
-        cell = cells.get("implementation")
-        implementation = cell.cell_contents if cell is not None else None
+        cell = _implementation_cell(module)
+        if cell is None:  # not transformers' installed forward: the experts interface gives the reason
+            continue
+        implementation = cell.cell_contents
+        module._moe_compile_ep_implementation = True  # recorded here: the experts interface leaves it alone
         if isinstance(implementation, ours):
             implementation.capacity_factor = capacity_factor
-            module._moe_compile_ep_implementation = True
             continue
         if type(implementation) not in (AllToAllEP, AutoEP):
             records.append((name, "skip", "ep_implementation_unknown",
@@ -426,7 +440,6 @@ def use_hf_expert_parallel(model: nn.Module, capacity_factor: float | None = Non
             continue
         cell.cell_contents = ours(module, implementation.ep_mesh, implementation.tp_mesh)
         cell.cell_contents.capacity_factor = capacity_factor
-        module._moe_compile_ep_implementation = True
         records.append((name, "rewrite", f"ep_implementation={type(implementation).__name__}",
                         f"transformers expert parallelism over {implementation.ep_mesh.size()} ranks: "
                         f"permute_pad -> all_to_all of a static [W*S, H] buffer ({_capacity_words(capacity_factor)}) "
@@ -434,5 +447,6 @@ def use_hf_expert_parallel(model: nn.Module, capacity_factor: float | None = Non
     return records
 
 
-__all__ = ["HF_EP_IMPLEMENTATION", "ep_experts_forward", "hf_ep_unsupported_reason", "process_group_of",
+__all__ = ["HF_EP_IMPLEMENTATION", "ep_experts_forward", "hf_ep_implementation", "hf_ep_unsupported_reason",
+           "process_group_of",
            "register_hf_expert_parallel", "swap_ep_block", "swap_ep_blocks", "use_hf_expert_parallel"]

@@ -286,7 +286,7 @@ def use_fused_hf_experts(model: nn.Module) -> list[tuple[str, str, str, str]]:
     if not experts or not register_hf_experts():
         return records
     for name, module in experts:
-        if getattr(module, "_moe_compile_ep_implementation", False):  # experts/expert_parallel.py runs them
+        if getattr(module, "_moe_compile_ep_implementation", False):  # experts/expert_parallel.py recorded it
             continue
         impl = getattr(module.config, "_experts_implementation", None)
         if impl not in (None, "eager", IMPLEMENTATION_NAME):

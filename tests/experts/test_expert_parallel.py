@@ -9,7 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from moe_compile.experts.expert_parallel import process_group_of, swap_ep_blocks, use_hf_expert_parallel
+from moe_compile.experts.expert_parallel import (
+    hf_ep_implementation,
+    process_group_of,
+    swap_ep_blocks,
+    use_hf_expert_parallel,
+)
 from tests.models.ep_layers import AutogradAllToAllEP
 
 
@@ -72,6 +77,6 @@ def test_transformers_expert_parallel_with_tensor_parallel_is_left_alone(fake_gr
     block = _hf_ep_block("all_to_all", (1, 2))
     (record,) = use_hf_expert_parallel(block)
     assert record[:3] == ("experts", "skip", "ep_unsupported") and "tp_size 2" in record[3], record
-    assert not getattr(block.experts, "_moe_compile_ep_implementation", False)
+    assert type(hf_ep_implementation(block.experts)).__name__ == "AllToAllEP"
     with pytest.raises(ValueError, match="ep_implementation='moe_compile': .*tp_size 2"):
         _hf_ep_block("moe_compile", (1, 2))
