@@ -27,8 +27,10 @@ _ACT_NAMES = ("act_fn", "act", "activation", "activation_fn")
 # activations the probe tries for experts that call one directly (``F.silu(self.w1(x))``: no module to read it from)
 ACT_CANDIDATES: dict[str, Callable[[Tensor], Tensor]] = {
     "silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
-# how a linear router's top-k weights are computed, in the order the probe tries them (``_Plan.gate_weights``)
-GATE_WEIGHTS = ("softmax_topk_renorm", "topk_softmax", "softmax_topk")
+# how a linear router's top-k weights are computed, in the order the probe tries them (``_Plan.gate_weights``);
+# "softmax_topk_in_dtype": the softmax in the logits' own dtype (bf16 probabilities: a top-k that ties there picks
+# the lower expert id, where the fp32 softmax picks the larger)
+GATE_WEIGHTS = ("softmax_topk_renorm", "topk_softmax", "softmax_topk", "softmax_topk_in_dtype")
 
 
 def top_k_of_logits(logits_TE: Tensor, top_k: int, gate_weights: str) -> tuple[Tensor, Tensor]:
@@ -37,6 +39,9 @@ def top_k_of_logits(logits_TE: Tensor, top_k: int, gate_weights: str) -> tuple[T
     if gate_weights == "topk_softmax":
         top_TK, ids_TK = torch.topk(logits_TE.float(), top_k, dim=-1)
         return ids_TK, top_TK.softmax(dim=-1)
+    if gate_weights == "softmax_topk_in_dtype":
+        weights_TK, ids_TK = torch.topk(torch.softmax(logits_TE, dim=-1), top_k, dim=-1)
+        return ids_TK, weights_TK.float()
     probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
     weights_TK, ids_TK = torch.topk(probs_TE, top_k, dim=-1)
     if gate_weights == "softmax_topk_renorm":

@@ -240,6 +240,18 @@ def _captured_whole(block: nn.Module, x: Tensor) -> bool:
     return True
 
 
+# probe tokens: 4x the single-GPU swap's. A router whose top-k picks among probabilities rounded to bf16 breaks ties
+# by expert id, one that picks among fp32 ones does not: a probe tells the two apart only on the tokens whose k-th
+# and (k+1)-th probabilities round alike (tests/models/test_ep.py's layer at H 32: 256 tokens had none on either rank)
+_PROBE_REPEATS = 4
+
+
+def _more_tokens(x: Tensor) -> Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    more = [torch.randn(x.shape, generator=gen).to(device=x.device, dtype=x.dtype) for _ in range(_PROBE_REPEATS - 1)]
+    return torch.cat([x, *more], dim=0)
+
+
 def swap_ep_block(block: nn.Module, group: dist.ProcessGroup, capacity_factor: float | None = None) -> str | None:
     """Swap ``block``'s forward to :func:`ep_experts_forward` (module docstring) and describe it; ``None`` for a block
     Dynamo captures whole (left to the graph pass). Every rank of ``group`` must call it at once. The probe compares
@@ -253,7 +265,7 @@ def swap_ep_block(block: nn.Module, group: dist.ProcessGroup, capacity_factor: f
     was_training = [m.training for m in block.modules()]
     block.eval()
     try:
-        x = probe_input(block, plan.hidden, weight.dtype, device)
+        x = _more_tokens(probe_input(block, plan.hidden, weight.dtype, device))
         if _captured_whole(block, x):
             return None
         candidates = _candidates(plan)

@@ -1,5 +1,5 @@
-"""One rank of ``test_ep_gpu.py``: :class:`TitanStyleEP` in bf16 on ``cuda:<rank>`` over NCCL, compiled by
-``moe_compile.compile``, against eager bf16 and an fp64 reference on the same tokens and weights.
+"""One rank of ``test_ep_gpu.py``: :class:`TitanStyleEP` (or ``--kind``'s layer) in bf16 on ``cuda:<rank>`` over
+NCCL, compiled by ``moe_compile.compile``, against eager bf16 and an fp64 reference on the same tokens and weights.
 
 Phases, each recorded in the result JSON (written after each phase, so a later phase that hangs or dies leaves the
 earlier verdicts readable):
@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("result")
     parser.add_argument("--backend", default="nccl")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--kind", default="titan", help="the layer of ep_layers.EP_LAYERS (titan: the graph pass's; "
+                                                        "autograd_all_to_all: the host-loop layer the swap takes)")
     args = parser.parse_args(argv)
 
     from tests import _tolerance as tol
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
                 p.copy_(torch.randn_like(p) * p.shape[1] ** -0.5)
         layer.to(torch.bfloat16).float()  # bf16-rounded weights on every side
 
-        def fresh(kind: str = "titan", dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+        def fresh(kind: str = args.kind, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
             # a copy of the layer (its process group cannot be deep-copied)
             other = EP_LAYERS[kind](hidden=HIDDEN, inter=INTER, experts=EXPERTS, top_k=TOP_K)
             other.load_state_dict(copy.deepcopy(layer.state_dict()))
@@ -145,7 +147,7 @@ def _compiled_phase(fresh, x, cot, ref, eager, left_reads, device) -> dict:
             again = tol.layer_step(run, model, x, cot)
         out.update(_judge(got, eager, ref))
         out.update(
-            rewrites=sorted({f"{r.layer}:{r.pass_name}" for r in rep.rewrites}),
+            rewrites=_rewrites(rep, model),
             rewrite_details=[r.detail for r in rep.rewrites if r.pass_name == "expert_parallel"],
             skips=sorted({f"{r.pass_name}:{r.what}" for r in rep.skips}),
             skip_details=_ep_skips(rep),
@@ -191,6 +193,14 @@ def _deterministic(fresh, x, cot, ref, eager) -> dict:
             "differing": sorted(k for k in got if not torch.equal(got[k], again[k]))}
 
 
+def _rewrites(rep, model) -> list[str]:
+    """``layer:pass`` of the graph passes' rewrites and of ``moe_compile.compile``'s module swaps."""
+    from moe_compile import report
+
+    return sorted({f"{r.layer}:{r.pass_name}" for r in (*rep.rewrites, *report.module_records(model))
+                   if r.kind == "rewrite"})
+
+
 def _ep_skips(rep) -> list[str]:
     """Why ``expert_parallel`` left an exchange alone (reason tag and detail)."""
     return sorted({f"{r.pass_name}:{r.what}: {r.detail}" for r in rep.skips if r.pass_name == "expert_parallel"})
@@ -222,7 +232,7 @@ def _capture_phase(fresh, tokens, references, left_reads) -> dict:
         except Exception as exc:  # noqa: BLE001 - why capture failed, recorded
             out.update(captured=False, steps_done=steps, skip_details=_ep_skips(rep), **_error(exc))
             return out
-    out.update(rewrites=sorted({f"{r.layer}:{r.pass_name}" for r in rep.rewrites}), skip_details=_ep_skips(rep),
+    out.update(rewrites=_rewrites(rep, model), skip_details=_ep_skips(rep),
                host_reads_left=left_reads[:], cudagraph_skips=counters["inductor"]["cudagraph_skips"],
                bitwise_replay=all(torch.equal(got[k], again[k]) for k in got),
                differing=sorted(k for k in got if not torch.equal(got[k], again[k])))

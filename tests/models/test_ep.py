@@ -79,6 +79,8 @@ def _check_swapped(per_rank: list[dict]) -> None:
         assert not any(r.endswith(":expert_parallel") for r in result["rewrites"]), result
         (detail,) = result["swap_details"]
         assert "expert-parallel over 2 ranks" in detail and "no host read" in detail, detail
+        # the layer's router takes its top-k of bf16 probabilities (softmax in the logits' dtype)
+        assert "softmax_topk_in_dtype" in detail, detail
         assert result["graph_breaks"] == 0, result
         assert result["host_reads_left"] and not any(result["host_reads_left"]), result
         assert not [w for w in result["left"] if "_local_scalar_dense" in w], result

@@ -3,7 +3,9 @@
 host read is left (none in the graphs after the pass, no ``_local_scalar_dense`` left, a step under CUDA's sync debug
 mode raises nothing), output and every gradient are within eager's distance from an fp64 reference
 (``tests/_tolerance.py``), two runs are bitwise equal, and the training step is captured under strict CUDA graphs
-(``mode="reduce-overhead"``, ``graph_partition=False``, ``triton.cudagraph_or_error=True``).
+(``mode="reduce-overhead"``, ``graph_partition=False``, ``triton.cudagraph_or_error=True``). The same for the
+host-loop layer :class:`~tests.models.ep_layers.AutogradAllToAllEP`, which the swap takes before Dynamo
+(``moe_compile/experts/expert_parallel.py``): not yet run on the GPUs (no device time in the session that wrote it).
 
 The CPU form of the same checks (gloo) is ``test_ep.py``; this file is skipped without 2 CUDA devices. With 4, FSDP2
 on a 2-D mesh (``dp`` 2 x ``ep`` 2, ``_ep_fsdp_worker.py``) over NCCL too.
@@ -34,14 +36,16 @@ pytestmark = [
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    """Both ranks' verdicts (each phase's; a rank that died or hung leaves what it had written)."""
+@pytest.fixture(scope="module", params=["titan", "autograd_all_to_all"])
+def ranks(request, tmp_path_factory) -> list[dict]:
+    """Both ranks' verdicts (each phase's; a rank that died or hung leaves what it had written), for the titan layer
+    (the graph pass rewrites it) and the host-loop layer (swapped before Dynamo: ``experts/expert_parallel.py``)."""
     tmp = tmp_path_factory.mktemp("ep_gpu")
     env = {**os.environ, **NO_MULTICAST,
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.models._ep_gpu_worker", str(rank), str(WORLD),
-                               str(tmp / "store"), str(tmp / f"rank{rank}.json")], cwd=REPO_ROOT, env=env,
+                               str(tmp / "store"), str(tmp / f"rank{rank}.json"), "--kind", request.param],
+                              cwd=REPO_ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(WORLD)]
     logs = []
@@ -58,8 +62,16 @@ def ranks(tmp_path_factory) -> list[dict]:
         result = json.loads(path.read_text()) if path.exists() else {}
         result.update(returncode=p.returncode, log_tail=log[-4000:])
         print(f"rank {rank}: {json.dumps({k: v for k, v in result.items() if k != 'log_tail'}, indent=1)}")
+        result["kind"] = request.param
         results.append(result)
     return results
+
+
+def _rewritten(got: dict) -> bool:
+    """The graph pass rewrote the titan layer's exchange; the swap took the host-loop layer."""
+    if got.get("kind", "titan") == "autograd_all_to_all" or "<root>:swap_expert_loops" in got["rewrites"]:
+        return "<root>:swap_expert_loops" in got["rewrites"]
+    return any(r.endswith(":expert_parallel") for r in got["rewrites"])
 
 
 def test_compiled_over_nccl_within_eager_bound(ranks):
@@ -76,11 +88,11 @@ def test_compiled_over_nccl_within_eager_bound(ranks):
 # Rerun on 2 H200s (torch 2.11.0+cu130, 09e6ffe, 2026-11-27): the four tests of this file pass.
 def test_rewritten_over_nccl_without_host_reads(ranks):
     for result in ranks:
-        got = result["compiled"]
-        assert any(r.endswith(":expert_parallel") for r in got["rewrites"]), (got["skips"], got.get("skip_details"),
-                                                                              got.get("errors"))
-        (detail,) = got["rewrite_details"]
-        assert "no row dropped" in detail and "no host read" in detail, detail
+        got = {**result["compiled"], "kind": result["kind"]}
+        assert _rewritten(got), (got["rewrites"], got["skips"], got.get("skip_details"), got.get("errors"))
+        if result["kind"] == "titan":
+            (detail,) = got["rewrite_details"]
+            assert "no row dropped" in detail and "no host read" in detail, detail
         assert got["host_reads_left"] and not any(got["host_reads_left"]), got
         assert not [w for w in got["left"] if "_local_scalar_dense" in w or ".item()" in w], got
         assert got["graph_breaks"] == 0, got
@@ -101,7 +113,7 @@ def test_training_step_captured_by_strict_cuda_graphs(ranks):
         assert "capture" in result, {k: v for k, v in result.items() if k != "compiled"}
         cap = result["capture"]
         assert cap["captured"], (cap.get("error"), cap.get("skip_details"), cap.get("traceback", "")[-3000:])
-        assert any(r.endswith(":expert_parallel") for r in cap["rewrites"]), cap
+        assert _rewritten({**cap, "kind": result["kind"]}), cap
         assert cap["host_reads_left"] and not any(cap["host_reads_left"]), cap
         assert cap["cudagraph_skips"] == 0, cap
         assert cap["bitwise_replay"], cap["differing"]
