@@ -19,7 +19,8 @@ What is recognised (``E`` experts, ``H`` hidden, ``I`` intermediate):
   flat group's weights) ``act_fn`` / ``act`` / ``activation`` / ``activation_fn``, or, for experts that call one
   directly (``F.silu(self.w1(x))``), the one of silu / gelu / gelu-tanh / relu that the probe finds;
 * routing: the block's ``route(x_TH) -> (ids_TK, weights_TK)`` if it has one, else ``gate`` (``nn.Linear`` H -> E)
-  + ``top_k`` / ``num_experts_per_tok``: ``softmax`` in fp32 -> ``topk`` (renormalised or not), else a ``gate`` or
+  + ``top_k`` / ``num_experts_per_tok``: ``softmax`` in fp32 -> ``topk`` (renormalised or not), ``topk`` of the
+  logits -> ``softmax``, or ``softmax`` in the logits' dtype -> ``topk`` (``GATE_WEIGHTS``), else a ``gate`` or
   ``router`` module that routes itself, returning ``(weights_TK, ids_TK)`` in either order (DeepSeek-V3's reference
   ``Gate``), ``(logits_TE, weights_TK, ids_TK)`` (transformers' top-k routers: Step3p7) or dense ``(scores_TE,
   logits_TE)`` (Llama4Router, below), else ``block.route_tokens_to_experts(block.router(x))`` (DBRX's softmax,
