@@ -30,6 +30,8 @@ def test_kernel_case(results, case):
     assert results[case] == "ok", results[case]
 
 
+# ~90 s on the 2-core CI: in the slow run (the GPU tests, tests/ops/test_expert_gemm_gpu.py, run the kernels)
+@pytest.mark.slow
 def test_gpu_configs_compile_for_sm90():
     """Every CUDA launch config of the benchmark shapes (bf16 dots, TMA descriptors, NVFP4 PTX decode,
     which the interpreter never runs) lowers to an sm_90 cubin; needs Triton's NVIDIA backend, not a GPU."""
