@@ -1,6 +1,7 @@
 """One rank of ``test_ep.py::test_transformers_expert_parallel`` (gloo, CPU): transformers' own expert parallelism
 (``apply_expert_parallelism`` with the Qwen3-MoE block's ``ep_plan``: experts sharded ``Shard(0)`` over an ``ep``
-mesh of every rank, ``tp`` of 1) on a Qwen3-MoE sparse block, each rank routing its own tokens. Its
+mesh of every rank, ``tp`` of 1) on a Qwen3-MoE sparse block (or, with ``causal_lm`` as the last argument, a
+2-layer Qwen3-MoE CausalLM: loss and gradients), each rank routing its own tokens. Its
 ``all_to_all`` implementation in fp64 is the reference; in bf16 eager is the yardstick; judged: the same block under
 ``moe_compile.compile`` (the implementation swapped to ``"moe_compile"``) and, eager, the block built with
 ``ep_implementation="moe_compile"``. Writes the verdict as JSON.
@@ -8,6 +9,7 @@ mesh of every rank, ``tp`` of 1) on a Qwen3-MoE sparse block, each rank routing 
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 
@@ -19,19 +21,26 @@ PLAN = {"experts.gate_up_proj": "grouped_gemm", "experts.down_proj": "grouped_ge
 
 
 def _step(block: torch.nn.Module, run, x: torch.Tensor, cot: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Output and gradients (this rank's shards of the experts') of ``(out * cot).sum()``."""
+    """Output and gradients (this rank's shards of the experts') of ``(out * cot).sum()``; for a CausalLM (``x`` its
+    token ids), the loss and gradients."""
     block.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_()
-    out = run(x)
-    out = out[0] if isinstance(out, tuple) else out
-    (out.float() * cot).sum().backward()
+    if x.is_floating_point():
+        x = x.detach().clone().requires_grad_()
+        out = run(x)
+        out = out[0] if isinstance(out, tuple) else out
+        (out.float() * cot).sum().backward()
+        step = {"out": out.detach(), "grad:x": x.grad}
+    else:
+        loss = run(input_ids=x, labels=x).loss
+        loss.backward()
+        step = {"loss": loss.detach()}
     grads = {f"grad:{n}": getattr(p.grad, "_local_tensor", p.grad) for n, p in block.named_parameters()}
-    return {"out": out.detach(), "grad:x": x.grad, **grads}
+    return {**step, **grads}
 
 
-def main(rank: int, world: int, store_path: str, result_path: str) -> None:
+def main(rank: int, world: int, store_path: str, result_path: str, model: str = "block") -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     from transformers.distributed.expert_parallel import apply_expert_parallelism
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -43,24 +52,36 @@ def main(rank: int, world: int, store_path: str, result_path: str) -> None:
     try:
         mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ep", "tp"))
         config = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
-                                num_experts_per_tok=TOP_K, norm_topk_prob=True)
+                                num_experts_per_tok=TOP_K, norm_topk_prob=True, vocab_size=64, intermediate_size=64,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+        cls = Qwen3MoeSparseMoeBlock if model == "block" else Qwen3MoeForCausalLM
         init = torch.Generator().manual_seed(0)  # the same full weights on every rank; each keeps its shard
         weights = {n: torch.randn(p.shape, generator=init) * p.shape[-1] ** -0.5
-                   for n, p in Qwen3MoeSparseMoeBlock(config).named_parameters()}
+                   for n, p in cls(config).named_parameters()}
 
         def block(dtype: torch.dtype, implementation: str) -> torch.nn.Module:
-            b = Qwen3MoeSparseMoeBlock(config)
+            own = copy.deepcopy(config)
+            if dtype == torch.float64:  # a CausalLM's experts default to torch._grouped_mm, which has no fp64
+                own._experts_implementation = "eager"
+            b = cls(own)
             with torch.no_grad():
                 for n, p in b.named_parameters():
                     p.copy_(weights[n].to(torch.bfloat16))  # bf16-rounded on every side
             b.to(dtype)
-            return apply_expert_parallelism(b, mesh["ep"], mesh["tp"], PLAN, ep_implementation=implementation)
+            owners = [""] if model == "block" else [n for n, m in b.named_modules()
+                                                    if n.endswith(".mlp") and hasattr(m, "experts")]
+            plan = {f"{owner}.{key}".lstrip("."): style for owner in owners for key, style in PLAN.items()}
+            return apply_expert_parallelism(b, mesh["ep"], mesh["tp"], plan, ep_implementation=implementation)
 
         gen = torch.Generator().manual_seed(10 + rank)  # each rank its own tokens
-        x = torch.randn(2, 12, HIDDEN, generator=gen).bfloat16()
-        cot = torch.randn(2, 12, HIDDEN, generator=gen)
+        if model == "block":
+            x = torch.randn(2, 12, HIDDEN, generator=gen).bfloat16()
+            cot = torch.randn(2, 12, HIDDEN, generator=gen)
+        else:
+            x, cot = torch.randint(0, config.vocab_size, (2, 16), generator=gen), None
         ref_block = block(torch.float64, "all_to_all")
-        ref = _step(ref_block, ref_block, x.double(), cot.double())
+        ref = _step(ref_block, ref_block, x.double() if x.is_floating_point() else x,
+                    cot.double() if cot is not None else None)
         eager_block = block(torch.bfloat16, "all_to_all")
         eager = _step(eager_block, eager_block, x, cot)
         opt_in_block = block(torch.bfloat16, "moe_compile")
@@ -87,4 +108,4 @@ def main(rank: int, world: int, store_path: str, result_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], *sys.argv[5:])

@@ -109,10 +109,21 @@ def test_transformers_expert_parallel(tmp_path):
     sizes to the host every layer): under ``moe_compile.compile`` its implementation is swapped to ours, one graph, no
     host read left, bitwise repeat, within eager's bound from fp64; ``ep_implementation="moe_compile"`` too, eager."""
     pytest.importorskip("transformers.distributed.expert_parallel")
-    results = _run_ranks(None, tmp_path, worker="tests.models._hf_ep_worker")
+    _check_transformers_ep(_run_ranks(None, tmp_path, worker="tests.models._hf_ep_worker"), ["experts"])
+
+
+@pytest.mark.slow
+def test_transformers_expert_parallel_causal_lm(tmp_path):
+    """The same on a 2-layer Qwen3-MoE CausalLM (the ``ep_plan`` on both layers' experts): loss and gradients."""
+    pytest.importorskip("transformers.distributed.expert_parallel")
+    results = _run_ranks(None, tmp_path, "causal_lm", worker="tests.models._hf_ep_worker")
+    _check_transformers_ep(results, [f"model.layers.{i}.mlp.experts" for i in range(2)])
+
+
+def _check_transformers_ep(results: list[dict], experts: list[str]) -> None:
     for result in results:
         print(f"rank {result['rank']}: {result}")
-        assert result["module_records"] == [["experts", "rewrite", "ep_implementation=AllToAllEP"]], result
+        assert result["module_records"] == [[e, "rewrite", "ep_implementation=AllToAllEP"] for e in experts], result
         assert result["graphs"] == 1 and result["graph_breaks"] == 0, result
         assert not [w for w in result["left"] if w.startswith("host_sync")], result
         assert result["bitwise_repeat"], result
