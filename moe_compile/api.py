@@ -18,10 +18,6 @@ from moe_compile.experts.expert_parallel import use_hf_expert_parallel
 from moe_compile.experts.interface import is_hf_experts, use_fused_hf_experts
 from moe_compile.experts.swap import swap_expert_loops as swap_loops
 
-# Dynamo graph-breaks on `.tolist()` / `.item()` and on ops with data-dependent output shapes unless
-# these are on (fullgraph=True turns them on implicitly). Host-sized padding regions are only visible
-# to our pre-grad pass when they are captured.
-
 
 # The keywords from ``metrics`` to ``validate`` are config.OPTIONS, with their defaults, and their Args entries
 # begin with the rows' docs (tests/test_api.py checks both).

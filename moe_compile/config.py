@@ -21,7 +21,9 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 OPTION_PREFIX = "moe."
-# Dynamo flags under which moe_compile.compile traces host reads (.item(), .tolist(), nonzero) into the graph
+# Dynamo flags under which moe_compile.compile traces host reads (.item(), .tolist(), nonzero) into the graph.
+# Without them Dynamo graph-breaks there and on ops with data-dependent output shapes (fullgraph=True turns them on
+# implicitly); host-sized padding regions are only visible to the pre-grad passes when they are captured.
 CAPTURE_FLAGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
 
 Kind = Literal["option", "env"]

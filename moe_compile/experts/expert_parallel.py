@@ -123,6 +123,11 @@ class _EPPlan:
     gate_weights: str = "softmax_topk"
     capacity_factor: float | None = None  # set after the probe (which compares at the bound)
 
+    def take(self, candidate: dict[str, Any]) -> None:
+        """Read the block as the probe's ``candidate`` (:func:`_candidates`) says."""
+        for field, value in candidate.items():
+            setattr(self, field, value)
+
     def projections(self, block: nn.Module) -> tuple[Projection, Projection]:
         up, down = block.get_parameter(self.up), block.get_parameter(self.down)
         return (Projection(up.transpose(1, 2) if self.up_transposed else up),
@@ -273,8 +278,7 @@ def swap_ep_block(block: nn.Module, group: dist.ProcessGroup, capacity_factor: f
         with torch.no_grad():
             want = outputs(block.forward(x))[0]
         for candidate in candidates:
-            for field, value in candidate.items():
-                setattr(plan, field, value)
+            plan.take(candidate)
             with torch.no_grad():
                 try:
                     err = row_mismatch(_ep_forward(block, plan, x), want)
@@ -289,8 +293,7 @@ def swap_ep_block(block: nn.Module, group: dist.ProcessGroup, capacity_factor: f
         first: NotSwappable | None = None
         for _, i in ranked:
             block.eval()
-            for field, value in candidates[i].items():
-                setattr(plan, field, value)
+            plan.take(candidates[i])
             failures = list(verification_failures(block, lambda: row_mismatch(
                 _ep_forward(block, plan, x), outputs(block.forward(x))[0]), lambda t: _ep_forward(block, plan, t), x))
             failed_anywhere = _reduce_max([float(bool(failures))], plan, device)[0]
