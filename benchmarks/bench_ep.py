@@ -21,9 +21,10 @@ Every ``moe_compile`` variant is compiled with ``deterministic=True`` (the bitwi
 eager and plain Inductor run as users run them (FlashAttention's backward adds dQ with atomics there).
 
 Per variant: the step's wall time (median over interleaved rounds after warm-up of the slowest rank's time per
-round), the GPU kernel time of one profiled step (sum over kernels, rank 0; NCCL kernels count their waiting), the
-exchange buffer (``moe_compile``: the static ``[W*S, H]`` send / receive buffer from the rewrite's record; eager and
-Inductor: the received rows, which vary per step: mean and max over layers and ranks at the initial weights),
+round), the GPU kernel time of one profiled step (sum over kernels, rank 0; NCCL kernels count their waiting) and
+its 15 longest kernels, the exchange buffer (``moe_compile``: the static ``[W*S, H]`` send / receive buffer from the
+rewrite's record; eager and Inductor: the received rows, which vary per step: mean and max over layers and ranks at
+the initial weights),
 whether 10 AdamW steps run twice from the same weights give the same bits (losses and every parameter, every rank),
 and the graphs / graph breaks of the compile. The replicated parameters (attention, norms, router) are not
 all-reduced across ranks (data parallelism over them is not part of the step timed here).
@@ -233,7 +234,7 @@ def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int, save) -> tu
         return loss
 
     for variant in VARIANTS:
-        if variant in CUDA_ONLY and not r.cuda:
+        if variant not in args.variants.split(",") or variant in CUDA_ONLY and not r.cuda:
             continue
         if not r.agree(r.elapsed() < args.budget_s * 0.7):
             notes.setdefault("skipped", []).append(f"{variant}: time budget")
@@ -321,7 +322,7 @@ def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int, save) -> tu
     save(build_rows(False), notes)  # the times, before the extras (which the deadline may cut)
     for variant in live:
         if r.agree(r.elapsed() < args.budget_s * 0.85):
-            extra[variant]["kernel_ms"] = _kernel_ms(r, lambda v=variant: step(v))
+            extra[variant].update(_kernel_profile(r, lambda v=variant: step(v)))
             extra[variant]["fwd_bwd_extra_gb"] = _step_memory_gb(r, lambda v=variant: forward_backward(v))
     for variant in live:
         if r.agree(r.elapsed() < args.budget_s * 0.9):
@@ -369,16 +370,20 @@ def _row(r: _Rank, variant: str, name: str, cfg: dict, batch: int, seq: int, inf
     return row
 
 
-def _kernel_ms(r: _Rank, run) -> float | None:
+def _kernel_profile(r: _Rank, run, top: int = 15) -> dict:
+    """GPU kernel time of one step (rank 0's profile), and its ``top`` kernels by time: ``[name, ms, calls]``."""
     if not r.cuda:
-        return None
+        return {}
     from torch.profiler import ProfilerActivity, profile
 
     r.sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         r.sync()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    return {"kernel_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
+            "kernels_top": [[e.key[:100], round(e.self_device_time_total / 1e3, 4), e.count] for e in kernels[:top]]}
 
 
 def _step_memory_gb(r: _Rank, run) -> float | None:
@@ -469,6 +474,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world", type=int, default=None, help="ranks (default: every CUDA device)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=3, help="steps after the first (compiling) one")
@@ -515,7 +521,7 @@ def _launch(args: argparse.Namespace) -> None:
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
            "PYTHONUNBUFFERED": "1"}
     common = ["--world", str(W), "--store", str(tmp / "store"), "--rows", str(rows_path), "--models",
-              ",".join(args.models), "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup",
+              ",".join(args.models), "--variants", args.variants, "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup",
               str(args.warmup), "--budget-s", str(args.budget_s), "--device", args.device,
               *(["--quick"] if args.quick else []),
               *(["--start-timing-after", args.start_timing_after] if args.start_timing_after else [])]
