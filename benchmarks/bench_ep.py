@@ -366,12 +366,14 @@ def _row(r: _Rank, variant: str, name: str, cfg: dict, batch: int, seq: int, inf
         row["S_expected"] = S_cf
     if show and r.rank == 0 and row["step_ms"] is not None:
         print(f"{name} W={W} {variant}: {row['step_ms']:.2f} ms/step (kernels {row['kernel_ms']}), "
-              f"buffer {row['buffer_bytes']} B, bitwise 10 steps {row['bitwise_10_steps']}", flush=True)
+              f"buffer {row['buffer_bytes']} B, bitwise 10 steps {row['bitwise_10_steps']}"
+              + (f"\n  longest kernels: {row['kernels_top']}" if row.get("kernels_top") else ""), flush=True)
     return row
 
 
 def _kernel_profile(r: _Rank, run, top: int = 15) -> dict:
-    """GPU kernel time of one step (rank 0's profile), and its ``top`` kernels by time: ``[name, ms, calls]``."""
+    """GPU kernel time of one step (rank 0's profile), and its ``top`` kernels by time (``name ms xcalls``, joined by
+    `` | ``: results rows are flat)."""
     if not r.cuda:
         return {}
     from torch.profiler import ProfilerActivity, profile
@@ -383,7 +385,8 @@ def _kernel_profile(r: _Rank, run, top: int = 15) -> dict:
     kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     kernels.sort(key=lambda e: -e.self_device_time_total)
     return {"kernel_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
-            "kernels_top": [[e.key[:100], round(e.self_device_time_total / 1e3, 4), e.count] for e in kernels[:top]]}
+            "kernels_top": " | ".join(f"{e.key[:90]} {e.self_device_time_total / 1e3:.3f} x{e.count}"
+                                      for e in kernels[:top])}
 
 
 def _step_memory_gb(r: _Rank, run) -> float | None:

@@ -42,15 +42,61 @@ class NotSwappable(Exception):
 # selection bias, a scaled weight) moves a token's row by 50 ulps and more.
 PROBE_ULPS = 8
 PROBE_FLOOR_ULPS = 4  # ... plus this many of the tensor's (a gradient's: all the gradients') largest value
-PROBE_SHAPES = ((4, 64), (256,))  # batch and sequence, or tokens only: 256 tokens
+PROBE_SHAPES = ((4, 64), (256,))  # batch and sequence, or tokens only: 256 tokens, the same draws in either
+TOKENS_FIRST = ((256,), (4, 64))
 
 
-def probe_input(block: nn.Module, hidden: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A random probe of 256 tokens the block's own forward accepts: ``[4, 64, H]`` (batch and sequence), else
-    ``[256, H]`` (a block that takes tokens only); a block that runs on neither is not swapped."""
+# NOTE [probe shapes on a GPU]: a block written for [T, H] that is given [B, S, H] can index past the batch dim
+# (token ids up to B*S - 1 into a tensor of B rows). On the CPU that is an IndexError the probe catches; on CUDA it
+# is a device-side assert, which no code can catch and which loses the process's CUDA context (the expert-parallel
+# GPU test died so on 2026-11-28). So on a GPU each shape is first tried on CPU copies of the block's parameters and
+# buffers (``torch.func.functional_call``); only a shape that runs there is tried on the device. Where no shape runs
+# on the CPU (an op without a CPU kernel, tensors that do not copy), the device is tried tokens first: a block
+# written for [B, S, H] refuses [T, H] in Python, unpacking its shape. The batch-and-sequence shape stays first
+# otherwise: a block is verified on the shape its model gives it (a [B, S, H] block's [T, H] output, capacity per
+# sequence). Expert-parallel blocks, whose forward runs collectives, go tokens first on the device directly.
+
+
+class _Forward(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: Tensor) -> Any:
+        return self.block.forward(x)
+
+
+def _runs_on_cpu(block: nn.Module, x: Tensor) -> bool | None:
+    """Whether ``block``'s forward runs on ``x`` with CPU copies of its tensors; ``None`` when they do not copy."""
+    wrapper = _Forward(block)
+    try:
+        tensors = {name: t.detach().to("cpu") for name, t in
+                   [*wrapper.named_parameters(remove_duplicate=False), *wrapper.named_buffers(remove_duplicate=False)]}
+    except Exception:  # noqa: BLE001 - a tensor subclass without a CPU copy
+        return None
+    try:
+        with torch.no_grad():
+            torch.func.functional_call(wrapper, tensors, (x,), tie_weights=False)
+    except Exception:  # noqa: BLE001 - any failure of the user's forward on this shape
+        return False
+    return True
+
+
+def probe_input(block: nn.Module, hidden: int, dtype: torch.dtype, device: torch.device,
+                shapes: tuple[tuple[int, ...], ...] = PROBE_SHAPES, cpu_first: bool = True) -> Tensor:
+    """A random probe of 256 tokens the block's own forward accepts, of the first of ``shapes`` that runs:
+    ``[4, 64, H]`` (batch and sequence), else ``[256, H]`` (tokens only); a block that runs on neither is not
+    swapped. On a GPU, NOTE [probe shapes on a GPU] (``cpu_first=False``: tokens first, on the device)."""
+    if device.type != "cpu" and cpu_first:
+        draws = [torch.randn(*lead, hidden, generator=torch.Generator().manual_seed(0)).to(dtype) for lead in shapes]
+        on_cpu = [_runs_on_cpu(block, x) for x in draws]
+        if any(on_cpu):
+            shapes = tuple(lead for lead, ok in zip(shapes, on_cpu) if ok is not False)
+        else:
+            shapes = tuple(sorted(shapes, key=len))
     gen = torch.Generator(device="cpu").manual_seed(0)
     failures = []
-    for lead in PROBE_SHAPES:
+    for lead in shapes:
         x = torch.randn(*lead, hidden, generator=gen).to(device=device, dtype=dtype)
         try:
             block.forward(x)
@@ -225,5 +271,5 @@ def same_draws_run(first: Callable[[Tensor], Any], second: Callable[[Tensor], An
     return a, b
 
 
-__all__ = ["PROBE_FLOOR_ULPS", "PROBE_SHAPES", "PROBE_ULPS", "NotSwappable", "forward_in_both_modes", "outputs",
-           "path_dtypes", "probe_input", "row_mismatch", "same_draws_run", "verification_failures", "verify"]
+__all__ = ["PROBE_FLOOR_ULPS", "PROBE_SHAPES", "PROBE_ULPS", "TOKENS_FIRST", "NotSwappable", "forward_in_both_modes",
+           "outputs", "path_dtypes", "probe_input", "row_mismatch", "same_draws_run", "verification_failures", "verify"]

@@ -53,7 +53,14 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from moe_compile.config import CAPTURE_FLAGS
-from moe_compile.experts._probe import NotSwappable, outputs, probe_input, row_mismatch, verification_failures
+from moe_compile.experts._probe import (
+    TOKENS_FIRST,
+    NotSwappable,
+    outputs,
+    probe_input,
+    row_mismatch,
+    verification_failures,
+)
 from moe_compile.experts._swap_layout import ACT_CANDIDATES, GATE_WEIGHTS, _act_of, top_k_of_logits
 from moe_compile.experts.interface import SUPPORTED_DTYPES, Projection, grouped_linear, hf_projection
 from moe_compile.ops.expert_parallel import ep_capacity, ep_regroup_index, ep_send_index, gather_rows
@@ -270,7 +277,8 @@ def swap_ep_block(block: nn.Module, group: dist.ProcessGroup, capacity_factor: f
     was_training = [m.training for m in block.modules()]
     block.eval()
     try:
-        x = _more_tokens(probe_input(block, plan.hidden, weight.dtype, device))
+        # tokens first, on the device (NOTE [probe shapes on a GPU]): the forward runs collectives
+        x = _more_tokens(probe_input(block, plan.hidden, weight.dtype, device, TOKENS_FIRST, cpu_first=False))
         if _captured_whole(block, x):
             return None
         candidates = _candidates(plan)

@@ -1,6 +1,8 @@
 """Ops of the static expert-parallel exchange (``moe_compile/passes/expert_parallel``): row gathers whose backward is
 the inverse gather, and the device indices they use. No host reads, no atomics: forward and backward are
-deterministic.
+deterministic. Like the dispatch ops, each decomposes into its body when AOTAutograd traces it (NOTE
+[device-decomposed triton ops] (moe_compile/ops/_common.py)): compiled, a gather is one fused pass of Inductor's,
+not a custom-op call.
 
 * ``moe.gather_rows(src [n, ...], index [m], inverse [n]) -> [m, ...]``: ``out[j] = src[index[j]]`` where
   ``0 <= index[j] < n``, else a zero row. Contract: the valid entries of ``index`` are distinct and ``inverse`` is
@@ -23,6 +25,8 @@ import math
 import torch
 from torch import Tensor
 
+from moe_compile.ops._common import dispatch_triton_op
+
 
 def ep_capacity(bound: int, num_rows: int, world: int, factor: float | None) -> int:
     """``S``, the rows one rank sends one rank: ``factor=None`` the ``bound`` (no row dropped); a float ``f``
@@ -34,25 +38,26 @@ def ep_capacity(bound: int, num_rows: int, world: int, factor: float | None) -> 
     return max(1, min(bound, math.ceil(factor * num_rows / world)))
 
 
-def _gather(src: Tensor, index: Tensor) -> Tensor:
-    n = src.shape[0]
-    index = index.long()
-    valid = (index >= 0) & (index < n)
-    padded = torch.cat([src, src.new_zeros((1, *src.shape[1:]))])
-    return padded.index_select(0, torch.where(valid, index, n))
-
-
-@torch.library.custom_op("moe::gather_rows", mutates_args=())
-def gather_rows(src: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+def _gather_rows(src: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
     """``src[index]`` with a zero row wherever ``index`` is out of ``[0, len(src))`` (module docstring)."""
     torch._check(inverse.shape[0] == src.shape[0], lambda: "gather_rows: inverse must have one entry per src row")
-    return _gather(src, index)
+    n = src.shape[0]
+    index = index.long()
+    if n == 0:
+        return src.new_zeros((index.shape[0], *src.shape[1:]))
+    valid = ((index >= 0) & (index < n)).view(-1, *[1] * (src.dim() - 1))
+    # a clamped read and a select, not a zero row concatenated to src (a copy of all of src): compiled, the two
+    # are one pass over the output rows (NOTE [device-decomposed triton ops])
+    return torch.where(valid, src.index_select(0, index.clamp(0, n - 1)), src.new_zeros(()))
 
 
-@gather_rows.register_fake
 def _gather_rows_fake(src: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
     torch._check(inverse.shape[0] == src.shape[0], lambda: "gather_rows: inverse must have one entry per src row")
     return src.new_empty((index.shape[0], *src.shape[1:]))
+
+
+gather_rows = dispatch_triton_op("moe::gather_rows", _gather_rows, fake=_gather_rows_fake,
+                                 schema="(Tensor src, Tensor index, Tensor inverse) -> Tensor")
 
 
 def _gather_rows_setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
@@ -72,8 +77,7 @@ def _exclusive_cumsum(x: Tensor, dim: int = -1) -> Tensor:
     return x.cumsum(dim) - x
 
 
-@torch.library.custom_op("moe::ep_send_index", mutates_args=())
-def ep_send_index(send_counts: Tensor, num_rows: int, capacity: int) -> tuple[Tensor, Tensor]:
+def _ep_send_index(send_counts: Tensor, num_rows: int, capacity: int) -> tuple[Tensor, Tensor]:
     """``(pack [W*S], slot [N])`` of the padded send buffer (module docstring)."""
     W, S, N = send_counts.shape[0], capacity, num_rows
     counts = send_counts.long()
@@ -89,15 +93,17 @@ def ep_send_index(send_counts: Tensor, num_rows: int, capacity: int) -> tuple[Te
     return pack, slot
 
 
-@ep_send_index.register_fake
 def _ep_send_index_fake(send_counts: Tensor, num_rows: int, capacity: int) -> tuple[Tensor, Tensor]:
     W = send_counts.shape[0]
     new = send_counts.new_empty
     return new(W * capacity, dtype=torch.long), new(num_rows, dtype=torch.long)
 
 
-@torch.library.custom_op("moe::ep_regroup_index", mutates_args=())
-def ep_regroup_index(counts: Tensor, capacity: int) -> tuple[Tensor, Tensor, Tensor]:
+ep_send_index = dispatch_triton_op("moe::ep_send_index", _ep_send_index, fake=_ep_send_index_fake,
+                                   schema="(Tensor send_counts, int num_rows, int capacity) -> (Tensor, Tensor)")
+
+
+def _ep_regroup_index(counts: Tensor, capacity: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(regroup [W*S], inverse [W*S], offs [L])``: the received buffer in local-expert-major order (module
     docstring)."""
     W, L = counts.shape
@@ -128,11 +134,14 @@ def ep_regroup_index(counts: Tensor, capacity: int) -> tuple[Tensor, Tensor, Ten
     return regroup, inverse, offs.to(torch.int32)
 
 
-@ep_regroup_index.register_fake
 def _ep_regroup_index_fake(counts: Tensor, capacity: int) -> tuple[Tensor, Tensor, Tensor]:
     W, L = counts.shape
     new = counts.new_empty
     return new(W * capacity, dtype=torch.long), new(W * capacity, dtype=torch.long), new(L, dtype=torch.int32)
+
+
+ep_regroup_index = dispatch_triton_op("moe::ep_regroup_index", _ep_regroup_index, fake=_ep_regroup_index_fake,
+                                      schema="(Tensor counts, int capacity) -> (Tensor, Tensor, Tensor)")
 
 
 __all__ = ["ep_capacity", "ep_regroup_index", "ep_send_index", "gather_rows"]

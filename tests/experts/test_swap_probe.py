@@ -110,3 +110,24 @@ def test_probe_refuses_residue_where_the_blocks_gradient_is_exactly_zero(monkeyp
     records = swap_expert_loops(build(_spec(TOP1_OF_LOGITS)))
     assert len(records) == 1 and records[0][1:3] == ("skip", "probe_grad_mismatch"), records
     assert "exactly zero in the block's own" in records[0][3], records
+
+
+@pytest.mark.parametrize("batch3d", [False, True])
+def test_probe_on_a_gpu_tries_each_shape_on_cpu_copies_first(batch3d):
+    """NOTE [probe shapes on a GPU]: a block written for ``[T, H]`` and given ``[B, S, H]`` indexes past the batch
+    dim, on CUDA a device-side assert that loses the CUDA context (the expert-parallel GPU test died so on
+    2026-11-28). Off the CPU, each shape runs first on CPU copies of the block's tensors, and the device sees only a
+    shape that ran there: here the device is ``meta`` (where the block's CPU weights make every call fail, so the
+    probe ends refused), and what matters is which shapes reached it."""
+    from moe_compile.experts._probe import NotSwappable, probe_input
+
+    spec = _spec({"batch3d": batch3d})
+    block = build(spec)
+    seen = []
+    forward = block.forward
+    block.forward = lambda x, *a, **k: (seen.append((x.device.type, x.dim())), forward(x, *a, **k))[1]
+    with pytest.raises(NotSwappable, match="probe_failed"):
+        probe_input(block, spec.hidden, next(block.parameters()).dtype, torch.device("meta"))
+    assert {d for t, d in seen if t == "cpu"} == {2, 3}, seen  # both tried on the copies
+    on_device = [d for t, d in seen if t == "meta"]
+    assert on_device == ([3, 2] if batch3d else [2]), seen

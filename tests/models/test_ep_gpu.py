@@ -5,7 +5,7 @@ mode raises nothing), output and every gradient are within eager's distance from
 (``tests/_tolerance.py``), two runs are bitwise equal, and the training step is captured under strict CUDA graphs
 (``mode="reduce-overhead"``, ``graph_partition=False``, ``triton.cudagraph_or_error=True``). The same for the
 host-loop layer :class:`~tests.models.ep_layers.AutogradAllToAllEP`, which the swap takes before Dynamo
-(``moe_compile/experts/expert_parallel.py``): not yet run on the GPUs (no device time in the session that wrote it).
+(``moe_compile/experts/expert_parallel.py``).
 
 The CPU form of the same checks (gloo) is ``test_ep.py``; this file is skipped without 2 CUDA devices. With 4, FSDP2
 on a 2-D mesh (``dp`` 2 x ``ep`` 2, ``_ep_fsdp_worker.py``) over NCCL too.
