@@ -40,11 +40,12 @@ loaded. With tensor parallelism (the ranks of a TP group share one batch) transf
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -264,11 +265,34 @@ def _more_tokens(x: Tensor) -> Tensor:
     return torch.cat([x, *more], dim=0)
 
 
-def swap_ep_block(block: nn.Module, group: dist.ProcessGroup, capacity_factor: float | None = None) -> str | None:
+@contextlib.contextmanager
+def _unsharded(owner: nn.Module | None) -> Iterator[None]:
+    """FSDP2's unsharded parameters on ``owner`` (the ``fully_shard`` module whose parameters include the block's)
+    while the probe runs the block's forward itself, past the hooks that unshard them in a step. ``unshard`` and
+    ``reshard`` are collectives over the data-parallel group: every rank swaps the same blocks, in the same order."""
+    if owner is None:
+        yield
+        return
+    owner.unshard()
+    try:
+        yield
+    finally:
+        owner.reshard()
+
+
+def swap_ep_block(block: nn.Module, group: dist.ProcessGroup, capacity_factor: float | None = None,
+                  fsdp_owner: nn.Module | None = None) -> str | None:
     """Swap ``block``'s forward to :func:`ep_experts_forward` (module docstring) and describe it; ``None`` for a block
     Dynamo captures whole (left to the graph pass). Every rank of ``group`` must call it at once. The probe compares
-    at the bound; the swapped forward then sends ``capacity_factor``'s rows (``ep_experts_forward``). Raises
-    :class:`NotSwappable` (on every rank) and leaves the block unchanged."""
+    at the bound; the swapped forward then sends ``capacity_factor``'s rows (``ep_experts_forward``). Under FSDP2,
+    ``fsdp_owner`` is the ``fully_shard`` module that holds the block's parameters (the block or an ancestor): the
+    probe runs on its unsharded parameters. Raises :class:`NotSwappable` (on every rank) and leaves the block
+    unchanged."""
+    with _unsharded(fsdp_owner):
+        return _swap_ep_block(block, group, capacity_factor)
+
+
+def _swap_ep_block(block: nn.Module, group: dist.ProcessGroup, capacity_factor: float | None) -> str | None:
     plan = _plan_ep_block(block, group)
     weight = block.get_parameter(plan.up)
     if weight.dtype not in SUPPORTED_DTYPES:
@@ -326,6 +350,14 @@ def swap_ep_block(block: nn.Module, group: dist.ProcessGroup, capacity_factor: f
             f"device offsets -> all_to_all back -> unpad_unpermute; no host read")
 
 
+def _is_fsdp2(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
 def _capacity_words(factor: float | None) -> str:
     if factor is None:
         return "S = T * min(K, L), nothing dropped"
@@ -336,7 +368,9 @@ def swap_ep_blocks(model: nn.Module, capacity_factor: float | None = None) -> li
     """Swap every expert-parallel block of ``model`` that :func:`swap_ep_block` accepts; explain records as
     :func:`moe_compile.experts.swap.swap_expert_loops` returns them. Every rank must call it on the same model."""
     records = []
+    owners: dict[str, nn.Module | None] = {}  # module name -> the fully_shard module holding its parameters
     for name, block in model.named_modules():
+        owners[name] = block if _is_fsdp2(block) else owners.get(name.rpartition(".")[0]) if name else None
         group = process_group_of(block)
         if group is None:
             continue
@@ -345,7 +379,7 @@ def swap_ep_blocks(model: nn.Module, capacity_factor: float | None = None) -> li
                 block._moe_compile_ep_plan.capacity_factor = capacity_factor
             continue
         try:
-            detail = swap_ep_block(block, group, capacity_factor)
+            detail = swap_ep_block(block, group, capacity_factor, owners[name])
         except NotSwappable as why:
             records.append((name or "<root>", "skip", why.tag, why.detail))
             continue

@@ -1,6 +1,8 @@
 """One rank of ``test_ep.py::test_fsdp2_with_expert_parallel`` (gloo, CPU) and of
 ``test_ep_gpu.py::test_fsdp2_with_expert_parallel_over_nccl`` (NCCL, ``cuda:<rank>``, with ``cuda`` as the last
-argument): :class:`TitanStyleEP` on a 2-D device mesh, FSDP2
+argument; a layer kind of ``EP_LAYERS`` after it, default ``titan``): :class:`TitanStyleEP` (the graph pass's) or
+:class:`AutogradAllToAllEP` (the host-loop layer, swapped before Dynamo with the probe on FSDP2's unsharded
+parameters) on a 2-D device mesh, FSDP2
 (``fully_shard``) over the ``dp`` dimension and the experts' exchange over ``ep``, eager bf16 and
 ``moe_compile.compile`` bf16 against an fp64 reference built the same way; writes the verdict as JSON.
 
@@ -30,7 +32,7 @@ def _full_step(model: torch.nn.Module, run, x: torch.Tensor, cot: torch.Tensor) 
     return {"out": out.detach(), "grad:x": x.grad, **grads}
 
 
-def main(rank: int, world: int, store_path: str, result_path: str, device: str = "cpu") -> None:
+def main(rank: int, world: int, store_path: str, result_path: str, device: str = "cpu", kind: str = "titan") -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -70,10 +72,10 @@ def main(rank: int, world: int, store_path: str, result_path: str, device: str =
         # fp64: plain matmuls per expert (torch._grouped_mm has no fp64)
         ref_model = sharded("autograd_all_to_all", torch.float64)
         ref = _full_step(ref_model, ref_model, x.double(), cot.double())
-        eager_model = sharded("titan", torch.bfloat16)
+        eager_model = sharded(kind, torch.bfloat16)
         eager = _full_step(eager_model, eager_model, x, cot)
         torch._dynamo.reset()
-        model = sharded("titan", torch.bfloat16)
+        model = sharded(kind, torch.bfloat16)
         with report.collecting() as rep:
             run = moe_compile.compile(model)
             got = _full_step(model, run, x, cot)
@@ -82,7 +84,8 @@ def main(rank: int, world: int, store_path: str, result_path: str, device: str =
                                                      always_judged=tuple(ref))
         result = {
             "ok": ok and not unjudged, "worst": list(worst), "unjudged": unjudged,
-            "rewrites": sorted({f"{r.layer}:{r.pass_name}" for r in rep.rewrites}),
+            "rewrites": sorted({f"{r.layer}:{r.pass_name}" for r in [*rep.rewrites, *report.module_records(model)]
+                                if r.kind == "rewrite"}),
             "left": sorted({r.what for r in rep.left}),
             "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
             "host_reads_left": left_reads[:],
@@ -96,12 +99,13 @@ def main(rank: int, world: int, store_path: str, result_path: str, device: str =
         json.dump(result, f)
 
 
-def check_result(result: dict) -> None:
+def check_result(result: dict, kind: str = "titan") -> None:
     """A rank's verdict as the tests require it: within the bound, the router's and experts' gradients judged,
     rewritten, no host read or graph break left, bitwise repeat."""
     assert result["ok"], result
     assert "grad:router.weight" in result["judged"] and "grad:w_gate_up" in result["judged"], result
-    assert "<graph>:expert_parallel" in result["rewrites"], result
+    assert ("<graph>:expert_parallel" in result["rewrites"] if kind == "titan"
+            else result["rewrites"] == ["<root>:swap_expert_loops"]), result
     assert result["host_reads_left"] and not any(result["host_reads_left"]), result
     assert not [w for w in result["left"] if "_local_scalar_dense" in w], result
     assert result["graph_breaks"] == 0, result
@@ -109,4 +113,4 @@ def check_result(result: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], *sys.argv[5:6])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], *sys.argv[5:7])

@@ -130,9 +130,11 @@ def _check_transformers_ep(results: list[dict], experts: list[str]) -> None:
         assert result["compiled"]["ok"] and result["implementation"]["ok"], result
 
 
-def test_fsdp2_with_expert_parallel(tmp_path):
-    """4 gloo ranks, a 2-D mesh: FSDP2 shards over ``dp`` (2), the experts' exchange runs over ``ep`` (2)."""
-    results = _run_ranks(None, tmp_path, world=4, worker="tests.models._ep_fsdp_worker")
+@pytest.mark.parametrize("kind", ["titan", pytest.param("autograd_all_to_all", marks=pytest.mark.slow)])
+def test_fsdp2_with_expert_parallel(kind, tmp_path):
+    """4 gloo ranks, a 2-D mesh: FSDP2 shards over ``dp`` (2), the experts' exchange runs over ``ep`` (2). The
+    host-loop layer is swapped with its probe on FSDP2's unsharded parameters (slow run: ~50 s more)."""
+    results = _run_ranks(None, tmp_path, "cpu", kind, world=4, worker="tests.models._ep_fsdp_worker")
     for rank, result in enumerate(results):
         print(f"rank {rank}: {result}")
-        check_result(result)
+        check_result(result, kind)
