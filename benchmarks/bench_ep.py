@@ -524,8 +524,8 @@ def _launch(args: argparse.Namespace) -> None:
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
            "PYTHONUNBUFFERED": "1"}
     common = ["--world", str(W), "--store", str(tmp / "store"), "--rows", str(rows_path), "--models",
-              ",".join(args.models), "--variants", args.variants, "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup",
-              str(args.warmup), "--budget-s", str(args.budget_s), "--device", args.device,
+              ",".join(args.models), "--variants", args.variants, "--rounds", str(args.rounds), "--steps",
+              str(args.steps), "--warmup", str(args.warmup), "--budget-s", str(args.budget_s), "--device", args.device,
               *(["--quick"] if args.quick else []),
               *(["--start-timing-after", args.start_timing_after] if args.start_timing_after else [])]
     logs = [open(tmp / f"rank{rank}.log", "w") for rank in range(1, W)]

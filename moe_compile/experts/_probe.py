@@ -66,20 +66,38 @@ class _Forward(nn.Module):
         return self.block.forward(x)
 
 
-def _runs_on_cpu(block: nn.Module, x: Tensor) -> bool | None:
-    """Whether ``block``'s forward runs on ``x`` with CPU copies of its tensors; ``None`` when they do not copy."""
+def _cpu_copies(block: nn.Module) -> dict[str, Tensor] | None:
+    """CPU copies of the block's parameters and buffers, named as in :class:`_Forward`; ``None`` when one does not
+    copy (a tensor subclass without a CPU form)."""
     wrapper = _Forward(block)
     try:
-        tensors = {name: t.detach().to("cpu") for name, t in
-                   [*wrapper.named_parameters(remove_duplicate=False), *wrapper.named_buffers(remove_duplicate=False)]}
-    except Exception:  # noqa: BLE001 - a tensor subclass without a CPU copy
+        return {name: t.detach().to("cpu") for name, t in
+                [*wrapper.named_parameters(remove_duplicate=False), *wrapper.named_buffers(remove_duplicate=False)]}
+    except Exception:  # noqa: BLE001 - any tensor that does not copy
         return None
+
+
+def _runs_on_cpu(block: nn.Module, tensors: dict[str, Tensor], x: Tensor) -> bool:
+    """Whether ``block``'s forward runs on ``x`` with ``tensors`` (:func:`_cpu_copies`) in place of its own."""
     try:
         with torch.no_grad():
-            torch.func.functional_call(wrapper, tensors, (x,), tie_weights=False)
+            torch.func.functional_call(_Forward(block), tensors, (x,), tie_weights=False)
     except Exception:  # noqa: BLE001 - any failure of the user's forward on this shape
         return False
     return True
+
+
+def _device_safe_shapes(block: nn.Module, hidden: int, dtype: torch.dtype,
+                        shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """NOTE [probe shapes on a GPU]: the first of ``shapes`` that runs on CPU copies of the block's tensors, alone;
+    when none does (or the tensors do not copy), every shape, tokens first."""
+    tensors = _cpu_copies(block)
+    if tensors is not None:
+        for lead in shapes:
+            x = torch.randn(*lead, hidden, generator=torch.Generator().manual_seed(0)).to(dtype)
+            if _runs_on_cpu(block, tensors, x):
+                return (lead,)
+    return tuple(sorted(shapes, key=len))
 
 
 def probe_input(block: nn.Module, hidden: int, dtype: torch.dtype, device: torch.device,
@@ -88,12 +106,7 @@ def probe_input(block: nn.Module, hidden: int, dtype: torch.dtype, device: torch
     ``[4, 64, H]`` (batch and sequence), else ``[256, H]`` (tokens only); a block that runs on neither is not
     swapped. On a GPU, NOTE [probe shapes on a GPU] (``cpu_first=False``: tokens first, on the device)."""
     if device.type != "cpu" and cpu_first:
-        draws = [torch.randn(*lead, hidden, generator=torch.Generator().manual_seed(0)).to(dtype) for lead in shapes]
-        on_cpu = [_runs_on_cpu(block, x) for x in draws]
-        if any(on_cpu):
-            shapes = tuple(lead for lead, ok in zip(shapes, on_cpu) if ok is not False)
-        else:
-            shapes = tuple(sorted(shapes, key=len))
+        shapes = _device_safe_shapes(block, hidden, dtype, shapes)
     gen = torch.Generator(device="cpu").manual_seed(0)
     failures = []
     for lead in shapes:

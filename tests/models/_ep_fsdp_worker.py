@@ -39,7 +39,7 @@ def main(rank: int, world: int, store_path: str, result_path: str, device: str =
     import moe_compile
     from moe_compile import report
     from tests import _tolerance as tol
-    from tests.models._ep_worker import record_host_reads_left
+    from tests.models._ep_worker import record_host_reads_left, rewrite_names
     from tests.models.ep_layers import EP_LAYERS
 
     left_reads, stop_recording = record_host_reads_left()
@@ -84,8 +84,7 @@ def main(rank: int, world: int, store_path: str, result_path: str, device: str =
                                                      always_judged=tuple(ref))
         result = {
             "ok": ok and not unjudged, "worst": list(worst), "unjudged": unjudged,
-            "rewrites": sorted({f"{r.layer}:{r.pass_name}" for r in [*rep.rewrites, *report.module_records(model)]
-                                if r.kind == "rewrite"}),
+            "rewrites": rewrite_names(rep, model),
             "left": sorted({r.what for r in rep.left}),
             "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
             "host_reads_left": left_reads[:],

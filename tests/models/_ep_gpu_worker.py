@@ -30,6 +30,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from tests.models._ep_worker import record_host_reads_left, rewrite_names
+
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 128, 64, 8, 2, 96
 STRICT = {"graph_partition": False, "triton.cudagraph_or_error": True}
 
@@ -56,7 +58,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from tests import _tolerance as tol
-    from tests.models._ep_worker import record_host_reads_left
     from tests.models.ep_layers import EP_LAYERS
 
     rank, world = args.rank, args.world
@@ -155,7 +156,7 @@ def _compiled_phase(fresh, x, cot, ref, eager, left_reads, device) -> dict:
             again = tol.layer_step(run, model, x, cot)
         out.update(_judge(got, eager, ref))
         out.update(
-            rewrites=_rewrites(rep, model),
+            rewrites=rewrite_names(rep, model),
             rewrite_details=[r.detail for r in rep.rewrites if r.pass_name == "expert_parallel"],
             skips=sorted({f"{r.pass_name}:{r.what}" for r in rep.skips}),
             skip_details=_ep_skips(rep),
@@ -201,14 +202,6 @@ def _deterministic(fresh, x, cot, ref, eager) -> dict:
             "differing": sorted(k for k in got if not torch.equal(got[k], again[k]))}
 
 
-def _rewrites(rep, model) -> list[str]:
-    """``layer:pass`` of the graph passes' rewrites and of ``moe_compile.compile``'s module swaps."""
-    from moe_compile import report
-
-    return sorted({f"{r.layer}:{r.pass_name}" for r in (*rep.rewrites, *report.module_records(model))
-                   if r.kind == "rewrite"})
-
-
 def _ep_skips(rep) -> list[str]:
     """Why ``expert_parallel`` left an exchange alone (reason tag and detail)."""
     return sorted({f"{r.pass_name}:{r.what}: {r.detail}" for r in rep.skips if r.pass_name == "expert_parallel"})
@@ -240,7 +233,7 @@ def _capture_phase(fresh, tokens, references, left_reads) -> dict:
         except Exception as exc:  # noqa: BLE001 - why capture failed, recorded
             out.update(captured=False, steps_done=steps, skip_details=_ep_skips(rep), **_error(exc))
             return out
-    out.update(rewrites=_rewrites(rep, model), skip_details=_ep_skips(rep),
+    out.update(rewrites=rewrite_names(rep, model), skip_details=_ep_skips(rep),
                host_reads_left=left_reads[:], cudagraph_skips=counters["inductor"]["cudagraph_skips"],
                bitwise_replay=all(torch.equal(got[k], again[k]) for k in got),
                differing=sorted(k for k in got if not torch.equal(got[k], again[k])))

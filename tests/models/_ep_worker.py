@@ -72,6 +72,18 @@ def record_host_reads_left() -> tuple[list[list[str]], Callable[[], None]]:
     return left, stop
 
 
+def module_swaps(model) -> list:
+    """``moe_compile.compile``'s module-level swaps of ``model`` (explain's module stage, recorded on the model)."""
+    from moe_compile import report
+
+    return [r for r in report.module_records(model) if r.kind == "rewrite"]
+
+
+def rewrite_names(rep, model) -> list[str]:
+    """``layer:pass`` of the graph passes' rewrites (``rep``) and of the module swaps of ``model``."""
+    return sorted({f"{r.layer}:{r.pass_name}" for r in (*rep.rewrites, *module_swaps(model))})
+
+
 def main(kind: str, rank: int, world: int, store_path: str, result_path: str, factor: float | None = None) -> None:
     import moe_compile
     from moe_compile import report
@@ -107,8 +119,7 @@ def main(kind: str, rank: int, world: int, store_path: str, result_path: str, fa
             compiled = _step(compiled_layer, x.bfloat16(), run)
             compiled_layer.zero_grad(set_to_none=True)
             again = _step(compiled_layer, x.bfloat16(), run)
-        # moe_compile.compile's module-level swaps (explain's module stage), recorded on the model
-        swaps = [r for r in report.module_records(compiled_layer) if r.kind == "rewrite"]
+        swaps = module_swaps(compiled_layer)
         own = moe_compile.metrics.collect(reset=False, per_layer=True)  # this rank's calls
         across = moe_compile.metrics.collect(per_layer=True, group=dist.group.WORLD)  # every rank's
         dropped_at_bound = own.get("moe/dropped_fraction")
@@ -116,7 +127,7 @@ def main(kind: str, rank: int, world: int, store_path: str, result_path: str, fa
                                                      always_judged=tuple(ref))
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
         result = {"ok": ok and not unjudged, "worst": list(worst), "unjudged": unjudged,
-                  "rewrites": sorted({f"{r.layer}:{r.pass_name}" for r in (*rep.rewrites, *swaps)}),
+                  "rewrites": rewrite_names(rep, compiled_layer),
                   "rewrite_details": [r.detail for r in rep.rewrites if r.pass_name == "expert_parallel"],
                   "swap_details": [r.detail for r in swaps],
                   "skips": sorted({f"{r.pass_name}:{r.what}" for r in rep.skips}),
@@ -172,7 +183,7 @@ def _check_drops(kind, layer, x, factor, fresh, left_reads) -> dict:
     return {"ok": ok and not unjudged, "worst": list(worst), "unjudged": unjudged, "capacity": S, "dropped": dropped,
             "routed": N, "dropped_fraction": reported,
             "rewrite_details": [r.detail for r in rep.rewrites if r.pass_name == "expert_parallel"],
-            "swap_details": [r.detail for r in report.module_records(compiled_layer) if r.kind == "rewrite"],
+            "swap_details": [r.detail for r in module_swaps(compiled_layer)],
             "host_reads_left": left_reads[:]}
 
 

@@ -65,7 +65,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             ctx.skip(ex.layer, "ops_unavailable", "torch.ops.moe.gather_rows / ep_send_index / ep_regroup_index "
                      "not registered")
             continue
-        S = capacity(ex, ctx.config.ep_capacity_factor)
+        S = ep_capacity(ex.bound, ex.num_rows, ex.world, ctx.config.ep_capacity_factor)
         replaced_by = rewrite(graph, ex, S)
         ctx.rewrite(ex.layer, ex.matched, replaced_by)
         rewrote = True
@@ -90,12 +90,6 @@ def _mark_static_exchanges(graph: fx.Graph) -> None:
         grouped = tensor_val(by_rank)
         if op_name(dispatch) == "moe.permute_pad" and grouped is not None and grouped.dim() == 2:
             mark_capacity(dispatch.args[1], send.args[2], group=int(grouped.shape[1]))
-
-
-def capacity(ex: Exchange, factor: float | None) -> int:
-    """``S``: rows one rank sends one rank. ``None``: the bound (no row dropped); ``f``: ``ceil(f * N / W)``, at
-    least 1 and at most the bound."""
-    return ep_capacity(ex.bound, ex.num_rows, ex.world, factor)
 
 
 def _call(graph: fx.Graph, meta_from: fx.Node, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
