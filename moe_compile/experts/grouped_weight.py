@@ -87,8 +87,13 @@ def quantize_stored(hp_NK: torch.Tensor, recipe: str) -> tuple[torch.Tensor, tor
 
     amax = hp.abs().amax(dim=(-2, -1)).float().clamp(min=torch.finfo(torch.float32).tiny)
     expert_scale = per_tensor_amax_to_scale(amax)  # fp32 [E] (or 0-dim)
-    nv = NVFP4Tensor.to_nvfp4(hp, gmm.NV_BLOCK, per_tensor_scale=expert_scale.view(*amax.shape, 1, 1))
-    return nv.qdata, nv.scale, expert_scale
+    if hp.dim() == 2:
+        nv = NVFP4Tensor.to_nvfp4(hp, gmm.NV_BLOCK, per_tensor_scale=expert_scale)
+        return nv.qdata, nv.scale, expert_scale
+    # one expert at a time: torchao before 0.18 does not broadcast an [E, 1, 1] scale over [E, N, K] (its view of
+    # the scaled data fails); the same bits as 0.18's one call (tests/experts/test_grouped_weight.py)
+    parts = [NVFP4Tensor.to_nvfp4(w, gmm.NV_BLOCK, per_tensor_scale=s) for w, s in zip(hp, expert_scale)]
+    return torch.stack([p.qdata for p in parts]), torch.stack([p.scale for p in parts]), expert_scale
 
 
 # ===== the subclass =====
