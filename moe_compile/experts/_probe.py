@@ -89,8 +89,8 @@ def _runs_on_cpu(block: nn.Module, tensors: dict[str, Tensor], x: Tensor) -> boo
 
 def _device_safe_shapes(block: nn.Module, hidden: int, dtype: torch.dtype,
                         shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
-    """NOTE [probe shapes on a GPU]: the first of ``shapes`` that runs on CPU copies of the block's tensors, alone;
-    when none does (or the tensors do not copy), every shape, tokens first."""
+    """The first of ``shapes`` that runs on CPU copies of the block's tensors, alone; when none does (or the tensors
+    do not copy), every shape, tokens first (NOTE [probe shapes on a GPU])."""
     tensors = _cpu_copies(block)
     if tensors is not None:
         for lead in shapes:

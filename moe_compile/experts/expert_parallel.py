@@ -301,7 +301,7 @@ def _swap_ep_block(block: nn.Module, group: dist.ProcessGroup, capacity_factor: 
     was_training = [m.training for m in block.modules()]
     block.eval()
     try:
-        # tokens first, on the device (NOTE [probe shapes on a GPU]): the forward runs collectives
+        # tokens first, on the device (NOTE [probe shapes on a GPU] (moe_compile/experts/_probe.py)): collectives
         x = _more_tokens(probe_input(block, plan.hidden, weight.dtype, device, TOKENS_FIRST, cpu_first=False))
         if _captured_whole(block, x):
             return None

@@ -1,8 +1,8 @@
 """Ops of the static expert-parallel exchange (``moe_compile/passes/expert_parallel``): row gathers whose backward is
 the inverse gather, and the device indices they use. No host reads, no atomics: forward and backward are
-deterministic. Like the dispatch ops, each decomposes into its body when AOTAutograd traces it (NOTE
-[device-decomposed triton ops] (moe_compile/ops/_common.py)): compiled, a gather is one fused pass of Inductor's,
-not a custom-op call.
+deterministic. Like the dispatch ops, each decomposes into its body when AOTAutograd traces it
+(NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)): compiled, a gather is one fused pass of
+Inductor's, not a custom-op call.
 
 * ``moe.gather_rows(src [n, ...], index [m], inverse [n]) -> [m, ...]``: ``out[j] = src[index[j]]`` where
   ``0 <= index[j] < n``, else a zero row. Contract: the valid entries of ``index`` are distinct and ``inverse`` is
@@ -47,7 +47,7 @@ def _gather_rows(src: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
         return src.new_zeros((index.shape[0], *src.shape[1:]))
     valid = ((index >= 0) & (index < n)).view(-1, *[1] * (src.dim() - 1))
     # a clamped read and a select, not a zero row concatenated to src (a copy of all of src): compiled, the two
-    # are one pass over the output rows (NOTE [device-decomposed triton ops])
+    # are one pass over the output rows (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py))
     return torch.where(valid, src.index_select(0, index.clamp(0, n - 1)), src.new_zeros(()))
 
 

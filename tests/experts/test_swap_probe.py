@@ -114,11 +114,11 @@ def test_probe_refuses_residue_where_the_blocks_gradient_is_exactly_zero(monkeyp
 
 @pytest.mark.parametrize("batch3d", [False, True])
 def test_probe_on_a_gpu_tries_each_shape_on_cpu_copies_first(batch3d):
-    """NOTE [probe shapes on a GPU]: a block written for ``[T, H]`` and given ``[B, S, H]`` indexes past the batch
-    dim, on CUDA a device-side assert that loses the CUDA context (the expert-parallel GPU test died so on
-    2026-11-28). Off the CPU, the shapes run first on CPU copies of the block's tensors, and the device sees only the
-    first that ran there: here the device is ``meta`` (where the block's CPU weights make every call fail, so the
-    probe ends refused), and what matters is which shapes reached it."""
+    """NOTE [probe shapes on a GPU] (moe_compile/experts/_probe.py): a block written for ``[T, H]`` and given
+    ``[B, S, H]`` indexes past the batch dim, on CUDA a device-side assert that loses the CUDA context (the
+    expert-parallel GPU test died so on 2026-11-28). Off the CPU, the shapes run first on CPU copies of the block's
+    tensors, and the device sees only the first that ran there: here the device is ``meta`` (where the block's CPU
+    weights make every call fail, so the probe ends refused), and what matters is which shapes reached it."""
     from moe_compile.experts._probe import NotSwappable, probe_input
 
     spec = _spec({"batch3d": batch3d})
