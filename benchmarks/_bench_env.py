@@ -20,6 +20,7 @@ import gc
 import json
 import os
 import pathlib
+import re
 import shlex
 import statistics
 import subprocess
@@ -59,7 +60,10 @@ def git_state() -> tuple[str | None, bool | None]:
     then unknown): a device machine gets a copy of the working tree whose ``.git``, if any, can be an older
     commit than the tree it carries."""
     if os.environ.get("BENCH_COMMIT"):
-        return os.environ["BENCH_COMMIT"], None
+        commit = os.environ["BENCH_COMMIT"]
+        if not re.fullmatch(r"[0-9a-f]{40}", commit):  # the results schema (tests/test_benchmarks.py) wants it whole
+            raise ValueError(f"BENCH_COMMIT={commit!r}: give the full 40-digit hash (git rev-parse HEAD)")
+        return commit, None
     commit = _git("rev-parse", "HEAD")
     if commit is None:
         return None, None

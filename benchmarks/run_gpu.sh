@@ -8,7 +8,7 @@
 # Optional wheels (torchao, expecttest, hypothesis) in .whl/ are installed into /tmp/site first.
 # Each benchmark runs as a module (python -m benchmarks.bench_<stem> --save) and writes
 # benchmarks/results/<benchmark>[_<configuration>].json ({"env", "rows"}; env records the commit: on a device copy
-# of the tree pass BENCH_COMMIT=<hash>, as its .git, if any, may be older than the tree); the files this run wrote
+# of the tree pass BENCH_COMMIT=<full hash>, as its .git, if any, may be older than the tree); the files this run wrote
 # are copied to $OUT (when set) and summarised last.
 set -uo pipefail
 cd "$(dirname "$0")/.."

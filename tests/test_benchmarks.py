@@ -93,3 +93,16 @@ def test_write_results_round_trip(tmp_path):
     assert data["env"]["wall_s"] == 1.0 and data["env"]["command"]
     with pytest.raises(TypeError):
         _bench_env.write_results(path, [{"nested": {"a": 1}}], env)
+
+
+def test_bench_commit_must_be_the_full_hash(monkeypatch):
+    """A device run names its commit by ``BENCH_COMMIT``; a short hash is refused at once (the results schema wants
+    40 hex digits: three results files of 2026-11-28 failed CI with ``f95ee66``)."""
+    from benchmarks._bench_env import git_state
+
+    monkeypatch.setenv("BENCH_COMMIT", "f95ee66")
+    with pytest.raises(ValueError, match="BENCH_COMMIT='f95ee66'"):
+        git_state()
+    full = "f95ee6695f8d145507b5b58c34ac91d7c49fd05a"
+    monkeypatch.setenv("BENCH_COMMIT", full)
+    assert git_state() == (full, None)
