@@ -497,6 +497,9 @@ def main(argv: list[str] | None = None) -> None:
     add_results_args(parser)
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
+    for option, given, known in (("--models", args.models, MODELS), ("--variants", args.variants.split(","), VARIANTS)):
+        if unknown := [v for v in given if v not in known]:
+            parser.error(f"{option}: unknown {unknown}; choose from {list(known)}")
     if args.device == "cpu":
         args.quick = True
     if args.rank is not None:
