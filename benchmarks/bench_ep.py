@@ -20,11 +20,14 @@ Variants, each on its own copy of the same weights:
 Every ``moe_compile`` variant is compiled with ``deterministic=True`` (the bitwise promise is one of the targets);
 eager and plain Inductor run as users run them (FlashAttention's backward adds dQ with atomics there).
 
+AdamW is torch's fused implementation (torchtitan's default) unless ``--optimizer foreach``: the optimizer is the same
+in every variant, and the foreach one (31 launches per kernel) is a third of the step on its own.
+
 Per variant: the step's wall time (median over interleaved rounds after warm-up of the slowest rank's time per
-round), the GPU kernel time of one profiled step (sum over kernels, rank 0; NCCL kernels count their waiting) and
-its 15 longest kernels, the exchange buffer (``moe_compile``: the static ``[W*S, H]`` send / receive buffer from the
-rewrite's record; eager and Inductor: the received rows, which vary per step: mean and max over layers and ranks at
-the initial weights),
+round), the GPU kernel time of one profiled step (sum over kernels, rank 0; NCCL kernels count their waiting), split
+into NCCL / optimizer / attention / GEMM / the rest (``kernel_ms_<kind>``), and its 15 longest kernels, the exchange
+buffer (``moe_compile``: the static ``[W*S, H]`` send / receive buffer from the rewrite's record; eager and Inductor:
+the received rows, which vary per step: mean and max over layers and ranks at the initial weights),
 whether 10 AdamW steps run twice from the same weights give the same bits (losses and every parameter, every rank),
 and the graphs / graph breaks of the compile. The replicated parameters (attention, norms, router) are not
 all-reduced across ranks (data parallelism over them is not part of the step timed here).
@@ -187,6 +190,15 @@ def _routing(r: _Rank, model: EPDecoder, x: torch.Tensor, S_cf: int) -> dict:
             "dropped_fraction_cf": dropped / routed, "routed_rows": routed}
 
 
+def _adamw(r: _Rank, model: nn.Module) -> torch.optim.AdamW:
+    """AdamW as ``--optimizer`` says: ``fused`` (torchtitan's default implementation: one kernel per dtype and device
+    group) or ``foreach`` on the GPU; the per-parameter loop on CPU."""
+    if not r.cuda:
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    fused = r.args.optimizer == "fused"
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=not fused)
+
+
 def _compile(variant: str, model: nn.Module):
     import moe_compile
 
@@ -240,7 +252,7 @@ def _run_model(r: _Rank, name: str, cfg: dict, batch: int, seq: int, save) -> tu
             notes.setdefault("skipped", []).append(f"{variant}: time budget")
             continue
         models[variant] = _fresh(cfg, LAYERS, state, r.device)
-        opts[variant] = torch.optim.AdamW(models[variant].parameters(), lr=1e-4, foreach=r.cuda)
+        opts[variant] = _adamw(r, models[variant])
         fns[variant] = _compile(variant, models[variant])
         breaks = sum(counters["graph_break"].values())
         graphs = counters["stats"]["unique_graphs"]
@@ -371,9 +383,27 @@ def _row(r: _Rank, variant: str, name: str, cfg: dict, batch: int, seq: int, inf
     return row
 
 
+KERNEL_KINDS = ("nccl", "optimizer", "attention", "gemm", "other")
+
+
+def _kernel_kind(name: str) -> str:
+    """Which part of the step a CUDA kernel belongs to, by its name (NCCL, the AdamW kernels, SDPA's forward and
+    backward, cuBLAS / CUTLASS / Triton matmuls, the rest)."""
+    low = name.lower()
+    if low.startswith("nccl"):
+        return "nccl"
+    if "multi_tensor_apply" in low or "fused_adam" in low or "adam" in low:
+        return "optimizer"
+    if any(k in low for k in ("flash", "sdpa", "fmha", "attention", "attn")):
+        return "attention"
+    if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "matmul", "_mm_", "sm90_", "grouped_mm")):
+        return "gemm"
+    return "other"
+
+
 def _kernel_profile(r: _Rank, run, top: int = 15) -> dict:
-    """GPU kernel time of one step (rank 0's profile), and its ``top`` kernels by time (``name ms xcalls``, joined by
-    `` | ``: results rows are flat)."""
+    """GPU kernel time of one step (rank 0's profile), split by :func:`_kernel_kind`, and its ``top`` kernels by time
+    (``name ms xcalls``, joined by `` | ``: results rows are flat)."""
     if not r.cuda:
         return {}
     from torch.profiler import ProfilerActivity, profile
@@ -384,7 +414,11 @@ def _kernel_profile(r: _Rank, run, top: int = 15) -> dict:
         r.sync()
     kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     kernels.sort(key=lambda e: -e.self_device_time_total)
+    by_kind = dict.fromkeys(KERNEL_KINDS, 0.0)
+    for e in kernels:
+        by_kind[_kernel_kind(e.key)] += e.self_device_time_total / 1e3
     return {"kernel_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
+            **{f"kernel_ms_{kind}": round(ms, 4) for kind, ms in by_kind.items()},
             "kernels_top": " | ".join(f"{e.key[:90]} {e.self_device_time_total / 1e3:.3f} x{e.count}"
                                       for e in kernels[:top])}
 
@@ -408,7 +442,7 @@ def _reproducible(r: _Rank, model: nn.Module, state: dict, step, variant: str, o
     runs = []
     for _ in range(2):
         model.load_state_dict(state)
-        opts[variant] = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=r.cuda)
+        opts[variant] = _adamw(r, model)
         losses = torch.stack([step(variant) for _ in range(10)])
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
     (l0, p0), (l1, p1) = runs
@@ -486,6 +520,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="kill the ranks after this many seconds and write what they finished (default: the "
                              "budget + 150 s)")
+    parser.add_argument("--optimizer", default="fused", choices=("fused", "foreach"),
+                        help="AdamW's implementation on the GPU (fused: torchtitan's default)")
     parser.add_argument("--quick", action="store_true", help="a small configuration (checks the script)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo, small configuration")
     parser.add_argument("--start-timing-after", default=None, metavar="PATH",
@@ -529,6 +565,7 @@ def _launch(args: argparse.Namespace) -> None:
     common = ["--world", str(W), "--store", str(tmp / "store"), "--rows", str(rows_path), "--models",
               ",".join(args.models), "--variants", args.variants, "--rounds", str(args.rounds), "--steps",
               str(args.steps), "--warmup", str(args.warmup), "--budget-s", str(args.budget_s), "--device", args.device,
+              "--optimizer", args.optimizer,
               *(["--quick"] if args.quick else []),
               *(["--start-timing-after", args.start_timing_after] if args.start_timing_after else [])]
     logs = [open(tmp / f"rank{rank}.log", "w") for rank in range(1, W)]
@@ -564,7 +601,8 @@ def _launch(args: argparse.Namespace) -> None:
                          models={m: (SMALL if args.quick else MODELS[m]) for m in args.models}, sizes=reduced,
                          tokens_per_rank="1 x 64" if args.quick else f"{BATCH} x {SEQ}", notes=data["notes"],
                          failed=failed, wall_s=data.get("wall_s"), backend="nccl" if args.device == "cuda" else "gloo",
-                         attention="MHA, causal SDPA; no shared expert; replicated parameters not all-reduced")
+                         attention="MHA, causal SDPA; no shared expert; replicated parameters not all-reduced",
+                         optimizer=f"AdamW {args.optimizer if args.device == 'cuda' else 'for-loop'}")
         write_results(results_path(args, "ep", f"w{W}"), rows, env)
     if failed:
         sys.exit(1)
