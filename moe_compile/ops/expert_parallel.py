@@ -1,9 +1,8 @@
 """Ops of the static expert-parallel exchange (``moe_compile/passes/expert_parallel``): row gathers whose backward is
 the inverse gather, and the device indices they use. No host reads, no atomics: forward and backward are
 deterministic. Like the dispatch ops, each decomposes into its body when AOTAutograd traces it
-(NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)): compiled, an index op is one fused pass of
-Inductor's, and a gather on CUDA one launch of its Triton kernel from Inductor's code, not a custom-op call
-(NOTE [row gather with vector loads] (moe_compile/ops/triton/expert_parallel.py)).
+(NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py)): compiled, a gather is one fused pass of
+Inductor's, not a custom-op call.
 
 * ``moe.gather_rows(src [n, ...], index [m], inverse [n]) -> [m, ...]``: ``out[j] = src[index[j]]`` where
   ``0 <= index[j] < n``, else a zero row. Contract: the valid entries of ``index`` are distinct and ``inverse`` is
@@ -26,7 +25,6 @@ import math
 import torch
 from torch import Tensor
 
-from moe_compile.ops import _common
 from moe_compile.ops._common import dispatch_triton_op
 
 
@@ -43,13 +41,6 @@ def ep_capacity(bound: int, num_rows: int, world: int, factor: float | None) -> 
 def _gather_rows(src: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
     """``src[index]`` with a zero row wherever ``index`` is out of ``[0, len(src))`` (module docstring)."""
     torch._check(inverse.shape[0] == src.shape[0], lambda: "gather_rows: inverse must have one entry per src row")
-    if src.is_cuda:
-        return gather_rows_triton(src, index)
-    return gather_rows_reference(src, index)
-
-
-def gather_rows_reference(src: Tensor, index: Tensor) -> Tensor:
-    """The PyTorch body of ``moe.gather_rows`` (CPU, and the kernel tests' reference)."""
     n = src.shape[0]
     index = index.long()
     if n == 0:
@@ -58,34 +49,6 @@ def gather_rows_reference(src: Tensor, index: Tensor) -> Tensor:
     # a clamped read and a select, not a zero row concatenated to src (a copy of all of src): compiled, the two
     # are one pass over the output rows (NOTE [device-decomposed triton ops] (moe_compile/ops/_common.py))
     return torch.where(valid, src.index_select(0, index.clamp(0, n - 1)), src.new_zeros(()))
-
-
-# rows per program of the gather: with row_block's columns (up to 8 KiB of a row), 16 KiB in flight per program
-GATHER_BYTES_PER_PROGRAM = 16384
-
-
-def gather_rows_triton(src: Tensor, index: Tensor, *, block_r: int | None = None,
-                       block_d: int | None = None) -> Tensor:
-    """``moe.gather_rows`` by the Triton kernel (CUDA; CPU tensors under ``TRITON_INTERPRET=1`` in the tests)."""
-    from moe_compile.ops.triton import expert_parallel as kernels
-
-    m, n = _common.static_ints(index.shape[0], src.shape[0])
-    D = _common.static_ints(math.prod(src.shape[1:]))[0]
-    out = src.new_empty((m, *src.shape[1:]))
-    if m == 0 or D == 0:
-        return out
-    if n == 0:
-        return out.zero_()
-    src = src.contiguous()
-    bd, num_warps = _common.row_block(D, src.element_size())
-    bd = block_d or bd
-    br = block_r or _common.next_power_of_2(max(1, GATHER_BYTES_PER_PROGRAM // (bd * src.element_size())))
-    _common.launch_kernel(
-        kernels._gather_rows_kernel, (_common.cdiv(m, br), _common.cdiv(D, bd)), src, index, out, n, m, D,
-        BLOCK_R=br, BLOCK_D=bd, traced=src.is_cuda and _common.is_traced(src),
-        options=dict(num_warps=min(8, num_warps * br)),
-    )  # fmt: skip
-    return out
 
 
 def _gather_rows_fake(src: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
@@ -181,5 +144,4 @@ ep_regroup_index = dispatch_triton_op("moe::ep_regroup_index", _ep_regroup_index
                                       schema="(Tensor counts, int capacity) -> (Tensor, Tensor, Tensor)")
 
 
-__all__ = ["ep_capacity", "ep_regroup_index", "ep_send_index", "gather_rows", "gather_rows_reference",
-           "gather_rows_triton"]
+__all__ = ["ep_capacity", "ep_regroup_index", "ep_send_index", "gather_rows"]
