@@ -17,8 +17,11 @@ Variants, each on its own copy of the same weights:
   capture (``triton.cudagraph_or_error``, no graph partition: the whole forward and backward each one CUDA graph;
   AdamW runs outside), what the rewrite makes possible: the host-synced exchange cannot be captured. CUDA only.
 
-Every ``moe_compile`` variant is compiled with ``deterministic=True`` (the bitwise promise is one of the targets);
-eager and plain Inductor run as users run them (FlashAttention's backward adds dQ with atomics there).
+Every ``moe_compile`` variant but the last is compiled with ``deterministic=True`` (the bitwise promise is one of the
+targets); eager and plain Inductor run as users run them (cuDNN's attention backward adds dQ with atomics there).
+``moe_compile_graphs_cf1.25_nondeterministic`` is ``moe_compile_graphs_cf1.25`` without the option: what the
+exchange's rewrite gains with attention as plain Inductor runs it (the exchange itself is in a fixed order either
+way; attention's backward then is not).
 
 AdamW is torch's fused implementation (torchtitan's default) unless ``--optimizer foreach``: the optimizer is the same
 in every variant, and the foreach one (31 launches per kernel) is a third of the step on its own.
@@ -61,8 +64,9 @@ from torch import nn
 from benchmarks._bench_env import REPO_ROOT, add_results_args, device_env, results_path, sync, write_results
 
 # compile order: the core comparison first
-VARIANTS = ("eager", "moe_compile", "inductor", "moe_compile_cf1.25", "moe_compile_graphs", "moe_compile_graphs_cf1.25")
-CUDA_ONLY = ("moe_compile_graphs", "moe_compile_graphs_cf1.25")
+VARIANTS = ("eager", "moe_compile", "inductor", "moe_compile_cf1.25", "moe_compile_graphs", "moe_compile_graphs_cf1.25",
+            "moe_compile_graphs_cf1.25_nondeterministic")
+CUDA_ONLY = ("moe_compile_graphs", "moe_compile_graphs_cf1.25", "moe_compile_graphs_cf1.25_nondeterministic")
 # strict capture (as tests/models/_ep_gpu_worker.py): a part Inductor cannot capture raises instead of running eagerly
 STRICT = {"graph_partition": False, "triton.cudagraph_or_error": True}
 CAPACITY_FACTOR = 1.25
@@ -206,8 +210,8 @@ def _compile(variant: str, model: nn.Module):
         return model
     if variant == "inductor":
         return torch.compile(model)
-    kwargs: dict = {"deterministic": True}
-    if variant.endswith("cf1.25"):
+    kwargs: dict = {"deterministic": not variant.endswith("_nondeterministic")}
+    if "cf1.25" in variant:
         kwargs["ep_capacity_factor"] = CAPACITY_FACTOR
     if "_graphs" in variant:
         kwargs["mode"] = "reduce-overhead"
@@ -355,7 +359,7 @@ def _row(r: _Rank, variant: str, name: str, cfg: dict, batch: int, seq: int, inf
     N = T * cfg["top_k"]
     row = {"model": name, "W": W, "tokens_per_rank": T, "batch": batch, "seq": seq, "layers": LAYERS, **cfg,
            "local_experts": L, "routed_rows": N, "dtype": "bf16", "variant": variant,
-           "capacity_factor": CAPACITY_FACTOR if variant.endswith("cf1.25") else None,
+           "capacity_factor": CAPACITY_FACTOR if "cf1.25" in variant else None,
            "step_ms": None, "step_ms_rank0": None, "rounds": args.rounds, "kernel_ms": None,
            "fwd_bwd_extra_gb": None, "bitwise_10_steps": None, "buffer_rows": None, "buffer_bytes": None,
            "dropped_fraction": None, "error": None}
@@ -373,7 +377,7 @@ def _row(r: _Rank, variant: str, name: str, cfg: dict, batch: int, seq: int, inf
         row["buffer_bytes"] = int(routing["recv_rows_max"] * H * 2)
     if variant in ("moe_compile", "moe_compile_graphs"):
         row["dropped_fraction"] = 0.0
-    elif variant.endswith("cf1.25") and routing:
+    elif "cf1.25" in variant and routing:
         row["dropped_fraction"] = routing["dropped_fraction_cf"]
         row["S_expected"] = S_cf
     if show and r.rank == 0 and row["step_ms"] is not None:
