@@ -106,3 +106,24 @@ def test_bench_commit_must_be_the_full_hash(monkeypatch):
     full = "f95ee6695f8d145507b5b58c34ac91d7c49fd05a"
     monkeypatch.setenv("BENCH_COMMIT", full)
     assert git_state() == (full, None)
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "nccl"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous n", "optimizer"),
+    ("void at::native::(anonymous namespace)::fused_adamw_kernel", "optimizer"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<1", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga1x1", "attention"),
+    ("_masked_attention_dkdv_kernel", "attention"),
+    ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13Ge", "gemm"),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "gemm"),
+    ("_expert_gemm_kernel", "gemm"),
+    ("triton_tem_fused_mm_0", "gemm"),
+    ("triton_poi_fused_index_select_new_zeros_where_6", "other"),
+    ("void at_cuda_detail::cub::detail::radix_sort::DeviceRadixSortOnesweepKernel<at_cuda_detail", "other"),
+])
+def test_ep_kernel_kinds(name, kind):
+    """``bench_ep`` splits a step's kernel time by kind from the kernels' names, as the profiler gives them."""
+    from benchmarks.bench_ep import _kernel_kind
+
+    assert _kernel_kind(name) == kind
