@@ -392,11 +392,12 @@ KERNEL_KINDS = ("nccl", "optimizer", "attention", "gemm", "other")
 
 def _kernel_kind(name: str) -> str:
     """Which part of the step a CUDA kernel belongs to, by its name (NCCL, the AdamW kernels, SDPA's forward and
-    backward, cuBLAS / CUTLASS / Triton matmuls, the rest)."""
+    backward, cuBLAS / CUTLASS / Triton matmuls, the rest). Torch's foreach kernels count as the optimizer: AdamW's
+    are nearly all of them (the CUDA-graph variants' input copies, one ``[B, S, H]`` tensor a step, are the rest)."""
     low = name.lower()
     if low.startswith("nccl"):
         return "nccl"
-    if "multi_tensor_apply" in low or "fused_adam" in low or "adam" in low:
+    if "multi_tensor_apply" in low or "adam" in low:
         return "optimizer"
     if any(k in low for k in ("flash", "sdpa", "fmha", "attention", "attn")):
         return "attention"
