@@ -10,9 +10,12 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
+import shutil
 import sys
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, core, settings
@@ -30,6 +33,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "moe_compile"))
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 if "torch._inductor.config" in sys.modules:
     sys.modules["torch._inductor.config"].compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
+
+# Inductor's on-disk caches (FX graph, AOTAutograd) live in a directory of this run's own: a hit serves compiled code
+# without running the passes (NOTE [cached compiles] (moe_compile/report.py)), and a cache an earlier run left on the
+# machine made two record-checking tests see no records on CI. The pytest-xdist workers inherit the directory.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe_compile_tests_inductor_")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
 # Every compile in the suite validates its rewrites (moe_compile.config: validate is off by default, for its cost
 # on the GPU); a refusal shows as a warning and a validation_failed record that the tests' report checks see.
