@@ -21,8 +21,8 @@ routing-weight gradient scaled by ``1 + 32 eps_bf16``, 2.1x of the tolerance).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -164,6 +164,56 @@ def _forward_failures(block: nn.Module, forward_error: Callable[[], float],
             yield NotSwappable("probe_mismatch", message("training" if training else "eval", err))
 
 
+Candidate = TypeVar("Candidate")
+
+
+def ranked_candidates(candidates: Sequence[Candidate], error_of: Callable[[Candidate], float], *,
+                      agree: Callable[[list[float]], list[float]] | None = None,
+                      refusals_propagate: bool = True, where: str = "") -> list[Candidate]:
+    """The ``candidates`` whose forward matches the block's own on the probe, closest first (in bf16 a wrong
+    candidate can come close; ties keep the given order): ``error_of(candidate)`` sets the candidate and returns its
+    worst row (:func:`row_mismatch`, ``<= 1`` a match); one that raises counts as no match, a
+    :class:`NotSwappable` too unless ``refusals_propagate``. ``agree`` combines the errors across ranks (the
+    worst of every rank's, so that all ranks rank alike). Raises ``NotSwappable("probe_mismatch")`` if none
+    matches; ``where`` ends the probe's words in its detail."""
+    errors = []
+    for candidate in candidates:
+        try:
+            errors.append(error_of(candidate))
+        except NotSwappable:
+            if refusals_propagate:
+                raise
+            errors.append(math.inf)
+        except Exception:  # noqa: BLE001 - a candidate the block's shapes or dtypes do not admit
+            errors.append(math.inf)
+    if agree is not None:
+        errors = agree(errors)
+    ranked = sorted((err, i) for i, err in enumerate(errors) if err <= 1)
+    if not ranked:
+        closest = min((err for err in errors if not math.isnan(err)), default=math.inf)
+        raise NotSwappable("probe_mismatch", f"no fused candidate matched the block's own forward on a probe{where} "
+                                             f"(closest: worst row {closest:.3g}x of {PROBE_ULPS} ulps)")
+    return [candidates[i] for _, i in ranked]
+
+
+def first_verified(candidates: Sequence[Candidate], failures_of: Callable[[Candidate], list[NotSwappable]], *,
+                   agree: Callable[[bool], bool] | None = None) -> Candidate:
+    """The first of ``candidates`` (:func:`ranked_candidates`' order) with no failure: ``failures_of(candidate)``
+    sets the candidate and runs :func:`verification_failures` (forwards that tie can differ in backward: the two
+    top-k softmax forms at ``K = 1``). ``agree`` says whether any rank failed. The candidate returned is the one
+    ``failures_of`` set last. Raises the first candidate's first failure if none passes."""
+    first: NotSwappable | None = None
+    for candidate in candidates:
+        failures = failures_of(candidate)
+        if not (agree(bool(failures)) if agree is not None else failures):
+            return candidate
+        first = first or (failures[0] if failures else NotSwappable(
+            "probe_grad_mismatch", "the fused path does not match the block's own on another rank"))
+    if first is None:
+        raise NotSwappable("probe_mismatch", "no candidate to verify")
+    raise first
+
+
 def verify(block: nn.Module, forward_error: Callable[[], float], fused: Callable[[Tensor], Any], x: Tensor, *,
            same_draws: bool = False) -> None:
     """The chosen candidate in training mode too (the block's training forward may differ: an extra output, noise):
@@ -284,5 +334,6 @@ def same_draws_run(first: Callable[[Tensor], Any], second: Callable[[Tensor], An
     return a, b
 
 
-__all__ = ["PROBE_FLOOR_ULPS", "PROBE_SHAPES", "PROBE_ULPS", "TOKENS_FIRST", "NotSwappable", "forward_in_both_modes",
-           "outputs", "path_dtypes", "probe_input", "row_mismatch", "same_draws_run", "verification_failures", "verify"]
+__all__ = ["PROBE_FLOOR_ULPS", "PROBE_SHAPES", "PROBE_ULPS", "TOKENS_FIRST", "NotSwappable", "first_verified",
+           "forward_in_both_modes", "outputs", "path_dtypes", "probe_input", "ranked_candidates", "row_mismatch",
+           "same_draws_run", "verification_failures", "verify"]

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import re
 import types
 from collections.abc import Callable, Iterator
@@ -57,8 +56,10 @@ from moe_compile.config import CAPTURE_FLAGS
 from moe_compile.experts._probe import (
     TOKENS_FIRST,
     NotSwappable,
+    first_verified,
     outputs,
     probe_input,
+    ranked_candidates,
     row_mismatch,
     verification_failures,
 )
@@ -305,36 +306,25 @@ def _swap_ep_block(block: nn.Module, group: dist.ProcessGroup, capacity_factor: 
         x = _more_tokens(probe_input(block, plan.hidden, weight.dtype, device, TOKENS_FIRST, cpu_first=False))
         if _captured_whole(block, x):
             return None
-        candidates = _candidates(plan)
-        errors = []
         with torch.no_grad():
             want = outputs(block.forward(x))[0]
-        for candidate in candidates:
+
+        def error_of(candidate: dict[str, Any]) -> float:
             plan.take(candidate)
             with torch.no_grad():
-                try:
-                    err = row_mismatch(_ep_forward(block, plan, x), want)
-                except Exception:  # noqa: BLE001 - raised before its collectives: the same on every rank
-                    err = math.inf
-            errors.append(err)
-        errors = _reduce_max(errors, plan, device)
-        ranked = sorted((e, i) for i, e in enumerate(errors) if e <= 1)
-        if not ranked:
-            raise NotSwappable("probe_mismatch", f"no fused candidate matched the block's own forward on a probe on "
-                                                 f"every rank (closest: worst row {min(errors):.3g}x)")
-        first: NotSwappable | None = None
-        for _, i in ranked:
+                return row_mismatch(_ep_forward(block, plan, x), want)
+
+        def failures_of(candidate: dict[str, Any]) -> list[NotSwappable]:
             block.eval()
-            plan.take(candidates[i])
-            failures = list(verification_failures(block, lambda: row_mismatch(
+            plan.take(candidate)
+            return list(verification_failures(block, lambda: row_mismatch(
                 _ep_forward(block, plan, x), outputs(block.forward(x))[0]), lambda t: _ep_forward(block, plan, t), x))
-            failed_anywhere = _reduce_max([float(bool(failures))], plan, device)[0]
-            if not failed_anywhere:
-                break
-            first = first or (failures[0] if failures else NotSwappable(
-                "probe_grad_mismatch", "the fused path does not match the block's own on another rank"))
-        else:
-            raise first
+
+        # every rank ranks and verifies the same candidates, in the same order: each runs the same collectives.
+        # A refusal raised before a candidate's collectives is the same on every rank: a mismatch, not a raise.
+        ranked = ranked_candidates(_candidates(plan), error_of, refusals_propagate=False, where=" on every rank",
+                                   agree=lambda errors: _reduce_max(errors, plan, device))
+        first_verified(ranked, failures_of, agree=lambda failed: bool(_reduce_max([float(failed)], plan, device)[0]))
     finally:
         for m, t in zip(block.modules(), was_training):
             m.training = t

@@ -78,7 +78,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from moe_compile.experts._probe import PROBE_ULPS, NotSwappable, outputs, probe_input, row_mismatch, verify
+from moe_compile.experts._probe import (
+    NotSwappable,
+    first_verified,
+    outputs,
+    probe_input,
+    ranked_candidates,
+    row_mismatch,
+    verification_failures,
+)
 from moe_compile.experts._swap_capacity import module_dict_groups, swap_capacity_block
 from moe_compile.experts._swap_layout import (
     _FUSED_GATED,
@@ -334,23 +342,12 @@ def _candidates(block: nn.Module, plan: _Plan) -> list[dict[str, Any]]:
 
 def _ranked_candidates(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projection]],
                        x: Tensor) -> list[dict[str, Any]]:
-    """The candidates whose forward is within tolerance of the block's own on the probe ``x``, closest first (in
-    bf16 a wrong candidate can come close); raises :class:`NotSwappable` if there is none."""
-    errors = []
-    for i, candidate in enumerate(_candidates(block, plan)):
+    """:func:`ranked_candidates` of the plan's :func:`_candidates` on the probe ``x``."""
+    def error_of(candidate: dict[str, Any]) -> float:
         _set_candidate(plan, candidate)
-        try:
-            errors.append((_probe_error(block, plan, projections, x), i, candidate))
-        except NotSwappable:
-            raise
-        except Exception:  # noqa: BLE001 - a candidate the block's shapes or dtypes do not admit
-            errors.append((math.inf, i, candidate))
-    errors.sort(key=lambda e: e[:2])
-    if not errors or not errors[0][0] <= 1:
-        closest = errors[0][0] if errors else math.inf
-        raise NotSwappable("probe_mismatch", f"no fused candidate matched the block's own forward on a probe "
-                                             f"(closest: worst row {closest:.3g}x of {PROBE_ULPS} ulps)")
-    return [candidate for err, _, candidate in errors if err <= 1]
+        return _probe_error(block, plan, projections, x)
+
+    return ranked_candidates(_candidates(block, plan), error_of)
 
 
 def _set_candidate(plan: _Plan, candidate: dict[str, Any]) -> None:
@@ -456,11 +453,9 @@ def swap_block(block: nn.Module, group: ExpertGroup, identity_experts: int = 0) 
 
 def _verify_first(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projection]], x: Tensor,
                   candidates: list[dict[str, Any]]) -> None:
-    """Set ``plan`` to the first of ``candidates`` (closest forward first) that :func:`verify` accepts: forwards
-    that tie can differ in backward (the two top-k softmax forms at ``K = 1``); raises the first candidate's
-    :class:`NotSwappable` if none is accepted. The block must be in eval mode; ``verify`` leaves it in training."""
-    first: NotSwappable | None = None
-    for candidate in candidates:
+    """Set ``plan`` to the first of ``candidates`` that :func:`verify` accepts (:func:`first_verified`). The block
+    must be in eval mode; ``verify`` leaves it in training."""
+    def failures_of(candidate: dict[str, Any]) -> list[NotSwappable]:
         block.eval()
         _set_candidate(plan, candidate)
         with torch.no_grad():
@@ -471,13 +466,11 @@ def _verify_first(block: nn.Module, plan: _Plan, projections: Callable[[], list[
             err = _probe_error(block, plan, projections, x)
             return err if plan.returns_logits == returns_logits else math.inf
 
-        try:
-            verify(block, forward_error, lambda t: _fused_block_forward(block, plan, projections, t), x)
-            return
-        except NotSwappable as why:
-            first = first or why
-    assert first is not None
-    raise first
+        first = next(verification_failures(
+            block, forward_error, lambda t: _fused_block_forward(block, plan, projections, t), x), None)
+        return [first] if first is not None else []
+
+    first_verified(candidates, failures_of)
 
 
 def _hidden_size(group: ExpertGroup, plan: _Plan) -> int:
