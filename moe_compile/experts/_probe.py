@@ -14,7 +14,7 @@ gradients'); only its unit is the path's. The path is the block's own, not the f
 computes in a lower precision than the block is held to the block's. A gradient whose path stays in its own dtype
 (every gradient of a block in one dtype, a float32 weight used in float32 beside bf16 tensors it does not flow
 through) is judged as before; one wrong by 32 of its path's ulps is still refused
-(``test_switch_bf16_wrong_router_gradient_is_refused`` in ``tests/experts/test_swap_outside_families.py``: a
+(``test_switch_bf16_wrong_router_gradient_is_refused`` in ``tests/experts/test_swap_capacity.py``: a
 routing-weight gradient scaled by ``1 + 32 eps_bf16``, 2.1x of the tolerance).
 """
 
