@@ -1,4 +1,4 @@
-"""Cost of moe_compile's CPU workaround for pytorch#185702 (``moe_compile/inductor_workarounds.py``).
+"""Cost of moe_compile's CPU workaround for pytorch#185702 (``moe_compile/inductor_workarounds/cpp_outer_loop.py``).
 
 Times one compiled training step (forward + backward) on CPU, one thread, of the expert-choice layer of
 ``tests/test_cpu_miscompile.py`` under three variants: the workaround (``cpp.simdlen=1`` for the backward graph only),
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import moe_compile  # noqa: F401 - registers the backend
-from moe_compile import inductor_workarounds as iw
 from moe_compile import report
+from moe_compile.inductor_workarounds import cpp_outer_loop as iw
 from tests.models.expert_choice import ExpertChoiceMoE
 from tests.passes._harness import fresh_cache
 

@@ -10,8 +10,8 @@ stage run in the order of :data:`moe_compile.passes.PASSES`):
    inference): what only the backward shows, accumulating scatters (``deterministic_*``).
 3. ``post_grad_custom_post_pass``: the read-only audit (what is left, for ``explain``).
 
-Besides the passes, a graph that would hit a known Inductor miscompile gets the config patch that avoids it, for the
-graphs that need it (:mod:`moe_compile.inductor_workarounds`).
+Besides the passes, a graph that would hit a known Inductor miscompile is compiled with the patch that avoids it (a
+config patch, or a patched reindexing), and only such graphs (:mod:`moe_compile.inductor_workarounds`).
 
 ``moe_compile/passes/README.md`` has the table of passes by stage.
 
@@ -161,10 +161,9 @@ def _compile(
     patches = inductor_patches(config, mode, dict(inductor_options or {}))
     _restart_workers_without_static_launch()
     log.debug("compiling a graph of %d nodes, passes %s", len(gm.graph.nodes), enabled_passes(config))
-    # known Inductor miscompiles this graph would hit (moe_compile/inductor_workarounds.py): found on Dynamo's graph,
-    # before the pre-grad passes rewrite it; the fix is a config patch of the backward graph's compile
-    found = inductor_workarounds.find(gm, inductor_options)
-    inner = inductor_workarounds.apply(found, compile_fx_inner)
+    # known Inductor miscompiles this graph would hit (moe_compile/inductor_workarounds/): found on Dynamo's graph,
+    # before the pre-grad passes rewrite it; each fix wraps the inner compile of the graph's forward or backward
+    inner = inductor_workarounds.wrap_inner_compile(gm, inductor_options, compile_fx_inner)
     # compile_fx's own inner compile unless a workaround patches it (a caller's compile_fx may bring its own)
     extra = {"inner_compile": inner} if inner is not compile_fx_inner else {}
     # SDPA is decomposed (its kernel chosen) while compile_fx traces

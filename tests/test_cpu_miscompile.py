@@ -1,5 +1,5 @@
 """Inductor's CPU miscompile of expert-choice routing's backward, and moe_compile's workaround
-(``moe_compile/inductor_workarounds.py``).
+(``moe_compile/inductor_workarounds/cpp_outer_loop.py``).
 
 Plain Inductor (torch 2.13, CPU) returns wrong input and router gradients for ``topk(softmax(s, -1).t(), C)``
 (pytorch issue 185702: outer-loop fusion keeps a one-row local buffer under a tiled outer loop). moe_compile must
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import moe_compile  # noqa: F401 - registers the backend
-from moe_compile import inductor_workarounds as iw
 from moe_compile import report
+from moe_compile.inductor_workarounds import cpp_outer_loop as iw
 from tests._tolerance import eager_bound_errors, within_eager_bound
 from tests.models.expert_choice import ExpertChoiceMoE
 from tests.passes._harness import fresh_cache
@@ -28,7 +28,7 @@ from tests.passes._harness import fresh_cache
 Step = dict[str, torch.Tensor]
 
 FIXED = ("plain Inductor on this torch no longer miscompiles this graph: pytorch#185702 is fixed here, so "
-         "moe_compile/inductor_workarounds.py can be retired for this version (set FIXED_IN)")
+         "moe_compile/inductor_workarounds/cpp_outer_loop.py can be retired for this version (set FIXED_IN)")
 
 
 def _seed() -> int:

@@ -29,3 +29,12 @@ class ExpertChoiceMoE(nn.Module):
         ye = torch.bmm(F.gelu(torch.bmm(xe, self.w1)), self.w2) * gates.unsqueeze(-1)
         out = torch.zeros_like(x).index_add_(0, tok.reshape(-1), ye.reshape(-1, H))
         return out.reshape(B, S, H)
+
+
+class SmallBatchExpertChoiceMoE(ExpertChoiceMoE):
+    """The same layer with a capacity of at least one token per expert, in integer arithmetic (``max(1, T * f //
+    E)``), as code that also runs small batches writes it. With dynamic shapes a call where it is 1 compiles a graph
+    for every ``T`` that keeps it 1 (NOTE in ``moe_compile/inductor_workarounds/expand_size_one.py``)."""
+
+    def capacity(self, tokens: int) -> int:
+        return max(1, tokens * int(self.capacity_factor) // self.experts)

@@ -1,8 +1,4 @@
-"""Known Inductor miscompiles that moe_compile steers around, per graph: what each is, when it applies, what it costs.
-
-One workaround so far.
-
-**CPU outer-loop fusion with a one-row local buffer under a tiled outer loop** (pytorch issue 185702, fixed upstream
+"""**CPU outer-loop fusion with a one-row local buffer under a tiled outer loop** (pytorch issue 185702, fixed upstream
 by PR 185855; present in torch 2.13, the version moe_compile pins, and in every torch since outer-loop fusion came to
 the C++ backend, PR 121625). Inductor's C++ codegen fuses a row reduction and the pointwise ops after it under one
 outer loop, and keeps the intermediate row in a local buffer sized for one row (``local_buffer_data_0[x1]``). That is
@@ -42,7 +38,6 @@ turns the workaround off for it and later versions (its tests stay: they check t
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -53,12 +48,11 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from moe_compile import report
+from moe_compile.inductor_workarounds._common import PASS_NAME, STAGE, Found
+from moe_compile.inductor_workarounds._common import needed as _needed
 from moe_compile.passes._graph import arg, layer_name, op_name, val
 
 log = logging.getLogger(__name__)
-
-PASS_NAME = "inductor_workaround"
-STAGE = "inductor"
 
 # torch version whose Inductor no longer needs the workaround (None: every version we know of still does)
 FIXED_IN: tuple[int, int] | None = None
@@ -85,20 +79,9 @@ _SELECT: dict[str, tuple[int, int | None]] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Found:
-    """A graph that shows the pattern: the layers where it does, and whether the user's options keep it off."""
-
-    layers: tuple[str, ...]
-    overridden: bool = False
-
-
 def needed(version: str = torch.__version__) -> bool:
     """Whether this torch still needs the workaround (:data:`FIXED_IN`)."""
-    if FIXED_IN is None:
-        return True
-    major, minor = (int(p) for p in version.split("+")[0].split(".")[:2])
-    return (major, minor) < FIXED_IN
+    return _needed(FIXED_IN, version)
 
 
 def _softmax_source(node: fx.Node) -> fx.Node | None:
