@@ -11,8 +11,11 @@ the same check without stopping at a failure, writing every finding to JSON.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests._subprocess import run_python
+from tests._subprocess import REPO_ROOT, run_python
 from tests.fuzz.emit import DTYPES, build, load, script, source
 from tests.fuzz.grammar import DISPATCHES, Spec, corpus, draw, random_choose
 from tests.fuzz.harness import check, check_module
@@ -131,3 +134,21 @@ def test_finding_scripts(script_path: Path):
     done = run_python(f"import runpy; runpy.run_path({str(script_path)!r}, run_name='__main__')", timeout=600)
     known = "(known: " in done.stdout
     assert done.returncode == 0 or (done.returncode == 1 and known), done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_long_run_records_an_abort_and_goes_on(tmp_path):
+    """``python -m tests.fuzz.run`` checks its layers in a child process: a layer that kills it (here the test hook
+    ``MOE_FUZZ_ABORT_AT`` aborts at layer 0; FINDINGS B4 did so in generated code) is recorded as an ``abort``, with
+    its script and JSON line, and the next layer still runs."""
+    env = dict(os.environ, MOE_FUZZ_ABORT_AT="0", PYTHONPATH=str(REPO_ROOT))
+    done = subprocess.run([sys.executable, "-m", "tests.fuzz.run", "-n", "2", "--seed", "3", "--json",
+                           str(tmp_path / "fuzz.json"), "--scripts", str(tmp_path / "scripts")],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "fuzz.json").read_text().splitlines()]
+    assert [(r["index"], r["kind"]) for r in rows] == [(0, "abort"), (1, rows[1]["kind"])], rows
+    assert rows[1]["kind"] != "abort" and "SIGABRT" in rows[0]["detail"], rows
+    assert [p.name for p in (tmp_path / "scripts").iterdir()] == ["passes-3-0-abort.py"]
+    lines = done.stdout.splitlines()
+    summary = json.loads("\n".join(lines[max(i for i, line in enumerate(lines) if line == "{"):]))
+    assert summary["examples"] == 2 and summary["verdicts"]["abort"] == 1, summary
