@@ -22,6 +22,10 @@ dimensions (0 instead of a loop variable), so it costs nothing. The patch is in 
 compile runs in this thread's call (Inductor lowers a graph in the calling thread; its compile workers only build the
 code). The backend records a non-MoE ``rewrite`` (pass ``inductor_workaround``) per layer with such a size.
 
+Caches: as for :mod:`.cpp_outer_loop`, whether a graph gets the patch depends only on that graph and moe_compile's
+sources, which the FX graph and AOTAutograd cache keys hold (the stage passes' uuid), so a hit returns code compiled
+with it.
+
 Retire it when the pinned torch's ``make_reindexer`` decides by the guards: the control test then skips ("no longer
 miscompiles"), and :data:`FIXED_IN` set to that version turns the workaround off (its tests stay).
 """
