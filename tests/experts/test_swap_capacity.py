@@ -1,9 +1,9 @@
-"""SwitchTransformers' top-1 capacity routing through the expert-loop swap (NOTE [capacity swap]
-(moe_compile/experts/_swap_capacity.py)): the block's own router runs, dropped tokens are exact zeros, forward and
-backward, in float32 and bf16, and what the fused path cannot compute (expert dropout, a wrong router gradient) is
-left alone; NLLB-MoE is left alone (its eager loop runs other experts than its router chose). The blocks are
-transformers' own classes (``tests/experts/_outside_blocks.py``); each step is judged against a float64 eager run
-of the original block (:func:`tests._tolerance.within_eager_bound`)."""
+"""SwitchTransformers' top-1 capacity routing through the expert-loop swap
+(NOTE [capacity swap] (moe_compile/experts/_swap_capacity.py)): the block's own router runs, dropped tokens are exact
+zeros, forward and backward, in float32 and bf16, and what the fused path cannot compute (expert dropout, a wrong
+router gradient) is left alone; NLLB-MoE is left alone (its eager loop runs other experts than its router chose).
+The blocks are transformers' own classes (``tests/experts/_outside_blocks.py``); each step is judged against a
+float64 eager run of the original block (:func:`tests._tolerance.within_eager_bound`)."""
 
 
 from __future__ import annotations

@@ -4,10 +4,10 @@
 sigmoid scores that are zero outside the top-k, NOTE [dense experts] (moe_compile/experts/swap.py); a shared expert;
 returns ``(out [T, H], router_logits)``) and Step3p7 (``Step3p7SparseMoeBlock``: an eager loop over stacked
 ``[E, 2I, H]`` weights, a router returning ``(logits, weights, ids)``, a shared expert), LongCat-Flash
-(``LongcatFlashMoE``: stacked experts beside identity experts, NOTE [identity experts]
-(moe_compile/experts/interface.py)) and SwitchTransformers (``SwitchTransformersSparseMLP``: top-1 capacity routing;
-its drops, bf16 and what is left alone, with NLLB-MoE, in ``test_swap_capacity.py``). The blocks are transformers'
-own classes, built from the tiny configs of the family matrix (``tests/models/hf_families.py``) with fresh random
+(``LongcatFlashMoE``: stacked experts beside identity experts,
+NOTE [identity experts] (moe_compile/experts/interface.py)) and SwitchTransformers
+(``SwitchTransformersSparseMLP``: top-1 capacity routing; its drops, bf16 and what is left alone, with NLLB-MoE, in
+``test_swap_capacity.py``). The blocks are transformers' own classes, built from the tiny configs of the family matrix (``tests/models/hf_families.py``) with fresh random
 weights (``tests/experts/_outside_blocks.py``).
 
 Each block is swapped, and its step (output and every gradient) must be as close to a float64 eager run of the
