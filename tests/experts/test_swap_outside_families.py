@@ -7,8 +7,8 @@ returns ``(out [T, H], router_logits)``) and Step3p7 (``Step3p7SparseMoeBlock``:
 (``LongcatFlashMoE``: stacked experts beside identity experts,
 NOTE [identity experts] (moe_compile/experts/interface.py)) and SwitchTransformers
 (``SwitchTransformersSparseMLP``: top-1 capacity routing; its drops, bf16 and what is left alone, with NLLB-MoE, in
-``test_swap_capacity.py``). The blocks are transformers' own classes, built from the tiny configs of the family matrix (``tests/models/hf_families.py``) with fresh random
-weights (``tests/experts/_outside_blocks.py``).
+``test_swap_capacity.py``). The blocks are transformers' own classes, built from the tiny configs of the family
+matrix (``tests/models/hf_families.py``) with fresh random weights (``tests/experts/_outside_blocks.py``).
 
 Each block is swapped, and its step (output and every gradient) must be as close to a float64 eager run of the
 original block as float32 eager is (:func:`tests._tolerance.within_eager_bound`; float32 so that no token sits
