@@ -48,7 +48,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from moe_compile import report
-from moe_compile.inductor_workarounds._common import PASS_NAME, STAGE, Found
+from moe_compile.inductor_workarounds._common import PASS_NAME, STAGE, Found, record_rewrite
 from moe_compile.inductor_workarounds._common import needed as _needed
 from moe_compile.passes._graph import arg, layer_name, op_name, val
 
@@ -162,9 +162,7 @@ def apply(found: Found | None, inner: Callable[..., Any]) -> Callable[..., Any]:
     detail = (f"softmax scores selected across rows (topk/sort/gather of a transposed view): Inductor's C++ outer-loop "
               f"fusion miscompiles their backward ({ISSUE}); backward graph compiled with "
               f"{', '.join(f'{k}={v}' for k, v in PATCHES.items())}")
-    log.info("moe_compile: %s: %s (layers %s)", NAME, detail, ", ".join(found.layers))
-    for layer in found.layers:
-        report.add(report.PassRecord(PASS_NAME, STAGE, "rewrite", layer, NAME, detail, moe=False))
+    record_rewrite(NAME, found, detail, log)
     return inner_compile(inner)
 
 

@@ -43,8 +43,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from moe_compile import report
-from moe_compile.inductor_workarounds._common import PASS_NAME, STAGE, Found
+from moe_compile.inductor_workarounds._common import Found, record_rewrite
 from moe_compile.inductor_workarounds._common import needed as _needed
 from moe_compile.passes._graph import layer_name
 
@@ -118,9 +117,7 @@ def apply(found: Found | None, inner: Callable[..., Any]) -> Callable[..., Any]:
     detail = ("a dimension whose size is a symbolic expression the shape guards make 1 (dynamic shapes): Inductor "
               "broadcasts it by the guards but indexes it as full size (ExpandView.make_reindexer); compiled with "
               "the reindexing decided by the guards")
-    log.info("moe_compile: %s: %s (layers %s)", NAME, detail, ", ".join(found.layers))
-    for layer in found.layers:
-        report.add(report.PassRecord(PASS_NAME, STAGE, "rewrite", layer, NAME, detail, moe=False))
+    record_rewrite(NAME, found, detail, log)
 
     @functools.wraps(inner)
     def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
