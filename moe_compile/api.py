@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from typing import Any
 
@@ -15,9 +16,11 @@ from moe_compile.backend import ConfiguredBackend
 from moe_compile.config import CAPTURE_FLAGS, make_config
 from moe_compile.experts.discovery import find_expert_layers
 from moe_compile.experts.expert_parallel import use_hf_expert_parallel
+from moe_compile.experts.hub_kernels import unwrap_idle_kernel_wrappers
 from moe_compile.experts.interface import is_hf_experts, use_fused_hf_experts
 from moe_compile.experts.swap import swap_expert_loops as swap_loops
 
+log = logging.getLogger(__name__)
 
 # The keywords from ``metrics`` to ``validate`` are config.OPTIONS, with their defaults, and their Args entries
 # begin with the rows' docs (tests/test_api.py checks both).
@@ -99,6 +102,11 @@ def compile(  # noqa: A001 - mirrors torch.compile
                          validate=validate, ep_capacity_factor=ep_capacity_factor)
     backend = ConfiguredBackend(config)  # checks the pass names before the model is touched
     swapped: list[Any] = []
+    if isinstance(model, torch.nn.Module):
+        unwrapped = unwrap_idle_kernel_wrappers(model)
+        if unwrapped:
+            log.info("original forward restored on %d module(s) wrapped by kernels' use_kernelized_func, which "
+                     "Dynamo cannot trace under activation checkpointing: %s", len(unwrapped), ", ".join(unwrapped))
     if swap_expert_loops and isinstance(model, torch.nn.Module):
         prepare_expert_loops(model, ep_capacity_factor)
         swapped = _recycle_expert_gradients(model, not _uses_cuda_graphs(torch_compile_kwargs))

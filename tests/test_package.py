@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
 import pathlib
 import re
 import subprocess
@@ -255,10 +256,42 @@ def test_public_api():
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    marker = "python3 -m pip install -e \".[test,hf]\" && python3 -m pytest -q -ra -n 2 tests"
+    marker = "python3 -m pip install -e \".[test,hf]\" -c constraints.txt && python3 -m pytest -q -ra -n 2 tests"
     assert marker in readme
     ci_line = next(line for line in ci.splitlines() if "pytest" in line and not line.startswith("#"))
     assert ci_line.replace("--quiet ", "") in readme
+
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.-]+)==(\S+)\s*$", line)
+        if m:
+            pins[m.group(1).lower()] = m.group(2)
+    return pins
+
+
+def test_constraints_pin_the_test_environment():
+    """The README's test command installs from ``constraints.txt``: exact versions of the test tools and of
+    transformers and torchao, torch as ``.ci/run`` pins it, and a transformers inside the ``hf`` extra's range."""
+    from packaging.requirements import Requirement
+
+    pins = _pins()
+    for name in ("torch", "transformers", "torchao", "pytest", "pytest-xdist", "hypothesis", "expecttest"):
+        assert name in pins, f"constraints.txt does not pin {name}"
+    assert f"torch=={pins['torch']}" in (ROOT / ".ci" / "run").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    hf = Requirement(re.search(r'^hf = \["([^"]+)"\]', pyproject, re.M).group(1))
+    assert hf.name == "transformers" and pins["transformers"] in hf.specifier, hf
+
+
+@pytest.mark.skipif(not os.environ.get("CI"), reason="CI installs constraints.txt; a developer's environment may not")
+def test_ci_environment_is_the_pinned_one():
+    import importlib.metadata as md
+
+    moved = {name: (pin, md.version(name)) for name, pin in _pins().items()
+             if not md.version(name).startswith(pin)}  # torch reports 2.13.0+cpu for the pin 2.13.0
+    assert not moved, moved
 
 
 def test_import_and_compile_without_torchao():

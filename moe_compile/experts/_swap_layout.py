@@ -164,6 +164,8 @@ def identity_expert_groups(model: nn.Module) -> tuple[list[ExpertGroup], list[tu
         if isinstance(Z, bool) or not isinstance(Z, int) or Z < 1:
             continue
         params = dict(module.named_parameters(recurse=False))
+        if not params:  # a block that declares the count and runs the identity experts itself (transformers 5.25)
+            continue
         E = min((p.shape[0] for p in params.values()), default=0)
         declared = getattr(module, "num_routed_experts", E)
         if (E < 1 or declared != E or len(params) < 2 or any(p.dim() != 3 for p in params.values())

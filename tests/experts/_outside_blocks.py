@@ -14,6 +14,8 @@ from torch import nn
 
 import moe_compile
 from moe_compile import report
+from moe_compile.api import prepare_expert_loops
+from moe_compile.experts.interface import is_hf_experts
 from moe_compile.experts.swap import swap_expert_loops
 from tests import _tolerance as tol
 
@@ -83,6 +85,26 @@ SWAPPED = {
     "switch_transformers": ("module_dict experts (8, plain wi/wo)", "top-1 capacity routing by the block's router "
                             "on its input", "dropped choices exact zeros"),
 }
+INTERFACE_RECORD = ("rewrite", "experts_implementation=unset")
+INTERFACE_PARTS = ("transformers experts interface 'moe_compile'",)
+
+
+def expected_rewrite(family: str, block: nn.Module) -> tuple[tuple[str, str], tuple[str, ...]]:
+    """``(record kind and tag, parts of its detail)`` that ``prepare_expert_loops`` must give ``family``'s block, by what
+    the installed transformers made of its experts: on transformers' experts interface (``use_experts_implementation``:
+    LongCat-Flash and Step3p7 from transformers 5.25 on) the interface runs our implementation; otherwise the swap
+    rewrites the block and says what it read (:data:`SWAPPED`)."""
+    experts = getattr(block, "experts", None)
+    if isinstance(experts, nn.Module) and is_hf_experts(experts):
+        return INTERFACE_RECORD, INTERFACE_PARTS
+    return ("rewrite", "expert_loop_swapped"), SWAPPED[family]
+
+
+def _prepared(model: nn.Module) -> list[tuple[str, str, str, str]]:
+    """``moe_compile.compile``'s module preparation of ``model``, as ``(layer, kind, tag, detail)`` records."""
+    return [(r.layer, r.kind, r.what, r.detail) for r in prepare_expert_loops(model)]
+
+
 # Switch's capacity per sequence: 12 tokens over 8 experts at capacity 2 drop tokens in almost every draw (asserted)
 SWITCH_CAPACITY = 2
 
@@ -109,9 +131,9 @@ def _steps(family: str, compiled: bool, tokens: tuple[int, int] = (2, 12)):
         finally:
             torch._dynamo.reset()
         records = [(r.layer, r.kind, r.what, r.detail) for r in report.module_records(swapped)
-                   if r.pass_name == "swap_expert_loops"]
+                   if r.pass_name in ("swap_expert_loops", "experts_impl")]
     else:
-        records = swap_expert_loops(swapped)
+        records = _prepared(swapped)
         got = tol.layer_step(swapped, swapped, x, cot)
     return _with_zero_grads(got, swapped), eager, ref, swapped.block, original, records, rep
 
@@ -130,9 +152,10 @@ def original_hidden(block: nn.Module) -> int:
     return next(m for m in block.modules() if isinstance(m, nn.Linear)).in_features
 
 
-def _assert_swapped_and_within_bound(parts: tuple[str, ...], got, eager, ref, records, dtype=torch.float32) -> None:
-    """Swapped (its record naming each of ``parts``), the step within eager's bound from the wider run."""
-    assert [r[1:3] for r in records] == [("rewrite", "expert_loop_swapped")], records
+def _assert_swapped_and_within_bound(parts: tuple[str, ...], got, eager, ref, records, dtype=torch.float32,
+                                     record: tuple[str, str] = ("rewrite", "expert_loop_swapped")) -> None:
+    """Rewritten (one ``record``, naming each of ``parts``), the step within eager's bound from the wider run."""
+    assert [r[1:3] for r in records] == [record], records
     for part in parts:
         assert part in records[0][3], records[0][3]
     # one expert's own gradient (ModuleList / ModuleDict experts) sums the few rows routed to it: eager's error there
@@ -188,7 +211,7 @@ def _swapped_eager_ref(original: nn.Module, x: torch.Tensor, cot: torch.Tensor):
     eager_model, swapped = _Out(original), _Out(copy.deepcopy(original))
     eager = _with_zero_grads(tol.layer_step(eager_model, eager_model, x, cot), eager_model)
     ref = _with_zero_grads(tol.layer_step(ref_model, ref_model, x, cot, torch.float64), ref_model)
-    records = swap_expert_loops(swapped)
+    records = _prepared(swapped)
     got = _with_zero_grads(tol.layer_step(swapped, swapped, x, cot), swapped)
     again = _with_zero_grads(tol.layer_step(swapped, swapped, x, cot), swapped)
     return got, again, eager, ref, records

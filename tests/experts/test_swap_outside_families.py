@@ -38,14 +38,16 @@ from tests.experts._outside_blocks import (
     _swap_keeping_parameters,
     _swapped_eager_ref,
     _trains_and_loads_like_eager,
+    expected_rewrite,
     original_hidden,
 )
 
 
 @pytest.mark.parametrize("family", SWAPPED)
 def test_swapped_block_step_within_eager_bound(family):
-    got, eager, ref, _, _, records, _ = _steps(family, compiled=False)
-    _assert_swapped_and_within_bound(SWAPPED[family], got, eager, ref, records)
+    got, eager, ref, _, original, records, _ = _steps(family, compiled=False)
+    record, parts = expected_rewrite(family, original)
+    _assert_swapped_and_within_bound(parts, got, eager, ref, records, record=record)
 
 
 @pytest.mark.slow
@@ -54,8 +56,9 @@ def test_compiled_block_one_graph_within_eager_bound(family):
     """Through ``moe_compile.compile``: swapped before compiling, the step is one graph (``fullgraph``; the eager
     loop's ``nonzero`` would break it) with no host read or accumulating scatter left. Slow (20-60 s each on 2 CPU
     cores); the family matrix (``-m slow``) checks the same of the whole models."""
-    got, eager, ref, _, _, records, rep = _steps(family, compiled=True)
-    _assert_swapped_and_within_bound(SWAPPED[family], got, eager, ref, records)
+    got, eager, ref, _, original, records, rep = _steps(family, compiled=True)
+    record, parts = expected_rewrite(family, original)
+    _assert_swapped_and_within_bound(parts, got, eager, ref, records, record=record)
     assert rep.graphs == 1 and rep.clean, rep.table()
 
 
@@ -176,20 +179,24 @@ def test_dbrx_router_jitter_is_left_alone():
 
 
 def test_longcat_identity_experts_within_eager_bound():
-    """LongCat-Flash's experts include ``zero_expert_num`` identity experts (an id past the 8 MLP experts adds the
-    token times its weight; the tiny config has 2): swapped, with tokens routed to them (asserted: some choices, not
-    all), the output and every gradient (router, experts, the ``gate_up_proj`` rows of the identity experts that no
-    id reads: exact zeros) are within eager's bound from a float64 run; a repeated step is bitwise the same."""
+    """LongCat-Flash's router picks among the 8 MLP experts and ``zero_expert_num`` identity experts (an id past the MLP
+    experts adds the token times its weight; the tiny config has 2). transformers 5.24 computes them inside its experts
+    loop (the swap's NOTE [identity experts] (moe_compile/experts/interface.py)); 5.25 in the block, which sends their
+    choices to MLP experts with weight 0 before the experts interface. Either way, with tokens routed to them (asserted:
+    some choices, not all), the rewritten step's output and every gradient (router, experts, any ``gate_up_proj`` rows
+    of identity experts, which no id reads: exact zeros) are within eager's bound from a float64 run; a repeated step
+    is bitwise the same."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     original = _block("longcat_flash", gen)
-    E = original.experts.num_routed_experts
+    E = original.experts.down_proj.shape[0]  # the MLP experts (the router's n_routed_experts counts both kinds)
     x = torch.randn(2, 12, original_hidden(original), generator=gen)
     cot = torch.randn(x.shape, generator=gen)
     with torch.no_grad():
         identity = original.router(x)[2] >= E
     assert 0 < int(identity.sum()) < identity.numel(), identity
     got, again, eager, ref, records = _swapped_eager_ref(original, x, cot)
-    _assert_swapped_and_within_bound(SWAPPED["longcat_flash"], got, eager, ref, records)
+    record, parts = expected_rewrite("longcat_flash", original)
+    _assert_swapped_and_within_bound(parts, got, eager, ref, records, record=record)
     assert torch.all(got["grad:block.experts.gate_up_proj"][E:] == 0)
     for name, value in got.items():
         assert torch.equal(value, again[name]), name
@@ -207,10 +214,13 @@ def test_longcat_other_identity_form_is_left_alone():
     (``test_longcat_identity_experts_within_eager_bound``), so this is the probe's doing."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     block = _block("longcat_flash", gen)
+    if not hasattr(block.experts, "identity_expert"):
+        pytest.skip("this transformers computes the identity experts in the block's own forward (plain tensor code, "
+                    "compiled as written), not as an experts-loop module the swap would replace")
     block.experts.identity_expert = _Halve()
     x = torch.randn(2, 12, original_hidden(block), generator=gen)
     with torch.no_grad():
-        assert bool((block.router(x)[2] >= block.experts.num_routed_experts).any())
+        assert bool((block.router(x)[2] >= block.experts.down_proj.shape[0]).any())
         want = block(x)
     forward = block.forward
     records = swap_expert_loops(block)

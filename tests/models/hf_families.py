@@ -93,7 +93,8 @@ OUTSIDE: dict[str, Outside] = {
         "scores, zero outside the top-k), no dispatch; plus a shared expert",
         {"interleave_moe_layer_step": 1, "no_rope_layers": [1]}, swapped=True),
     "longcat_flash": Outside(
-        "LongcatFlashExperts: an eager per-expert loop that includes zero-compute (identity) experts; swapped: "
+        "LongcatFlashExperts (transformers <= 5.24): an eager per-expert loop that includes zero-compute (identity) "
+        "experts; swapped: "
         "grouped GEMMs over the MLP experts, the identity experts' rows the tokens themselves "
         "(NOTE [identity experts] (moe_compile/experts/interface.py)); another form of them: zero_compute_experts",
         {"num_layers": 1, "expert_ffn_hidden_size": 32, "zero_expert_num": 2, "qk_head_dim": 32}, swapped=True),
@@ -105,7 +106,7 @@ OUTSIDE: dict[str, Outside] = {
          "decoder_ffn_dim": 64, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "expert_capacity": 16,
          "encoder_sparse_step": 1, "decoder_sparse_step": 1, "moe_token_dropout": 0.0, "tie_word_embeddings": True}),
     "step3p7": Outside(
-        "Step3p7Experts: an eager per-expert loop (not decorated), stacked [E, 2I, H] weights",
+        "Step3p7Experts (transformers <= 5.24): an eager per-expert loop (not decorated), stacked [E, 2I, H] weights",
         {"share_expert_dim": 32, "intermediate_size": 64}, cls="Step3p7TextModel", kind="base", swapped=True),
     "switch_transformers": Outside(
         "SwitchTransformersExperts: top-1 capacity routing (cumsum positions), a ModuleDict of dense experts "
@@ -132,12 +133,15 @@ OUTSIDE: dict[str, Outside] = {
 
 
 def outside_interface_families() -> tuple[str, ...]:
-    """The MoE families of :data:`OUTSIDE` that the installed transformers has: their experts are their own code,
-    not transformers' experts interface (``use_experts_implementation``), so :func:`moe_families` does not find them
-    and the interface's fused path does not cover them; :attr:`Outside.why` says what each one's experts are."""
+    """The MoE families of :data:`OUTSIDE` that the installed transformers has with experts of their own code, not
+    transformers' experts interface (``use_experts_implementation``): :func:`moe_families` does not find them and the
+    interface's fused path does not cover them; :attr:`Outside.why` says what each one's experts are. A family that a
+    newer transformers moves onto the interface (LongCat-Flash and Step3p7 in 5.25) is one of :func:`moe_families`
+    there, built with the same overrides."""
     from transformers import CONFIG_MAPPING
 
-    return tuple(f for f in OUTSIDE if f in CONFIG_MAPPING or f.replace("_", "-") in CONFIG_MAPPING)
+    installed = (f for f in OUTSIDE if f in CONFIG_MAPPING or f.replace("_", "-") in CONFIG_MAPPING)
+    return tuple(f for f in installed if f not in moe_families())
 
 
 @functools.cache
