@@ -540,6 +540,11 @@ def swap_expert_loops(model: nn.Module, ep_capacity_factor: float | None = None)
             else:
                 records.append((block_name or "<root>", "skip", why.tag, why.detail))
             continue
+        except Exception as exc:  # noqa: BLE001 - the block's own code raised on the probe's call: leave it as written
+            records.append((block_name or "<root>", "skip", "probe_failed",
+                            f"the block's code raised on the probe's tokens ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); left as written"))
+            continue
         records.append((block_name or "<root>", "rewrite", "expert_loop_swapped", detail))
     return records
 

@@ -17,7 +17,7 @@ from moe_compile import report
 from moe_compile.api import prepare_expert_loops
 from moe_compile.experts._grad_views import _grad_python_refs
 from moe_compile.experts.swap import swap_expert_loops
-from tests.models.loop_models import LogitsLoopMoE, SigmoidRoutedLoopMoE, make_loop_moe
+from tests.models.loop_models import LogitsLoopMoE, LoopMoE, SigmoidRoutedLoopMoE, make_loop_moe
 from tests.passes._harness import fresh_cache, no_scatter_add
 
 H = 32
@@ -289,6 +289,52 @@ class SwapParametersTest(unittest.TestCase):
         block.load_state_dict(other.state_dict())
         x = torch.randn(2, 5, H)
         _assert_close(self, block(x).detach(), other(x).detach(), "after load_state_dict")
+
+
+class _Gate3D(nn.Module):
+    """A router written for ``[B, S, H]`` inputs only, returning ``(topk_idx, topk_weight)`` (DeepSeek-V2's ``MoEGate``
+    unpacks ``bsz, seq_len, h = hidden_states.shape``)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.randn(num_experts, hidden) * hidden**-0.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s, h = x.shape
+        scores = torch.softmax(nn.functional.linear(x.reshape(b * s, h), self.weight), dim=-1)
+        weight, idx = torch.topk(scores, self.top_k, dim=-1)
+        return idx, weight
+
+
+class ThreeDRouterLoopMoE(LoopMoE):
+    def __init__(self) -> None:
+        super().__init__(hidden=H)
+        self.gate = _Gate3D(H, self.num_experts, self.top_k)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        ids_TK, weights_TK = self.gate(hidden)
+        x_TH = hidden.reshape(-1, hidden.shape[-1])
+        out_TH = torch.zeros_like(x_TH)
+        for e in torch.nonzero(torch.bincount(ids_TK.flatten(), minlength=self.num_experts)).flatten().tolist():
+            tokens, k_pos = torch.where(ids_TK == e)
+            out_TH.index_add_(0, tokens, self.experts[e](x_TH[tokens]) * weights_TK[tokens, k_pos, None])
+        return out_TH.reshape(hidden.shape)
+
+
+def test_block_whose_code_raises_on_the_probe_is_left_alone():
+    """The swap's probe calls the router on ``[T, H]`` tokens; a router that takes only ``[B, S, H]`` raises there.
+    That is the block's own code failing on a call it was not written for: the block is left as written
+    (``probe_failed``, naming the error), and ``moe_compile.compile`` no longer fails on it."""
+    torch.manual_seed(torch.seed() % 2**31)
+    block = ThreeDRouterLoopMoE()
+    forward = block.forward
+    records = swap_expert_loops(block)
+    assert [r[1:3] for r in records] == [("skip", "probe_failed")], records
+    assert "ValueError" in records[0][3] and block.forward == forward
+    fresh = ThreeDRouterLoopMoE()
+    moe_compile.compile(fresh)  # the swap runs here: it used to raise the router's ValueError
+    assert fresh.forward == ThreeDRouterLoopMoE.forward.__get__(fresh)
 
 
 class SwapExplainTest(unittest.TestCase):
