@@ -90,10 +90,10 @@ INTERFACE_PARTS = ("transformers experts interface 'moe_compile'",)
 
 
 def expected_rewrite(family: str, block: nn.Module) -> tuple[tuple[str, str], tuple[str, ...]]:
-    """``(record kind and tag, parts of its detail)`` that ``prepare_expert_loops`` must give ``family``'s block, by
-    what the installed transformers made of its experts: on transformers' experts interface (``use_experts_implementation``:
-    LongCat-Flash and Step3p7 from transformers 5.25 on) the interface runs our implementation; otherwise the swap
-    rewrites the block and says what it read (:data:`SWAPPED`)."""
+    """``(record kind and tag, parts of its detail)`` that ``prepare_expert_loops`` must give ``family``'s block,
+    by what the installed transformers made of its experts: on transformers' experts interface
+    (``use_experts_implementation``: LongCat-Flash and Step3p7 from transformers 5.25 on) the interface runs our
+    implementation; otherwise the swap rewrites the block and says what it read (:data:`SWAPPED`)."""
     experts = getattr(block, "experts", None)
     if isinstance(experts, nn.Module) and is_hf_experts(experts):
         return INTERFACE_RECORD, INTERFACE_PARTS
