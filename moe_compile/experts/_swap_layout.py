@@ -6,6 +6,7 @@ tries."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -70,6 +71,73 @@ def _projection_names(available: set[str]) -> tuple[tuple[str, ...], bool]:
                                              "gate/up/down, gate_up/down, fc1/fc2, up/down, w1/w2, wi/wo")
 
 
+@dataclasses.dataclass(frozen=True)
+class MLPReading:
+    """One way to read an expert group's projections as an MLP: ``paths`` (ups, then down), gated or plain, and for
+    stacked weights whether every one is stored ``[E, K, N]`` (``x @ w[e]``; ``None``: as the names and the module
+    say); ``hidden`` is the ``H`` it implies. The probe decides between readings."""
+
+    paths: tuple[str, ...]
+    gated: bool
+    transposed: bool | None
+    hidden: int
+
+
+def _shape_readings(shapes: dict[str, tuple[int, int]], transposed: bool | None) -> list[MLPReading]:
+    """Readings of projections ``{path: (out, in)}`` by their shapes alone, whatever their names: two of ``(I, H)``
+    and ``(H, I)`` (plain: up, down), ``(2I, H)`` and ``(H, I)`` (one gate-then-up weight), or three of which two are
+    ``(I, H)`` and one ``(H, I)`` (gated, both orders of gate and up)."""
+    readings = []
+    items = list(shapes.items())
+    if len(items) == 2:
+        for (a, (a_out, a_in)), (b, (b_out, b_in)) in (items, items[::-1]):
+            if a_in == b_out and a_out == b_in:
+                readings.append(MLPReading((a, b), False, transposed, a_in))
+            if a_in == b_out and a_out == 2 * b_in:
+                readings.append(MLPReading((a, b), True, transposed, a_in))
+    elif len(items) == 3:
+        for d, (d_out, d_in) in items:
+            ups = [(n, sh) for n, sh in items if n != d]
+            if all(sh == (d_in, d_out) for _, sh in ups):
+                (u1, _), (u2, _) = ups
+                readings += [MLPReading((u1, u2, d), True, transposed, d_out),
+                             MLPReading((u2, u1, d), True, transposed, d_out)]
+    return readings
+
+
+def mlp_readings(group: ExpertGroup) -> list[MLPReading]:
+    """Every reading of ``group``'s projections as an expert MLP, the one its names give first (``w1/w3/w2``,
+    ``gate_up_proj/down_proj``, ...), then those its shapes allow (any names: ``linear_fc1/linear_fc2``,
+    ``dense_h_to_4h/dense_4h_to_h``, stacked ``[E, H, I]`` weights read as ``x @ w[e]``, ...).
+
+    Raises NotSwappable (``unknown_expert_mlp``) when neither gives one."""
+    readings = []
+    available = {lin.path for lin in group.linears} if group.kind == "module_list" else _projection_keys(group)
+    try:
+        names, gated = _projection_names(available)
+    except NotSwappable:
+        names = None
+    if names is not None:
+        readings.append(MLPReading(names, gated, None, 0))
+    if group.kind == "module_list":
+        shapes = {lin.path: (lin.out_features, lin.in_features) for lin in group.linears}
+        readings += _shape_readings(shapes, None)
+    elif group.kind == "stacked" and not isinstance(group.module, GroupedExpertList):
+        shapes = {lin.path: (lin.out_features, lin.in_features) for lin in group.linears}
+        fixed = hasattr(group.module, "is_transposed") or any(lin.is_transposed for lin in group.linears)
+        readings += _shape_readings(shapes, None if fixed else False)
+        if not fixed:
+            readings += _shape_readings({n: (k, m) for n, (m, k) in shapes.items()}, True)
+    unique = list(dict.fromkeys(readings))
+    if not unique:
+        shown = ", ".join(f"{lin.path or 'linear'} ({lin.out_features}, {lin.in_features})" for lin in group.linears)
+        raise NotSwappable("unknown_expert_mlp", f"projections {shown} read as no expert MLP: not w1/w3/w2, w1/v1/w2, "
+                                                 "gate/up/down, gate_up/down, fc1/fc2, up/down, w1/w2, wi/wo by "
+                                                 "name, nor (I, H) + (H, I), (2I, H) + (H, I) or 2x (I, H) + (H, I) "
+                                                 "by shape")
+    return unique
+
+
 def _projection_keys(group: ExpertGroup) -> set[str]:
     """The projection names of a stacked or flat group (a flat group's by their parameter's own name, ``w1`` for
     ``mlp.w1``)."""
@@ -89,7 +157,8 @@ def _gate_up_transposed(group: ExpertGroup) -> bool:
     return not (b == c and a == 2 * d) and a == d and b == 2 * c
 
 
-def _stacked_projections(group: ExpertGroup, down: str | None = None) -> dict[str, Projection]:
+def _stacked_projections(group: ExpertGroup, down: str | None = None,
+                         transposed: bool | None = None) -> dict[str, Projection]:
     """``{projection name: Projection}`` of stacked experts: rank-3 parameters on the experts module, or the grouped
     (quantised) weights of a ``GroupedExpertList`` (``quantize_experts`` of ModuleList experts), by their original
     projection names (``w1``, not the parameter's ``w1_weight``); or the ``[E, I, H]`` views of a flat group's
@@ -108,7 +177,7 @@ def _stacked_projections(group: ExpertGroup, down: str | None = None) -> dict[st
             w = module.get_parameter(lin.path).view(lin.num_experts, lin.out_features, lin.in_features)
             out[key] = Projection(w.transpose(1, 2) if key == down else w)
         return out
-    flip = _gate_up_transposed(group)
+    flip = _gate_up_transposed(group) if transposed is None else transposed
     for lin in group.linears:
         w = getattr(module, lin.path)
         if w.shape[0] != lin.num_experts:  # rows of identity experts that no id reads (identity_expert_groups)

@@ -18,8 +18,14 @@ What is recognised (``E`` experts, ``H`` hidden, ``I`` intermediate):
   and gradients stay the model's own; the activation is the expert's (or experts module's, or the module holding a
   flat group's weights) ``act_fn`` / ``act`` / ``activation`` / ``activation_fn``, or, for experts that call one
   directly (``F.silu(self.w1(x))``), the one of silu / gelu / gelu-tanh / relu that the probe finds;
+* projections of any other names, read by their shapes (``_swap_layout.mlp_readings``): ``(I, H)`` + ``(H, I)``
+  (plain), ``(2I, H)`` + ``(H, I)`` (one gate-then-up weight), two ``(I, H)`` + ``(H, I)`` (gated, gate and up in
+  either order), stacked weights as ``[E, N, K]`` or ``[E, K, N]`` (``x @ w[e]``), including rank-3 parameters on
+  the block itself; every reading that fits is a probe candidate, and the probe keeps the one the block computes;
 * routing: the block's ``route(x_TH) -> (ids_TK, weights_TK)`` if it has one, else ``gate`` (``nn.Linear`` H -> E)
-  + ``top_k`` / ``num_experts_per_tok``: ``softmax`` in fp32 -> ``topk`` (renormalised or not), ``topk`` of the
+  + ``top_k`` / ``num_experts_per_tok``, or the block's one ``nn.Linear(H, E)`` child of any name (``wg``,
+  ``router``, ``classifier``) with that top-k or, where the block names none, each int attribute of the block or
+  that Linear in ``[1, E)`` as a probe candidate: ``softmax`` in fp32 -> ``topk`` (renormalised or not), ``topk`` of the
   logits -> ``softmax``, or ``softmax`` in the logits' dtype -> ``topk`` (``GATE_WEIGHTS``), else a ``gate`` or
   ``router`` module that routes itself, returning ``(weights_TK, ids_TK)`` in either order (DeepSeek-V3's reference
   ``Gate``), ``(logits_TE, weights_TK, ids_TK)`` (transformers' top-k routers: Step3p7) or dense ``(scores_TE,
@@ -92,14 +98,14 @@ from moe_compile.experts._swap_layout import (
     _FUSED_GATED,
     ACT_CANDIDATES,
     GATE_WEIGHTS,
+    MLPReading,
     _act_of,
     _apply_then_regroup,
     _flat_expert_groups,
     _GroupedViews,
-    _projection_keys,
-    _projection_names,
     _stacked_projections,
     identity_expert_groups,
+    mlp_readings,
     per_expert_projections,
     top_k_of_logits,
 )
@@ -134,11 +140,19 @@ class _Plan:
     flat_out: bool = False  # the block returns [T, H] for a [B, S, H] input (Llama4TextMoe)
     # Z identity experts, ids E .. E+Z-1 (LongCat-Flash): NOTE [identity experts] (moe_compile/experts/interface.py)
     identity_experts: int = 0
+    # stacked weights all read [E, K, N] (x @ w[e]) or not; None: as the names and the module say (MLPReading)
+    transposed: bool | None = None
+    # a gate_linear router: the block's Linear(H, E) child (``gate``, or any name: found by its shape)
+    gate_name: str = "gate"
+    # the readings and top-k values the probe tries (beyond the plan's own)
+    readings: tuple[MLPReading, ...] = ()
+    top_ks: tuple[int, ...] = ()
 
     @property
     def router_module(self) -> str:
         """The block's attribute that routes (``gate`` or ``router``; ``""`` for ``route``)."""
-        return {"route": "", "router_call": "router", "router_route": "router"}.get(self.router, "gate")
+        return {"route": "", "router_call": "router", "router_route": "router",
+                "gate_linear": self.gate_name}.get(self.router, "gate")
 
 
 # shared experts added to the routed experts' output (DeepSeek, Qwen2-MoE), with Qwen2-MoE's sigmoid gate
@@ -160,7 +174,7 @@ def _route(block: nn.Module, plan: _Plan, x_TH: Tensor) -> tuple[Tensor, Tensor,
         logits_TE = block.router(x_TH)
         ids_TK, weights_TK, _ = _routing_of(block.route_tokens_to_experts(logits_TE), plan)
         return ids_TK, weights_TK, logits_TE
-    logits_TE = block.gate(x_TH)
+    logits_TE = getattr(block, plan.gate_name)(x_TH)
     ids_TK, weights_TK = top_k_of_logits(logits_TE, plan.top_k, plan.gate_weights)
     return ids_TK, weights_TK.to(x_TH.dtype), logits_TE
 
@@ -252,10 +266,40 @@ def _fused_block_forward(block: nn.Module, plan: _Plan, projections: Callable[[]
     return (y, logits_TE) if plan.returns_logits else y
 
 
+def _router_linear(block: nn.Module, group: ExpertGroup, width: int) -> str | None:
+    """The block's child ``nn.Linear`` with ``width`` outputs (its experts' count) outside the experts: the router,
+    found by its shape whatever its name (``gate``, ``router``, ``wg``, ``classifier``, ...); None if there is not
+    exactly one."""
+    found = [name for name, m in block.named_children()
+             if isinstance(m, nn.Linear) and m.out_features == width and m is not group.module]
+    return found[0] if len(found) == 1 else None
+
+
+def _top_k_candidates(block: nn.Module, router: nn.Module | None, num_experts: int) -> tuple[int, ...]:
+    """The block's top-k: ``top_k`` / ``num_experts_per_tok`` where it says so, else every int attribute of the block
+    and its router in ``[1, E)`` (``k``, ``num_selected``, ...), for the probe to choose from."""
+    for owner in (block, router):
+        for name in ("top_k", "num_experts_per_tok"):
+            k = getattr(owner, name, None)
+            if isinstance(k, int) and not isinstance(k, bool) and 0 < k <= num_experts:
+                return (k,)
+    found = []
+    for owner in (block, router):
+        for value in vars(owner).values() if owner is not None else ():
+            if isinstance(value, int) and not isinstance(value, bool) and 0 < value < num_experts:
+                found.append(value)
+    return tuple(dict.fromkeys(found))
+
+
 def _plan_block(block: nn.Module, group: ExpertGroup, identity_experts: int) -> _Plan:
     E = group.linears[0].num_experts
-    available = {lin.path for lin in group.linears} if group.kind == "module_list" else _projection_keys(group)
-    names, gated = _projection_names(available)
+    readings = mlp_readings(group)
+    linear = _router_linear(block, group, E + identity_experts)
+    hidden_of = {r: r.hidden or _hidden_size(group, _Plan(r.paths, r.gated, None, E, None, transposed=r.transposed))
+                 for r in readings}
+    if linear is not None:  # the router's input width is H: readings that imply another H come last
+        readings.sort(key=lambda r: hidden_of[r] != getattr(block, linear).in_features)
+    names, gated = readings[0].paths, readings[0].gated
     # the activation lives on each expert of a list (also a GroupedExpertList, which is stacked), else on the module,
     # or on a flat group's submodule holding the weights (DBRX's experts.mlp)
     owner = group.module[0] if isinstance(group.module, nn.ModuleList) and len(group.module) else group.module
@@ -265,10 +309,18 @@ def _plan_block(block: nn.Module, group: ExpertGroup, identity_experts: int) -> 
     gate_fn = getattr(group.module, "_apply_gate", None) if names in _FUSED_GATED else None
     top_k = getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok", None)
     gate, router_module = getattr(block, "gate", None), getattr(block, "router", None)
+    gate_name, top_ks = "gate", ()
+    if linear is not None and not isinstance(top_k, int):
+        top_ks = _top_k_candidates(block, getattr(block, linear), E)
     if callable(getattr(block, "route", None)):
         router = "route"
     elif isinstance(gate, nn.Linear) and gate.out_features == E + identity_experts and isinstance(top_k, int):
         router = "gate_linear"
+    elif linear is not None and (isinstance(top_k, int) or top_ks) and not (
+            isinstance(gate, nn.Module) and not isinstance(gate, nn.Linear)):
+        # a Linear router by its shape, whatever its name or whether the block names its top-k (the probe picks K)
+        router, gate_name = "gate_linear", linear
+        top_k = top_k if isinstance(top_k, int) else top_ks[0]
     elif isinstance(gate, nn.Module) and not isinstance(gate, nn.Linear):
         router = "gate_call"  # a gate module that routes itself: (weights, ids) = gate(x)
     elif isinstance(router_module, nn.Module) and callable(getattr(block, "route_tokens_to_experts", None)):
@@ -280,7 +332,9 @@ def _plan_block(block: nn.Module, group: ExpertGroup, identity_experts: int) -> 
         raise NotSwappable("no_router", "no route(x) method, no gate Linear(H, E) with top_k, no gate or router "
                                         "module returning (weights, ids), (logits, weights, ids) or (scores, logits)")
     plan = _Plan(names, gated, act, E, top_k if router in ("gate_linear", "router_call") else None, router=router,
-                 gate_fn=gate_fn if callable(gate_fn) else None, identity_experts=identity_experts)
+                 gate_fn=gate_fn if callable(gate_fn) else None, identity_experts=identity_experts,
+                 transposed=readings[0].transposed, gate_name=gate_name, top_ks=top_ks)
+    plan.readings = tuple(r for r in readings[1:] if hidden_of[r] == hidden_of[readings[0]])
     if router != "route":
         _check_no_other_state(block, group, plan.router_module)
     return plan
@@ -302,7 +356,10 @@ def _check_no_other_state(block: nn.Module, group: ExpertGroup, router: str) -> 
     is the routing module's name (``gate`` or ``router``)."""
     experts = next((name for name, m in block.named_modules() if m is group.module), None)
     owners = (router + ".", *(n + "." for n in _shared_modules(block) if n)) + ((experts + ".",) if experts else ())
-    other = [n for n, _ in (*block.named_parameters(), *block.named_buffers()) if not n.startswith(owners)]
+    # stacked weights on the block itself (its own rank-3 parameters) are the experts'
+    own = {lin.path for lin in group.linears} if group.module is block else set()
+    other = [n for n, _ in (*block.named_parameters(), *block.named_buffers())
+             if not n.startswith(owners) and n not in own]
     if other:
         raise NotSwappable("block_state_unused", f"the block holds {', '.join(other[:4])}"
                                                  f"{' ...' if len(other) > 4 else ''}, which the fused path (gate, "
@@ -334,8 +391,13 @@ def _candidates(block: nn.Module, plan: _Plan) -> list[dict[str, Any]]:
     factor = getattr(block, "routed_scaling_factor", None)
     scales = (1.0,) + ((float(factor),) if isinstance(factor, (int, float)) and not isinstance(factor, bool)
                        and math.isfinite(factor) and factor != 1 else ())
+    # every candidate names its reading and top-k whole: trying one must not leave its fields to the next
+    own = dict(paths=plan.paths, gated=plan.gated, transposed=plan.transposed)
+    readings = [own] + [dict(paths=r.paths, gated=r.gated, transposed=r.transposed) for r in plan.readings]
+    top_ks = [dict(top_k=plan.top_k)] + [dict(top_k=k) for k in plan.top_ks if k != plan.top_k]
     return [dict(weights_before=before, gate_weights=weights, act_name=name, act=act, shared=sh, shared_gate=sg,
-                 scale=scale)
+                 scale=scale, **reading, **k)
+            for reading in readings for k in top_ks
             for before in (False, True) for weights in gate_weights for name, act in acts.items() for sh, sg in shareds
             for scale in scales]
 
@@ -354,6 +416,7 @@ def _set_candidate(plan: _Plan, candidate: dict[str, Any]) -> None:
     for field, value in candidate.items():
         setattr(plan, field, value)
     plan.glu = glu_of(_middle(plan, 1)) if plan.gated else None
+
 
 
 def _set_routing_form(block: nn.Module, plan: _Plan, x_TH: Tensor) -> None:
@@ -414,7 +477,7 @@ def swap_block(block: nn.Module, group: ExpertGroup, identity_experts: int = 0) 
             return per_expert_projections(list(group.module), plan.paths)
     else:
         def probe_projections() -> tuple[tuple[Projection, ...], Projection]:
-            projs = _stacked_projections(group, down=plan.paths[-1])
+            projs = _stacked_projections(group, plan.paths[-1], plan.transposed)
             return tuple(projs[p] for p in plan.paths[:-1]), projs[plan.paths[-1]]
     hidden = _hidden_size(group, plan)
     was_training = [m.training for m in block.modules()]
@@ -475,7 +538,7 @@ def _verify_first(block: nn.Module, plan: _Plan, projections: Callable[[], list[
 
 def _hidden_size(group: ExpertGroup, plan: _Plan) -> int:
     if group.kind != "module_list":
-        return _stacked_projections(group, down=plan.paths[-1])[plan.paths[0]].w_ENK.shape[-1]
+        return _stacked_projections(group, plan.paths[-1], plan.transposed)[plan.paths[0]].w_ENK.shape[-1]
     first = next(lin for lin in group.linears if lin.path == plan.paths[0])
     return first.in_features
 
@@ -487,7 +550,7 @@ def _swapped_module_list_forward(self: nn.Module, hidden_states: Tensor, *args: 
 
 def _swapped_stacked_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
     plan, group = self._moe_compile_plan, self._moe_compile_experts
-    stacked = _stacked_projections(group, down=plan.paths[-1])
+    stacked = _stacked_projections(group, plan.paths[-1], plan.transposed)
     return _fused_block_forward(self, plan, lambda: (tuple(stacked[p] for p in plan.paths[:-1]),
                                                      stacked[plan.paths[-1]]), hidden_states)
 

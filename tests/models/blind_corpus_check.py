@@ -72,7 +72,7 @@ def check(entry, seed: int = 0, dtype: torch.dtype = torch.float32) -> Outcome:
     cot = torch.randn(entry.input_shape, generator=gen)
     # copies before any forward: a layer may keep non-leaf tensors of its last call (an aux loss) as attributes
     wide = torch.float64 if dtype == torch.float32 else torch.float32
-    ref_model, model = copy.deepcopy(original).to(wide), copy.deepcopy(original)
+    ref_model, model, plain = copy.deepcopy(original).to(wide), copy.deepcopy(original), copy.deepcopy(original)
     eager = tol.layer_step(original, original, x, cot)
     try:
         ref = tol.layer_step(ref_model, ref_model, x, cot, wide)
@@ -108,6 +108,19 @@ def check(entry, seed: int = 0, dtype: torch.dtype = torch.float32) -> Outcome:
             eager.setdefault(f"grad:{name}", torch.zeros_like(p))
             ref.setdefault(f"grad:{name}", torch.zeros_like(p, dtype=torch.float64))
     ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, dtype=dtype, always_judged=tuple(ref))
+    if not ok:
+        # a layer that rounds to bf16 itself (around a grouped GEMM) rounds alike in eager and in the wide run:
+        # plain Inductor's distance from the wide run is then part of the bound, as tests/_tolerance.py allows
+        torch._dynamo.reset()
+        try:
+            with torch._inductor.config.patch(force_disable_caches=True):
+                inductor = tol.layer_step(torch.compile(plain), plain, x, cot)
+        finally:
+            torch._dynamo.reset()
+        for name, p in plain.named_parameters():
+            if p.requires_grad:
+                inductor.setdefault(f"grad:{name}", torch.zeros_like(p))
+        ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, inductor, dtype=dtype, always_judged=tuple(ref))
     out.within_bound = ok and not unjudged
     out.worst = f"{worst[0]} {worst[1]:.2f}" + (f"; unjudged {unjudged}" if unjudged else "")
     return out

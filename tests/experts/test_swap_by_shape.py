@@ -1,0 +1,119 @@
+"""The swap reads experts and routers by what they are, not by their names (issue 51): projections by their shapes
+(``experts/_swap_layout.py::mlp_readings``; the probe picks gate from up and the weights' orientation), a router as the
+block's one ``nn.Linear(H, E)`` child whatever its name, with the top-k from any int attribute the probe confirms.
+
+Each block below is written in the spelling of public code that no name table knows; each is swapped, and its step
+(output, input gradient, every parameter gradient) is within eager's distance from a float64 run, tensor by tensor."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_compile.experts.swap import swap_expert_loops
+from tests import _tolerance as tol
+
+H, F_, E = 32, 24, 6
+
+
+class _PlainExpert(nn.Module):
+    """Megatron's unfused expert MLP: ``linear_fc1`` -> gelu -> ``linear_fc2``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(H, F_, bias=False)
+        self.linear_fc2 = nn.Linear(F_, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class _GatedExpert(nn.Module):
+    """A SwiGLU expert whose projections are named for neither role: ``proj_b`` is the gate, ``proj_a`` the up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj_a = nn.Linear(H, F_, bias=False)
+        self.proj_b = nn.Linear(H, F_, bias=False)
+        self.proj_out = nn.Linear(F_, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj_out(F.silu(self.proj_b(x)) * self.proj_a(x))
+
+
+class LoopBlock(nn.Module):
+    """A where-loop over a ModuleList of experts, routed by a ``Linear`` named ``wg`` (fairseq's name) with its top-k
+    kept as ``self.k`` (no ``top_k`` attribute): softmax -> top-k -> renormalise."""
+
+    def __init__(self, expert: type[nn.Module]) -> None:
+        super().__init__()
+        self.k = 2
+        self.wg = nn.Linear(H, E, bias=False)
+        self.local_experts = nn.ModuleList(expert() for _ in range(E))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, H)
+        probs = torch.softmax(self.wg(x).float(), dim=-1)
+        w, idx = torch.topk(probs, self.k, dim=-1)
+        w = (w / w.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, slot = torch.where(idx == e)
+            if tok.numel():
+                out[tok] += self.local_experts[e](x[tok]) * w[tok, slot, None]
+        return out.reshape(hidden.shape)
+
+
+class StackedBlock(nn.Module):
+    """Stacked expert weights on the block itself, stored ``[E, H, F]`` / ``[E, F, H]`` and applied as ``x @ w[e]``
+    (MegaBlocks' and the expert-choice paper's layout), routed by ``self.router``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k = 2
+        self.router = nn.Linear(H, E, bias=False)
+        self.W_in = nn.Parameter(torch.randn(E, H, F_) * H**-0.5)
+        self.W_out = nn.Parameter(torch.randn(E, F_, H) * F_**-0.5)
+        self.num_experts = E
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, H)
+        w, idx = torch.topk(torch.softmax(self.router(x), dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, slot = torch.where(idx == e)
+            out.index_add_(0, tok, F.relu(x[tok] @ self.W_in[e]) @ self.W_out[e] * w[tok, slot, None])
+        return out.reshape(hidden.shape)
+
+
+@pytest.mark.parametrize("make", [lambda: LoopBlock(_PlainExpert), lambda: LoopBlock(_GatedExpert), StackedBlock],
+                         ids=["plain_unnamed", "gated_unnamed", "stacked_transposed"])
+def test_block_with_unknown_names_is_swapped_within_eager_bound(make):
+    torch.manual_seed(torch.seed() % 2**31)
+    block = make()
+    ref_block = copy.deepcopy(block).double()
+    x = torch.randn(2, 7, H)
+    cot = torch.randn(2, 7, H)
+    eager = tol.layer_step(block, block, x, cot)
+    ref = tol.layer_step(ref_block, ref_block, x, cot, torch.float64)
+    swapped = copy.deepcopy(block)
+    records = swap_expert_loops(swapped)
+    assert [r[1:3] for r in records] == [("rewrite", "expert_loop_swapped")], records
+    got = tol.layer_step(swapped, swapped, x, cot)
+    for step in (got, eager, ref):  # an expert no token reached: no gradient in the eager loop, zeros swapped
+        for name, p in block.named_parameters():
+            step.setdefault(f"grad:{name}", torch.zeros_like(p, dtype=step["out"].dtype))
+    ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, dtype=torch.float32, always_judged=tuple(ref))
+    assert ok and not unjudged, (worst, unjudged)
+
+
+def test_gate_and_up_are_told_apart_by_the_probe():
+    """Both orders of two ``(F, H)`` projections fit a gated MLP by shape; only the one the block computes (gate
+    ``proj_b``, up ``proj_a``) passes the probe, and the record names it."""
+    block = LoopBlock(_GatedExpert)
+    (record,) = swap_expert_loops(block)
+    assert "gated proj_b/proj_a/proj_out" in record[3], record
