@@ -169,14 +169,15 @@ def _wrap_calls(compiled: Any, capture_flags: bool, swapped: list[Any]) -> Any:
             setattr(config, name, value)
         try:
             return call(*args, **kwargs)
-        except GuardOnDataDependentSymNode as exc:
-            if not flags:
+        except Exception as exc:  # noqa: BLE001 - only a data-dependent guard is handled; anything else re-raised
+            guard = _guard_on_data(exc)
+            if not flags or guard is None:
                 raise
             # NOTE [capture fallback]: a loop over data-dependent values that nothing swapped (``for e in
             # nonzero(...).tolist()``) cannot be traced with the host reads captured; without the flags Dynamo
             # graph-breaks there and runs it, as plain torch.compile does
             warnings.warn(f"moe_compile.compile: tracing with the host reads captured failed "
-                          f"({str(exc).splitlines()[0]}); this model now runs with Dynamo's default flags, "
+                          f"({str(guard).strip().splitlines()[0]}); this model now runs with Dynamo's default flags, "
                           "graph-breaking at host reads", stacklevel=2)
             flags.clear()
             for name, value in saved.items():
@@ -190,6 +191,19 @@ def _wrap_calls(compiled: Any, capture_flags: bool, swapped: list[Any]) -> Any:
         compiled.forward = run
         return compiled
     return run
+
+
+def _guard_on_data(exc: BaseException) -> GuardOnDataDependentSymNode | None:
+    """``exc``, or what caused it, where that is a guard on a data-dependent value: raised by Dynamo while tracing, or
+    inside the backend (AOTAutograd tracing ``one_hot(ids, num_classes=capacity)`` with a capacity read on the host,
+    DeepSpeed's ``top1gating``), which Dynamo wraps in ``BackendCompilerFailed``."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, GuardOnDataDependentSymNode):
+            return exc
+        seen.add(id(exc))
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None
 
 
 def explain(model: Any, *args: Any, backward: bool | None = None, compile_options: dict[str, Any] | None = None,

@@ -101,6 +101,23 @@ class CompileApiTest(unittest.TestCase):
             self.assertFalse([w for w in caught if "moe_compile.compile" in str(w.message)])
         self.assertFalse(torch._dynamo.config.capture_scalar_outputs)
 
+    def test_host_read_size_inside_the_backend_falls_back_to_graph_breaks(self):
+        """DeepSpeed's ``top1gating`` (the blind corpus's spelling): a capacity read on the host sizes ``topk`` and
+        ``one_hot``. Traced with the host reads captured, the capacity is an unbacked size that AOTAutograd cannot
+        specialise, raised inside the backend (``BackendCompilerFailed``, not Dynamo's own guard error): the same
+        fallback applies (a warning naming the guard, then Dynamo's default flags) instead of an exception, and the
+        output equals eager's to within the float32 rounding of its GEMMs over H = 64."""
+        from tests.models.blind_corpus import LAYERS
+
+        entry = next(e for e in LAYERS if e.name == "deepspeed_top1gating")
+        layer = entry.make(torch.float32, 0)
+        x = torch.randn(entry.input_shape, generator=torch.Generator().manual_seed(torch.seed() % 2**31))
+        compiled = moe_compile.compile(layer)
+        with fresh_caches(), torch.no_grad():
+            with self.assertWarnsRegex(UserWarning, "data-dependent"):
+                got = compiled(x)[0]
+            torch.testing.assert_close(got, layer(x)[0], rtol=64 * 2**-23, atol=64 * 2**-23)
+
     def test_keywords_are_the_settings_tables_options(self):
         """The explicit compile options of ``moe_compile.compile`` are ``config.OPTIONS`` with their defaults (None
         for ``passes``: no overrides), and each one's Args entry begins with the table's doc."""
