@@ -61,6 +61,9 @@ class PassEntry:
 
 # Run order within each stage is the order of this tuple.
 PASSES: tuple[PassEntry, ...] = (
+    PassEntry("normalize", "pre_grad", "moe_compile.passes.normalize:run", default=True,
+              doc="row moves onto one spelling before any recogniser: the token of each row -> arange(S) // K, "
+                  "composed gathers x[a][b] -> x[a[b]], a combine through argsort(p) -> one at idx[p]"),
     PassEntry("fuse_expert_loop", "pre_grad", "moe_compile.passes.fuse_expert_loop:run", default=True,
               doc="Python loop over split chunks through per-expert MLPs -> one grouped GEMM per layer"),
     PassEntry("strip_host_padding", "pre_grad", "moe_compile.passes.strip_host_padding:run", default=True,

@@ -1,0 +1,166 @@
+"""Normalise row moves before any recogniser runs: one spelling per meaning (issue 51's front end, its first rules).
+
+The recognisers read a token gather as ``x[perm // K]`` and a combine as an accumulation at ``perm // K``. Public code
+reaches the same values in other steps; this pass rewrites them onto that form, once per graph, before the other
+pre-grad passes. Each rule is local and exact in value (the same rows moved; rule 3 reorders the terms of an
+accumulation), checked by a test per rule and by translation validation.
+
+Matches (``S = T*K`` rows, ``p`` a permutation: the indices of a ``sort`` / ``argsort``)::
+
+    1. the token of each row:   arange(T).unsqueeze(1).expand(-1, K).reshape(-1),  arange(T).repeat_interleave(K)
+    2. composed gathers:        x[a][b]
+    3. a combine through the inverse order:   zeros.index_add_(0, idx, y[argsort(p)])
+
+Rewrites to::
+
+    1, 2. x[a[b]], where (token of each row)[b] is b // K: x[token_idx][perm] -> x[perm // K]
+    3.    zeros.index_add_(0, idx[p], y):   index_add_(0, token_idx, y[argsort(perm)]) -> index_add_(0, perm // K, y)
+
+so transformers' ``grouped_mm`` spelling written out by hand (``x[token_idx][perm]`` ... ``index_add_(0, token_idx,
+y[inv_perm])``) reads ``x[perm // K]`` ... ``index_add_(0, perm // K, y)``, the form ``fuse_dispatch`` proves.
+
+Why a graph rewrite rather than a read-only view: the recognisers then need no second reading of each spelling, and
+translation validation checks the normal form itself (the pass is validated like any other). Rule 3 changes the order
+in which ``index_add_`` adds a token's rows (it is registered not exact); where nothing else rewrites the combine,
+that order is as arbitrary as the original's, whose atomics on the GPU fix none.
+
+Stage: pre-grad (Dynamo's Torch IR), first. Records: one non-MoE rewrite per layer and rule.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from moe_compile.passes import PassContext
+from moe_compile.passes._graph import arg, erase_dead, graph_call, known_int, layer_name, op_name, tensor_val
+
+_ARGSORTS = ("argsort",)
+
+
+def run(graph: fx.Graph, ctx: PassContext) -> None:
+    done: dict[tuple[str, str], int] = {}
+    for node in list(graph.nodes):
+        if node.op not in ("call_function", "call_method") or getattr(node, "_erased", False):
+            continue
+        rule = _compose_gathers(graph, node) or _combine_through_inverse(graph, node)
+        if rule:
+            key = (layer_name(node), rule)
+            done[key] = done.get(key, 0) + 1
+    for (layer, rule), n in done.items():
+        ctx.rewrite(layer, rule + (f" x{n}" if n > 1 else ""), "normal form (passes/normalize.py)", moe=False)
+
+
+def _int_vector(node: object) -> bool:
+    t = tensor_val(node)
+    return t is not None and t.dim() == 1 and not t.is_floating_point() and t.dtype != torch.bool
+
+
+def token_of_rows(node: object) -> int | None:
+    """``K`` where ``node`` is ``s // K`` for ``s`` in ``[0, T*K)`` (the token of each of ``T*K`` rows, top-k choice
+    minor), spelt ``arange(T).unsqueeze(1).expand(-1, K).reshape(-1)``, ``arange(T).repeat_interleave(K)`` or
+    ``arange(T*K) // K``; else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    name = op_name(node)
+    if name in ("floordiv", "floor_divide") and _is_arange(node.args[0]):
+        return known_int(node.args[1])
+    if name == "repeat_interleave" and _is_arange(node.args[0]):
+        return known_int(arg(node, 1, "repeats"))
+    if name in ("reshape", "view", "flatten") and _int_vector(node):
+        expand = node.args[0]
+        if isinstance(expand, fx.Node) and op_name(expand) == "expand":
+            col = expand.args[0]
+            if isinstance(col, fx.Node) and op_name(col) == "unsqueeze" and known_int(arg(col, 1, "dim")) in (1, -1) \
+                    and _is_arange(col.args[0]):
+                shape = tensor_val(expand).shape
+                return known_int(shape[1]) if len(shape) == 2 else None
+    return None
+
+
+def _is_arange(node: object) -> bool:
+    """``arange(n)``: one argument, start 0, step 1."""
+    return isinstance(node, fx.Node) and op_name(node) == "arange" and len(node.args) == 1 and \
+        "start" not in node.kwargs and "step" not in node.kwargs
+
+
+def _is_permutation(node: object) -> bool:
+    """The indices of a ``sort`` or an ``argsort`` (of a 1-D tensor): a permutation of ``[0, n)``."""
+    if not isinstance(node, fx.Node):
+        return False
+    if op_name(node) in _ARGSORTS:
+        return _int_vector(node)
+    if op_name(node) == "getitem" and node.args[1] == 1 and isinstance(node.args[0], fx.Node):
+        return op_name(node.args[0]) == "sort" and _int_vector(node)
+    return False
+
+
+def _gather(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(src, idx)`` of a row gather ``src[idx]`` with a 1-D integer index."""
+    if op_name(node) == "getitem" and isinstance(node.args[1], fx.Node) and _int_vector(node.args[1]):
+        return node.args[0], node.args[1]
+    return None
+
+
+def _composed_index(graph: fx.Graph, a: fx.Node, b: fx.Node, at: fx.Node) -> fx.Node:
+    """``a[b]`` as a new node before ``at``: ``b // K`` where ``a`` is the token of each row (rule 2)."""
+    with graph.inserting_before(at):
+        K = token_of_rows(a)
+        if K is not None:
+            return graph_call(graph, operator.floordiv, b, K, meta_from=at)
+        return graph_call(graph, operator.getitem, a, b, meta_from=at)
+
+
+def _compose_gathers(graph: fx.Graph, node: fx.Node) -> str | None:
+    """Rule 2: ``x[a][b] -> x[a[b]]`` (the inner gather kept if something else reads it)."""
+    outer = _gather(node)
+    if outer is None or not isinstance(outer[0], fx.Node):
+        return None
+    inner = _gather(outer[0])
+    if inner is None:
+        return None
+    (_, b), (x, a) = outer, inner
+    index = _composed_index(graph, a, b, node)
+    with graph.inserting_before(node):
+        moved = graph_call(graph, operator.getitem, x, index, meta_from=node)
+    node.replace_all_uses_with(moved)
+    erase_dead(graph, [node])
+    return "x[a][b] -> x[a[b]]"
+
+
+def _combine_through_inverse(graph: fx.Graph, node: fx.Node) -> str | None:
+    """Rule 3: ``buf.index_add_(0, idx, y[argsort(p)]) -> buf.index_add_(0, idx[p], y)`` for a permutation ``p``."""
+    if op_name(node) not in ("index_add_", "index_add") or known_int(arg(node, 1, "dim")) != 0:
+        return None
+    idx, src = arg(node, 2, "index"), arg(node, 3, "source")
+    if not isinstance(src, fx.Node) or not _int_vector(idx):
+        return None
+    through = src
+    cast = None
+    if op_name(through) in ("to", "float", "type_as", "bfloat16", "half") and isinstance(through.args[0], fx.Node):
+        cast, through = through, through.args[0]
+    moved = _gather(through)
+    if moved is None:
+        return None
+    y, inv = moved
+    if op_name(inv) not in _ARGSORTS or not _is_permutation(inv.args[0]) or len(through.users) != 1 or \
+            (cast is not None and len(cast.users) != 1):
+        return None
+    p = inv.args[0]
+    new_idx = _composed_index(graph, idx, p, node)
+    with graph.inserting_before(node):
+        new_src = y if cast is None else graph.node_copy(cast, lambda n: y if n is through else n)
+    args = list(node.args)
+    if len(args) > 2:
+        args[2] = new_idx
+    else:
+        node.kwargs = {**node.kwargs, "index": new_idx}
+    if len(args) > 3:
+        args[3] = new_src
+    else:
+        node.kwargs = {**node.kwargs, "source": new_src}
+    node.args = tuple(args)
+    erase_dead(graph, [c for c in (cast, through) if c is not None])
+    return "index_add_(idx, y[argsort(p)]) -> index_add_(idx[p], y)"
