@@ -45,7 +45,8 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
     for node in list(graph.nodes):
         if node.op not in ("call_function", "call_method") or getattr(node, "_erased", False):
             continue
-        rule = _compose_gathers(graph, node) or _combine_through_inverse(graph, node)
+        rule = _compose_gathers(graph, node) or _token_of_gathered_rows(graph, node) or \
+            _combine_through_inverse(graph, node)
         if rule:
             key = (layer_name(node), rule)
             done[key] = done.get(key, 0) + 1
@@ -128,6 +129,18 @@ def _compose_gathers(graph: fx.Graph, node: fx.Node) -> str | None:
     node.replace_all_uses_with(moved)
     erase_dead(graph, [node])
     return "x[a][b] -> x[a[b]]"
+
+
+def _token_of_gathered_rows(graph: fx.Graph, node: fx.Node) -> str | None:
+    """Rule 2 on an index alone: ``(token of each row)[b] -> b // K``
+    (vLLM's ``token_indices[topk_argsort_indices]``)."""
+    moved = _gather(node)
+    if moved is None or token_of_rows(moved[0]) is None:
+        return None
+    index = _composed_index(graph, moved[0], moved[1], node)
+    node.replace_all_uses_with(index)
+    erase_dead(graph, [node])
+    return "(arange(S) // K)[b] -> b // K"
 
 
 def _combine_through_inverse(graph: fx.Graph, node: fx.Node) -> str | None:

@@ -232,7 +232,7 @@ def _weight_column(col: fx.Node) -> fx.Node | None:
     while op_name(node) in _WEIGHT_CASTS and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     name = op_name(node)
-    if name == "unsqueeze" and node.args[1] in (2, -1):
+    if name == "unsqueeze" and arg(node, 1, "dim") in (2, -1):  # dim positional or keyword (vLLM: dim=-1)
         return node.args[0]
     if name == "getitem" and isinstance(node.args[1], tuple) and node.args[1][-1] is None \
             and all(s == slice(None) or s is Ellipsis for s in node.args[1][:-1]):

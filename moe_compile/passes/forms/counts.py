@@ -106,7 +106,7 @@ def _is_column(node: Any) -> bool:
         return False
     name = op_name(node)
     if name == "unsqueeze":
-        return node.args[1] in (1, -1)
+        return arg(node, 1, "dim") in (1, -1)
     if name == "getitem" and isinstance(node.args[1], tuple) and node.args[1][-1] is None:
         return all(i in (slice(None), Ellipsis) for i in node.args[1][:-1])
     if name in ("view", "reshape"):

@@ -162,7 +162,7 @@ def weighted_rows(perm: Permute) -> tuple[fx.Node, fx.Node | None, fx.Node | Non
 def probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx.Node | None]:
     """``(probs_TK, None)`` or ``(None, probs_TE)`` for the permuted combine weight ``probs_col`` ([N, 1])."""
     node = strip_casts(probs_col)
-    if is_call(node, "unsqueeze") and node.args[1] in (1, -1):
+    if is_call(node, "unsqueeze") and arg(node, 1, "dim") in (1, -1):
         node = node.args[0]
     elif is_call(node, "view", "reshape") and tuple(node.args[1:]) in ((-1, 1), ((-1, 1),)):
         node = node.args[0]

@@ -18,12 +18,15 @@ from moe_compile.passes.forms.counts import expert_counts
 from tests.passes.forms.test_rowwise import _Propagate
 
 
-@pytest.mark.parametrize("spelling", ["method __eq__", "operator.eq"])
+@pytest.mark.parametrize("spelling", ["method __eq__", "operator.eq", "unsqueeze(dim=-1)"])
 def test_eq_arange_sum_counts_in_either_spelling(spelling):
+    """Also with the column made by ``unsqueeze(dim=-1)`` (a keyword: vLLM's spelling; read positionally it was an
+    IndexError that made three passes raise on the blind corpus's ``vllm_pallas_gmm``)."""
     E, S = 8, 12
     graph = fx.Graph()
     ids = graph.placeholder("ids_S")
-    col = graph.call_method("unsqueeze", (ids, 1))
+    col = graph.call_method("unsqueeze", (ids,), {"dim": -1}) if spelling.startswith("unsqueeze") \
+        else graph.call_method("unsqueeze", (ids, 1))
     experts = graph.call_function(torch.arange, (E,))
     eq = graph.call_method("__eq__", (col, experts)) if spelling.startswith("method") \
         else graph.call_function(operator.eq, (col, experts))
