@@ -7,12 +7,14 @@ accumulation), checked by a test per rule and by translation validation.
 
 Matches (``S = T*K`` rows, ``p`` a permutation: the indices of a ``sort`` / ``argsort``)::
 
+    0. the token of each sorted row, truncated:  div(p, K, rounding_mode="trunc")
     1. the token of each row:   arange(T).unsqueeze(1).expand(-1, K).reshape(-1),  arange(T).repeat_interleave(K)
     2. composed gathers:        x[a][b]
     3. a combine through the inverse order:   zeros.index_add_(0, idx, y[argsort(p)])
 
 Rewrites to::
 
+    0.    p // K (p is non-negative: truncation is the floor)
     1, 2. x[a[b]], where (token of each row)[b] is b // K: x[token_idx][perm] -> x[perm // K]
     3.    zeros.index_add_(0, idx[p], y):   index_add_(0, token_idx, y[argsort(perm)]) -> index_add_(0, perm // K, y)
 
@@ -45,8 +47,8 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
     for node in list(graph.nodes):
         if node.op not in ("call_function", "call_method") or getattr(node, "_erased", False):
             continue
-        rule = _compose_gathers(graph, node) or _token_of_gathered_rows(graph, node) or \
-            _combine_through_inverse(graph, node)
+        rule = _trunc_of_order(graph, node) or _compose_gathers(graph, node) or \
+            _token_of_gathered_rows(graph, node) or _combine_through_inverse(graph, node)
         if rule:
             key = (layer_name(node), rule)
             done[key] = done.get(key, 0) + 1
@@ -129,6 +131,19 @@ def _compose_gathers(graph: fx.Graph, node: fx.Node) -> str | None:
     node.replace_all_uses_with(moved)
     erase_dead(graph, [node])
     return "x[a][b] -> x[a[b]]"
+
+
+def _trunc_of_order(graph: fx.Graph, node: fx.Node) -> str | None:
+    """Rule 0: ``div(p, K, rounding_mode="trunc") -> p // K`` for a permutation ``p``: its values are non-negative,
+    where truncation and floor agree (JetMoE's ``index_sorted_experts.div(k, rounding_mode="trunc")``)."""
+    if op_name(node) != "div" or node.kwargs.get("rounding_mode") != "trunc" or len(node.args) != 2 or \
+            not _is_permutation(node.args[0]) or known_int(node.args[1]) is None or known_int(node.args[1]) < 1:
+        return None
+    with graph.inserting_before(node):
+        floor = graph_call(graph, operator.floordiv, node.args[0], known_int(node.args[1]), meta_from=node)
+    node.replace_all_uses_with(floor)
+    erase_dead(graph, [node])
+    return "div(p, K, trunc) -> p // K"
 
 
 def _token_of_gathered_rows(graph: fx.Graph, node: fx.Node) -> str | None:

@@ -99,6 +99,24 @@ def test_combine_through_the_inverse_becomes_a_combine_at_perm_floordiv_k():
         assert torch.equal(_call(after, y=y, ids=ids), _call(before, y=y, ids=ids))
 
 
+def test_truncated_division_of_an_order_is_its_floor():
+    """JetMoE's ``index_sorted_experts.div(K, rounding_mode="trunc")``: an order is non-negative, so the truncation
+    is the floor (``perm // K``, the form the recognisers read); a truncation of signed values is left alone."""
+
+    def trunc(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        perm = ids.reshape(-1).sort(0)[1]
+        signed = ids.reshape(-1) - 2
+        k = ids.shape[1]
+        return x[perm.div(k, rounding_mode="trunc")] + signed.div(k, rounding_mode="trunc")[:, None]
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    before, after, records = _normalized(trunc, *_routing(gen))
+    assert [r.what for r in records] == ["div(p, K, trunc) -> p // K"] and _ops(after)["div"] == 1, after.code
+    for _ in range(3):
+        x, ids = _routing(gen)
+        assert torch.equal(_call(after, x=x, ids=ids), _call(before, x=x, ids=ids))
+
+
 def test_argsort_of_no_permutation_is_left_alone():
     """``argsort(q)`` of ids with repeats is a permutation, but ``q`` is not: the combine through it is no combine
     through an inverse, and rule 3 must not fire."""
