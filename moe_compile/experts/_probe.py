@@ -120,12 +120,14 @@ def probe_input(block: nn.Module, hidden: int, dtype: torch.dtype, device: torch
     raise NotSwappable("probe_failed", "the block's forward fails on every probe shape (" + "; ".join(failures) + ")")
 
 
-def row_mismatch(got: Tensor, want: Tensor, scale: float = 0.0, eps: float = 0.0) -> float:
+def row_mismatch(got: Tensor | None, want: Tensor | None, scale: float = 0.0, eps: float = 0.0) -> float:
     """``max`` over rows of ``max |got - want| / tol`` (a row: the last dim), ``tol`` being ``PROBE_ULPS`` ulps of the
     row's largest value plus ``PROBE_FLOOR_ULPS`` of ``max(scale, max |want|)`` (a row that cancels to nearly nothing
     is judged against the tensor, a gradient that does against all the gradients: ``scale``); ``inf`` when the
     shapes differ. An ulp is ``want``'s dtype's, or ``eps`` where that is coarser (a gradient: the lowest precision
     on its path, NOTE [gradient precision])."""
+    if got is None and want is None:  # both return no second output (Megatron's (output, mlp_bias=None))
+        return 0.0
     if not isinstance(got, Tensor) or not isinstance(want, Tensor) or got.shape != want.shape:
         return math.inf
     if want.numel() == 0:

@@ -256,6 +256,8 @@ class _GroupedViews:
     """
 
     def __init__(self, experts: nn.ModuleList, paths: tuple[str, ...], gated: bool):
+        # a gated MLP of one gate-then-up linear (Megatron's linear_fc1 [2I, H]) groups like a plain one
+        gated = gated and len(paths) == 3
         self.experts, self.paths, self.gated = experts, paths, gated
         gate_up = paths[:2] if gated else ()
         self.fused = bool(gate_up) and len({experts[0].get_submodule(p).bias is None for p in gate_up}) == 1

@@ -186,25 +186,31 @@ def _routing_form(out: Any, num_experts: int, top_k: int | None) -> str:
       ``route_tokens_to_experts``);
     * ``triple``: ``(logits_TE, weights_TK, ids_TK)`` (transformers' top-k routers: Step3p7TopKRouter);
     * ``dense``: ``(scores_TE, logits_TE)``, every expert's score, zero outside the top-k (Llama4Router: a sigmoid
-      of the top-k logits scattered into ``-inf``), with ``K`` the block's ``top_k``.
+      of the top-k logits scattered into ``-inf``), with ``K`` the block's ``top_k``;
+    * ``map``: ``(probs_TE, routing_map_TE)``, a bool map of each token's ``K`` experts (Megatron's ``TopKRouter``).
 
     Raises NotSwappable (``no_router``) for anything else."""
     tensors = isinstance(out, tuple) and all(isinstance(t, Tensor) and t.dim() == 2 for t in out)
     if tensors and len(out) == 2:
-        ints = [t for t in out if not t.is_floating_point()]
+        ints = [t for t in out if not t.is_floating_point() and t.dtype != torch.bool]
         floats = [t for t in out if t.is_floating_point()]
         if len(ints) == 1 and len(floats) == 1 and ints[0].shape == floats[0].shape:
             return "pair"
         if len(floats) == 2 and out[0].shape == out[1].shape and out[0].shape[1] == num_experts \
                 and isinstance(top_k, int) and 0 < top_k <= num_experts:
             return "dense"
+        maps = [t for t in out if t.dtype == torch.bool]
+        if len(maps) == 1 and len(floats) == 1 and maps[0].shape == floats[0].shape \
+                and maps[0].shape[1] == num_experts and isinstance(top_k, int) and 0 < top_k <= num_experts:
+            return "map"
     if tensors and len(out) == 3:
         logits, weights, ids = out
         if logits.is_floating_point() and weights.is_floating_point() and not ids.is_floating_point() \
                 and logits.shape[1] == num_experts and weights.shape == ids.shape:
             return "triple"
     raise NotSwappable("no_router", "the routing module returns neither (weights [T, K], expert ids [T, K]), nor "
-                                    "(logits [T, E], weights [T, K], ids [T, K]), nor (scores [T, E], logits [T, E])")
+                                    "(logits [T, E], weights [T, K], ids [T, K]), nor (scores [T, E], logits [T, E]), "
+                                    "nor (probs [T, E], routing map [T, E] bool)")
 
 
 def _routing_of(out: Any, plan: _Plan) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -214,12 +220,18 @@ def _routing_of(out: Any, plan: _Plan) -> tuple[Tensor, Tensor, Tensor | None]:
     the same experts, ties included) and their weights its scores there; NOTE [dense experts] says why dropping the
     other experts is exact."""
     if plan.routing_form == "pair":
-        ints = [t for t in out if not t.is_floating_point()]
+        ints = [t for t in out if not t.is_floating_point() and t.dtype != torch.bool]
         floats = [t for t in out if t.is_floating_point()]
         return ints[0], floats[0], None
     if plan.routing_form == "triple":
         logits_TE, weights_TK, ids_TK = out
         return ids_TK, weights_TK, logits_TE
+    if plan.routing_form == "map":
+        # Megatron's (probs [T, E], routing_map [T, E]): each token's K mapped experts, in any order (the combine sums
+        # in ascending expert order whatever the order of a token's choices); their weights the probs there
+        probs_TE, map_TE = out if out[1].dtype == torch.bool else out[::-1]
+        ids_TK = torch.topk(map_TE.to(probs_TE.dtype), plan.top_k, dim=-1).indices
+        return ids_TK, probs_TE.gather(1, ids_TK), None
     scores_TE, logits_TE = out
     ids_TK = torch.topk(logits_TE, plan.top_k, dim=-1).indices
     return ids_TK, scores_TE.gather(1, ids_TK), logits_TE
@@ -326,8 +338,11 @@ def _plan_block(block: nn.Module, group: ExpertGroup, identity_experts: int) -> 
     elif isinstance(router_module, nn.Module) and callable(getattr(block, "route_tokens_to_experts", None)):
         router = "router_route"  # DBRX: route_tokens_to_experts(router(x)) -> (weights, ids)
     elif isinstance(router_module, nn.Module):
-        router = "router_call"  # a router module that routes itself (Llama4Router: dense scores)
+        router = "router_call"  # a router module that routes itself (Llama4Router: dense scores; Megatron: a map)
         top_k = top_k if isinstance(top_k, int) else getattr(router_module, "top_k", None)
+        if not isinstance(top_k, int):
+            top_ks = _top_k_candidates(block, router_module, E)
+            top_k = top_ks[0] if top_ks else None
     else:
         raise NotSwappable("no_router", "no route(x) method, no gate Linear(H, E) with top_k, no gate or router "
                                         "module returning (weights, ids), (logits, weights, ids) or (scores, logits)")
@@ -493,10 +508,12 @@ def swap_block(block: nn.Module, group: ExpertGroup, identity_experts: int = 0) 
     finally:
         for m, t in zip(block.modules(), was_training):
             m.training = t
+    # grouped first: nothing on the block changes unless the swap completes
+    views = _GroupedViews(group.module, plan.paths, plan.gated) if group.kind == "module_list" else None
     block._moe_compile_original_forward = block.forward
     block._moe_compile_plan = plan
     if group.kind == "module_list":
-        block._moe_compile_views = _GroupedViews(group.module, plan.paths, plan.gated)
+        block._moe_compile_views = views
         block._apply = types.MethodType(_apply_then_regroup, block)
         block.forward = types.MethodType(_swapped_module_list_forward, block)
     else:
@@ -590,7 +607,7 @@ def swap_expert_loops(model: nn.Module, ep_capacity_factor: float | None = None)
     for group in [*groups, *identity, *module_dict_groups(model, [*groups, *identity])]:
         if is_hf_experts(group.module) or getattr(group.module, "_moe_compile_swapped", False):
             continue
-        block_name = group.name.rpartition(".")[0]
+        block_name = _routing_ancestor(modules, group)
         block = modules.get(block_name)
         if block is None or getattr(block, "_moe_compile_original_forward", None) is not None:
             continue
@@ -605,11 +622,29 @@ def swap_expert_loops(model: nn.Module, ep_capacity_factor: float | None = None)
             continue
         except Exception as exc:  # noqa: BLE001 - the block's own code raised on the probe's call: leave it as written
             records.append((block_name or "<root>", "skip", "probe_failed",
-                            f"the block's code raised on the probe's tokens ({type(exc).__name__}: "
+                            f"raised while probing the block's code ({type(exc).__name__}: "
                             f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); left as written"))
             continue
         records.append((block_name or "<root>", "rewrite", "expert_loop_swapped", detail))
     return records
+
+
+def _routing_ancestor(modules: dict[str, nn.Module], group: ExpertGroup) -> str:
+    """The name of the block that routes ``group``'s experts: their container's parent, or, where that holds no router
+    (Megatron's ``SequentialMLP`` holds only ``local_experts`` and takes tokens already permuted), the nearest
+    ancestor that does (a ``route`` method, a ``gate`` / ``router`` module, or a ``Linear(H, E)`` child)."""
+    parent = group.name.rpartition(".")[0]
+    name = parent
+    E = group.linears[0].num_experts
+    while True:
+        block = modules.get(name)
+        if block is not None and (callable(getattr(block, "route", None)) or any(
+                isinstance(getattr(block, n, None), nn.Module) for n in ("gate", "router"))
+                or _router_linear(block, group, E) is not None):
+            return name
+        if not name:
+            return parent
+        name = name.rpartition(".")[0]
 
 
 def _zero_compute_skip(name: str, module: nn.Module, why: str) -> tuple[str, str, str, str]:

@@ -117,3 +117,82 @@ def test_gate_and_up_are_told_apart_by_the_probe():
     block = LoopBlock(_GatedExpert)
     (record,) = swap_expert_loops(block)
     assert "gated proj_b/proj_a/proj_out" in record[3], record
+
+
+class _MapRouter(nn.Module):
+    """Megatron's ``TopKRouter``: a raw ``weight [E, H]``, ``topk`` (not ``top_k``), returning ``(probs [T, E],
+    routing_map [T, E] bool)``, the probs zero outside the map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.topk = 2
+        self.weight = nn.Parameter(torch.randn(E, H) * H**-0.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, idx = torch.topk(F.linear(x.float(), self.weight.float()), self.topk, dim=-1)
+        probs = torch.zeros(x.shape[0], E).scatter(1, idx, torch.softmax(scores, dim=-1))
+        return probs, torch.zeros(x.shape[0], E, dtype=torch.bool).scatter(1, idx, True)
+
+
+class _SequentialMLP(nn.Module):
+    """Megatron's ``SequentialMLP``: experts of one gate-then-up ``linear_fc1 [2F, H]``, run on tokens already
+    permuted, split by host counts; it holds no router."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.local_experts = nn.ModuleList(nn.ModuleDict({"linear_fc1": nn.Linear(H, 2 * F_, bias=False),
+                                                          "linear_fc2": nn.Linear(F_, H, bias=False)})
+                                           for _ in range(E))
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs = []
+        for expert, chunk in zip(self.local_experts, torch.split(rows, counts)):
+            gate, up = expert["linear_fc1"](chunk).chunk(2, dim=-1)
+            outs.append(expert["linear_fc2"](F.silu(gate) * up))
+        return torch.cat(outs)
+
+
+class MegatronStyleLayer(nn.Module):
+    """A map router, a ``masked_select``-style permute by expert, the experts one level down, and Megatron's return
+    convention ``(output, mlp_bias=None)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = _MapRouter()
+        self.experts = _SequentialMLP()
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x = hidden.reshape(-1, H)
+        probs, routing_map = self.router(x)
+        tokens = torch.arange(x.shape[0]).unsqueeze(0).expand(E, -1).masked_select(routing_map.T)
+        y = self.experts(x[tokens], routing_map.sum(0).tolist())
+        weights = probs.T.masked_select(routing_map.T).unsqueeze(-1)
+        out = torch.zeros_like(x).index_add_(0, tokens, (y * weights).to(x.dtype))
+        return out.reshape(hidden.shape), None
+
+
+def test_routing_map_router_one_level_up_is_swapped_within_eager_bound():
+    """The router is found on the experts container's parent's parent (the container holds none), its top-k from
+    ``topk``, its ``(probs, map)`` read as each token's K mapped experts; the layer's ``(output, None)`` is kept."""
+    torch.manual_seed(torch.seed() % 2**31)
+    block = MegatronStyleLayer()
+    x, cot = torch.randn(2, 7, H), torch.randn(2, 7, H)
+
+    def first(model):
+        return lambda t: model(t)[0]
+
+    ref_block = copy.deepcopy(block).double()
+    ref_block.router.float()  # its float32 casts are its own: the wide run keeps the router's spelling
+    eager = tol.layer_step(first(block), block, x, cot)
+    ref = tol.layer_step(first(ref_block), ref_block, x, cot, torch.float64)
+    swapped = copy.deepcopy(block)
+    records = swap_expert_loops(swapped)
+    assert [r[:3] for r in records] == [("<root>", "rewrite", "expert_loop_swapped")], records
+    assert "routed by router_call (map)" in records[0][3] and "gated linear_fc1/linear_fc2" in records[0][3]
+    assert swapped(x)[1] is None
+    got = tol.layer_step(first(swapped), swapped, x, cot)
+    for step in (got, eager, ref):
+        for name, p in block.named_parameters():
+            step.setdefault(f"grad:{name}", torch.zeros_like(p, dtype=step["out"].dtype))
+    ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, dtype=torch.float32, always_judged=tuple(ref))
+    assert ok and not unjudged, (worst, unjudged)
