@@ -282,8 +282,9 @@ def _router_linear(block: nn.Module, group: ExpertGroup, width: int) -> str | No
     """The block's child ``nn.Linear`` with ``width`` outputs (its experts' count) outside the experts: the router,
     found by its shape whatever its name (``gate``, ``router``, ``wg``, ``classifier``, ...); None if there is not
     exactly one."""
-    found = [name for name, m in block.named_children()
-             if isinstance(m, nn.Linear) and m.out_features == width and m is not group.module]
+    found = [name for name, m in block.named_children()  # a Linear subclass that routes itself is router_call's
+             if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and m.out_features == width
+             and m is not group.module]
     return found[0] if len(found) == 1 else None
 
 
