@@ -19,7 +19,7 @@ REWRITTEN = frozenset({
     "mistral_reference_where_loop", "hf_mixtral_sparse_moe_block", "hf_mixtral_v5_experts_hit",
     "gptfast_conditional_feedforward", "hf_batched_mm_experts", "deepseek_v3_inference_bincount",
     "hf_deepseek_v3_noaux_tc", "dbrx_experts_glu_views", "olmoe_sparse_moe_block", "qwen2_moe_shared_expert_gate",
-    "hf_grouped_mm_experts", "vllm_pallas_gmm",
+    "hf_grouped_mm_experts", "vllm_pallas_gmm", "megatron_permute_masked_select",
 })
 
 
