@@ -9,7 +9,7 @@ Matches (``S = T*K`` rows, ``p`` a permutation: the indices of a ``sort`` / ``ar
 
     0. the token of each sorted row, truncated:  div(p, K, rounding_mode="trunc")
     1. the token of each row:   arange(T).unsqueeze(1).expand(-1, K).reshape(-1),  arange(T).repeat_interleave(K)
-    2. composed gathers:        x[a][b]
+    2. composed gathers:        x[a][b], ``a`` the token of each row
     3. a combine through the inverse order:   zeros.index_add_(0, idx, y[argsort(p)])
 
 Rewrites to::
@@ -117,12 +117,15 @@ def _composed_index(graph: fx.Graph, a: fx.Node, b: fx.Node, at: fx.Node) -> fx.
 
 
 def _compose_gathers(graph: fx.Graph, node: fx.Node) -> str | None:
-    """Rule 2: ``x[a][b] -> x[a[b]]`` (the inner gather kept if something else reads it)."""
+    """Rule 2: ``x[a][b] -> x[a[b] = b // K]`` where ``a`` is the token of each row (the inner gather kept if something
+    else reads it)."""
     outer = _gather(node)
     if outer is None or not isinstance(outer[0], fx.Node):
         return None
     inner = _gather(outer[0])
-    if inner is None:
+    # composed only where the index becomes a normal form (b // K): another composition (w[perm][inv]) would only
+    # hide a form the recognisers read as it is
+    if inner is None or token_of_rows(inner[1]) is None:
         return None
     (_, b), (x, a) = outer, inner
     index = _composed_index(graph, a, b, node)

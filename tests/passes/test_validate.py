@@ -305,8 +305,15 @@ def _embedding():
     return Embed(), (ids,), {}
 
 
+def _hand_written_grouped_mm():
+    from tests.passes.test_normalize import H, HandWrittenGroupedMM, T
+
+    return HandWrittenGroupedMM(seed=0).to(torch.bfloat16), (torch.randn(T, H, dtype=torch.bfloat16),), {}
+
+
 # pass -> (model, options, stage backend, corruptions); "passes+aot_eager" runs the pre-grad stage only
 CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str, tuple[Callable[..., None], ...]]] = {
+    "normalize": (_hand_written_grouped_mm, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "fuse_expert_loop": (_expert_loop, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "strip_host_padding": (_host_padded, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "fuse_dispatch": (_sort_dispatch, {}, "passes+aot_eager", (scale_forward, break_backward)),
