@@ -51,8 +51,8 @@ def _routing_of(out: Any, plan: Any) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(ids_TK, weights_TK, logits_TE or None)`` from a routing module's output of form ``plan.routing_form``.
 
     A ``dense`` router's experts are its logits' top-k (``topk`` of the tensor the router took its own top-k of, so
-    the same experts, ties included) and their weights its scores there; NOTE [dense experts] says why dropping the
-    other experts is exact."""
+    the same experts, ties included) and their weights its scores there;
+    NOTE [dense experts] (moe_compile/experts/swap.py) says why dropping the other experts is exact."""
     if plan.routing_form == "pair":
         ints = [t for t in out if not t.is_floating_point() and t.dtype != torch.bool]
         floats = [t for t in out if t.is_floating_point()]
