@@ -32,7 +32,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     debug: bool = False,
     strict: bool = False,
     deterministic: bool = False,
-    validate: bool = False,
+    validate: bool = True,
     ep_capacity_factor: float | None = None,
     capture_host_syncs: bool = True,
     swap_expert_loops: bool = True,
@@ -70,7 +70,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
             lists them (``nondeterministic``).
         validate: translation validation: each pass's rewrites of a graph are kept only if the graph after them
             gives the outputs and gradients of the graph before them on real-shaped inputs (passes/_validate.py);
-            off by default: it costs more than a tenth of a GPU compile (benchmarks/results/validation_cost_*.json).
+            a verdict is cached per graph and pass versions, so a recompile or a warm cache pays nothing; False
+            opts out (benchmarks/results/validation_cost_*.json: its share of the first compiled step).
             A rewrite that fails is refused (``validation_failed`` in ``explain``) and the graph compiles without it.
         ep_capacity_factor: expert parallelism (the expert_parallel pass): rows each rank sends to one rank, as a
             multiple of an even share N/W of its N routed rows; None: the worst case, no row dropped; a float f:

@@ -93,17 +93,21 @@ _TABLE: tuple[Setting, ...] = (
             "plain Inductor"),
     _option("deterministic", bool, False,
             "no atomic accumulation in the generated code anywhere in the graph"),
-    _option("validate", bool, False,
+    _option("validate", bool, True,
             "translation validation: each pass's rewrites of a graph are kept only if the graph after them gives "
-            "the outputs and gradients of the graph before them on real-shaped inputs (passes/_validate.py); off "
-            "by default: it costs more than a tenth of a GPU compile (benchmarks/results/validation_cost_*.json)"),
+            "the outputs and gradients of the graph before them on real-shaped inputs (passes/_validate.py); a "
+            "verdict is cached per graph and pass versions, so a recompile or a warm cache pays nothing; False opts "
+            "out (benchmarks/results/validation_cost_*.json: its share of the first compiled step)"),
     _option("ep_capacity_factor", float, None,
             "expert parallelism (the expert_parallel pass): rows each rank sends to one rank, as a multiple of an even "
             "share N/W of its N routed rows; None: the worst case, no row dropped; a float f: ceil(f*N/W) rows, the "
             "rows past it in each destination's block dropped (their expert outputs are zero)"),
     _env("validate_all", bool, False, "per compile",
-         "1 turns translation validation on for every compile, as validate=True does (the test suite and the "
+         "1 turns translation validation on for every compile, validate=False included (the test suite and the "
          "family matrix set it)"),
+    _env("verdict_cache", bool, True, "per compile",
+         "translation validation's verdicts kept per graph, in memory and beside Inductor's caches "
+         "(passes/_verdicts.py); 0 validates every compile again (the test suite sets it)"),
     _env("cached_launch", bool, True, "at import",
          "eager launches of moe_compile's Triton kernels through a per-kernel cache of compiled launchers "
          "(ops/_eager_launch.py); 0 takes Triton's own launch path every time"),
@@ -156,9 +160,8 @@ class MoECompileConfig:
     # Off by default: the sort + segment sum costs a sort of the indices per accumulation where Inductor's
     # atomic adds cost none; the MoE layers are deterministic without it.
     deterministic: bool = False
-    # Off by default: a few eager runs of each rewritten graph, more than a tenth of a GPU compile
-    # (benchmarks/results/validation_cost_cuda.json); MOE_COMPILE_VALIDATE_ALL=1 turns it on everywhere.
-    validate: bool = False
+    # On by default: every user's rewrites are checked; a verdict is cached per graph (passes/_validate.py).
+    validate: bool = True
     # None: the worst case (no row dropped); a float: ceil(f * N / W) rows per destination rank.
     ep_capacity_factor: float | None = None
 

@@ -41,9 +41,11 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe_compile_tests_inductor_")
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
-# Every compile in the suite validates its rewrites (moe_compile.config: validate is off by default, for its cost
-# on the GPU); a refusal shows as a warning and a validation_failed record that the tests' report checks see.
+# Every compile in the suite validates its rewrites, validate=False included, and again each time (no verdict kept
+# from an earlier test: tests patch kernels and passes under unchanged graphs); a refusal shows as a warning and a
+# validation_failed record that the tests' report checks see.
 os.environ.setdefault("MOE_COMPILE_VALIDATE_ALL", "1")
+os.environ.setdefault("MOE_COMPILE_VERDICT_CACHE", "0")
 
 _SESSION_SEED: list[int] = []
 _SEED_ENV = "MOE_COMPILE_HYPOTHESIS_SEED"

@@ -27,6 +27,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from moe_compile import report
 from moe_compile.config import MoECompileConfig, env_setting
+from moe_compile.passes import _verdicts
 from moe_compile.passes._validate import StageValidator, Unavailable
 
 log = logging.getLogger(__name__)
@@ -253,7 +254,7 @@ class StagePass(CustomGraphPass):
                 msg = f"moe_compile pass {entry.name!r} failed ({type(exc).__name__}: {exc}); " \
                       "continuing without it for this graph"
                 warnings.warn(msg, stacklevel=2)
-                log.warning(msg, exc_info=log.isEnabledFor(logging.DEBUG))
+                log.debug(msg, exc_info=True)
                 _commit(r for r in ctx.records if r.kind != "rewrite")
                 report.add(report.PassRecord(entry.name, self.stage, "error", "<graph>", type(exc).__name__, str(exc)))
                 continue
@@ -277,27 +278,42 @@ class StagePass(CustomGraphPass):
                    entry: PassEntry, ctx: PassContext) -> bool:
         """Validate ``entry``'s rewrites of ``graph``; on a mismatch put ``before`` back and record why."""
         start = time.perf_counter()
-        try:
-            verdict = validator.check(baseline, _snapshot(graph), exact=entry.exact)
-        except Unavailable as exc:
-            for layer in ctx.rewritten_layers:
-                ctx.records.append(report.PassRecord(entry.name, self.stage, "unchecked", layer,
-                                                     "validation_unavailable", str(exc)))
-            return True
-        finally:
-            log.debug("[%s] validated in %.1f ms", entry.name, 1e3 * (time.perf_counter() - start))
-        log.debug("[%s] validated: %s", entry.name, verdict)
+        rewritten = _snapshot(graph)
+        verdict_key = None
+        if _verdicts.enabled():
+            verdict_key = _verdicts.key(stage=self.stage, training=validator.training, pass_name=entry.name,
+                                        exact=entry.exact, version=_source_hash(),
+                                        baseline=_verdicts.graph_text(baseline),
+                                        rewritten=_verdicts.graph_text(rewritten))
+        verdict = _verdicts.lookup(verdict_key) if verdict_key is not None else None
+        if verdict is not None:
+            log.debug("[%s] verdict cached (%s): %s", entry.name, "accepted" if verdict.ok else "refused",
+                      verdict.worst)
+        else:
+            try:
+                checked = validator.check(baseline, rewritten, exact=entry.exact)
+            except Unavailable as exc:
+                for layer in ctx.rewritten_layers:
+                    ctx.records.append(report.PassRecord(entry.name, self.stage, "unchecked", layer,
+                                                         "validation_unavailable", str(exc)))
+                return True
+            finally:
+                log.debug("[%s] validated in %.1f ms", entry.name, 1e3 * (time.perf_counter() - start))
+            log.debug("[%s] validated: %s", entry.name, checked)
+            verdict = _verdicts.CachedVerdict(checked.ok, str(checked))
+            if verdict_key is not None:
+                _verdicts.store(verdict_key, verdict)
         if verdict.ok:
             return True
         if self.config.strict:
-            raise AssertionError(f"moe_compile pass {entry.name!r}: rewrite failed validation: {verdict}")
+            raise AssertionError(f"moe_compile pass {entry.name!r}: rewrite failed validation: {verdict.worst}")
         _restore(graph, before)
         for layer in ctx.rewritten_layers:
-            detail = f"the rewrite changed the results; worst: {verdict}; kept the original graph"
+            detail = f"the rewrite changed the results; worst: {verdict.worst}; kept the original graph"
             if (entry.name, layer) not in _WARNED_VALIDATION:
                 _WARNED_VALIDATION.add((entry.name, layer))
                 warnings.warn(f"moe_compile pass {entry.name!r} at {layer}: {detail}", stacklevel=3)
-            log.warning("[%s] %s: validation_failed: %s", entry.name, layer, detail)
+            log.debug("[%s] %s: validation_failed: %s", entry.name, layer, detail)
             report.add(report.PassRecord(entry.name, self.stage, "skip", layer, "validation_failed", detail))
         _commit(r for r in ctx.records if r.kind != "rewrite")
         return False

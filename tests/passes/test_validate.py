@@ -409,11 +409,12 @@ def test_validation_leaves_user_state_alone():
 
 
 def test_validate_off_runs_no_validation(monkeypatch):
-    """Off (the option's default) and without MOE_COMPILE_VALIDATE_ALL, nothing is validated."""
+    """Off (``validate=False``; on is the default) and without MOE_COMPILE_VALIDATE_ALL, nothing is validated."""
     from moe_compile.passes import _validate
 
     monkeypatch.delenv("MOE_COMPILE_VALIDATE_ALL", raising=False)
-    assert make_config().validate is False
+    assert make_config().validate is True
+
     def fail(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("validation ran with validate=False")
 
