@@ -1,14 +1,22 @@
-"""The README's performance table, written from the results files (``benchmarks/results/*.json``).
+"""The performance tables of ``docs/benchmarks.md`` and the README, written from the results files
+(``benchmarks/results/*.json``).
 
-One row per results file: what it measures, its headline numbers (picked from its rows by the function for its
-benchmark in :data:`FORMATTERS`), and where they come from (file, device, versions, commit, date of the run).
+* The full table (:func:`table`, in ``docs/benchmarks.md``): one row per results file, what it measures, its headline
+  numbers (picked from its rows by the function for its benchmark in :data:`FORMATTERS`), and where they come from
+  (file, device, versions, commit, date of the run).
+* The README's headline table (:func:`headline`): the training step of each ``train_determinism_*.json`` model and
+  the MoE blocks of ``moe_block.json``, each number with its device.
+* Plots (:func:`plot`, when matplotlib imports): the training step per model, one figure per device, in
+  ``docs/img/train_step_<device>.png``.
 
 Usage, from the repository root:
 
-* ``python -m benchmarks.summarize [FILE ...]`` prints the table (``run_gpu.sh`` prints it last, for the files
+* ``python -m benchmarks.summarize [FILE ...]`` prints the full table (``run_gpu.sh`` prints it last, for the files
   that run wrote); without files, for every file in ``benchmarks/results/``.
-* ``python -m benchmarks.summarize --readme`` rewrites the block between :data:`BEGIN` and :data:`END` in
-  ``README.md``; ``--check`` fails when that block is not what the files give.
+* ``python -m benchmarks.summarize --write`` (or ``--readme``) rewrites the block between :data:`BEGIN` and
+  :data:`END` in ``docs/benchmarks.md`` and the one between :data:`HEADLINE_BEGIN` and :data:`HEADLINE_END` in
+  ``README.md``, and redraws the plots (skipped, with a line saying so, without matplotlib: ``pip install
+  matplotlib``); ``--check`` fails when either block is not what the files give (the plots are not checked).
 """
 
 from __future__ import annotations
@@ -25,8 +33,12 @@ from typing import Any
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 README = REPO_ROOT / "README.md"
-BEGIN = "<!-- results:begin (python -m benchmarks.summarize --readme writes this table) -->"
+DOCS = REPO_ROOT / "docs" / "benchmarks.md"
+IMG_DIR = REPO_ROOT / "docs" / "img"
+BEGIN = "<!-- results:begin (python -m benchmarks.summarize --write writes this table) -->"
 END = "<!-- results:end -->"
+HEADLINE_BEGIN = "<!-- headline:begin (python -m benchmarks.summarize --write writes this table) -->"
+HEADLINE_END = "<!-- headline:end -->"
 
 Row = dict[str, Any]
 
@@ -365,31 +377,153 @@ def table(paths: list[pathlib.Path]) -> list[str]:
     return lines
 
 
-def rewrite_readme(readme: pathlib.Path, lines: list[str]) -> str:
-    text = readme.read_text()
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise SystemExit(f"{readme}: no {BEGIN} ... {END} block")
-    return text[: start + len(BEGIN)] + "\n" + "\n".join(lines) + "\n" + text[end:]
+def rewrite_block(path: pathlib.Path, lines: list[str], begin: str = BEGIN, end: str = END) -> str:
+    """The text of ``path`` with the lines between the markers ``begin`` and ``end`` replaced by ``lines``."""
+    text = path.read_text()
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < start:
+        raise SystemExit(f"{path}: no {begin} ... {end} block")
+    return text[: start + len(begin)] + "\n" + "\n".join(lines) + "\n" + text[stop:]
+
+
+# train_determinism's variants, in the order the headline table and the plots show them (eager where a file has it)
+TRAIN_VARIANTS = {"eager": "eager", "inductor": "plain Inductor", "inductor_det": "Inductor + deterministic algorithms",
+                  "moe": "moe_compile", "moe_deterministic": "`deterministic=True`"}
+
+
+def _load(paths: list[pathlib.Path], benchmark: str) -> list[tuple[pathlib.Path, dict[str, Any]]]:
+    """``(path, data)`` of each readable results file of ``benchmark``, in name order."""
+    found = []
+    for path in sorted(paths):
+        if split_stem(path.stem)[0] != benchmark:
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if data.get("rows"):
+            found.append((path, data))
+    return found
+
+
+def _train_label(rows: list[Row]) -> str:
+    model = rows[0].get("model", "?")
+    ranks = rows[0].get("world_size", 1)
+    return MODELS.get(model, model) + (f", FSDP2 over {ranks} GPUs" if ranks > 1 else "")
+
+
+def headline(paths: list[pathlib.Path]) -> list[str]:
+    """The README's short tables: the training step of every ``train_determinism`` file and the MoE blocks of
+    ``moe_block`` (the device of every number in its row)."""
+    lines = []
+    train = _load(paths, "train_determinism")  # "AdamW differ": plain Inductor / deterministic=True
+    if train:
+        shown = [v for v in TRAIN_VARIANTS if any(_find(d["rows"], variant=v) for _, d in train)]
+        lines += ["| training step, ms (2-layer CausalLM, bf16, 2 x 2048 tokens) | "
+                  + " | ".join(TRAIN_VARIANTS[v] for v in shown) + " | AdamW differ | device, file |",
+                  "| --- |" + " ---: |" * len(shown) + " --- | --- |"]
+        for path, data in sorted(train, key=lambda item: (item[1]["rows"][0].get("world_size", 1), item[0].name)):
+            rows = data["rows"]
+            cells = [_num(_get(rows, "step_ms", variant=v)) for v in shown]
+            det = _find(rows, variant="moe_deterministic")
+            base = _get(rows, "step_ms", variant="inductor")
+            if det is not None and base:
+                cells[shown.index("moe_deterministic")] = f"**{_num(det['step_ms'])}** ({_num(det['step_ms'] / base)}x)"
+            repro = " / ".join(str(_get(rows, "adamw_params_differ", variant=v)) if _find(rows, variant=v) else "-"
+                               for v in ("inductor", "moe_deterministic"))
+            lines.append(f"| {_train_label(rows)} | " + " | ".join(cells)
+                         + f" | {repro} | {_device(data['env'].get('device'))}, `{path.name}` |")
+    block = [(p, d) for p, d in _load(paths, "moe_block") if p.stem == "moe_block"]
+    if block:
+        path, data = block[0]
+        if lines:
+            lines.append("")
+        lines += ["| MoE block alone, fwd+bwd ms (bf16, T 4096) | plain Inductor | moe_compile | device, file |",
+                  "| --- | ---: | ---: | --- |"]
+        for model in _ordered(data["rows"], "model"):
+            ours, ref = _find(data["rows"], model=model, variant="moe"), _find(data["rows"], model=model,
+                                                                               variant="inductor")
+            if ours is None or ref is None or _unmeasured(ours):
+                continue
+            ratio = _ratio(ref["fwd_bwd_ms"], ours["fwd_bwd_ms"])
+            lines.append(f"| {MODELS.get(model, model)} | {_num(ref['fwd_bwd_ms'])} | **{_num(ours['fwd_bwd_ms'])}** "
+                         f"({_num(ratio)}x faster) | {_device(data['env'].get('device'))}, `{path.name}` |")
+    return lines
+
+
+def plot(paths: list[pathlib.Path], out_dir: pathlib.Path = IMG_DIR) -> list[pathlib.Path]:
+    """Bar charts of the ``train_determinism`` files' step times, one figure per device (the device in its title
+    and name: ``train_step_<device>.png``); each model a group of bars, one per variant it ran. Needs matplotlib
+    (an optional dependency): without it, raises ImportError."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_device: dict[str, list[tuple[pathlib.Path, dict[str, Any]]]] = {}
+    for path, data in _load(paths, "train_determinism"):
+        by_device.setdefault(_device(data["env"].get("device")), []).append((path, data))
+    written = []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for device, files in sorted(by_device.items()):
+        files.sort(key=lambda item: (item[1]["rows"][0].get("world_size", 1), item[0].name))
+        variants = [v for v in TRAIN_VARIANTS if any(_find(d["rows"], variant=v) for _, d in files)]
+        fig, ax = plt.subplots(figsize=(1.9 * len(files) + 2, 3.6))
+        width = 0.8 / len(variants)
+        for i, variant in enumerate(variants):
+            xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(files))]
+            ys = [_get(d["rows"], "step_ms", variant=variant) or 0.0 for _, d in files]
+            bars = ax.bar(xs, ys, width, label=TRAIN_VARIANTS[variant].strip("`"))
+            ax.bar_label(bars, labels=[_num(y, 1) if y else "" for y in ys], fontsize=6, padding=1)
+        ax.set_xticks(range(len(files)), [_train_label(d["rows"]).replace(", ", "\n") for _, d in files], fontsize=8)
+        ax.set_ylabel("training step, ms (lower is better)")
+        dates = sorted({(d["env"].get("date") or "?")[:10] for _, d in files})
+        when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+        ax.set_title(f"2-layer CausalLMs, bf16, 2 x 2048 tokens, one step = forward + backward: {device}\n"
+                     f"(benchmarks/results/train_determinism_*.json, {when})", fontsize=9)
+        ax.legend(fontsize=7, ncols=len(variants), loc="upper left")
+        ax.margins(y=0.15)
+        fig.tight_layout()
+        path = out_dir / f"train_step_{device}.png"
+        fig.savefig(path, dpi=110, metadata={"Software": None})
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _rel(path: pathlib.Path) -> str:
+    """``path`` from the repository root where it is inside it."""
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="*", type=pathlib.Path, help="results files (default: benchmarks/results)")
-    parser.add_argument("--readme", action="store_true", help="rewrite README.md's results block")
-    parser.add_argument("--check", action="store_true", help="fail when README.md's results block is stale")
+    parser.add_argument("--write", "--readme", action="store_true",
+                        help="rewrite docs/benchmarks.md's full table and README.md's headline table, redraw the plots")
+    parser.add_argument("--check", action="store_true", help="fail when either table is stale")
     args = parser.parse_args(argv)
     paths = args.files or sorted(RESULTS_DIR.glob("*.json"))
     lines = table(paths)
-    if args.readme or args.check:
-        new = rewrite_readme(README, lines)
+    if args.write or args.check:
+        if args.files:
+            raise SystemExit("--write and --check read every results file: give no files")
+        blocks = ((DOCS, rewrite_block(DOCS, lines)),
+                  (README, rewrite_block(README, headline(paths), HEADLINE_BEGIN, HEADLINE_END)))
+        stale = [path for path, new in blocks if new != path.read_text()]
         if args.check:
-            if new != README.read_text():
-                print("README.md's results block is stale: run python -m benchmarks.summarize --readme")
-                return 1
-            return 0
-        README.write_text(new)
-        print(f"rewrote the results block of {README}")
+            for path in stale:
+                print(f"{_rel(path)}'s results table is stale: run python -m benchmarks.summarize "
+                      "--write")
+            return 1 if stale else 0
+        for path, new in blocks:
+            path.write_text(new)
+            print(f"rewrote the results table of {_rel(path)}")
+        try:
+            for path in plot(paths):
+                print(f"drew {_rel(path)}")
+        except ImportError:
+            print("matplotlib is not installed: plots skipped (pip install matplotlib)")
         return 0
     print("\n==== summary ====")
     print("\n".join(lines))

@@ -10,7 +10,7 @@ A setting is either a compile option or an environment variable:
   its row says: at import (set them before ``import moe_compile``), per call, or at first use. A boolean
   variable is on for ``1``, off for ``0``, and at its default for anything else.
 
-The table below is generated from :data:`SETTINGS` (the README's "Options" section lists the same).
+The table below is generated from :data:`SETTINGS` (``docs/options.md`` lists the same).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The benchmarks' results files and scripts (CPU, no benchmark is run): one schema for every results file, no
-run-ordinal file names, no ``sys.path`` edits, and a README table that matches the files."""
+run-ordinal file names, no ``sys.path`` edits, and performance tables (docs/benchmarks.md's full one, the README's
+headline) that match the files."""
 
 from __future__ import annotations
 
@@ -64,17 +65,56 @@ def test_benchmark_scripts_do_not_edit_sys_path(path):
     assert not edits, f"{path.name}: import through the benchmarks package instead of editing sys.path"
 
 
-def test_readme_cites_only_current_results_files():
-    readme = (ROOT / "README.md").read_text()
-    cited = set(re.findall(r"`([\w]+\.json)`", readme))
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_docs_cite_only_current_results_files(path):
+    cited = set(re.findall(r"`([\w]+\.json)`", path.read_text()))
     names = {p.name for p in RESULTS}
-    assert cited <= names, f"README cites results files that do not exist: {sorted(cited - names)}"
+    assert cited <= names, f"{path.name} cites results files that do not exist: {sorted(cited - names)}"
 
 
-def test_readme_table_is_current():
+def test_performance_tables_are_current():
+    """docs/benchmarks.md's full table and the README's headline table are what ``benchmarks.summarize`` writes."""
     from benchmarks import summarize
 
     assert summarize.main(["--check"]) == 0
+
+
+def test_stale_table_is_caught(tmp_path, monkeypatch):
+    """``--check`` fails on a table that is not the files' (so a passing check means something)."""
+    from benchmarks import summarize
+
+    readme = tmp_path / "README.md"
+    readme.write_text(summarize.README.read_text().replace("| Mixtral-like |", "| Mixtral-like (edited) |", 1))
+    monkeypatch.setattr(summarize, "README", readme)
+    assert summarize.main(["--check"]) == 1
+
+
+def test_headline_names_the_device_of_every_number():
+    """Each row of the README's headline tables ends with its device and results file."""
+    from benchmarks import summarize
+
+    rows = [line for line in summarize.headline(RESULTS) if line.startswith("| ") and "---" not in line]
+    data = [line for line in rows if not line.startswith(("| training step", "| MoE block"))]
+    assert len(data) >= 5, rows
+    for line in data:
+        device, name = re.search(r"\| (\S+), `([\w]+\.json)` \|$", line).groups()
+        env = json.loads((BENCHMARKS / "results" / name).read_text())["env"]
+        assert device in env["device"], (line, env["device"])
+
+
+def test_plot_draws_one_figure_per_device(tmp_path):
+    """The training-step plots (matplotlib is optional: skipped without it), one PNG per device, named after it."""
+    pytest.importorskip("matplotlib")
+    from benchmarks import summarize
+
+    written = summarize.plot(RESULTS, tmp_path)
+    devices = {summarize._device(json.loads(p.read_text())["env"]["device"]) for p in RESULTS
+               if p.stem.startswith("train_determinism")}
+    assert sorted(p.name for p in written) == sorted(f"train_step_{d}.png" for d in devices)
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
 
 
 def test_write_results_round_trip(tmp_path):

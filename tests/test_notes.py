@@ -7,8 +7,8 @@ root (``moe_compile/ops/permute_pad.py``); inside the defining file itself the `
 stays on one line (never split by a line break). Notes outside the repository (PyTorch's, say) are cited in other
 words, not as ``NOTE [...]``.
 
-Scanned: the Python and Markdown files under ``moe_compile/``, ``tests/``, ``benchmarks/`` and ``examples/``, and
-``README.md`` (this file excepted: its text describes the convention and plants examples).
+Scanned: the Python and Markdown files under ``moe_compile/``, ``tests/``, ``benchmarks/``, ``examples/`` and
+``docs/``, and ``README.md`` (this file excepted: its text describes the convention and plants examples).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCANNED_DIRS = ("moe_compile", "tests", "benchmarks", "examples")
+SCANNED_DIRS = ("moe_compile", "tests", "benchmarks", "examples", "docs")
 SCANNED_FILES = ("README.md",)
 SUFFIXES = (".py", ".md")
 

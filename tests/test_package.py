@@ -1,4 +1,5 @@
-"""Package surface: backend registration, options, the pass registry and its fallback, README/CI agreement."""
+"""Package surface: backend registration, options, the pass registry and its fallback, docs/options.md against the
+settings table, README/CI agreement."""
 
 from __future__ import annotations
 
@@ -152,20 +153,19 @@ def test_api_and_backend_import_at_the_top():
                 assert not inner, f"{name}:{fn.name} imports at line {inner[0].lineno}"
 
 
-def test_every_setting_is_in_the_readme():
-    """README's Options section has a row per setting: its default, when an environment variable is read, and a
-    meaning that begins with the table's doc."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Options"):]
-    section = section[:section.index("\n### ", 1)]
+def test_every_setting_is_in_the_options_doc():
+    """docs/options.md's two tables (compile options, environment variables) have a row per setting: its default, when
+    an environment variable is read, and a meaning that begins with the table's doc (``tests/test_docs.py`` checks
+    that the tables are exactly what ``tests/docs_tables.py`` generates)."""
+    doc = (ROOT / "docs" / "options.md").read_text()
     rows = {}
-    for line in section.splitlines():
+    for line in doc.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("| `") and len(cells) >= 3:
             rows[cells[0].strip("`")] = cells[1:]
     for setting in config_mod.SETTINGS.values():
         key = setting.env or setting.name
-        assert key in rows, f"README's Options section lacks {key}"
+        assert key in rows, f"docs/options.md lacks {key}"
         default, *rest = rows[key]
         shown = setting.default_text()
         assert default == (shown if shown == "unset" else f"`{shown}`"), key
@@ -254,12 +254,14 @@ def test_public_api():
 
 
 def test_ci_runs_the_readme_test_command():
+    """The README's test command (its Tests section; docs/testing.md repeats it) is the one ``.ci/run`` runs."""
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     marker = "python3 -m pip install -e \".[test,hf]\" -c constraints.txt && python3 -m pytest -q -ra -n 2 tests"
     assert marker in readme
     ci_line = next(line for line in ci.splitlines() if "pytest" in line and not line.startswith("#"))
     assert ci_line.replace("--quiet ", "") in readme
+    assert marker in (ROOT / "docs" / "testing.md").read_text()
 
 
 def _pins() -> dict[str, str]:

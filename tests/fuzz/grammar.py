@@ -77,9 +77,9 @@ MODES = ("train", "eval", "eval_grad")
 ENTRIES = ("fullgraph", "default", "moe_compile")
 
 
-# The spellings the passes are documented to know (README, "What the passes recognise"): half of the draws keep to
-# them (and a loop over the experts hit gets what the swap reads), so that rewrites are frequent; the other half
-# take any spelling.
+# The spellings the passes are documented to know (docs/passes.md, "What the passes recognise"): half of the draws
+# keep to them (and a loop over the experts hit gets what the swap reads), so that rewrites are frequent; the other
+# half take any spelling.
 TAME: dict[str, tuple[Any, ...]] = {
     "dispatch": ("sorted", "masked", "loop", "hit_loop", "skip_loop"),
     "permute": ("sort", "sort_stable", "argsort_stable", "argsort", "argsort_method_gather"),

@@ -443,8 +443,71 @@ def _within_bound(compiled: Any, eager: Any, ref32: Any, inductor: Any = None
     return within_eager_bound(named(compiled), named(eager), named(ref32), named(inductor) if inductor else None)
 
 
+# The path each family takes through moe_compile, as the supported-models table names it (NOTE [supported models])
+PATHS = {
+    "interface": "experts interface: the FX passes rewrite its dispatch",
+    "swapped": "own experts code: swapped by `moe_compile.compile`",
+    "left": "own experts code: left to Inductor, with a reason tag",
+}
+
+
+def _default_cpu_families() -> set[str]:
+    """The families whose training step the default (not ``slow``) CPU run compiles, from the tests' own lists."""
+    from tests.models import hf_models, test_deterministic, test_hf_families
+
+    return {*test_hf_families.DEFAULT_FAMILIES, *test_hf_families.DEFAULT_OUTSIDE, *hf_models.FAMILIES,
+            *(f for f in test_deterministic.FAMILIES if f not in test_deterministic.SLOW)}
+
+
+def _gpu_tested() -> dict[str, list[str]]:
+    """family -> how a GPU runs its training step: the bitwise-reproducible training of
+    ``tests/models/test_deterministic_gpu.py``, and the devices of its timed step in
+    ``benchmarks/results/train_determinism_*.json``."""
+    import json
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    found: dict[str, list[str]] = collections.defaultdict(list)
+    text = (root / "tests" / "models" / "test_deterministic_gpu.py").read_text()
+    for family in re.findall(r'"(\w+)"', re.search(r'parametrize\("family", \[([^]]*)\]', text).group(1)):
+        found[family].append("bitwise training")
+    timed: dict[str, set[str]] = collections.defaultdict(set)
+    for path in sorted((root / "benchmarks" / "results").glob("train_determinism_*.json")):
+        data = json.loads(path.read_text())
+        device = re.search(r"\b([A-Z]+\d{2,4})\b", data["env"]["device"])
+        for row in data["rows"]:
+            timed[row["model"]].add(device.group(1) if device else data["env"]["device"])
+    for family, devices in timed.items():
+        found[family].append("step timed on " + ", ".join(sorted(devices)))
+    return dict(found)
+
+
+def support_table() -> list[str]:
+    """NOTE [supported models]: the README's supported-models table, family -> path taken -> tested on CPU / GPU,
+    from what the installed transformers has (:func:`moe_families`, :func:`outside_interface_families`) and what the
+    suite runs: :data:`PATHS` names the path (:data:`OUTSIDE`'s ``swapped`` decides between the two of a family
+    outside the interface), "default run" the families of the tests' default lists (the rest run with ``-m slow``),
+    :func:`_gpu_tested` the GPU column. Families that share all three are one row. ``tests/docs_tables.py`` writes it
+    into the README; ``tests/test_docs.py`` checks the README's copy against this function (at the transformers that
+    ``constraints.txt`` pins: another release has other families)."""
+    default, gpu = _default_cpu_families(), _gpu_tested()
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for family in (*moe_families(), *outside_interface_families()):
+        path = "interface" if family in moe_families() else "swapped" if OUTSIDE[family].swapped else "left"
+        cpu = "default run" if family in default else "`-m slow`"
+        groups.setdefault((path, cpu, "; ".join(gpu.get(family, [])) or "-"), []).append(family)
+    order = list(PATHS)
+    rows = sorted(groups.items(), key=lambda item: (order.index(item[0][0]), item[0][2] == "-",
+                                                    item[0][1] != "default run", item[1]))
+    lines = ["| families (transformers model type) | path taken | tested on CPU | tested on GPU |",
+             "| --- | --- | --- | --- |"]
+    for (path, cpu, on_gpu), families in rows:
+        lines.append(f"| {', '.join(f'`{f}`' for f in sorted(families))} | {PATHS[path]} | {cpu} | {on_gpu} |")
+    return lines
+
+
 def main() -> None:
-    """``python -m tests.models.hf_families [--json PATH] [family ...]``: the family table."""
+    """``python -m tests.models.hf_families [--json PATH] [family ...]``: the family table (one compiled training
+    step per family); ``--support``: the README's supported-models table (:func:`support_table`, nothing run)."""
     import argparse
     import json
     import warnings
@@ -454,7 +517,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("families", nargs="*")
     parser.add_argument("--json", type=pathlib.Path)
+    parser.add_argument("--support", action="store_true", help="print the README's supported-models table")
     args = parser.parse_args()
+    if args.support:
+        print("\n".join(support_table()))
+        return
     rows = []
     for family in args.families or (*moe_families(), *outside_interface_families()):
         row = check_family(family)
