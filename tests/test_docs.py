@@ -139,7 +139,7 @@ def test_readme_example_uses_the_public_api():
 
 @pytest.mark.slow
 def test_readme_example_runs():
-    """The usage example runs as written (CPU, ~1.5 min: two compiles of a tiny Mixtral) and explain shows both MoE
+    """The usage example runs as written (CPU, 1.5-3 min: two compiles of a tiny Mixtral) and explain shows both MoE
     layers rewritten."""
     pytest.importorskip("transformers")
     proc = subprocess.run([sys.executable, "-c", _readme_example()], capture_output=True, text=True, cwd=ROOT,
