@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import warnings
 from typing import Any
@@ -19,6 +20,7 @@ from moe_compile.experts.expert_parallel import use_hf_expert_parallel
 from moe_compile.experts.hub_kernels import unwrap_idle_kernel_wrappers
 from moe_compile.experts.interface import is_hf_experts, use_fused_hf_experts
 from moe_compile.experts.swap import swap_expert_loops as swap_loops
+from moe_compile.options import check_compile_call
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +97,14 @@ def compile(  # noqa: A001 - mirrors torch.compile
         function that does the same.
 
     Raises:
-        ValueError: ``backend=`` given, or unknown option / pass names.
+        TypeError: a keyword that is neither an option here nor ``torch.compile``'s (with the closest names), or an
+            option value of the wrong type.
+        ValueError: ``backend=`` given, unknown pass names, ``options=`` keys that are no Inductor config, or a
+            ``"moe."`` key in ``options=`` (give those as keywords here).
     """
     if "backend" in torch_compile_kwargs:
         raise ValueError("moe_compile.compile sets backend= itself; call torch.compile for another backend")
+    check_compile_call({"passes": passes, **torch_compile_kwargs}, _keywords(), where="moe_compile.compile()")
     config = make_config(metrics=metrics, passes=passes or {}, debug=debug, strict=strict, deterministic=deterministic,
                          validate=validate, ep_capacity_factor=ep_capacity_factor)
     backend = ConfiguredBackend(config)  # checks the pass names before the model is touched
@@ -118,6 +124,13 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if not (capture_host_syncs or swapped):
         return compiled
     return _wrap_calls(compiled, capture_host_syncs, swapped)
+
+
+@functools.cache
+def _keywords() -> frozenset[str]:
+    """``compile``'s own keywords (its options, ``capture_host_syncs``, ``swap_expert_loops``)."""
+    params = inspect.signature(compile).parameters
+    return frozenset(name for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def prepare_expert_loops(model: torch.nn.Module, ep_capacity_factor: float | None = None) -> list[report.PassRecord]:
@@ -219,6 +232,7 @@ def explain(model: Any, *args: Any, backward: bool | None = None, compile_option
     with the option on; :attr:`Report.nondeterministic` lists the sources per layer).
     Returns a :class:`Report`: ``print(report)`` shows a table, ``report.to_dict()`` a dict.
     """
+    check_compile_call(compile_options or {}, _keywords(), where="explain(compile_options=...)")
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
     saved_grads = [p.grad for p in params]
     for p in params:  # the backward below would add into the saved .grad tensors in place

@@ -39,6 +39,7 @@ from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 from moe_compile import inductor_workarounds, metrics, report
 from moe_compile.config import MoECompileConfig, split_options
 from moe_compile.ops.deterministic_flag import deterministic_sdpa
+from moe_compile.options import check_options
 from moe_compile.passes import PASSES, _restore, _snapshot, check_pass_names, enabled_passes, stage_passes
 from moe_compile.passes._graph import layer_name
 from moe_compile.passes._validate import compiling
@@ -235,10 +236,16 @@ def moe_backend(
     mode: str | None = None,
     options: dict[str, Any] | None = None,
 ) -> Any:
-    """``torch.compile`` backend: Inductor with moe_compile's passes installed."""
+    """``torch.compile`` backend: Inductor with moe_compile's passes installed.
+
+    ``options`` are checked first, before any compile work (torch hands them to no one before the first call):
+    an unknown key raises :class:`~moe_compile.options.OptionError`, which Dynamo passes through unwrapped."""
+    check_options(options, mode, where=_WHERE)
     config, inductor_options = split_options(options)
-    check_pass_names(dict(config.passes))
     return compile_with_config(gm, example_inputs, config, mode, inductor_options)
+
+
+_WHERE = f"torch.compile(..., backend={BACKEND_NAME!r})"
 
 
 class ConfiguredBackend:
@@ -255,9 +262,8 @@ class ConfiguredBackend:
         mode: str | None = None,
         options: dict[str, Any] | None = None,
     ) -> Any:
-        extra, inductor_options = split_options(options)
-        if extra != MoECompileConfig():
-            raise ValueError("pass moe_compile options as keyword arguments of moe_compile.compile, not in options=")
+        check_options(options, mode, where="moe_compile.compile()", moe_keys=False)
+        _, inductor_options = split_options(options)
         return compile_with_config(gm, example_inputs, self.config, mode, inductor_options)
 
     def reset(self) -> None:

@@ -16,6 +16,7 @@ The table below is generated from :data:`SETTINGS` (``docs/options.md`` lists th
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -192,8 +193,10 @@ def make_config(**kwargs: Any) -> MoECompileConfig:
     which ``moe_compile.compile`` and the backend call."""
     unknown = sorted(set(kwargs) - set(OPTIONS))
     if unknown:
+        close = difflib.get_close_matches(unknown[0], OPTIONS, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(
-            f"unknown moe_compile option(s) {unknown}; known: {sorted(OPTIONS)} "
+            f"unknown moe_compile option(s) {unknown}{hint}; known: {sorted(OPTIONS)} "
             f"(as options={{'moe.<name>': ...}} or moe_compile.compile(model, <name>=...))"
         )
     for name, value in kwargs.items():
