@@ -25,6 +25,7 @@ import torch
 
 from moe_compile import report as report_mod
 from moe_compile.config import MoECompileConfig
+from moe_compile.passes._validate import judge
 from tests import _tolerance as tol
 
 
@@ -147,17 +148,61 @@ def assert_matches_eager(run: Run, fn: Any, args: Sequence[Any], kwargs: dict[st
     of ``fn``'s weights, the roundings in ``tol_dtype``, the compute dtype; default: each tensor's)."""
     ref_out, ref_grads = eager or run_once(fn, args, kwargs, train=train, loss_fn=loss_fn)
     outs, refs = _float_leaves(run.out), _float_leaves(ref_out)
-    k_dims, rows = layer_k_dims(fn, args), _rows(args, kwargs)
     assert len(outs) == len(refs), f"{len(outs)} compiled outputs vs {len(refs)} eager"
     for i, (a, e) in enumerate(zip(outs, refs)):
         assert a.shape == e.shape and a.dtype == e.dtype, f"output {i}: {a.shape} {a.dtype} vs {e.shape} {e.dtype}"
-        tol.assert_layer_close(a, e, k_dims, tol_dtype or e.dtype, what=f"output {i}")
     assert len(run.grads) == len(ref_grads)
     for i, (g, r) in enumerate(zip(run.grads, ref_grads)):
         assert (g is None) == (r is None), f"grad {i}: compiled {'None' if g is None else 'set'} vs eager"
+    wide = wide_reference(fn, args, kwargs, train=train, loss_fn=loss_fn)
+    if wide is not None:  # tensor by tensor, against eager's own distance from the wider run
+        got = _named(outs, run.grads)
+        verdict = judge(got, _named(refs, ref_grads), lambda: _Tensors(_named(*wide)))
+        assert verdict.ok, f"compiled vs eager, judged against a {wide[0][0].dtype} run: {verdict}"
+        return
+    # no wider run (an op without a kernel in the wider dtype): the derived layer bound
+    k_dims, rows = layer_k_dims(fn, args), _rows(args, kwargs)
+    for i, (a, e) in enumerate(zip(outs, refs)):
+        tol.assert_layer_close(a, e, k_dims, tol_dtype or e.dtype, what=f"output {i}")
+    for i, (g, r) in enumerate(zip(run.grads, ref_grads)):
         if r is not None:
             tol.assert_layer_close(g, r, k_dims, tol_dtype or r.dtype, backward=True, rows=rows,
                                    what=f"grad {i} {tuple(r.shape)}")
+
+
+@dataclasses.dataclass
+class _Tensors:
+    tensors: dict[str, torch.Tensor]
+
+
+def _named(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    named = {f"output {i}": t.detach() for i, t in enumerate(outs)}
+    named.update({f"grad {i}": g for i, g in enumerate(grads) if g is not None})
+    return named
+
+
+def wide_reference(fn: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None, *, train: bool = False,
+                   loss_fn: Callable[[Any], torch.Tensor] = default_loss
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]] | None:
+    """``fn`` run in a wider precision (float32 where it holds 16-bit floats, else float64) on the same values:
+    its float outputs and gradients, or None where it cannot run so (a kernel without the wider dtype)."""
+    kwargs = kwargs or {}
+    tensors = [*(fn.parameters() if isinstance(fn, torch.nn.Module) else ()), *args, *kwargs.values()]
+    floats = {t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    to = torch.float32 if floats & {torch.bfloat16, torch.float16} else torch.float64
+
+    def widen(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.detach().to(to).requires_grad_(t.requires_grad)
+        return t
+
+    wide_fn = copy.deepcopy(fn).to(to) if isinstance(fn, torch.nn.Module) else fn
+    try:
+        out, grads = run_once(wide_fn, [widen(a) for a in args], {k: widen(v) for k, v in kwargs.items()},
+                              train=train, loss_fn=loss_fn)
+    except (RuntimeError, NotImplementedError, ValueError, TypeError):
+        return None
+    return _float_leaves(out), grads
 
 
 def assert_report(rep: report_mod.Report, rewrites: dict[str, int] | None = None,

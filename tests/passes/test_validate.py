@@ -44,8 +44,11 @@ def test_judge_bounds_floats_by_the_baseline_error_from_the_reference():
     base = ref.to(torch.bfloat16)  # the baseline: one rounding from the reference
     eager_err = float((base.double() - ref).abs().max())
     bound = 4 * eager_err + 2**-8 * float(ref.abs().max())
-    # half the bound either side (bf16 rounds the result by at most u|x| more, well inside the other half)
-    within = (ref + 0.5 * bound * torch.sign(torch.randn(ref.shape, generator=g, dtype=torch.float64)))
+    # half the bound either side at a few elements (bf16 rounds the result by at most u|x| more, well inside the
+    # other half; on every element it would be a systematic error, which the rms bound refuses: the test below)
+    within = ref.clone()
+    picked = torch.randperm(ref.numel(), generator=g)[:4]
+    within.view(-1)[picked] += 0.5 * bound * torch.sign(torch.randn(4, generator=g, dtype=torch.float64))
     beyond = ref.clone()
     beyond[3, 5] += 1.5 * bound
     reference = lambda: type("Out", (), {"tensors": _outputs(ref.float())})()  # noqa: E731
@@ -95,6 +98,38 @@ def test_judge_integers_zeros_and_non_finites_exactly():
     tiny = x + 1e-7 * torch.randn(8, 4, generator=g)
     assert judge(_outputs(tiny), _outputs(x), None).ok
     assert not judge(_outputs(tiny), _outputs(x), None, exact=True).ok, "exact: bitwise"
+
+
+def test_judge_sees_a_systematic_error_under_the_max_bound_by_its_rms():
+    """bf16 outputs of a top-2 combine: another summation order (fp32 products, one rounding) passes; the second
+    choice's weight 4% too large is refused, furthest past the rms bound (the max bound is set by the largest
+    rounding and misses such an error where weights are small: the injections on real layers)."""
+    g = torch.Generator().manual_seed(5)
+    y = torch.randn(2, 256, 64, generator=g, dtype=torch.float64)
+    w = torch.softmax(torch.randn(256, 2, generator=g, dtype=torch.float64), -1)
+    ref = (w.T[..., None] * y).sum(0)
+    y16, w16 = y.to(torch.bfloat16), w.to(torch.bfloat16)
+    base = (w16.T[..., None] * y16).sum(0)  # eager: bf16 products, a bf16 sum
+    reordered = (w16.T[..., None].float() * y16.float()).sum(0).to(torch.bfloat16)
+    off = (w16.T[..., None].float() * y16.float() * torch.tensor([1.0, 1.04]).view(2, 1, 1)).sum(0).to(torch.bfloat16)
+    reference = lambda: type("Out", (), {"tensors": _outputs(ref.float())})()  # noqa: E731
+    assert judge(_outputs(reordered), _outputs(base), reference).ok
+    refused = judge(_outputs(off), _outputs(base), reference)
+    assert not refused.ok and refused.worst.how.startswith("rms"), refused  # the rms bound sees it best
+
+
+def test_judge_keeps_structural_zeros():
+    """An element exactly zero in the baseline and in the reference (an expert no token reached) stays zero."""
+    g = torch.Generator().manual_seed(6)
+    ref = torch.randn(16, 32, generator=g, dtype=torch.float64)
+    ref[3] = 0
+    base = ref.to(torch.bfloat16)
+    nudged = base.clone()
+    nudged[3, 7] = 1e-30
+    reference = lambda: type("Out", (), {"tensors": _outputs(ref.float())})()  # noqa: E731
+    assert judge(_outputs(base.clone()), _outputs(base), reference).ok
+    verdict = judge(_outputs(nudged), _outputs(base), reference)
+    assert not verdict.ok and "exactly zero" in verdict.worst.name, verdict
 
 
 def test_mutated_sources_follow_views():
@@ -194,6 +229,48 @@ def nudge_input(graph: fx.Graph, changed: list[fx.Node], stage: str) -> None:
               and (v := tensor_val(a)) is not None and v.is_floating_point()]
     _insert_after(graph, inputs[0],
                   lambda n: _call(graph, stage, torch.mul, torch.ops.aten.mul.Tensor, n, 1 + 2**-20, like=n))
+
+
+def _routing_weights(changed: list[fx.Node], *, needs_grad: bool) -> tuple[fx.Node, fx.Node]:
+    """The rewrite's op that takes the routing weights, and that input: a float input from outside the rewrite,
+    one weight per row or choice (1-D, or a last dim of at most 8: ``[T, K]``, ``[N, 1, 1]``)."""
+    for node in changed:
+        for arg in node.all_input_nodes:
+            v = tensor_val(arg)
+            if (arg not in changed and v is not None and v.is_floating_point() and (v.dim() == 1 or v.shape[-1] <= 8)
+                    and v.numel() > 1 and (v.requires_grad or not needs_grad)):
+                return node, arg
+    raise AssertionError(f"no routing weights among the inputs of {[n.target for n in changed]}")
+
+
+def _scale_weights(graph: fx.Graph, changed: list[fx.Node], stage: str, factor: float, *, forward: bool) -> None:
+    """Every other routing weight (the second choice of a top-2 ``[T, 2]``) times ``factor`` in the forward, or
+    its gradient alone (``w + (factor - 1) * (w - w.detach())``: a bitwise equal forward)."""
+    op, weights = _routing_weights(changed, needs_grad=not forward)
+    v = tensor_val(weights)
+    with graph.inserting_before(op):
+        if forward:
+            scale = torch.ones(v.numel(), dtype=v.dtype)
+            scale[1::2] = factor
+            const = graph.call_function(torch.tensor, (scale.reshape(v.shape).tolist(),), {"dtype": v.dtype})
+            const.meta["example_value"] = scale.reshape(v.shape)
+            new = _call(graph, stage, torch.mul, None, weights, const, like=weights)
+        else:
+            detached = _call(graph, stage, torch.Tensor.detach, None, weights, like=weights)
+            diff = _call(graph, stage, torch.sub, None, weights, detached, like=weights)
+            scaled = _call(graph, stage, torch.mul, None, diff, factor - 1.0, like=weights)
+            new = _call(graph, stage, torch.add, None, weights, scaled, like=weights)
+    op.replace_input_with(weights, new)
+
+
+def combine_weight_off_4pct(graph: fx.Graph, changed: list[fx.Node], stage: str) -> None:
+    """A combine whose second choice's weight is 4% too large (every other routing weight times 1.04)."""
+    _scale_weights(graph, changed, stage, 1.04, forward=True)
+
+
+def router_gradient_off_15pct(graph: fx.Graph, changed: list[fx.Node], stage: str) -> None:
+    """The gradient into the routing weights (and so the router's) times 0.85, the forward bitwise equal."""
+    _scale_weights(graph, changed, stage, 0.85, forward=False)
 
 
 def _inject(monkeypatch: pytest.MonkeyPatch, pass_name: str,
@@ -364,6 +441,46 @@ def test_wrong_rewrite_is_refused(monkeypatch, pass_name, corrupt):
     assert run.report.count(pass_name) == 0, run.report.table()
     assert any(pass_name in str(w.message) and "changed the results" in str(w.message) for w in caught)
     assert_matches_eager(run, fn, args, kwargs, train=train)
+
+
+# The passes whose rewrite takes the routing weights as they are (fuse_dispatch, capacity_dispatch, drop_and_pad)
+SMALL_ERRORS = [pytest.param(name, corrupt, id=f"{name}-{corrupt.__name__}")
+                for name in ("fuse_dispatch", "capacity_dispatch", "drop_and_pad")
+                for corrupt in (combine_weight_off_4pct, router_gradient_off_15pct)]
+
+
+@pytest.mark.parametrize("pass_name,corrupt", SMALL_ERRORS)
+def test_small_wrong_rewrite_is_refused_under_the_default_options(monkeypatch, pass_name, corrupt):
+    """A combine weight 4% off or a router gradient 15% off, under ``make_config()`` as a user gets it (no
+    MOE_COMPILE_VALIDATE_ALL): validation refuses it and the results are eager's."""
+    monkeypatch.delenv("MOE_COMPILE_VALIDATE_ALL", raising=False)
+    torch.manual_seed(sum(map(ord, pass_name)) + 1)
+    build, options, backend, _ = CASES[pass_name]
+    fn, args, kwargs = build()
+    _inject(monkeypatch, pass_name, corrupt)
+    monkeypatch.setattr(passes_mod, "_WARNED_VALIDATION", set())
+    with warnings.catch_warnings(record=True), torch._dynamo.config.patch(CAPTURE_FLAGS):
+        warnings.simplefilter("always")
+        run = compile_and_run(fn, args, kwargs, train=True, config=make_config(**options))
+    assert [r for r in run.report.skips if r.pass_name == pass_name and r.what == "validation_failed"], \
+        run.report.table()
+    assert_matches_eager(run, fn, args, kwargs, train=True)
+
+
+@pytest.mark.parametrize("pass_name,corrupt", SMALL_ERRORS)
+def test_small_wrong_rewrite_fails_the_pass_tests_oracle_without_validation(monkeypatch, pass_name, corrupt):
+    """The same errors with validation off: the rewrite is kept, and the oracle of the pass tests
+    (``assert_matches_eager``: tensor by tensor against eager's distance from a float32 run) fails."""
+    monkeypatch.delenv("MOE_COMPILE_VALIDATE_ALL", raising=False)
+    torch.manual_seed(sum(map(ord, pass_name)) + 2)
+    build, options, backend, _ = CASES[pass_name]
+    fn, args, kwargs = build()
+    _inject(monkeypatch, pass_name, corrupt)
+    with torch._dynamo.config.patch(CAPTURE_FLAGS):
+        run = compile_and_run(fn, args, kwargs, train=True, config=make_config(**options, validate=False))
+    assert run.report.count(pass_name) >= 1, run.report.table()
+    with pytest.raises(AssertionError, match="compiled vs eager"):
+        assert_matches_eager(run, fn, args, kwargs, train=True)
 
 
 # ------------------------------------------------------------------------------------------ no user state changed
