@@ -180,7 +180,7 @@ def measure(name: str, build: Callable[[], tuple[torch.nn.Module, dict[str, Any]
             "validate_s": round(stats["seconds"], 3), "fraction": round(stats["seconds"] / on_s, 4),
             "warm_compile_s": round(warm_s, 3), "warm_validate_s": round(warm_stats["seconds"], 4),
             "warm_fraction": round(warm_stats["seconds"] / warm_s, 4),
-            **({"top_ops_s": {k: round(v, 4) for k, v in top}} if profile_ops else {}),
+            **({"top_ops_s": "; ".join(f"{k} {v:.3f}" for k, v in top)} if profile_ops else {}),
             "checks": int(stats["checks"]), "run_s": stats["runs"],
             "refused": sum(r.what == "validation_failed" for r in rep.skips), "unchecked": len(rep.unchecked),
             "notes": [f"{r.pass_name} {r.layer}: {r.what}: {r.detail}"[:300] for r in rep.records

@@ -210,6 +210,20 @@ def _raise_dtype(x: Any, to: torch.dtype) -> Any:
     return x
 
 
+# Dispatch ops run with their CPU references in validation's runs on CUDA: the same values (their kernels are
+# tested against the references, bitwise), without compiling the Triton kernels of every shape and dtype a
+# validation run meets (most of validation's time on the GPU: benchmarks/results/validation_cost_cuda.json). Moves
+# of rows: a copy each way costs less than one kernel's compile.
+HOST_OPS = frozenset({"moe::permute_pad", "moe::permute_pad_backward", "moe::unpad_unpermute",
+                      "moe::unpad_unpermute_backward", "moe::segment_sum", "moe::gather_segment_sum",
+                      "moe::gather_rows"})
+_TRITON_KERNEL = getattr(torch.ops.higher_order, "triton_kernel_wrapper_functional", None)
+
+
+def _op_name(target: Any) -> str:
+    return getattr(getattr(target, "_schema", None), "name", "")
+
+
 class _Runner(fx.Interpreter):
     """Runs a graph on real tensors: mutated attributes cloned, and in a reference run every 16-bit dtype
     written in the graph raised to ``raise_to``."""
@@ -231,11 +245,29 @@ class _Runner(fx.Interpreter):
         return value
 
     def run_node(self, n: fx.Node) -> Any:
+        if n.op == "call_function" and _op_name(n.target) in HOST_OPS:
+            return self._on_host(n)
+        if self.raise_to is not None and n.target is _TRITON_KERNEL:
+            return self._own_precision(n)  # a kernel traced for its dtypes: another would compile it again
         try:
             return super().run_node(n)
         except Exception:
             if self.raise_to is None or n.op not in ("call_function", "call_method"):
                 raise
+        return self._own_precision(n)
+
+    def _on_host(self, n: fx.Node) -> Any:
+        """A dispatch op with its CPU reference, on copies of its CUDA inputs (differentiable both ways)."""
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        devices = {x.device for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.is_cuda}
+        if not devices:
+            return super().run_node(n)
+        device = devices.pop()
+        to_host = lambda x: x.cpu() if isinstance(x, torch.Tensor) and x.is_cuda else x  # noqa: E731
+        result = n.target(*tree_map(to_host, args), **tree_map(to_host, kwargs))
+        return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, result)
+
+    def _own_precision(self, n: fx.Node) -> Any:
         # an op without a kernel in the raised precision (flash attention, CUDA grouped GEMMs in float32): this
         # one op runs in the graph's own precision, each input rounded to its dtype in the graph, and its float
         # results are raised again

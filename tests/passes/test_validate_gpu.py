@@ -43,3 +43,31 @@ def test_cuda_dispatch_rewrite_is_validated_not_unchecked():
     run = compile_and_run(layer, (x,), train=True, backend="moe_compile")
     assert run.report.count("fuse_dispatch") == 1 and not run.report.unchecked, run.report.table()
     assert_matches_eager(run, layer, (x,), train=True)
+
+
+@pytest.mark.parametrize("corrupt", [None, "combine_weight_off_4pct", "router_gradient_off_15pct"])
+def test_cuda_validation_runs_dispatch_ops_on_the_host_and_still_refuses(monkeypatch, corrupt):
+    """On CUDA the dispatch ops run with their CPU references inside validation (no Triton compile per shape):
+    a correct rewrite is accepted, small wrong ones are refused, and the compiled layer still runs the kernels."""
+    from moe_compile import passes as passes_mod
+    from moe_compile.passes import _validate
+    from tests.models.handwritten import SortIndexSelectScatterAdd
+    from tests.passes import test_validate
+
+    torch.manual_seed(2)
+    layer = SortIndexSelectScatterAdd().cuda()
+    x = torch.randn(64, layer.router.shape[1], device="cuda", dtype=torch.bfloat16)
+    on_host: list[str] = []
+    original = _validate._Runner._on_host
+    monkeypatch.setattr(_validate._Runner, "_on_host",
+                        lambda self, n: on_host.append(str(n.target)) or original(self, n))
+    monkeypatch.delenv("MOE_COMPILE_VALIDATE_ALL", raising=False)
+    if corrupt is not None:
+        _inject(monkeypatch, "fuse_dispatch", getattr(test_validate, corrupt))
+        monkeypatch.setattr(passes_mod, "_WARNED_VALIDATION", set())
+    run = compile_and_run(layer, (x,), train=True, backend="moe_compile")
+    assert any("permute_pad" in t for t in on_host) and any("unpad_unpermute" in t for t in on_host), on_host
+    refused = [r for r in run.report.skips if r.what == "validation_failed"]
+    assert bool(refused) == (corrupt is not None), run.report.table()
+    assert run.report.count("fuse_dispatch") == (0 if corrupt else 1) and not run.report.unchecked
+    assert_matches_eager(run, layer, (x,), train=True)
