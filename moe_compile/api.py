@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from moe_compile import fallbacks, report
 from moe_compile import metrics as router_metrics
-from moe_compile import report
 from moe_compile.backend import ConfiguredBackend
 from moe_compile.config import CAPTURE_FLAGS, make_config
 from moe_compile.experts.discovery import find_expert_layers
@@ -255,6 +255,7 @@ def explain(model: Any, *args: Any, backward: bool | None = None, compile_option
         for p, g in zip(params, saved_grads):
             p.grad = g
         torch._dynamo.reset()
+        fallbacks.install()  # the reset cleared Dynamo's callbacks (NOTE [loud fallbacks] (moe_compile/fallbacks.py))
     if isinstance(model, torch.nn.Module):
         account_expert_layers(model, rep)
     return rep

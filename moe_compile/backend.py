@@ -36,7 +36,7 @@ from torch._inductor import async_compile
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
-from moe_compile import inductor_workarounds, metrics, report
+from moe_compile import fallbacks, inductor_workarounds, logs, metrics, report
 from moe_compile.config import MoECompileConfig, split_options
 from moe_compile.ops.deterministic_flag import deterministic_sdpa
 from moe_compile.options import check_options
@@ -97,7 +97,7 @@ def inductor_patches(
     clashing = sorted(set(patches) & set(stage_passes(config)))
     if clashing:
         raise ValueError(f"options {clashing} are set by moe_compile itself; turn passes off with 'moe.passes'")
-    patches.update(stage_passes(config))
+    patches.update(logs.observed(stage_passes(config)))
     patches.update(metrics.inductor_patches(config.metrics))
     return patches
 
@@ -111,7 +111,23 @@ def compile_with_config(
 ) -> Any:
     """``compile_fx`` with moe_compile's passes; a graph that Inductor cannot compile after our rewrites is
     compiled again without the pass that broke it, unless ``config.strict``
-    (NOTE [fallback after a failed compile])."""
+    (NOTE [fallback after a failed compile]). Logs one line per graph at INFO (:func:`moe_compile.logs.graph_summary`).
+    """
+    start, seconds, hits, nodes = report.mark(), logs.pass_seconds(), report.cache_hits(), len(gm.graph.nodes)
+    compiled = _compile_with_fallback(gm, example_inputs, config, mode, inductor_options)
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s", logs.graph_summary(report.since(start), logs.pass_seconds() - seconds, nodes,
+                                         report.cache_hits() > hits))
+    return compiled
+
+
+def _compile_with_fallback(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: MoECompileConfig,
+    mode: str | None,
+    inductor_options: dict[str, Any] | None,
+) -> Any:
     report.saw_layers({layer_name(n) for n in gm.graph.nodes if n.op not in ("placeholder", "output")})
     if config.strict:
         return _compile(gm, example_inputs, config, mode, inductor_options)
@@ -148,7 +164,10 @@ def compile_with_config(
         return compiled
     _restore_graph(gm, original, shape_env, pending)
     report.rollback(start)
-    log.warning("moe_compile: compiling again without the passes that rewrote this graph (%s) failed too", rewrote)
+    note = f"moe_compile: compiling again without the passes that rewrote this graph ({', '.join(rewrote)}) failed too"
+    log.debug(note)
+    if hasattr(failure, "add_note"):  # Python 3.11+
+        failure.add_note(note)
     raise failure
 
 
@@ -223,8 +242,8 @@ def _record_fallback(off: Sequence[str], layers: dict[str, list[str]], failure: 
         where = "layers " + ", ".join(layers[name]) if layers[name] else "<graph>"
         msg = (f"moe_compile: Inductor could not compile the graph after pass {name!r} rewrote it ({where}): "
                f"{type(failure).__name__}: {first_line}; compiled it again without {name!r}")
-        warnings.warn(msg, stacklevel=3)
-        log.warning(msg)
+        warnings.warn(msg, stacklevel=3)  # the user's one message; the log repeats it at DEBUG only
+        log.debug(msg)
         detail = f"Inductor could not compile the graph this pass rewrote ({where}): {first_line}; compiled again " \
                  "without it"
         report.add(report.PassRecord(name, stages[name], "error", "<graph>", type(failure).__name__, detail))
@@ -241,6 +260,9 @@ def moe_backend(
     ``options`` are checked first, before any compile work (torch hands them to no one before the first call):
     an unknown key raises :class:`~moe_compile.options.OptionError`, which Dynamo passes through unwrapped."""
     check_options(options, mode, where=_WHERE)
+    # again after torch._dynamo.reset() clears Dynamo's callbacks (NOTE [loud fallbacks] (moe_compile/fallbacks.py))
+    fallbacks.install(moe_backend)
+    fallbacks.check_graph(gm)
     config, inductor_options = split_options(options)
     return compile_with_config(gm, example_inputs, config, mode, inductor_options)
 
@@ -279,6 +301,7 @@ moe_backend.reset = _reset  # type: ignore[attr-defined]
 
 def register() -> None:
     """Register ``"moe_compile"`` with Dynamo (idempotent; the entry point does the same lazily)."""
+    fallbacks.install(moe_backend)  # NOTE [loud fallbacks] (moe_compile/fallbacks.py)
     # When Dynamo found our entry point first, it registers the backend itself after importing us.
     if BACKEND_NAME in _COMPILER_FNS or _BACKENDS.get(BACKEND_NAME) is not None:
         return
