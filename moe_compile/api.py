@@ -229,7 +229,8 @@ def explain(model: Any, *args: Any, backward: bool | None = None, compile_option
     are restored). Caches are bypassed, so every pass runs. Every experts layer of ``model`` that no record
     accounts for gets a skip with its reason (``not_in_graph``, ``dispatch_form_unknown``).
     ``compile_options`` are keywords of ``moe_compile.compile`` (``{"deterministic": True}``: what is left
-    with the option on; :attr:`Report.nondeterministic` lists the sources per layer).
+    with the option on; :attr:`Report.nondeterministic` lists the sources per layer), checked before anything runs:
+    an unknown keyword raises TypeError naming ``compile_options`` and the closest name.
     Returns a :class:`Report`: ``print(report)`` shows a table, ``report.to_dict()`` a dict.
     """
     check_compile_call(compile_options or {}, _keywords(), where="explain(compile_options=...)")
