@@ -12,7 +12,8 @@ Semantics of a :class:`Report`, per layer (module path from ``nn_module_stack``,
 * ``skip``: ``what`` is a reason tag (``weights_before_gather``, ``region_not_rowwise``, ...), ``detail``
   a sentence ("combine not matched: weights applied before gather ...").
 * ``error``: a pass raised and the graph was restored (plain Inductor for that pass).
-* ``unchecked``: a rewrite kept without translation validation (``what`` ``validation_unavailable``, ``detail``
+* a ``rewrite`` that translation validation accepted has ``validation`` ``"validated"``;
+  ``unchecked``: a rewrite kept without translation validation (``what`` ``validation_unavailable``, ``detail``
   why: collectives in the graph, an op that does not run on real tensors here); a rewrite that failed validation
   is a ``skip`` with reason ``validation_failed`` (NOTE [translation validation] (moe_compile/passes/_validate.py)).
 * ``left``: the audit (:mod:`moe_compile.passes.audit`) found an accumulating scatter, a non-deterministic library
@@ -62,6 +63,9 @@ class PassRecord:
     # for a rewrite: False when it is no MoE rewrite (a scatter with distinct indices made a plain store, which
     # changes no bit against plain Inductor; what deterministic=True asks for, anywhere in the graph)
     moe: bool = True
+    # for a rewrite: "validated" (translation validation ran, or its verdict for the same graph was kept), or ""
+    # (validation off); a rewrite kept unvalidated has an ``unchecked`` record beside it, a refused one is a skip
+    validation: str = ""
     # for a rewrite: the option it was made for ("deterministic", "metrics"), "" for the default passes
     option: str = ""
     # the Dynamo compile the record came from ("frame/attempt", e.g. "3/0"; forward and backward graphs of one
@@ -100,6 +104,16 @@ class Report:
     @property
     def errors(self) -> list[PassRecord]:
         return [r for r in self.records if r.kind == "error"]
+
+    @property
+    def validated(self) -> list[PassRecord]:
+        """Rewrites that translation validation accepted."""
+        return [r for r in self.records if r.kind == "rewrite" and r.validation == "validated"]
+
+    @property
+    def refused(self) -> list[PassRecord]:
+        """Rewrites that translation validation refused (skips ``validation_failed``)."""
+        return [r for r in self.records if r.kind == "skip" and r.what == "validation_failed"]
 
     @property
     def unchecked(self) -> list[PassRecord]:
@@ -170,7 +184,7 @@ class Report:
         layers = {
             layer: [
                 {"pass": r.pass_name, "stage": r.stage, "kind": r.kind, "what": r.what, "detail": r.detail,
-                 "count": n, **({"moe": r.moe} if r.kind == "rewrite" else {})}
+                 "count": n, **({"moe": r.moe, "validation": r.validation} if r.kind == "rewrite" else {})}
                 for r, n in entries
             ]
             for layer, entries in self.grouped().items()
@@ -181,6 +195,8 @@ class Report:
             "skips": len(self.skips),
             "errors": len(self.errors),
             "unchecked": len(self.unchecked),
+            "validated": len(self.validated),
+            "refused": len(self.refused),
             "left": len(self.left),
             "clean": self.clean,
             "deterministic": self.deterministic,
@@ -229,7 +245,9 @@ class Report:
         summary = (f"{self.graphs} graph(s) compiled; {n_layers} MoE layer(s) rewritten, "
                    + (f"{others} non-MoE rewrite(s), " if others else "")
                    + f"{len(self.skips)} skip(s), {len(self.errors)} error(s); "
-                   + (f"{len(self.unchecked)} rewrite(s) not validated; " if self.unchecked else "")
+                   + (f"validation: {len(self.validated)} rewrite(s) validated, {len(self.refused)} refused, "
+                      f"{len(self.unchecked)} unchecked; " if self.validated or self.refused or self.unchecked
+                      else "")
                    + ("clean: no accumulating scatter or host sync left" if self.clean
                       else f"{len(self.left)} accumulating scatter(s) / host sync(s) left (audit)")
                    + ("; deterministic" if self.deterministic

@@ -263,6 +263,9 @@ class StagePass(CustomGraphPass):
                 baseline = baseline or before
                 if not self._validated(validator, baseline, graph, before, entry, ctx):
                     continue
+                unchecked = {r.layer for r in ctx.records if r.kind == "unchecked"}
+                ctx.records[:] = [dataclasses.replace(r, validation="validated")
+                                  if r.kind == "rewrite" and r.layer not in unchecked else r for r in ctx.records]
             _commit(ctx.records)
             changed = True
         if changed and self.stage == "joint":

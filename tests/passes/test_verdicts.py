@@ -43,6 +43,9 @@ def test_a_recompile_of_the_same_graph_is_not_validated_again(verdict_cache):
     again = compile_and_run(fn, args, kwargs, train=True, config=make_config())
     assert verdict_cache["checks"] == checks
     assert again.report.count("fuse_dispatch") == 1 and not again.report.unchecked, again.report.table()
+    for run in (first, again):  # explain says what was checked: a kept verdict counts as validated
+        assert [r.pass_name for r in run.report.validated] == ["fuse_dispatch"], run.report.table()
+        assert "validation: 1 rewrite(s) validated, 0 refused, 0 unchecked" in " ".join(run.report.table().split())
     assert_matches_eager(again, fn, args, kwargs, train=True)
 
 
@@ -55,6 +58,7 @@ def test_a_refused_rewrite_stays_refused_from_the_cache(verdict_cache, monkeypat
         run = compile_and_run(fn, args, kwargs, train=True, config=make_config())
         refused = [r for r in run.report.skips if r.what == "validation_failed"]
         assert refused and run.report.count("fuse_dispatch") == 0, run.report.table()
+        assert run.report.refused == refused and not run.report.validated
         assert_matches_eager(run, fn, args, kwargs, train=True)
         if run_index == 0:
             checks = verdict_cache["checks"]
