@@ -154,8 +154,11 @@ def assert_matches_eager(run: Run, fn: Any, args: Sequence[Any], kwargs: dict[st
     assert len(run.grads) == len(ref_grads)
     for i, (g, r) in enumerate(zip(run.grads, ref_grads)):
         assert (g is None) == (r is None), f"grad {i}: compiled {'None' if g is None else 'set'} vs eager"
-    wide = wide_reference(fn, args, kwargs, train=train, loss_fn=loss_fn)
-    if wide is not None:  # tensor by tensor, against eager's own distance from the wider run
+    low = any(t.dtype in (torch.bfloat16, torch.float16) for t in [*refs, *(g for g in ref_grads if g is not None)])
+    # 16-bit layers: tensor by tensor, against eager's own distance from a float32 run (the layer bound grows with
+    # the weights and lets a 4% combine error through); float32 layers keep the layer bound, 1e-5 of a tensor
+    wide = wide_reference(fn, args, kwargs, train=train, loss_fn=loss_fn) if low else None
+    if wide is not None:
         got = _named(outs, run.grads)
         verdict = judge(got, _named(refs, ref_grads), lambda: _Tensors(_named(*wide)))
         assert verdict.ok, f"compiled vs eager, judged against a {wide[0][0].dtype} run: {verdict}"
