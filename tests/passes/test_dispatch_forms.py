@@ -2,7 +2,8 @@
 padding, combine and weight placement from ``tests/models/composed.py`` is rewritten by exactly one pass,
 leaves no accumulating scatter and no host read in the graph, and matches eager (forward and grads).
 
-Default run: a Hypothesis sample of the combinations (the failing combination and Hypothesis' seed are
+Default run: a fixed stratified subset (every value of every axis at least once, at two token counts, in training
+and in eval) and a Hypothesis sample of the combinations (the failing combination and Hypothesis' seed are
 printed on failure; ``@reproduce_failure`` blobs are printed too). ``-m slow``: all of them
 (1581 combinations, ~30 min on 2 cores).
 """
@@ -43,7 +44,8 @@ def _left_behind(gm: torch.fx.GraphModule) -> list[str]:
     return found
 
 
-def _compile_forms(model: torch.nn.Module, x: torch.Tensor) -> tuple[Any, list[str], report.Report, list[str]]:
+def _compile_forms(model: torch.nn.Module, x: torch.Tensor, train: bool = True
+                   ) -> tuple[Any, list[str], report.Report, list[str]]:
     """Compile with moe_compile's pre-grad passes then AOTAutograd (eager kernels), ``fullgraph=True``;
     returns (out, grads), what is left in the graph, the report and the ops in the rewritten graph."""
     from torch._dynamo.backends.debugging import aot_eager
@@ -60,17 +62,17 @@ def _compile_forms(model: torch.nn.Module, x: torch.Tensor) -> tuple[Any, list[s
 
     torch._dynamo.reset()
     with fresh_cache(), report.collecting() as rep:
-        result = run_once(torch.compile(model, backend=backend, fullgraph=True), (x,), train=True)
+        result = run_once(torch.compile(model, backend=backend, fullgraph=True), (x,), train=train)
     torch._dynamo.reset()
     return result, left, rep, ops
 
 
-def check_forms(forms: Forms, seed: int = 0) -> None:
+def check_forms(forms: Forms, seed: int = 0, tokens: int = 10, train: bool = True) -> None:
     torch.manual_seed(seed)
     model = ComposedMoE(forms, seed=seed)
-    x = torch.randn(10, 16, dtype=torch.bfloat16, requires_grad=True)
-    eager = run_once(model, (x,), train=True)
-    (out, grads), left, rep, ops = _compile_forms(model, x)
+    x = torch.randn(tokens, 16, dtype=torch.bfloat16, requires_grad=train)
+    eager = run_once(model, (x,), train=train)
+    (out, grads), left, rep, ops = _compile_forms(model, x, train)
     rewrites = collections.Counter(r.pass_name for r in rep.rewrites if r.pass_name in DISPATCH_PASSES)
     skips = [(r.pass_name, r.what, r.detail) for r in rep.skips if r.pass_name in DISPATCH_PASSES
              and r.what != "already_aligned"]
@@ -81,7 +83,37 @@ def check_forms(forms: Forms, seed: int = 0) -> None:
     assert sum("moe.permute_pad" in o for o in ops) == 1 and sum("moe.unpad_unpermute" in o for o in ops) == 1
     from tests.passes._harness import Run
 
-    assert_matches_eager(Run(out, grads, rep, []), model, (x,), train=True, eager=eager, tol_dtype=torch.bfloat16)
+    assert_matches_eager(Run(out, grads, rep, []), model, (x,), train=train, eager=eager, tol_dtype=torch.bfloat16)
+
+
+def stratified_forms() -> list[Forms]:
+    """A fixed subset of :data:`FORMS` in which every value of every axis occurs at least once: greedily, the
+    combination that covers the most values not covered yet (ties: the first in :data:`FORMS`' order)."""
+    missing = {(axis, getattr(f, axis)) for f in FORMS for axis in Forms.__dataclass_fields__}
+    chosen: list[Forms] = []
+    while missing:
+        best = max(FORMS, key=lambda f: len({(a, getattr(f, a)) for a in Forms.__dataclass_fields__} & missing))
+        chosen.append(best)
+        missing -= {(a, getattr(best, a)) for a in Forms.__dataclass_fields__}
+    return chosen
+
+
+# every form of the subset at two shapes (tokens 10 and 37: one not a multiple of the alignment), once in training
+# and once in eval, alternating so that each (shape, mode) pair occurs
+STRATIFIED = [pytest.param(f, tokens, train, id=f"{f}-T{tokens}-{'train' if train else 'eval'}")
+              for i, f in enumerate(stratified_forms())
+              for tokens, train in (((10, True), (37, False)) if i % 2 == 0 else ((10, False), (37, True)))]
+
+
+def test_stratified_subset_covers_every_axis_value():
+    covered = {(a, getattr(p.values[0], a)) for p in STRATIFIED for a in Forms.__dataclass_fields__}
+    assert covered == {(a, getattr(f, a)) for f in FORMS for a in Forms.__dataclass_fields__}
+    assert {(p.values[1], p.values[2]) for p in STRATIFIED} == {(10, True), (10, False), (37, True), (37, False)}
+
+
+@pytest.mark.parametrize("forms,tokens,train", STRATIFIED)
+def test_stratified_dispatch_forms_rewrite(forms, tokens, train):
+    check_forms(forms, seed=sum(map(ord, str(forms))) + tokens, tokens=tokens, train=train)
 
 
 @settings(max_examples=24, deadline=None, derandomize=False, print_blob=True,
