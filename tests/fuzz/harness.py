@@ -47,8 +47,9 @@ class Result:
     """The verdict on one layer. ``kind``: ``ok``, ``numerics`` (outside the bound), ``crash`` (moe_compile fails
     where the compile without it works), ``pass_error`` (a pass raised, or its rewrite failed Inductor's compile,
     and was rolled back), ``validation_refused`` (translation validation refused a rewrite: a wrong rewrite caught,
-    or a right one refused), ``both_fail`` (the compile fails with and without moe_compile: not ours to judge),
-    ``generator_error`` (eager fails: the generator wrote a broken layer). ``known`` names the entry of
+    or a right one refused), ``both_fail`` (the compile fails with and without moe_compile, the same way: not
+    ours to judge; a different failure with moe_compile is a ``crash``), ``generator_error`` (eager fails: the
+    generator wrote a broken layer). ``known`` names the entry of
     :data:`tests.fuzz.known.KNOWN` that explains a failure."""
 
     spec: Spec
@@ -143,7 +144,8 @@ def check_module(module: types.ModuleType, spec: Spec, backend: str = "passes", 
     plain = None
     if error is not None:
         plain, plain_error = _compiled_step(copy.deepcopy(layer), spec, backend, moe=False)
-        result.kind = "both_fail" if plain_error is not None else "crash"
+        # both fail alike: not ours to judge; a different failure with moe_compile is ours
+        result.kind = "both_fail" if plain_error is not None and same_failure(error, plain_error) else "crash"
         result.detail = f"moe_compile: {error}" + (f"\nwithout our passes: {plain_error}" if plain_error else "")
     else:
         ok, result.worst, _ = within_eager_bound(compiled, eager, ref, dtype=dtype, always_judged=outs, few_samples=few)
@@ -176,6 +178,20 @@ def check_module(module: types.ModuleType, spec: Spec, backend: str = "passes", 
     if not result.ok:
         result.known = explain_failure(result)
     return result
+
+
+def _failure_key(text: str) -> str:
+    """A compile failure without what differs between two backends' reports of it: the backend's name, addresses,
+    numbers, and the prefix Dynamo wraps a backend's exception in."""
+    text = re.sub(r"backend='[^']*' raised:", "", text)
+    text = re.sub(r"^(BackendCompilerFailed|InductorError):\s*", "", text.strip())
+    text = re.sub(r"0x[0-9a-f]+", "ADDR", text)
+    return re.sub(r"\d+", "N", text)[:200]
+
+
+def same_failure(moe_error: str, plain_error: str) -> bool:
+    """Whether two compiles failed the same way (``_first_line`` of each)."""
+    return _failure_key(moe_error) == _failure_key(plain_error)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -3,7 +3,7 @@ eager is, forward and backward, and keep eager's exact zeros (or moe_compile lea
 covers). Hypothesis draws layers from ``tests/fuzz/grammar.py``; a failure prints its summary and a standalone
 script that reproduces it (``tests/fuzz/harness.py`` says how each layer is run and judged).
 
-Default run: ``MOE_FUZZ_EXAMPLES`` (24) layers through moe_compile's passes with eager kernels, and
+Default run: ``MOE_FUZZ_EXAMPLES`` (12) layers through moe_compile's passes with eager kernels, and
 ``MOE_FUZZ_INDUCTOR_EXAMPLES`` (2) through the real backend against plain Inductor. ``-m slow``:
 ``MOE_FUZZ_SLOW_EXAMPLES`` (2000) and ``MOE_FUZZ_SLOW_INDUCTOR_EXAMPLES`` (100). ``python -m tests.fuzz.run`` runs
 the same check without stopping at a failure, writing every finding to JSON.
@@ -152,3 +152,16 @@ def test_long_run_records_an_abort_and_goes_on(tmp_path):
     lines = done.stdout.splitlines()
     summary = json.loads("\n".join(lines[max(i for i, line in enumerate(lines) if line == "{"):]))
     assert summary["examples"] == 2 and summary["verdicts"]["abort"] == 1, summary
+
+
+def test_both_fail_only_when_the_failures_agree():
+    """A compile that fails with and without moe_compile is ``both_fail`` only when it fails the same way (the
+    backend's name, addresses and numbers aside); a different failure with moe_compile is ours (``crash``)."""
+    from tests.fuzz.harness import same_failure
+
+    size = random.randint(2, 10**6)
+    moe = f"BackendCompilerFailed: backend='moe_compile' raised: RuntimeError: shape [{size}] at 0x7f{size:x}"
+    plain = f"BackendCompilerFailed: backend='inductor' raised: RuntimeError: shape [{size + 1}] at 0x7e{size:x}"
+    assert same_failure(moe, plain)
+    assert not same_failure(moe, "BackendCompilerFailed: backend='inductor' raised: TypeError: an int is required")
+    assert not same_failure("AssertionError: moe_compile pass 'fuse_dispatch' failed", plain)
