@@ -49,6 +49,11 @@ class Unbuildable(Exception):
     """A family that cannot be built or run from a config alone (the message says why)."""
 
 
+class BuilderError(Unbuildable):
+    """The tiny model was built but does not run eagerly: the tiny config broke it (a size the family derives
+    from another, a dtype): the builder's failure, reported as a failure of the family, not a skip."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Outside:
     """A family outside the experts interface: why, and how to build it where :data:`TINY` is not enough.
@@ -196,15 +201,23 @@ def _plan(family: str) -> tuple[Any, Any, str]:
             MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text_type) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
         )
         if lm is not None:
-            return lm, _shrink(text), "lm"
+            return lm, _override(_shrink(text), TINY_FIXES.get(family, {})), "lm"
         base = _class(MODEL_MAPPING_NAMES.get(text_type))
         if base is not None:
-            return base, _shrink(text), "base"
+            return base, _override(_shrink(text), TINY_FIXES.get(family, {})), "base"
         raise Unbuildable(f"no causal LM or text model class for {text_type!r}")
     lm = _class(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type))
     if lm is None:
         raise Unbuildable("no causal LM class and no text config (encoder-only or multimodal family)")
-    return lm, _shrink(config), "lm"
+    return lm, _override(_shrink(config), TINY_FIXES.get(family, {})), "lm"
+
+
+# family -> config attributes (dotted) set after TINY where a size derived from another no longer fits
+TINY_FIXES: dict[str, dict[str, Any]] = {
+    # multimodal rope sections must sum to half the rotary dim: head_dim 16 x partial_rotary_factor 0.5 / 2
+    "glm4v_moe": {"rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.5, "rope_type": "default",
+                                      "mrope_section": [2, 1, 1]}},
+}
 
 
 def _outside_plan(spec: Outside, config: Any, model_type: str) -> tuple[Any, Any, str]:
@@ -316,7 +329,7 @@ def build(family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tu
         with torch.no_grad():
             model(**inputs)
     except Exception as exc:  # noqa: BLE001
-        raise Unbuildable(f"eager forward fails: {type(exc).__name__}: {_first_line(exc)}") from None
+        raise BuilderError(f"eager forward fails: {type(exc).__name__}: {_first_line(exc)}") from None
     return model, inputs
 
 
@@ -358,6 +371,8 @@ def check_family(family: str, backend: str = "moe_compile") -> dict[str, Any]:
 
     try:
         model, inputs = build(family)
+    except BuilderError as exc:
+        return {"family": family, "status": f"fail: the tiny build does not run: {exc}"}
     except Unbuildable as exc:
         return {"family": family, "status": f"skip: {exc}"}
     model.train()
