@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from moe_compile.experts._probe import (
     NotSwappable,
     forward_in_both_modes,
+    outputs,
     probe_input,
     row_mismatch,
     same_draws_run,
@@ -161,7 +162,19 @@ def _swapped_capacity_forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
 # ===== recognising and probing =====
 
 
-def _router_form(block: nn.Module, E: int, x_TH: Tensor) -> tuple[str, int, int, str]:
+def _router_out(block: nn.Module, x: Tensor) -> Any:
+    """``block.router`` on the probe's tokens ``[T, H]``, or on the probe ``x`` as given where the router takes only
+    that (NLLB-MoE's unpacks ``batch_size, sequence_length, hidden_dim``): the form is read from what it returns,
+    whichever it takes (the probe then picks the input the block passes, ``flatten_first``)."""
+    try:
+        return block.router(x.reshape(-1, x.shape[-1]).clone())
+    except Exception:  # noqa: BLE001 - a router that takes the block's [B, S, H] input only
+        if x.dim() == 2:
+            raise
+        return block.router(x.clone())
+
+
+def _router_form(block: nn.Module, E: int, x: Tensor) -> tuple[str, int, int, str]:
     """``(form, mask_at, probs_at, returns)``: where the router's returned tuple holds the dispatch mask (``[T, E]`` of
     0/1) and the probs, and how it reads. ``"top1"``: one of
 
@@ -171,10 +184,13 @@ def _router_form(block: nn.Module, E: int, x_TH: Tensor) -> tuple[str, int, int,
       (transformers 5.17's Switch: the kept expert's probability twice, the second under the name ``router_logits``,
       its mask ``[.., 1, E]``);
 
-    ``"combine"``: ``(mask [T, E], combine weights [T, E], logits [T, E])``. Raises NotSwappable
+    ``"combine"``: ``(mask [T, E], combine weights [T, E], logits [T, E])``, or ``(mask [T, E], combine weights
+    [T, E])`` (NLLB-MoE's top-2: its top-1 mask and the two kept experts' weights). Raises NotSwappable
     (``capacity_router_form``) for anything else."""
-    out = block.router(x_TH.clone())
-    T = x_TH.shape[0]
+    out = _router_out(block, x)
+    T = x.reshape(-1, x.shape[-1]).shape[0]
+    if isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) and t.numel() == T * E for t in out):
+        out = (*out, out[1])  # (mask, combine weights): read as the triple without its logits
     if isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, Tensor) for t in out):
         first, second, third = (t.reshape(T, -1) if t.numel() % T == 0 else t for t in out)
 
@@ -209,10 +225,9 @@ def _refuse_combine(block: nn.Module, plan: _CapacityPlan, x: Tensor) -> None:
     no static top-k to run it with, so it is left alone; the tag says whether the block's own forward even computes
     ``sum_e combine[t, e] * expert_e(x[t])`` (a dense reading, on the probe only)."""
     x_TH = x.reshape(-1, x.shape[-1])
-    _, combine_TE, _ = block.router(x_TH.clone())
-    combine_TE = combine_TE.reshape(x_TH.shape[0], -1)
+    combine_TE = _router_out(block, x)[plan.probs_at].reshape(x_TH.shape[0], -1)
     dense = sum(combine_TE[:, e, None] * expert(x_TH) for e, expert in enumerate(plan.experts))
-    err = row_mismatch(dense, block.forward(x.clone()).reshape(dense.shape))
+    err = row_mismatch(dense, outputs(block.forward(x.clone()))[0].reshape(dense.shape))
     if err <= 1:
         raise NotSwappable(
             "capacity_topk_unknown",
@@ -370,7 +385,7 @@ def swap_capacity_block(block: nn.Module, group: ExpertGroup) -> str:
     try:
         x = probe_input(block, hidden, weight.dtype, weight.device)
         with torch.no_grad():
-            form, plan.mask_at, plan.probs_at, plan.returns = _router_form(block, len(experts), x.reshape(-1, hidden))
+            form, plan.mask_at, plan.probs_at, plan.returns = _router_form(block, len(experts), x)
             if form == "combine":
                 _refuse_combine(block, plan, x)
         extra = list(inspect.signature(block.forward).parameters)[1:]

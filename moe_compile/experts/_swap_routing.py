@@ -23,7 +23,11 @@ def _routing_form(out: Any, num_experts: int, top_k: int | None) -> str:
       of the top-k logits scattered into ``-inf``), with ``K`` the block's ``top_k``;
     * ``map``: ``(probs_TE, routing_map_TE)``, a bool map of each token's ``K`` experts (Megatron's ``TopKRouter``).
 
+    ``None`` entries and tensors of fewer than 2 dims (DeepSeek-V2's ``aux_loss=None``, torchtitan's per-expert
+    counts) are not read (:func:`_core`), and ``[B, S, N]`` outputs are read as ``[T, N]``.
+
     Raises NotSwappable (``no_router``) for anything else."""
+    out = _core(out)
     tensors = isinstance(out, tuple) and all(isinstance(t, Tensor) and t.dim() == 2 for t in out)
     if tensors and len(out) == 2:
         ints = [t for t in out if not t.is_floating_point() and t.dtype != torch.bool]
@@ -47,12 +51,21 @@ def _routing_form(out: Any, num_experts: int, top_k: int | None) -> str:
                                     "nor (probs [T, E], routing map [T, E] bool)")
 
 
+def _core(out: Any) -> Any:
+    """A routing module's returned tuple as its routing tensors: ``None`` and tensors of fewer than 2 dims left
+    out (an aux loss, per-expert counts), the rest read as ``[T, N]``; anything else as it is."""
+    if not isinstance(out, tuple):
+        return out
+    return tuple(t.reshape(-1, t.shape[-1]) for t in out if isinstance(t, Tensor) and t.dim() >= 2)
+
+
 def _routing_of(out: Any, plan: Any) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(ids_TK, weights_TK, logits_TE or None)`` from a routing module's output of form ``plan.routing_form``.
 
     A ``dense`` router's experts are its logits' top-k (``topk`` of the tensor the router took its own top-k of, so
     the same experts, ties included) and their weights its scores there;
     NOTE [dense experts] (moe_compile/experts/swap.py) says why dropping the other experts is exact."""
+    out = _core(out)
     if plan.routing_form == "pair":
         ints = [t for t in out if not t.is_floating_point() and t.dtype != torch.bool]
         floats = [t for t in out if t.is_floating_point()]

@@ -109,6 +109,7 @@ from moe_compile.experts._swap_layout import (
     per_expert_projections,
     top_k_of_logits,
 )
+from moe_compile.experts._swap_router_call import RouterCall, call_router, kept_buffers, record_router_call
 from moe_compile.experts._swap_routing import (
     _router_linear,
     _routing_ancestor,
@@ -132,6 +133,8 @@ class _Plan:
     # router(x) routes | router_route: block.route_tokens_to_experts(router(x))
     router: str = "gate_linear"
     routing_form: str = ""  # what a routing module returns (_routing_form): pair | triple | dense
+    # how the block calls a gate_call / router_call module: NOTE [recorded router call] (_swap_router_call.py)
+    call: RouterCall = dataclasses.field(default_factory=RouterCall)
     weights_before: bool = False
     # a gate_linear router's weights: softmax -> topk ("softmax_topk"), then renormalised ("softmax_topk_renorm"),
     # or topk of the logits -> softmax over those K ("topk_softmax": equal to the renormalised form in exact
@@ -170,13 +173,14 @@ _SHARED_GATE_NAMES = ("shared_expert_gate",)
 # ===== routing and the swapped forward =====
 
 
-def _route(block: nn.Module, plan: _Plan, x_TH: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(ids_TK, weights_TK, logits_TE or None)`` by the block's router (``plan.router``)."""
+def _route(block: nn.Module, plan: _Plan, x_TH: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(ids_TK, weights_TK, logits_TE or None)`` by the block's router (``plan.router``) on its tokens ``x_TH``
+    (or its input ``hidden`` as given, where the block passes its routing module that)."""
     if plan.router == "route":
         ids_TK, weights_TK = block.route(x_TH)
         return ids_TK, weights_TK, None
     if plan.router in ("gate_call", "router_call"):
-        return _routing_of(getattr(block, plan.router_module)(x_TH), plan)
+        return _routing_of(call_router(block, plan.router_module, plan.call, x_TH, hidden), plan)
     if plan.router == "router_route":
         logits_TE = block.router(x_TH)
         ids_TK, weights_TK, _ = _routing_of(block.route_tokens_to_experts(logits_TE), plan)
@@ -215,7 +219,7 @@ def _fused_block_forward(block: nn.Module, plan: _Plan, projections: Callable[[]
                          Projection]], hidden: Tensor) -> Any:
     """The swapped forward: route, then ``fused_experts_forward`` over ``projections() = (ups, down)``."""
     x_TH = hidden.reshape(-1, hidden.shape[-1])
-    ids_TK, weights_TK, logits_TE = _route(block, plan, x_TH)
+    ids_TK, weights_TK, logits_TE = _route(block, plan, x_TH, hidden)
     ups, down = projections()
     y_TH = fused_experts_forward(x_TH, ids_TK, weights_TK, ups, _middle(plan, len(ups)), down,
                                  num_experts=plan.num_experts, weights_before=plan.weights_before, glu=plan.glu,
@@ -282,7 +286,7 @@ def _plan_block(block: nn.Module, group: ExpertGroup, identity_experts: int) -> 
                  gate_fn=gate_fn if callable(gate_fn) else None, identity_experts=identity_experts,
                  transposed=readings[0].transposed, gate_name=gate_name, top_ks=top_ks)
     plan.readings = tuple(r for r in readings[1:] if hidden_of[r] == hidden_of[readings[0]])
-    if router != "route":
+    if router not in ("route", "gate_call", "router_call"):  # those two: once their call is read (swap_block)
         _check_no_other_state(block, group, plan.router_module)
     return plan
 
@@ -294,19 +298,20 @@ def _shared_modules(block: nn.Module) -> tuple[str | None, str | None]:
     return shared, gate if shared is not None else None
 
 
-def _check_no_other_state(block: nn.Module, group: ExpertGroup, router: str) -> None:
+def _check_no_other_state(block: nn.Module, group: ExpertGroup, router: str, read: tuple[str, ...] = ()) -> None:
     """A block routed by ``gate`` must hold no tensor besides the gate's, the experts' and the shared experts': the
     fused path reads no other, so any other (a selection bias, a load counter the forward updates) is routing or a
     side effect it would drop, whether or not a probe happens to show it (fuzzer finding: a selection bias of 0.1
     that changed no probe token's expert and one token of eight in the model). A gate module that routes itself
     reads its own tensors (DeepSeek-V3's selection bias lives on its ``Gate``, Step3p7's on its router); ``router``
-    is the routing module's name (``gate`` or ``router``)."""
+    is the routing module's name (``gate`` or ``router``); ``read``: the block's tensors the fused path reads or
+    writes as the block does (passed to its routing module, counters: NOTE [recorded router call])."""
     experts = next((name for name, m in block.named_modules() if m is group.module), None)
     owners = (router + ".", *(n + "." for n in _shared_modules(block) if n)) + ((experts + ".",) if experts else ())
     # stacked weights on the block itself (its own rank-3 parameters) are the experts'
     own = {lin.path for lin in group.linears} if group.module is block else set()
     other = [n for n, _ in (*block.named_parameters(), *block.named_buffers())
-             if not n.startswith(owners) and n not in own]
+             if not n.startswith(owners) and n not in own and n not in read]
     if other:
         raise NotSwappable("block_state_unused", f"the block holds {', '.join(other[:4])}"
                                                  f"{' ...' if len(other) > 4 else ''}, which the fused path (gate, "
@@ -366,11 +371,12 @@ def _set_candidate(plan: _Plan, candidate: dict[str, Any]) -> None:
 
 
 
-def _set_routing_form(block: nn.Module, plan: _Plan, x_TH: Tensor) -> None:
-    """``plan.routing_form`` from what the block's routing module returns on the probe's tokens (a copy: DBRX's router
+def _set_routing_form(block: nn.Module, plan: _Plan, x: Tensor) -> None:
+    """``plan.routing_form`` from what the block's routing module returns on the probe ``x`` (a copy: DBRX's router
     scales its input in place when it jitters)."""
+    x_TH = x.reshape(-1, x.shape[-1])
     if plan.router in ("gate_call", "router_call"):
-        out = getattr(block, plan.router_module)(x_TH.clone())
+        out = call_router(block, plan.router_module, plan.call, x_TH.clone(), x.clone())
     elif plan.router == "router_route":
         out = block.route_tokens_to_experts(block.router(x_TH.clone()))
     else:
@@ -379,7 +385,7 @@ def _set_routing_form(block: nn.Module, plan: _Plan, x_TH: Tensor) -> None:
 
 
 def _check_dense(block: nn.Module, plan: _Plan, projections: Callable[[], tuple[tuple[Projection, ...], Projection]],
-                 x_TH: Tensor) -> None:
+                 x: Tensor) -> None:
     """What NOTE [dense experts] needs beyond the probe: no expert bias, and every score outside the top-k exactly 0.
 
     NOTE [dense experts]: Llama4TextMoe runs every token through every expert, its input scaled by the expert's
@@ -399,9 +405,9 @@ def _check_dense(block: nn.Module, plan: _Plan, projections: Callable[[], tuple[
         raise NotSwappable("dense_experts_biased", "the block runs every expert on every token, scaled by its score: "
                                                    "a biased expert adds its bias where its score is 0, so dropping "
                                                    "it is not exact")
-    out = getattr(block, plan.router_module)(x_TH.clone())
+    out = call_router(block, plan.router_module, plan.call, x.reshape(-1, x.shape[-1]).clone(), x.clone())
     ids_TK, _, _ = _routing_of(out, plan)
-    rest = out[0].scatter(1, ids_TK, 0)
+    rest = out[0].reshape(ids_TK.shape[0], -1).scatter(1, ids_TK, 0)
     if bool((rest != 0).any()):
         raise NotSwappable("dense_scores_not_topk", f"the router's scores are not exactly 0 outside the top-"
                                                     f"{plan.top_k} of its logits on a probe "
@@ -428,18 +434,22 @@ def swap_block(block: nn.Module, group: ExpertGroup, identity_experts: int = 0) 
             return tuple(projs[p] for p in plan.paths[:-1]), projs[plan.paths[-1]]
     hidden = _hidden_size(group, plan)
     was_training = [m.training for m in block.modules()]
-    block.eval()
-    try:
-        x = probe_input(block, hidden, weight.dtype, weight.device)
-        with torch.no_grad():
-            _set_routing_form(block, plan, x.reshape(-1, hidden))
-            if plan.routing_form == "dense":
-                _check_dense(block, plan, probe_projections, x.reshape(-1, hidden))
-            candidates = _ranked_candidates(block, plan, probe_projections, x)
-        _verify_first(block, plan, probe_projections, x, candidates)
-    finally:
-        for m, t in zip(block.modules(), was_training):
-            m.training = t
+    with kept_buffers(block):  # the probe's forwards update counters: each buffer is put back after it
+        block.eval()
+        try:
+            x = probe_input(block, hidden, weight.dtype, weight.device)
+            if plan.router in ("gate_call", "router_call"):
+                plan.call = record_router_call(block, plan.router_module, x)
+                _check_no_other_state(block, group, plan.router_module, plan.call.state)
+            with torch.no_grad():
+                _set_routing_form(block, plan, x)
+                if plan.routing_form == "dense":
+                    _check_dense(block, plan, probe_projections, x)
+                candidates = _ranked_candidates(block, plan, probe_projections, x)
+            _verify_first(block, plan, probe_projections, x, candidates)
+        finally:
+            for m, t in zip(block.modules(), was_training):
+                m.training = t
     # grouped first: nothing on the block changes unless the swap completes
     views = _GroupedViews(group.module, plan.paths, plan.gated) if group.kind == "module_list" else None
     block._moe_compile_original_forward = block.forward
@@ -454,6 +464,7 @@ def swap_block(block: nn.Module, group: ExpertGroup, identity_experts: int = 0) 
     extras = "".join([f", activation {plan.act_name}" if plan.act_name else "",
                       f", routed by {plan.router}" if plan.router != "gate_linear" else "",
                       f" ({plan.routing_form})" if plan.routing_form else "",
+                      f", called as {plan.router_module}{plan.call.describe()}" if plan.call != RouterCall() else "",
                       f", routed output x{plan.scale:g}" if plan.scale != 1.0 else "",
                       f", + {plan.identity_experts} identity experts" if plan.identity_experts else "",
                       f", + {plan.shared}" if plan.shared else "",

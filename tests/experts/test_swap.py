@@ -295,22 +295,24 @@ class _Gate3D(nn.Module):
     """A router written for ``[B, S, H]`` inputs only, returning ``(topk_idx, topk_weight)`` (DeepSeek-V2's ``MoEGate``
     unpacks ``bsz, seq_len, h = hidden_states.shape``)."""
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int) -> None:
+    def __init__(self, hidden: int, num_experts: int, top_k: int, max_len: int | None = None) -> None:
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.max_len = top_k, max_len
         self.weight = nn.Parameter(torch.randn(num_experts, hidden) * hidden**-0.5)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, s, h = x.shape
+        if self.training and self.max_len is not None and s > self.max_len:
+            raise ValueError(f"sequence of {s} tokens, longer than the {self.max_len} this gate was trained for")
         scores = torch.softmax(nn.functional.linear(x.reshape(b * s, h), self.weight), dim=-1)
         weight, idx = torch.topk(scores, self.top_k, dim=-1)
         return idx, weight
 
 
 class ThreeDRouterLoopMoE(LoopMoE):
-    def __init__(self) -> None:
+    def __init__(self, max_len: int | None = None) -> None:
         super().__init__(hidden=H)
-        self.gate = _Gate3D(H, self.num_experts, self.top_k)
+        self.gate = _Gate3D(H, self.num_experts, self.top_k, max_len)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         ids_TK, weights_TK = self.gate(hidden)
@@ -322,17 +324,29 @@ class ThreeDRouterLoopMoE(LoopMoE):
         return out_TH.reshape(hidden.shape)
 
 
-def test_block_whose_code_raises_on_the_probe_is_left_alone():
-    """The swap's probe calls the router on ``[T, H]`` tokens; a router that takes only ``[B, S, H]`` raises there.
-    That is the block's own code failing on a call it was not written for: the block is left as written
-    (``probe_failed``, naming the error), and ``moe_compile.compile`` no longer fails on it."""
+def test_router_taking_only_bsh_input_is_swapped():
+    """A router that takes only ``[B, S, H]`` is called with the block's input as the block calls it (NOTE [recorded
+    router call] (moe_compile/experts/_swap_router_call.py)): swapped, and the swapped block matches the original."""
     torch.manual_seed(torch.seed() % 2**31)
     block = ThreeDRouterLoopMoE()
+    reference = copy.deepcopy(block)
+    records = swap_expert_loops(block)
+    assert [r[1:3] for r in records] == [("rewrite", "expert_loop_swapped")], records
+    x = torch.randn(2, 7, H)
+    torch.testing.assert_close(block(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_block_whose_code_raises_on_the_probe_is_left_alone():
+    """A router that raises on the probe's ``[4, 64, H]`` in training (longer than it accepts) is the block's own code
+    failing on a call it was not written for: the block is left as written (``probe_failed``, naming the error),
+    and ``moe_compile.compile`` does not fail on it."""
+    torch.manual_seed(torch.seed() % 2**31)
+    block = ThreeDRouterLoopMoE(max_len=32)
     forward = block.forward
     records = swap_expert_loops(block)
     assert [r[1:3] for r in records] == [("skip", "probe_failed")], records
     assert "ValueError" in records[0][3] and block.forward == forward
-    fresh = ThreeDRouterLoopMoE()
+    fresh = ThreeDRouterLoopMoE(max_len=32)
     moe_compile.compile(fresh)  # the swap runs here: it used to raise the router's ValueError
     assert fresh.forward == ThreeDRouterLoopMoE.forward.__get__(fresh)
 

@@ -20,6 +20,7 @@ REWRITTEN = frozenset({
     "gptfast_conditional_feedforward", "hf_batched_mm_experts", "deepseek_v3_inference_bincount",
     "hf_deepseek_v3_noaux_tc", "dbrx_experts_glu_views", "olmoe_sparse_moe_block", "qwen2_moe_shared_expert_gate",
     "hf_grouped_mm_experts", "vllm_pallas_gmm", "megatron_permute_masked_select",
+    "deepseek_v2_train_repeat_interleave", "deepseek_v2_moe_infer_argsort", "torchtitan_for_loop_experts",
 })
 
 
