@@ -9,7 +9,7 @@ transformers is imported first, its ``"moe_compile"`` expert-parallel implementa
 import sys
 
 from moe_compile import metrics, ops
-from moe_compile.api import compile, explain
+from moe_compile.api import compile, explain, last_report
 from moe_compile.backend import moe_backend, register
 from moe_compile.config import MoECompileConfig
 from moe_compile.experts.expert_parallel import register_hf_expert_parallel
@@ -20,5 +20,5 @@ register()
 if "transformers" in sys.modules:  # DistributedConfig(ep_implementation="moe_compile") then names ours
     register_hf_expert_parallel()
 
-__all__ = ["MoECompileConfig", "Report", "compile", "explain", "metrics", "moe_backend", "ops", "quantize_experts",
-           "register_hf_expert_parallel"]
+__all__ = ["MoECompileConfig", "Report", "compile", "explain", "last_report", "metrics", "moe_backend", "ops",
+           "quantize_experts", "register_hf_expert_parallel"]

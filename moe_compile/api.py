@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import inspect
 import logging
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -91,6 +94,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
         **torch_compile_kwargs: ``mode``, ``options``, ``dynamic``, ``fullgraph``, ... as for
             ``torch.compile`` (``backend`` is set here and rejected).
 
+    What the passes did is kept for the model this returns: ``moe_compile.last_report()`` after a call gives the report
+    of every graph compiled for it so far, as ``explain`` would print it, without compiling again.
+
     Returns:
         For a module, the ``OptimizedModule`` from ``torch.compile`` whose ``forward`` runs under the
         capture flags (``compiled._orig_mod`` is ``model``); for a function, a wrapper of the compiled
@@ -107,7 +113,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
     check_compile_call({"passes": passes, **torch_compile_kwargs}, _keywords(), where="moe_compile.compile()")
     config = make_config(metrics=metrics, passes=passes or {}, debug=debug, strict=strict, deterministic=deterministic,
                          validate=validate, ep_capacity_factor=ep_capacity_factor)
-    backend = ConfiguredBackend(config)  # checks the pass names before the model is touched
+    compiled_report = report.Report()
+    backend = ConfiguredBackend(config, compiled_report)  # checks the pass names before the model is touched
+    _remember(model, compiled_report)
     swapped: list[Any] = []
     if isinstance(model, torch.nn.Module):
         unwrapped = unwrap_idle_kernel_wrappers(model)
@@ -124,6 +132,39 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if not (capture_host_syncs or swapped):
         return compiled
     return _wrap_calls(compiled, capture_host_syncs, swapped)
+
+
+# (a weak reference to the model or function, or None; its report): the most recent ``moe_compile.compile``
+_LATEST: tuple[Any, report.Report] | None = None
+
+
+def _remember(model: Any, compiled_report: report.Report) -> None:
+    global _LATEST
+    try:
+        ref = weakref.ref(model)
+    except TypeError:
+        ref = None
+    _LATEST = (ref, compiled_report)
+
+
+def last_report() -> report.Report:
+    """The report of the model (or function) most recently given to ``moe_compile.compile``: what each pass did in
+    every graph compiled for it so far (forward, backward, recompiles), with its experts layers accounted for as
+    ``explain`` does (a skip with its reason for each one no record accounts for). Nothing is compiled again: call
+    the compiled model first (and its backward, for the backward graph's records), then print this.
+
+    Unlike ``explain``, the caches stay on: a graph that Inductor's caches served ran no pass, and the report says it
+    is incomplete (:attr:`Report.cached_graphs`). Each call returns a new :class:`Report` (a copy); before any
+    ``moe_compile.compile`` call, or before the compiled model's first call, it has no records and 0 graphs.
+    """
+    if _LATEST is None:
+        return report.Report()
+    ref, compiled_report = _LATEST
+    rep = compiled_report.copy()
+    model = ref() if ref is not None else None
+    if isinstance(model, torch.nn.Module):
+        account_expert_layers(model, rep)
+    return rep
 
 
 @functools.cache
@@ -222,25 +263,42 @@ def _guard_on_data(exc: BaseException) -> GuardOnDataDependentSymNode | None:
 
 def explain(model: Any, *args: Any, backward: bool | None = None, compile_options: dict[str, Any] | None = None,
             **kwargs: Any) -> report.Report:
-    """Compile ``model`` with moe_compile, run it on ``args``/``kwargs``, and report what each pass did.
+    """Compile a copy of ``model`` with moe_compile, run it on ``args``/``kwargs``, and report what each pass did.
 
     Runs one forward (and one backward if the output requires grad, unless ``backward=False``) so that
-    both the forward and the joint graph are compiled. ``model`` is not modified (its ``.grad`` fields
-    are restored). Caches are bypassed, so every pass runs. Every experts layer of ``model`` that no record
-    accounts for gets a skip with its reason (``not_in_graph``, ``dispatch_form_unknown``).
+    both the forward and the joint graph are compiled. ``model`` is not modified: a module is explained on a deep
+    copy (``copy.deepcopy``: a second copy of its parameters in memory while explain runs), so its ``forward``, its
+    modules, its ``state_dict`` and its ``.grad`` fields are what they were; the expert-loop swap of
+    ``moe_compile.compile`` happens on the copy only. A module that cannot be deep-copied is explained in place, with
+    a warning saying so (its expert loops are then swapped as ``moe_compile.compile`` swaps them; ``.grad`` is
+    restored). Caches are bypassed, so every pass runs; Dynamo's caches are reset before and after
+    (``torch._dynamo.reset()``). ``moe_compile.last_report()`` is left as it was. Every experts layer of ``model``
+    that no record accounts for gets a skip with its reason (``not_in_graph``, ``dispatch_form_unknown``); no such
+    skip is given to a layer that a pass rewrote.
     ``compile_options`` are keywords of ``moe_compile.compile`` (``{"deterministic": True}``: what is left
     with the option on; :attr:`Report.nondeterministic` lists the sources per layer), checked before anything runs:
     an unknown keyword raises TypeError naming ``compile_options`` and the closest name.
-    Returns a :class:`Report`: ``print(report)`` shows a table, ``report.to_dict()`` a dict.
+    Returns a :class:`Report`: ``print(report)`` shows a table with a legend of its results, ``report.to_dict()`` a
+    dict. To see what an actual compile did without compiling twice, use ``moe_compile.last_report()`` instead.
     """
+    global _LATEST
     check_compile_call(compile_options or {}, _keywords(), where="explain(compile_options=...)")
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
     saved_grads = [p.grad for p in params]
-    for p in params:  # the backward below would add into the saved .grad tensors in place
-        p.grad = None
-    torch._dynamo.reset()
-    compiled = compile(model, **(compile_options or {}))
+    latest = _LATEST
+    target = model
     try:
+        for p in params:  # not copied, and the backward below would add into the saved .grad tensors in place
+            p.grad = None
+        if isinstance(model, torch.nn.Module):
+            try:
+                target = copy.deepcopy(model)
+            except Exception as exc:  # noqa: BLE001 - any model that cannot be copied is explained in place
+                warnings.warn(f"moe_compile.explain: the model could not be copied ({type(exc).__name__}: {exc}); "
+                              "explaining it in place, which swaps its expert loops as moe_compile.compile does",
+                              stacklevel=2)
+        torch._dynamo.reset()
+        compiled = compile(target, **(compile_options or {}))
         with report.collecting() as rep, torch._inductor.config.patch(force_disable_caches=True), \
                 warnings.catch_warnings():
             # the caches are off on purpose (every pass must run); PGO warns that it is off with them
@@ -255,22 +313,31 @@ def explain(model: Any, *args: Any, backward: bool | None = None, compile_option
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
+        _LATEST = latest
         torch._dynamo.reset()
         fallbacks.install()  # the reset cleared Dynamo's callbacks (NOTE [loud fallbacks] (moe_compile/fallbacks.py))
-    if isinstance(model, torch.nn.Module):
-        account_expert_layers(model, rep)
+    if isinstance(target, torch.nn.Module):
+        # the loop swaps of an earlier moe_compile.compile(model) are recorded on model; the copy's on target
+        own = report.module_records(target)
+        account_expert_layers(target, rep, [*[r for r in report.module_records(model) if r not in own], *own])
     return rep
 
 
-def account_expert_layers(model: torch.nn.Module, rep: report.Report) -> dict[str, str]:
-    """Put ``model``'s module-level records (``moe_compile.compile``'s loop swaps) and a skip for every experts
-    layer no record accounts for (:func:`_unaccounted_expert_layers`) into ``rep``, as ``explain`` does; returns
-    each experts layer's outcome: ``"rewritten"``, or its skip and error tags (``"not_in_graph"``, ...) joined by
-    ``", "``."""
-    rep.records[:0] = report.module_records(model)
+def account_expert_layers(model: torch.nn.Module, rep: report.Report,
+                          module_records: list[report.PassRecord] | None = None) -> dict[str, str]:
+    """Put ``model``'s module-level records (``moe_compile.compile``'s loop swaps, or ``module_records``), the model's
+    experts layers (:attr:`Report.expert_layers`) and a skip for every experts layer no record accounts for
+    (:func:`_unaccounted_expert_layers`) into ``rep``, as ``explain`` does; a record made outside any module
+    (``<graph>``) in a graph that holds one experts layer is named by that layer first (:func:`_name_unnamed`).
+    Returns each experts layer's outcome: ``"rewritten"``, or its skip and error tags (``"not_in_graph"``, ...) joined
+    by ``", "``."""
+    layers = find_expert_layers(model)
+    rep.records[:0] = report.module_records(model) if module_records is None else module_records
+    rep.expert_layers = [layer.name for layer in layers]
+    _name_unnamed(layers, rep)
     rep.records += _unaccounted_expert_layers(model, rep)
     outcomes = {}
-    for layer in find_expert_layers(model):
+    for layer in layers:
         mine = [r for r in rep.records if _same_module(layer.name, r.layer)]
         if any(r.kind == "rewrite" and r.moe for r in mine):
             outcomes[layer.name] = "rewritten"
@@ -279,10 +346,27 @@ def account_expert_layers(model: torch.nn.Module, rep: report.Report) -> dict[st
     return outcomes
 
 
+def _name_unnamed(layers: list[Any], rep: report.Report) -> None:
+    """Name by its experts layer each MoE rewrite, ``unchecked`` or skip recorded at ``<graph>`` in a compiled graph
+    (``PassRecord.graph``) that holds exactly one experts layer of the model. Its nodes carry no module path: an MoE
+    block compiled as the model itself (Dynamo's frame), whose routing and dispatch are its own code, in no
+    submodule; only its experts (``experts.0.up``, ...) carry one. With several experts layers in the graph the record
+    stays ``<graph>``."""
+    for i, r in enumerate(rep.records):
+        if r.layer != "<graph>" or not r.graph or r.kind not in ("rewrite", "unchecked", "skip") \
+                or (r.kind == "rewrite" and not r.moe):
+            continue
+        seen = rep.compile_layers.get(r.graph, set())
+        hits = [layer.name for layer in layers if any(_inside(layer.name, path) for path in seen)]
+        if len(hits) == 1:
+            rep.records[i] = dataclasses.replace(r, layer=hits[0])
+
+
 def _unaccounted_expert_layers(model: torch.nn.Module, rep: report.Report) -> list[report.PassRecord]:
     """A skip for every experts layer of ``model`` (``find_expert_layers``) that no rewrite, skip or error accounts
-    for: ``not_in_graph`` when no compiled graph contained it, else ``dispatch_form_unknown`` (no pass recognised
-    its dispatch); the detail says what the layer looks like."""
+    for (at its path, inside it or around it: :func:`_same_module`): ``not_in_graph`` when no compiled graph
+    contained it, else ``dispatch_form_unknown`` (no pass recognised its dispatch); the detail says what the layer
+    looks like."""
     accounted = {r.layer for r in rep.records if r.kind in ("skip", "error") or (r.kind == "rewrite" and r.moe)}
     # the swap names the model itself "<root>" (a block that is the whole model): swapped, it holds every layer
     root = any(r.pass_name == "swap_expert_loops" and r.layer == "<root>" and r.kind == "rewrite" for r in rep.records)
@@ -302,23 +386,6 @@ def _unaccounted_expert_layers(model: torch.nn.Module, rep: report.Report) -> li
     return records
 
 
-def _inside(name: str, layer: str) -> bool:
-    """Whether record path ``layer`` is module ``name`` or inside it (paths relative as in :func:`_same_module`)."""
-    return any(path == layer or layer.startswith(path + ".") for path in _suffixes(name))
-
-
-def _same_module(name: str, layer: str) -> bool:
-    """Whether record path ``layer`` is module ``name``, inside it or around it. Record paths are relative to
-    the module whose ``forward`` Dynamo compiled as a frame: transformers' ``*ForCausalLM`` compiles
-    ``model.model``'s forward on its own, so ``model.layers.0.mlp.experts`` is recorded as
-    ``layers.0.mlp.experts``."""
-    return any(
-        path == layer or layer.startswith(path + ".") or path.startswith(layer + ".")
-        for path in _suffixes(name)
-    )
-
-
-def _suffixes(name: str) -> list[str]:
-    """``"a.b.c"`` -> ``["a.b.c", "b.c", "c"]``."""
-    parts = name.split(".")
-    return [".".join(parts[i:]) for i in range(len(parts))]
+# record paths against module names (moe_compile/report.py, where the summary counts layers by them too)
+_inside = report.inside
+_same_module = report.same_module

@@ -273,9 +273,12 @@ _WHERE = f"torch.compile(..., backend={BACKEND_NAME!r})"
 class ConfiguredBackend:
     """A backend bound to a config (what :func:`moe_compile.compile` hands to ``torch.compile``)."""
 
-    def __init__(self, config: MoECompileConfig) -> None:
+    def __init__(self, config: MoECompileConfig, compiled_report: report.Report | None = None) -> None:
         check_pass_names(dict(config.passes))
         self.config = config
+        # every compile this backend is given records here too (``moe_compile.last_report()``; NOTE [reports of one
+        # compiled model] (moe_compile/report.py))
+        self.compiled_report = compiled_report
 
     def __call__(
         self,
@@ -286,6 +289,8 @@ class ConfiguredBackend:
     ) -> Any:
         check_options(options, mode, where="moe_compile.compile()", moe_keys=False)
         _, inductor_options = split_options(options)
+        if self.compiled_report is not None:
+            report.route_compile(self.compiled_report)
         return compile_with_config(gm, example_inputs, self.config, mode, inductor_options)
 
     def reset(self) -> None:

@@ -82,6 +82,18 @@ class Report:
     cached_graphs: int = 0
     # the module paths of the nodes of every graph the backend was given (explain: which layers a graph contained)
     graph_layers: set[str] = dataclasses.field(default_factory=set)
+    # the same per Dynamo compile (``PassRecord.graph``: "frame/attempt"), to attribute a record made outside any
+    # module (``<graph>``) to the one experts layer of its graph (:func:`moe_compile.api.account_expert_layers`)
+    compile_layers: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    # the model's experts layers (module paths), where the report knows the model (``explain``, ``last_report``):
+    # the summary counts MoE layers by them; empty: counted from the records' layers
+    expert_layers: list[str] = dataclasses.field(default_factory=list)
+
+    def copy(self) -> Report:
+        """A copy that later compiles do not change (taken under the store's lock)."""
+        with _LOCK:
+            return Report(list(self.records), self.graphs, self.cached_graphs, set(self.graph_layers),
+                          {k: set(v) for k, v in self.compile_layers.items()}, list(self.expert_layers))
 
     @property
     def rewrites(self) -> list[PassRecord]:
@@ -131,8 +143,30 @@ class Report:
         """No accumulating scatter or host sync is left in the compiled graphs outside the token embedding's
         backward (which lies outside any MoE layer; ``deterministic=True`` removes it too). Library kernels
         that are non-deterministic themselves are counted by :attr:`deterministic`, not here. Only the graphs
-        audited count: see :attr:`cached_graphs`."""
-        return not [r for r in self.left if "(embedding)" not in r.what and not r.what.startswith("nondeterministic:")]
+        audited count: see :attr:`cached_graphs`. ``left`` rows can remain when this is True (the embedding's
+        backward, a non-deterministic kernel): the table's summary says "clean" only when there is no ``left`` row,
+        else "MoE layers clean" and what is left outside them."""
+        return not self._unclean()
+
+    def _unclean(self) -> list[PassRecord]:
+        return [r for r in self.left if "(embedding)" not in r.what and not r.what.startswith("nondeterministic:")]
+
+    def moe_layers(self) -> list[str]:
+        """The MoE layers rewritten, each once, in natural order.
+
+        Where the model's experts layers are known (:attr:`expert_layers`: ``explain``, ``moe_compile.last_report()``),
+        each experts layer that a MoE rewrite names (at its path, inside it or around it: a rewrite recorded at
+        ``model.layers.0.mlp`` and the experts layer ``model.layers.0.mlp.experts`` are one MoE layer), then the
+        rewritten layers of no experts layer; those, and all of them where the experts layers are unknown, count once
+        per outermost path (``a.mlp`` and ``a.mlp.experts`` are one layer)."""
+        paths = sorted({r.layer for r in self.moe_rewrites}, key=_natural_key)
+        layers = [e for e in self.expert_layers if any(same_module(e, p) for p in paths)]
+        rest = [p for p in paths if not any(same_module(e, p) for e in self.expert_layers)]
+        merged: list[str] = []
+        for p in sorted(rest, key=lambda p: (p.count("."), _natural_key(p))):  # outermost first
+            if not any(same_module(q, p) for q in merged):
+                merged.append(p)
+        return sorted(layers + merged, key=_natural_key)
 
     @property
     def nondeterministic(self) -> list[PassRecord]:
@@ -189,8 +223,10 @@ class Report:
             ]
             for layer, entries in self.grouped().items()
         }
+        moe_layers = self.moe_layers()
         summary = {
-            "layers": len(layers),
+            # MoE layers: the model's experts layers where known (explain), else the MoE layers rewritten
+            "layers": len(self.expert_layers) if self.expert_layers else len(moe_layers),
             "rewrites": len(self.rewrites),
             "skips": len(self.skips),
             "errors": len(self.errors),
@@ -201,7 +237,7 @@ class Report:
             "clean": self.clean,
             "deterministic": self.deterministic,
             "other_rewrites": len(self.other_rewrites),
-            "rewritten_layers": sorted({r.layer for r in self.moe_rewrites}, key=_natural_key),
+            "rewritten_layers": moe_layers,
         }
         return {"graphs": self.graphs, "cached_graphs": self.cached_graphs, "summary": summary, "layers": layers,
                 "deterministic_by_graph": self.option_by_graph("deterministic")}
@@ -241,15 +277,16 @@ class Report:
             if detail:
                 out += textwrap.wrap(detail, width, initial_indent=indent + "  ", subsequent_indent=indent + "    ",
                                      break_on_hyphens=False)
-        n_layers, others = len({r.layer for r in self.moe_rewrites}), len(self.other_rewrites)
-        summary = (f"{self.graphs} graph(s) compiled; {n_layers} MoE layer(s) rewritten, "
+        out += self.legend(width)
+        n_layers, others = len(self.moe_layers()), len(self.other_rewrites)
+        of = f" of {len(self.expert_layers)}" if self.expert_layers else ""
+        summary = (f"{self.graphs} graph(s) compiled; {n_layers}{of} MoE layer(s) rewritten, "
                    + (f"{others} non-MoE rewrite(s), " if others else "")
                    + f"{len(self.skips)} skip(s), {len(self.errors)} error(s); "
                    + (f"validation: {len(self.validated)} rewrite(s) validated, {len(self.refused)} refused, "
                       f"{len(self.unchecked)} unchecked; " if self.validated or self.refused or self.unchecked
                       else "")
-                   + ("clean: no accumulating scatter or host sync left" if self.clean
-                      else f"{len(self.left)} accumulating scatter(s) / host sync(s) left (audit)")
+                   + self._audit_summary()
                    + ("; deterministic" if self.deterministic
                       else f"; {len(self.nondeterministic)} non-deterministic source(s) left")
                    + (self._cache_note() if self.cached_graphs else ""))
@@ -265,12 +302,67 @@ class Report:
                                              subsequent_indent="      ", break_on_hyphens=False)
         return "\n".join(out)
 
+    def legend(self, width: int = TABLE_WIDTH) -> list[str]:
+        """The legend of the ``result`` values the table shows (:data:`LEGEND`), wrapped to ``width``."""
+        kinds = {r.kind if r.kind != "rewrite" or r.moe else "non-MoE" for r in self.records}
+        shown = [f"{kind} = {LEGEND[kind]}" for kind in LEGEND if kind in kinds]
+        return textwrap.wrap("result: " + "; ".join(shown), width, subsequent_indent="  ") if shown else []
+
+    def _audit_summary(self) -> str:
+        """The summary's part on the ``left`` rows: "clean" only when the audit left nothing."""
+        if not self.left:
+            return "clean: nothing left (audit)"
+        unclean = self._unclean()
+        if unclean:
+            return f"not clean: {len(unclean)} accumulating scatter(s) / host sync(s) left (audit, `left` rows)"
+        embedding = sorted({r.layer for r in self.left if "(embedding)" in r.what}, key=_natural_key)
+        kernels = [r for r in self.left if "(embedding)" not in r.what]  # non-deterministic library kernels
+        parts = ([f"{len([r for r in self.left if '(embedding)' in r.what])} accumulate(s) in the embedding's backward "
+                  f"({', '.join(embedding)})"] if embedding else []) + \
+            ([f"{len(kernels)} non-deterministic kernel(s)"] if kernels else [])
+        return "MoE layers clean; left outside them: " + ", ".join(parts)
+
     def _cache_note(self) -> str:
         return (f"; {self.cached_graphs} from Inductor's caches, where passes did not run: this report is incomplete "
                 "(explain() bypasses the caches)")
 
     def __str__(self) -> str:
         return self.table()
+
+
+# The ``result`` column's values, as the table's legend (:meth:`Report.legend`) and docs/passes.md#explains-table
+# define them
+LEGEND = {
+    "rewrite": "a pass replaced the code (what: the chain matched)",
+    "non-MoE": "a rewrite outside the expert dispatch",
+    "skip": "a pass left it alone (what: the reason)",
+    "error": "a pass failed; the graph compiled without it",
+    "unchecked": "a rewrite kept without translation validation",
+    "left": "still in the compiled graph after every pass (audit: an accumulating scatter, a non-deterministic "
+            "kernel or a host sync)",
+}
+
+
+def _suffixes(name: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a.b.c", "b.c", "c"]``."""
+    parts = name.split(".")
+    return [".".join(parts[i:]) for i in range(len(parts))]
+
+
+def same_module(name: str, layer: str) -> bool:
+    """Whether record path ``layer`` is module ``name``, inside it or around it. Record paths are relative to
+    the module whose ``forward`` Dynamo compiled as a frame: transformers' ``*ForCausalLM`` compiles
+    ``model.model``'s forward on its own, so ``model.layers.0.mlp.experts`` is recorded as
+    ``layers.0.mlp.experts``."""
+    return any(
+        path == layer or layer.startswith(path + ".") or path.startswith(layer + ".")
+        for path in _suffixes(name)
+    )
+
+
+def inside(name: str, layer: str) -> bool:
+    """Whether record path ``layer`` is module ``name`` or inside it (paths relative as in :func:`same_module`)."""
+    return any(path == layer or layer.startswith(path + ".") for path in _suffixes(name))
 
 
 def _natural_key(text: str) -> list[Any]:
@@ -302,7 +394,9 @@ def short_chain(what: str) -> str:
 # whose records (the backward's audit among them) belong to the block that ran the step.
 _ACTIVE: list[Report] = []
 _LOCK = threading.Lock()
-# The report of the most recent compile, kept for debugging (``moe_compile.report.last_report()``).
+# Every compile's records since the process started, kept for debugging (``moe_compile.report.last_report()``; the
+# backend reads its counts). ``moe_compile.last_report()`` is another thing: the report of the most recently
+# ``moe_compile.compile``d model (NOTE [reports of one compiled model]).
 _LAST = Report()
 
 
@@ -324,18 +418,41 @@ def _compile_id() -> str:
     return str(compile_id) if compile_id is not None else ""
 
 
+# NOTE [reports of one compiled model]: ``moe_compile.compile`` gives its backend a report of its own
+# (``moe_compile.last_report()``). The backend routes each Dynamo compile it is given to that report by compile id
+# (:func:`route_compile`); every record, graph count and layer set of that compile id, the backward graph's that
+# AOTAutograd compiles later included (it runs under the same compile id), lands there as well as in ``_LAST`` and
+# the open ``collecting`` blocks.
+_ROUTES: "weakref.WeakValueDictionary[str, Report]" = weakref.WeakValueDictionary()
+
+
+def route_compile(rep: Report) -> None:
+    """Send what the current Dynamo compile records into ``rep`` too (NOTE [reports of one compiled model])."""
+    compile_id = _compile_id()
+    if compile_id:
+        with _LOCK:
+            _ROUTES[compile_id] = rep
+
+
+def _targets(compile_id: str) -> tuple[Report, ...]:
+    """``_LAST``, the open reports and the report the compile is routed to (once each); call under ``_LOCK``."""
+    reports = (_LAST, *_ACTIVE)
+    routed = _ROUTES.get(compile_id) if compile_id else None
+    return reports if routed is None or any(r is routed for r in reports) else (*reports, routed)
+
+
 def add(record: PassRecord) -> None:
     if not record.graph:
         record = dataclasses.replace(record, graph=_compile_id())
     with _LOCK:
-        _LAST.records.append(record)
-        for report in _ACTIVE:
+        for report in _targets(record.graph):
             report.records.append(record)
 
 
 def _count(field: str) -> None:
+    compile_id = _compile_id()
     with _LOCK:
-        for report in (_LAST, *_ACTIVE):
+        for report in _targets(compile_id):
             setattr(report, field, getattr(report, field) + 1)
 
 
@@ -344,10 +461,13 @@ def graph_compiled() -> None:
 
 
 def saw_layers(layers: set[str]) -> None:
-    """Note the module paths of a graph the backend was given (:attr:`Report.graph_layers`)."""
+    """Note the module paths of a graph the backend was given (:attr:`Report.graph_layers`, per compile in
+    :attr:`Report.compile_layers`)."""
+    compile_id = _compile_id()
     with _LOCK:
-        for report in (_LAST, *_ACTIVE):
+        for report in _targets(compile_id):
             report.graph_layers |= layers
+            report.compile_layers.setdefault(compile_id, set()).update(layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,8 +481,9 @@ class Mark:
 def mark() -> Mark:
     """The current length of every open report, so that the records of a compile attempt can be read
     (:func:`since`) or taken back (:func:`rollback`) when the backend compiles the graph again."""
+    compile_id = _compile_id()
     with _LOCK:
-        return Mark(tuple((r, len(r.records), r.graphs, r.cached_graphs) for r in (_LAST, *_ACTIVE)))
+        return Mark(tuple((r, len(r.records), r.graphs, r.cached_graphs) for r in _targets(compile_id)))
 
 
 def since(at: Mark) -> list[PassRecord]:
@@ -420,4 +541,6 @@ def module_records(model: Any) -> list[PassRecord]:
 
 
 def last_report() -> Report:
+    """Every compile's records in this process (the backend's counters); for the report of one compiled model see
+    ``moe_compile.last_report()``."""
     return _LAST

@@ -48,8 +48,11 @@ model.layers.0.mlp.experts  fuse_dispatch                rewrite     sort + gath
                               moe.grouped_mm (sync-free)
 model.layers.0.mlp.gate     deterministic_accumulate     non-MoE     scatter_add(accumulate) [aten.topk]
                               scatter (distinct indices, no accumulation)
-2 graph(s) compiled; 1 MoE layer(s) rewritten, 1 non-MoE rewrite(s), 1 skip(s), 0 error(s); clean: no accumulating
-  scatter or host sync left; 1 non-deterministic source(s) left""")
+result: rewrite = a pass replaced the code (what: the chain matched); non-MoE = a rewrite outside the expert dispatch;
+  skip = a pass left it alone (what: the reason); left = still in the compiled graph after every pass (audit: an
+  accumulating scatter, a non-deterministic kernel or a host sync)
+2 graph(s) compiled; 1 MoE layer(s) rewritten, 1 non-MoE rewrite(s), 1 skip(s), 0 error(s); MoE layers clean; left
+  outside them: 1 accumulate(s) in the embedding's backward (embed_tokens); 1 non-deterministic source(s) left""")
 
 
 def test_rewrites_that_are_not_moe_are_counted_apart():

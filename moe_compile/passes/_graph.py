@@ -346,10 +346,13 @@ _MODULES_RE = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]")
 
 
 def module_path(dynamo_path: str) -> str:
-    """``"L['self'].model.layers[0].mlp.experts"`` -> ``"model.layers.0.mlp.experts"``."""
+    """``"L['self'].model.layers[0].mlp.experts"`` -> ``"model.layers.0.mlp.experts"``; a module reached through a
+    bound method (``layers[0].self_attn.forward.__self__.q_proj``, a forward wrapped or swapped on the instance) is
+    named by its module path (``layers.0.self_attn.q_proj``)."""
     path = _MODULES_RE.sub(r".\1", dynamo_path)
     path = re.sub(r"^(L|G)\[['\"][^'\"]+['\"]\]\.?", "", path)
     path = _INDEX_RE.sub(r".\1", path)
+    path = re.sub(r"\.\w+\.__self__(?=\.|$)", "", "." + path)
     return path.strip(".") or "<root>"
 
 
