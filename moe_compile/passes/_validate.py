@@ -225,6 +225,19 @@ def _op_name(target: Any) -> str:
     return getattr(getattr(target, "_schema", None), "name", "")
 
 
+# ops with no float32 kernel on CUDA: the reference run takes them in the graph's own precision at once
+_NO_FP32_ON_CUDA = frozenset({
+    "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_cudnn_attention_backward",
+    "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_flash_attention_backward",
+    "aten::_grouped_mm"})
+
+
+def _no_raised_kernel(n: fx.Node) -> bool:
+    if n.op != "call_function" or (n.target is not torch._grouped_mm and _op_name(n.target) not in _NO_FP32_ON_CUDA):
+        return False
+    return any(isinstance(v := val(a), torch.Tensor) and v.is_cuda for a in n.all_input_nodes)
+
+
 class _Runner(fx.Interpreter):
     """Runs a graph on real tensors: mutated attributes cloned, and in a reference run every 16-bit dtype
     written in the graph raised to ``raise_to``."""
@@ -248,8 +261,10 @@ class _Runner(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "call_function" and _op_name(n.target) in HOST_OPS:
             return self._on_host(n)
-        if self.raise_to is not None and n.target is _TRITON_KERNEL:
-            return self._own_precision(n)  # a kernel traced for its dtypes: another would compile it again
+        if self.raise_to is not None and (n.target is _TRITON_KERNEL or _no_raised_kernel(n)):
+            # a kernel traced for its dtypes (another would compile again), or an op without a kernel in the raised
+            # precision on CUDA: trying it first costs a failed launch (cuDNN attention: ~0.8 s each, H100)
+            return self._own_precision(n)
         try:
             return super().run_node(n)
         except Exception:
