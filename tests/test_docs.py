@@ -133,14 +133,14 @@ def test_readme_example_uses_the_public_api():
     tree = ast.parse(code)
     used = {n.attr for n in ast.walk(tree)
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "moe_compile"}
-    assert used >= {"compile", "explain"}, used
+    assert used >= {"compile", "last_report"}, used
     assert used <= set(moe_compile.__all__), used - set(moe_compile.__all__)
 
 
 @pytest.mark.slow
 def test_readme_example_runs():
-    """The usage example runs as written (CPU, 1.5-3 min: two compiles of a tiny Mixtral) and explain shows both MoE
-    layers rewritten."""
+    """The usage example runs as written (CPU, 1-2 min: one compile of a tiny Mixtral) and ``last_report`` shows both
+    MoE layers rewritten."""
     pytest.importorskip("transformers")
     proc = subprocess.run([sys.executable, "-c", _readme_example()], capture_output=True, text=True, cwd=ROOT,
                           timeout=600)
