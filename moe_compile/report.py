@@ -279,8 +279,8 @@ class Report:
                                      break_on_hyphens=False)
         out += self.legend(width)
         n_layers, others = len(self.moe_layers()), len(self.other_rewrites)
-        of = f" of {len(self.expert_layers)}" if self.expert_layers else ""
-        summary = (f"{self.graphs} graph(s) compiled; {n_layers}{of} MoE layer(s) rewritten, "
+        of = f" (of {len(self.expert_layers)} in the model)" if self.expert_layers else ""
+        summary = (f"{self.graphs} graph(s) compiled; {n_layers} MoE layer(s) rewritten{of}, "
                    + (f"{others} non-MoE rewrite(s), " if others else "")
                    + f"{len(self.skips)} skip(s), {len(self.errors)} error(s); "
                    + (f"validation: {len(self.validated)} rewrite(s) validated, {len(self.refused)} refused, "

@@ -234,6 +234,9 @@ def test_explain_gives_dbrx_experts_the_swap():
     assert (swap.layer, swap.kind, swap.what) == ("transformer.blocks.0.ffn", "rewrite", "expert_loop_swapped")
     assert swap.detail.startswith("flat experts (4, gated w1/v1/w2)"), swap.detail
     assert not [r for r in rep.records if r.layer == experts and r.kind == "skip"], rep.table()
+    # explain swapped a copy; moe_compile.compile swaps the model itself and keeps the records on it
+    assert account_expert_layers(model, moe_compile.Report()) == {experts: "not_in_graph"}
+    moe_compile.compile(model)
     assert account_expert_layers(model, moe_compile.Report()) == {experts: "rewritten"}
 
 

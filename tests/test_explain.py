@@ -65,7 +65,7 @@ def test_block_compiled_as_the_model_is_named_and_not_contradicted():
     assert {r.layer for r in rep.moe_rewrites} == {"experts"}, rep.table()
     _no_contradiction(rep, ["experts"])
     assert rep.moe_layers() == ["experts"] and rep.to_dict()["summary"]["layers"] == 1, rep.table()
-    assert "1 of 1 MoE layer(s) rewritten" in " ".join(rep.table().split()), rep.table()
+    assert "1 MoE layer(s) rewritten (of 1 in the model)" in " ".join(rep.table().split()), rep.table()
 
 
 def test_layers_named_by_module_path_and_counted_once():
@@ -81,7 +81,7 @@ def test_layers_named_by_module_path_and_counted_once():
     _no_contradiction(rep, names)
     assert rep.moe_layers() == names and rep.to_dict()["summary"]["layers"] == 2, rep.table()
     table = " ".join(rep.table().split())
-    assert "2 of 2 MoE layer(s) rewritten" in table and "result: rewrite = " in table, rep.table()
+    assert "2 MoE layer(s) rewritten (of 2 in the model)" in table and "result: rewrite = " in table, rep.table()
 
 
 def test_explain_leaves_the_model_untouched():
