@@ -56,7 +56,9 @@ says why (``probe_mismatch``, ``probe_grad_mismatch``, ``probe_failed``, ``no_ro
 ``dense_scores_not_topk``, ...). A probe cannot prove that a block computes what the fused path computes; it
 finds the differences the fuzzer found (``tests/fuzz``): a custom backward, an output only in training, a selection
 bias that changes some tokens' experts. A block routed by ``gate`` that holds any other tensor (a selection bias, a
-counter) is not probed at all (``block_state_unused``): a probe can miss the few tokens such a tensor moves.
+counter) is not probed at all (``block_state_unused``): a probe can miss the few tokens such a tensor moves; a
+routing module the block passes such a tensor to (torchtitan's expert bias), or whose counts the block adds to it, is
+called as the block calls it (NOTE [recorded router call] (moe_compile/experts/_swap_router_call.py)).
 
 NOTE [grouped views]: ``nn.ModuleList`` experts keep their per-expert ``nn.Parameter`` objects (same identity, so
 optimizers and their state stay valid; same ``state_dict`` keys and values). Each projection's weights are copied
