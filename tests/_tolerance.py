@@ -34,7 +34,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from moe_compile.passes._validate import relative_noise
+from moe_compile.passes._judge import relative_noise
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -259,7 +259,7 @@ def eager_bound_errors(compiled: Step, eager: Step, ref: Step, inductor: Step | 
 
     ``few_samples`` names tensors whose eager error is one draw of a few roundings (every gradient of a one-token
     step is a product of one row's values): as in translation validation (``SMALL_TENSOR``,
-    :func:`moe_compile.passes._validate.relative_noise`), eager's error counted for them is at least the step's
+    :func:`moe_compile.passes._judge.relative_noise`), eager's error counted for them is at least the step's
     noise (eager's largest relative error over its tensors of at least ``SMALL_TENSOR`` elements) times their
     magnitude. A wrong expert or a dropped term is off by its own magnitude, far past it.
 

@@ -25,7 +25,7 @@ import torch
 
 from moe_compile import report as report_mod
 from moe_compile.config import MoECompileConfig
-from moe_compile.passes._validate import judge
+from moe_compile.passes._judge import judge
 from tests import _tolerance as tol
 
 

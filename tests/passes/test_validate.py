@@ -27,7 +27,8 @@ from moe_compile.backend import ConfiguredBackend
 from moe_compile.config import make_config
 from moe_compile.passes import PASSES, PassContext, StagePass
 from moe_compile.passes._graph import tensor_val
-from moe_compile.passes._validate import judge, mutated_sources
+from moe_compile.passes._judge import judge
+from moe_compile.passes._validate import mutated_sources
 from tests import _tolerance as tol
 from tests.passes._harness import assert_matches_eager, compile_and_run, layer_k_dims
 
