@@ -25,7 +25,12 @@ Semantics of a :class:`Report`, per layer (module path from ``nn_module_stack``,
 * ``explain`` also gives every experts layer of the model that no record accounts for a skip: ``not_in_graph``
   (no compiled graph contained it: e.g. an eager experts loop, which Dynamo never captures) or
   ``dispatch_form_unknown`` (in a graph, no pass recognised its dispatch); :attr:`Report.graph_layers` says
-  which layers the graphs contained.
+  which layers the graphs contained. A layer that a MoE rewrite names (at its path, inside it or around it:
+  :func:`same_module`) gets no such skip, and :meth:`Report.moe_layers` counts it once.
+
+The table ends with a legend of the results it shows (:data:`LEGEND`) and a summary that says "clean" only when
+nothing is ``left`` (docs/passes.md, "Reading explain's table"). ``moe_compile.last_report()`` gives the same report
+for the graphs of the model last given to ``moe_compile.compile`` (NOTE [reports of one compiled model]).
 
 The same record can appear once per compiled graph (recompiles, forward and backward graphs);
 :meth:`Report.table` and :meth:`Report.to_dict` show it once with a count, ``records`` keeps them all.
