@@ -116,6 +116,7 @@ def test_explain_leaves_the_model_untouched():
     assert all(p.grad is None for n, p in model.named_parameters() if n != "embed.weight")
 
 
+@pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")  # the caches are off on purpose: every pass runs
 def test_last_report_gives_one_compile_without_a_second(monkeypatch):
     """``moe_compile.last_report()`` after one compiled step: the rewrites of both MoE layers, with no second compile
     (the backend is called once per Dynamo graph, and the report counts one graph)."""
