@@ -276,8 +276,8 @@ class ConfiguredBackend:
     def __init__(self, config: MoECompileConfig, compiled_report: report.Report | None = None) -> None:
         check_pass_names(dict(config.passes))
         self.config = config
-        # every compile this backend is given records here too (``moe_compile.last_report()``; NOTE [reports of one
-        # compiled model] (moe_compile/report.py))
+        # every compile this backend is given records here too (``moe_compile.last_report()``;
+        # NOTE [reports of one compiled model] (moe_compile/report.py))
         self.compiled_report = compiled_report
 
     def __call__(

@@ -17,8 +17,9 @@ training mode, and the call it makes is read back (:func:`record_router_call`):
   buffer written otherwise (or in one mode only) is refused (``block_state_written``): dropping it would be silent.
 
 The ids and weights then come from the block's own routing code, so such state is used exactly as the block uses it;
-the probe still has to match the block's own outputs and gradients (NOTE [probe before swap]
-(moe_compile/experts/swap.py)). The probe's calls leave every buffer as it found it (:func:`kept_buffers`).
+the probe still has to match the block's own outputs and gradients
+(NOTE [probe before swap] (moe_compile/experts/swap.py)). The probe's calls leave every buffer as it found it
+(:func:`kept_buffers`).
 """
 
 from __future__ import annotations

@@ -135,7 +135,8 @@ class _Plan:
     # router(x) routes | router_route: block.route_tokens_to_experts(router(x))
     router: str = "gate_linear"
     routing_form: str = ""  # what a routing module returns (_routing_form): pair | triple | dense
-    # how the block calls a gate_call / router_call module: NOTE [recorded router call] (_swap_router_call.py)
+    # how the block calls a gate_call / router_call module:
+    # NOTE [recorded router call] (moe_compile/experts/_swap_router_call.py)
     call: RouterCall = dataclasses.field(default_factory=RouterCall)
     weights_before: bool = False
     # a gate_linear router's weights: softmax -> topk ("softmax_topk"), then renormalised ("softmax_topk_renorm"),
@@ -307,7 +308,8 @@ def _check_no_other_state(block: nn.Module, group: ExpertGroup, router: str, rea
     that changed no probe token's expert and one token of eight in the model). A gate module that routes itself
     reads its own tensors (DeepSeek-V3's selection bias lives on its ``Gate``, Step3p7's on its router); ``router``
     is the routing module's name (``gate`` or ``router``); ``read``: the block's tensors the fused path reads or
-    writes as the block does (passed to its routing module, counters: NOTE [recorded router call])."""
+    writes as the block does (passed to its routing module, counters:
+    NOTE [recorded router call] (moe_compile/experts/_swap_router_call.py))."""
     experts = next((name for name, m in block.named_modules() if m is group.module), None)
     owners = (router + ".", *(n + "." for n in _shared_modules(block) if n)) + ((experts + ".",) if experts else ())
     # stacked weights on the block itself (its own rank-3 parameters) are the experts'

@@ -325,8 +325,9 @@ class ThreeDRouterLoopMoE(LoopMoE):
 
 
 def test_router_taking_only_bsh_input_is_swapped():
-    """A router that takes only ``[B, S, H]`` is called with the block's input as the block calls it (NOTE [recorded
-    router call] (moe_compile/experts/_swap_router_call.py)): swapped, and the swapped block matches the original."""
+    """A router that takes only ``[B, S, H]`` is called with the block's input as the block calls it
+    (NOTE [recorded router call] (moe_compile/experts/_swap_router_call.py)): swapped, and the swapped block matches
+    the original."""
     torch.manual_seed(torch.seed() % 2**31)
     block = ThreeDRouterLoopMoE()
     reference = copy.deepcopy(block)
