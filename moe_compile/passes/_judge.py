@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -23,8 +23,9 @@ RMS_ROUNDING = 0.5
 _U_FP32 = torch.finfo(torch.float32).eps / 2
 
 
-class Outputs(Protocol):
-    """A run's outputs by name (``tensors``)."""
+@dataclasses.dataclass
+class Outputs:
+    """A run's outputs by name: forward outputs and, in a training graph, input gradients."""
 
     tensors: dict[str, Any]
 

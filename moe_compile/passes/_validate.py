@@ -60,8 +60,8 @@ import torch.fx as fx
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
-from moe_compile.passes._graph import val
-from moe_compile.passes._judge import LOW_PRECISION, Compared, Verdict, judge
+from moe_compile.passes._graph import op_name, val
+from moe_compile.passes._judge import LOW_PRECISION, Compared, Outputs, Verdict, judge
 
 # A float input whose magnitude passes this is an additive mask (finfo.min), not an activation: kept as it is.
 MASK_MAGNITUDE = 1e4
@@ -177,27 +177,22 @@ def _raise_dtype(x: Any, to: torch.dtype) -> Any:
 # tested against the references, bitwise), without compiling the Triton kernels of every shape and dtype a
 # validation run meets (most of validation's time on the GPU: benchmarks/results/validation_cost_cuda.json). Moves
 # of rows: a copy each way costs less than one kernel's compile.
-HOST_OPS = frozenset({"moe::permute_pad", "moe::permute_pad_backward", "moe::unpad_unpermute",
-                      "moe::unpad_unpermute_backward", "moe::segment_sum", "moe::gather_segment_sum",
-                      "moe::gather_rows"})
+# (names as passes/_graph.py's op_name spells them)
+HOST_OPS = frozenset({"moe.permute_pad", "moe.permute_pad_backward", "moe.unpad_unpermute",
+                      "moe.unpad_unpermute_backward", "moe.segment_sum", "moe.gather_segment_sum",
+                      "moe.gather_rows"})
 _TRITON_KERNEL = getattr(torch.ops.higher_order, "triton_kernel_wrapper_functional", None)
-
-
-def _op_name(target: Any) -> str:
-    return getattr(getattr(target, "_schema", None), "name", "")
-
 
 # ops with no float32 kernel on CUDA: the reference run takes them in the graph's own precision at once
 _NO_FP32_ON_CUDA = frozenset({
-    "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_cudnn_attention_backward",
-    "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_flash_attention_backward",
-    "aten::_grouped_mm"})
+    "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_cudnn_attention_backward",
+    "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_flash_attention_backward",
+    "aten._grouped_mm", "_grouped_mm"})
 
 
 def _no_raised_kernel(n: fx.Node) -> bool:
-    if n.op != "call_function" or (n.target is not torch._grouped_mm and _op_name(n.target) not in _NO_FP32_ON_CUDA):
-        return False
-    return any(isinstance(v := val(a), torch.Tensor) and v.is_cuda for a in n.all_input_nodes)
+    return op_name(n) in _NO_FP32_ON_CUDA and any(isinstance(v := val(a), torch.Tensor) and v.is_cuda
+                                                  for a in n.all_input_nodes)
 
 
 class _Runner(fx.Interpreter):
@@ -221,7 +216,7 @@ class _Runner(fx.Interpreter):
         return value
 
     def run_node(self, n: fx.Node) -> Any:
-        if n.op == "call_function" and _op_name(n.target) in HOST_OPS:
+        if op_name(n) in HOST_OPS:
             return self._on_host(n)
         if self.raise_to is not None and (n.target is _TRITON_KERNEL or _no_raised_kernel(n)):
             # a kernel traced for its dtypes (another would compile again), or an op without a kernel in the raised
@@ -332,13 +327,6 @@ def _from_meta(fake: Any, generator: torch.Generator, *, scale: float, bools: bo
     return torch.zeros(shape, dtype=fake.dtype, device=fake.device)
 
 
-@dataclasses.dataclass
-class _Outputs:
-    """A run's outputs by name: forward outputs and, in a pre-grad training graph, input gradients."""
-
-    tensors: dict[str, Any]
-
-
 class StageValidator:
     """Validates the rewrites of one stage of one graph against the graph as it was at the stage's start.
 
@@ -350,9 +338,9 @@ class StageValidator:
         self.training = training
         self._baseline: fx.Graph | None = None
         self._inputs: list[Any] | None = None
-        self._base: _Outputs | None = None
-        self._current: _Outputs | None = None  # the outputs of the graph as the last accepted pass left it
-        self._ref: _Outputs | None = None
+        self._base: Outputs | None = None
+        self._current: Outputs | None = None  # the outputs of the graph as the last accepted pass left it
+        self._ref: Outputs | None = None
         self._ref_error: str = ""
         self._cotangents: list[torch.Tensor] | None = None
         self._autograd = False
@@ -419,7 +407,7 @@ class StageValidator:
 
     # -- runs
 
-    def _run(self, graph: fx.Graph, raise_to: torch.dtype | None = None) -> _Outputs:
+    def _run(self, graph: fx.Graph, raise_to: torch.dtype | None = None) -> Outputs:
         # what the graph being run mutates is cloned: a rewrite can add a mutation the baseline does not have
         # (router_metrics' in-place accumulate into the process-wide metrics buffer)
         mutated = mutated_sources(graph)
@@ -437,7 +425,7 @@ class StageValidator:
             tensors = {f"output {i}": leaf for i, leaf in enumerate(leaves)}
             if self._autograd:
                 tensors.update(self._gradients(leaves, inputs, raise_to))
-        return _Outputs({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()})
+        return Outputs({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()})
 
     def _gradients(self, outs: list[Any], inputs: list[Any], raise_to: torch.dtype | None) -> dict[str, Any]:
         diff_outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -468,7 +456,7 @@ class StageValidator:
             raise Unavailable(f"the graph before the rewrite does not run on real inputs ({type(exc).__name__}: "
                               f"{_first_line(exc)})") from exc
 
-    def _reference(self) -> _Outputs | None:
+    def _reference(self) -> Outputs | None:
         if self._ref is None and not self._ref_error and self._baseline is not None:
             try:
                 self._ref = self._run(self._baseline, self._reference_dtype(self._baseline))

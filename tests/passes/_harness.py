@@ -25,7 +25,7 @@ import torch
 
 from moe_compile import report as report_mod
 from moe_compile.config import MoECompileConfig
-from moe_compile.passes._judge import judge
+from moe_compile.passes._judge import Outputs, judge
 from tests import _tolerance as tol
 
 
@@ -160,7 +160,7 @@ def assert_matches_eager(run: Run, fn: Any, args: Sequence[Any], kwargs: dict[st
     wide = wide_reference(fn, args, kwargs, train=train, loss_fn=loss_fn) if low else None
     if wide is not None:
         got = _named(outs, run.grads)
-        verdict = judge(got, _named(refs, ref_grads), lambda: _Tensors(_named(*wide)))
+        verdict = judge(got, _named(refs, ref_grads), lambda: Outputs(_named(*wide)))
         assert verdict.ok, f"compiled vs eager, judged against a {wide[0][0].dtype} run: {verdict}"
         return
     # no wider run (an op without a kernel in the wider dtype): the derived layer bound
@@ -171,11 +171,6 @@ def assert_matches_eager(run: Run, fn: Any, args: Sequence[Any], kwargs: dict[st
         if r is not None:
             tol.assert_layer_close(g, r, k_dims, tol_dtype or r.dtype, backward=True, rows=rows,
                                    what=f"grad {i} {tuple(r.shape)}")
-
-
-@dataclasses.dataclass
-class _Tensors:
-    tensors: dict[str, torch.Tensor]
 
 
 def _named(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> dict[str, torch.Tensor]:
