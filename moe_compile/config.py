@@ -113,8 +113,9 @@ _TABLE: tuple[Setting, ...] = (
          "eager launches of moe_compile's Triton kernels through a per-kernel cache of compiled launchers "
          "(ops/_eager_launch.py); 0 takes Triton's own launch path every time"),
     _env("grouped_gemm", str, None, "per call",
-         "triton or cutlass (quantised weights: the weight-only kernels) forces the expert GEMMs' implementation; "
-         "unset (or any other value): the measured table in ops/_expert_gemm_tuning.py"),
+         "triton or cutlass (quantised weights: the weight-only kernels) forces the expert GEMMs' implementation, "
+         "quack the QuACK expert MLP where it can run (ops/quack_gemm.py; triton / cutlass turn it off); "
+         "unset (or any other value): the measured tables in ops/_expert_gemm_tuning.py"),
     _env("tma", bool, True, "per call",
          "TMA loads in the Triton expert GEMMs for plain 16-bit weights on sm90+; 0 turns them off"),
     _env("hw_fp4", bool, False, "per call",

@@ -167,6 +167,11 @@ def fused_experts_forward(
     if glu is not None and not needs_grad and not weights_before and not has_bias and len(ups) == 1 \
             and not identity_experts:
         return _expert_gemm_mlp(x_TH, ids_TK, weights_TK, ups[0], down, num_experts, post, align, glu)
+    if glu == "swiglu" and not weights_before and not has_bias and len(ups) == 1 and not identity_experts \
+            and post is None and align == 1 and ups[0].w_ENK.is_contiguous() and down.w_ENK.is_contiguous() \
+            and _quack_mlp(ids_TK.numel(), down.w_ENK.shape[1], down.w_ENK.shape[2], num_experts, x_TH.dtype,
+                           x_TH.device.type, x_TH.device.index):
+        return _quack_expert_mlp(x_TH, ids_TK, weights_TK, ups[0], down, num_experts)
     probs = weights_TK if weights_before else None
     out = permute_pad(x_TH, ids_TK, probs, num_experts=num_experts + identity_experts, align=align)
     # the MLP experts' segments; identity experts' rows follow them (NOTE [identity experts])
@@ -202,6 +207,30 @@ def _expert_gemm_mlp(
     if post is not None:
         y_MH = post(y_MH)
     return unpad_unpermute(y_MH, out.row_map, None if weight_in_gemm else weights_TK).to(x_TH.dtype)
+
+
+@torch.compiler.assume_constant_result
+def _quack_mlp(rows: int, hidden: int, inter: int, experts: int, dtype: torch.dtype, device_type: str,
+               device_index: int | None) -> bool:
+    """NOTE [QuACK expert MLP] (moe_compile/ops/quack_gemm.py) applies (decided once per trace: constant to
+    Dynamo); ``quack`` is not imported unless installed."""
+    if device_type != "cuda":
+        return False
+    from moe_compile.ops import quack_gemm
+
+    return quack_gemm.quack_usable(rows, hidden, inter, experts, dtype, torch.device(device_type, device_index))
+
+
+def _quack_expert_mlp(x_TH: Tensor, ids_TK: Tensor, weights_TK: Tensor, gate_up: Projection, down: Projection,
+                      num_experts: int) -> Tensor:
+    """The SwiGLU MLP on QuACK: the routing index from ``permute_pad`` (over a narrow dummy row: the GEMM
+    gathers the tokens itself), then NOTE [QuACK expert MLP] and the weighted combine."""
+    from moe_compile.ops.quack_gemm import glu_expert_mlp
+
+    index = permute_pad(x_TH.new_zeros(x_TH.shape[0], 8), ids_TK, None, num_experts=num_experts, align=1)
+    y_MH = glu_expert_mlp(x_TH.contiguous(), index.row_map, index.offs_E, gate_up.w_ENK, down.w_ENK,
+                          index.rows_MH.shape[0])
+    return unpad_unpermute(y_MH, index.row_map, weights_TK).to(x_TH.dtype)
 
 
 # ===== transformers' experts interface =====

@@ -47,6 +47,38 @@ TRITON_ROWS_PER_EXPERT: dict[str, tuple[tuple[float, int, int], ...]] = {
 QUANT_FAMILY_ROWS_FROM: dict[str, int] = {"gated": 256}
 
 
+# NOTE [QuACK GEMM choice]: the GEMMs of NOTE [QuACK expert MLP] (moe_compile/ops/quack_gemm.py), per kind, where
+# QuACK's CuTe-DSL kernels run rather than ``torch._grouped_mm`` (CUTLASS): ``gated`` decides the whole QuACK MLP
+# (the gather-fused gate_up + SwiGLU has no CUTLASS twin in that layout, nor have ``up_dx`` / ``up_wgrad``);
+# ``down``, ``down_dx`` (with dSwiGLU fused) and ``down_wgrad`` pick per shape. Rows per expert (M / E) where QuACK
+# runs, keyed by the weight's size per expert (N * K), as TRITON_ROWS_PER_EXPERT; read from
+# ``bench_grouped_gemm.py --quack`` (benchmarks/results/quack_gemm.json).
+QUACK_ROWS_PER_EXPERT: dict[str, tuple[tuple[float, int, int], ...]] = {
+    "gated": ((float("inf"), 0, 1 << 30),),
+    "down": ((float("inf"), 0, 1 << 30),),
+    "down_dx": ((float("inf"), 0, 1 << 30),),
+    "down_wgrad": ((float("inf"), 0, 1 << 30),),
+}
+# QuACK's autotuner compiles and times every candidate config on first use (minutes per GEMM kind, and timing
+# inside a CUDA-graph capture or a compile breaks them): its default configs run instead.
+QUACK_TUNED = False
+
+
+def use_quack(kind: str, M: int, N: int, K: int, E: int) -> bool:
+    """Whether GEMM ``kind`` of the QuACK expert MLP runs on QuACK (NOTE [QuACK GEMM choice]);
+    ``MOE_COMPILE_GROUPED_GEMM=quack`` forces it, ``cutlass`` / ``triton`` turn the QuACK MLP off."""
+    if kind not in QUACK_ROWS_PER_EXPERT:
+        raise ValueError(f"kind={kind!r} is not one of {tuple(QUACK_ROWS_PER_EXPERT)}")
+    choice = env_setting("grouped_gemm")  # MOE_COMPILE_GROUPED_GEMM
+    if choice in ("triton", "cutlass", "quack"):
+        return choice == "quack"
+    rows = M / max(E, 1)
+    for max_weight, rows_from, rows_to in QUACK_ROWS_PER_EXPERT[kind]:
+        if N * K <= max_weight:
+            return rows_from <= rows <= rows_to
+    return False
+
+
 def use_triton_grouped_gemm(
     M: int, N: int, K: int, E: int, dtype: torch.dtype, device: torch.device, fmt: str = "plain", kind: str = "plain"
 ) -> bool:
