@@ -8,35 +8,11 @@ Runs on CPU by default and on CUDA where present (bf16 there, fp32 on CPU unless
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import moe_compile
-
-
-@contextlib.contextmanager
-def _quiet(*names: str):
-    """Raise the named loggers to ERROR inside the block."""
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
-# transformers imports torchao at import time when it is installed (its torchao quantizer); on a CPU machine
-# torchao then logs "Failed to load ... _C_mxfp8" and torch logs pytree deprecation warnings for torchao's
-# enums. This example uses no quantised weights (moe_compile imports torchao only in quantize_experts), so
-# those two loggers stay quiet while transformers loads.
-with _quiet("torchao", "torch.utils._pytree"):
-    import transformers.modeling_utils  # noqa: F401  (the module that pulls in torchao)
-    from transformers import AutoConfig, AutoModelForCausalLM
 
 TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

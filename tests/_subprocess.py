@@ -11,6 +11,10 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+# ``pip install -e ".[hf]"`` (the README's install) leaves torchao out; a ``None`` entry in ``sys.modules`` makes it
+# unimportable, and unavailable to transformers' ``find_spec`` check, in an environment that has it
+WITHOUT_TORCHAO = "import sys; sys.modules['torchao'] = None  # as the README's install leaves it\n"
+
 
 def run_python(body: str, env_update: dict[str, str | None] | None = None,
                timeout: float = 300) -> subprocess.CompletedProcess:

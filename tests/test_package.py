@@ -21,6 +21,7 @@ from moe_compile import config as config_mod
 from moe_compile import passes as passes_mod
 from moe_compile.backend import ConfiguredBackend
 from moe_compile.config import MoECompileConfig, make_config, split_options
+from tests._subprocess import WITHOUT_TORCHAO
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -314,3 +315,51 @@ def test_import_and_compile_without_torchao():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "torchao" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_torchao_is_only_the_quant_extra():
+    """torchao is no core dependency: transformers imports it whenever it is installed (its quantizer), and on a CPU
+    machine that logs "Failed to load ... _C_mxfp8" and torch's pytree deprecation warnings in every script that
+    builds a model. The ``quant`` extra has it, and the ``test`` extra pulls that in (the suite tests quantised
+    weights). The README's extras row names every extra."""
+    from packaging.requirements import Requirement
+
+    project = _pyproject()["project"]
+    assert all(Requirement(r).name != "torchao" for r in project["dependencies"]), project["dependencies"]
+    extras = project["optional-dependencies"]
+    assert [Requirement(r).name for r in extras["quant"]] == ["torchao"], extras["quant"]
+    assert "moe_compile[quant]" in extras["test"], extras["test"]
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| extras"))
+    assert all(f"`{name}`" in row for name in extras), (sorted(extras), row)
+
+
+def test_hf_model_and_moe_compile_are_quiet_without_torchao():
+    """What the README's install gives (transformers, no torchao): building a transformers MoE model and importing
+    moe_compile print nothing, and ``quantize_experts(model, "bf16")`` works without torchao."""
+    pytest.importorskip("transformers")
+    code = WITHOUT_TORCHAO + (
+        "from transformers import AutoConfig, AutoModelForCausalLM\n"
+        "import moe_compile\n"
+        "config = AutoConfig.for_model('mixtral', hidden_size=16, intermediate_size=32, num_hidden_layers=1,\n"
+        "                              num_attention_heads=2, num_key_value_heads=1, vocab_size=32,\n"
+        "                              num_local_experts=4, num_experts_per_tok=2)\n"
+        "model = AutoModelForCausalLM.from_config(config)\n"
+        "moe_compile.quantize_experts(model, 'bf16')\n"
+        "assert sys.modules['torchao'] is None\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == "" and proc.stderr == "", proc.stdout + proc.stderr
+
+
+def test_examples_do_not_hide_logs_or_warnings():
+    """The examples show what a user's script would print: no logger levels raised, no warnings filtered."""
+    hiding = re.compile(r"\.setLevel\(|filterwarnings|catch_warnings|simplefilter|logging\.disable")
+    found = [f"{p.name}: {m.group(0)}" for p in sorted((ROOT / "examples").glob("*.py"))
+             for m in hiding.finditer(p.read_text())]
+    assert not found, found
