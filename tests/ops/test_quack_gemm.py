@@ -93,6 +93,42 @@ def test_reference_mlp_matches_grouped_path(skew):
         assert_layer_close(got, want, [H, I], torch.float32, backward=what != "y", rows=T * K, what=what)
 
 
+def _cpu_op_args(store_preact=True):
+    T, H, I, E, K = 12, 16, 8, 4, 2  # noqa: E741
+    x, w_gu, w_dn, ids, _ = _mlp_inputs(T, H, I, E, K)
+    index = permute_pad(x, ids, None, num_experts=E)
+    src = source_rows(index.row_map, index.rows_MH.shape[0])
+    return x, src, index, w_gu, w_dn
+
+
+def test_opcheck():
+    """Fake impls, schemas and autograd registration of both ops (CPU: the reference GEMMs)."""
+    x, src, index, w_gu, w_dn = _cpu_op_args()
+    x.requires_grad_(True)
+    w_gu.requires_grad_(True)
+    torch.library.opcheck(torch.ops.moe.quack_glu_up.default, (x, src, index.row_map, index.offs_E, w_gu, True))
+    h, pre = torch.ops.moe.quack_glu_up(x.detach(), src, index.row_map, index.offs_E, w_gu.detach(), True)
+    torch.library.opcheck(torch.ops.moe.quack_glu_down.default,
+                          (h, pre.requires_grad_(True), index.offs_E, w_dn.requires_grad_(True)))
+
+
+def test_compiled_fullgraph_matches_eager():
+    """``glu_expert_mlp`` traced whole (``fullgraph=True``): same forward and gradients as eager."""
+    x, src, index, w_gu, w_dn = _cpu_op_args()
+
+    def mlp(x, w_gu, w_dn):
+        return qg.glu_expert_mlp(x, index.row_map, index.offs_E, w_gu, w_dn, index.rows_MH.shape[0])
+
+    results = []
+    for fn in (mlp, torch.compile(mlp, fullgraph=True)):
+        args = [t.clone().requires_grad_(True) for t in (x, w_gu, w_dn)]
+        y = fn(*args)
+        y.backward(torch.ones_like(y))
+        results.append([y.detach(), *(a.grad for a in args)])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 def test_cpu_fused_forward_never_takes_quack(monkeypatch):
     """Off CUDA ``fused_experts_forward`` keeps its path and never imports ``quack``."""
     import sys
