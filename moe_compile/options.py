@@ -35,17 +35,28 @@ _Passthrough: type[Exception] | None = getattr(dynamo_exc, "ShortenTraceback", N
 _BASES: tuple[type, ...] = (_Passthrough,) if _Passthrough is not None else ()
 
 
-class OptionError(*_BASES, ValueError):  # type: ignore[misc]
+class _NoDynamoFooter:
+    """Keeps torch's "Set TORCHDYNAMO_VERBOSE=1 ... if you're reporting a bug to PyTorch" footer and a "from user
+    code" stack off an option error raised in the backend: Dynamo adds both to any exception that has a
+    ``real_stack`` (torch._dynamo.exc.augment_exc_message), and its tracing context attaches one to every exception
+    that passes it. A bad option is the caller's argument, neither a bug nor a place in the traced code."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name != "real_stack":
+            super().__setattr__(name, value)
+
+
+class OptionError(_NoDynamoFooter, *_BASES, ValueError):  # type: ignore[misc]
     """An unknown option name or a bad value, raised where the option was given. Raised inside the backend (the
     first call of ``torch.compile(..., backend="moe_compile", options=...)``) it reaches the caller as it is:
-    Dynamo passes its ``ShortenTraceback`` through unwrapped."""
+    Dynamo passes its ``ShortenTraceback`` through unwrapped, and adds no footer (:class:`_NoDynamoFooter`)."""
 
     def __init__(self, message: str) -> None:
         Exception.__init__(self, message)
         self.first_useful_frame = None  # ShortenTraceback: keep the whole traceback
 
 
-class OptionTypeError(*_BASES, TypeError):  # type: ignore[misc]
+class OptionTypeError(_NoDynamoFooter, *_BASES, TypeError):  # type: ignore[misc]
     """An option value of the wrong type (see :class:`OptionError`)."""
 
     def __init__(self, message: str) -> None:
@@ -88,6 +99,13 @@ def check_options(options: Mapping[str, Any] | None, mode: str | None = None, *,
     ours = {key[len(OPTION_PREFIX):]: value for key, value in options.items()
             if isinstance(key, str) and key.startswith(OPTION_PREFIX)}
     if ours and not moe_keys:
+        for name in ours:
+            if name not in OPTIONS:  # not an option by any spelling: suggest the keyword it may have meant
+                raise OptionError(
+                    f"{where}: options= key {OPTION_PREFIX + name!r} is no moe_compile option"
+                    f"{did_you_mean(name, OPTIONS)} (moe_compile options are keywords of moe_compile.compile: "
+                    f"{', '.join(OPTIONS)})"
+                )
         keys = ", ".join(repr(OPTION_PREFIX + k) for k in ours)
         raise OptionError(f"{where}: options= key(s) {keys} are moe_compile options: pass them as keywords of "
                           f"moe_compile.compile ({', '.join(f'{k}=...' for k in ours)})")
