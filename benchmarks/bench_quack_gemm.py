@@ -82,11 +82,16 @@ def gemm_rows(s: Shape) -> list[dict]:
     }
     rows = []
     for kind, (quack, cutlass, to_cutlass) in cases.items():
-        got, want = quack(), cutlass()
-        got = to_cutlass(got) if to_cutlass is not None else got
-        bitwise = kind != "down_dx" and torch.equal(got, want)
-        rows.append(dict(part="gemm", model=s.name, T=s.T, kind=kind, quack_ms=round(_kernel_ms(quack), 4),
-                         grouped_mm_ms=round(_kernel_ms(cutlass), 4), bitwise=bitwise))
+        try:
+            got, want = quack(), cutlass()
+            got = to_cutlass(got) if to_cutlass is not None else got
+            bitwise = kind != "down_dx" and torch.equal(got, want)
+            rows.append(dict(part="gemm", model=s.name, T=s.T, kind=kind, quack_ms=round(_kernel_ms(quack), 4),
+                             grouped_mm_ms=round(_kernel_ms(cutlass), 4), bitwise=bitwise,
+                             attempt=qg._WORKING.get(kind, 0)))
+        except Exception as err:  # noqa: BLE001 - a kind QuACK refuses is a result too
+            rows.append(dict(part="gemm", model=s.name, T=s.T, kind=kind, quack_ms=None, grouped_mm_ms=None,
+                             bitwise=False, note=f"{type(err).__name__}: {str(err)[:200]}"))
     return rows
 
 
@@ -136,8 +141,14 @@ def block_rows(s: Shape, variants: tuple[str, ...], deadline: float) -> list[dic
             return [out.detach(), x.grad, *(p.grad for p in block.parameters() if p.grad is not None)]
 
         start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
+        try:
+            step()
+            torch.cuda.synchronize()
+        except Exception as err:  # noqa: BLE001 - a variant that fails is a result too
+            rows.append(dict(part="block", model=s.name, T=s.T, variant=variant,
+                             note=f"{type(err).__name__}: {str(err)[:300]}"))
+            print(rows[-1], flush=True)
+            continue
         compile_s = time.perf_counter() - start
         ms = _kernel_ms(step)
         torch.cuda.reset_peak_memory_stats()
@@ -191,8 +202,8 @@ def main() -> None:
     print(f"device={env['device']} torch={env['torch']} triton={env['triton']} quack={env['quack']}")
     for r in rows:
         if r["part"] == "gemm":
-            print(f"{r['model']:10} T{r['T']:<6} {r['kind']:11} quack {r['quack_ms']:.3f} ms  "
-                  f"grouped_mm {r['grouped_mm_ms']:.3f} ms  bitwise {r['bitwise']}")
+            print(f"{r['model']:10} T{r['T']:<6} {r['kind']:11} quack {r['quack_ms']} ms  "
+                  f"grouped_mm {r['grouped_mm_ms']} ms  bitwise {r['bitwise']} {r.get('note', '')}")
     for r in rows:
         if r["part"] == "block":
             print(f"{r['model']:10} T{r['T']:<6} {r['variant']:14} fwd+bwd kernel {r.get('fwd_bwd_kernel_ms', 'nan')} "

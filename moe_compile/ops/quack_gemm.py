@@ -134,6 +134,25 @@ def gated_reference(x_TH: Tensor, src_M: Tensor, offs_E: Tensor, w_ENH: Tensor) 
 
 # ===== the GEMMs (one function per kind; ``impl`` from _choice) =====
 
+# TODO(issue 53): probe scaffolding, removed once the first device run says which spelling QuACK 0.6.5 takes
+_WORKING: dict[str, int] = {}
+
+
+def _first_working(kind: str, *attempts):
+    """Run the first of ``attempts`` (callables) that QuACK accepts, remembering which one per kind."""
+    start = _WORKING.get(kind, 0)
+    for i in range(start, len(attempts)):
+        try:
+            out = attempts[i]()
+        except (AssertionError, NotImplementedError, ValueError, TypeError, RuntimeError) as err:
+            log.warning("QuACK %s: attempt %d failed (%s: %s)", kind, i, type(err).__name__, str(err)[:300])
+            continue
+        if _WORKING.get(kind) != i:
+            _WORKING[kind] = i
+            log.warning("QuACK %s runs attempt %d", kind, i)
+        return out
+    raise RuntimeError(f"QuACK {kind}: no attempt ran")
+
 
 def gated(x_TH: Tensor, src_M: Tensor, offs_E: Tensor, w_ENH: Tensor, store_preact: bool,
           impl: str) -> tuple[Tensor, Tensor]:
@@ -141,9 +160,15 @@ def gated(x_TH: Tensor, src_M: Tensor, offs_E: Tensor, w_ENH: Tensor, store_prea
     if impl == "reference":
         pre, h = gated_reference(x_TH, src_M, offs_E, w_ENH)
         return (pre if store_preact else pre[:0]), h
-    pre, h = _qi().gemm_gated(x_TH, w_ENH.mT, activation="swiglu", cu_seqlens_m=cu_seqlens(offs_E),
-                              A_idx=src_M.clamp_min(0), store_preact=store_preact, concat_layout=("B",),
-                              tuned=QUACK_TUNED)
+    cu, idx = cu_seqlens(offs_E), src_M.clamp_min(0)
+    pre, h = _first_working(
+        "gated",
+        lambda: _qi().gemm_gated(x_TH, w_ENH.mT, activation="swiglu", cu_seqlens_m=cu, A_idx=idx,
+                                 store_preact=store_preact, concat_layout=("B",), tuned=QUACK_TUNED),
+        lambda: _qi().gemm_gated(x_TH, w_ENH.unflatten(1, (2, -1)).transpose(1, 2).reshape(w_ENH.shape).mT,
+                                 activation="swiglu", cu_seqlens_m=cu, A_idx=idx, store_preact=store_preact,
+                                 tuned=QUACK_TUNED),
+    )
     return (pre if store_preact else x_TH.new_empty(0, w_ENH.shape[1])), h
 
 
@@ -185,7 +210,12 @@ def up_dx(dz_MN: Tensor, offs_E: Tensor, w_ENH: Tensor, impl: str) -> Tensor:
     """``dx_MH = dz @ w[e]`` (``dz`` interleaved, ``w`` gate-first: QuACK reads it through ``concat_layout``)."""
     if impl == "reference":
         return gmm.grouped_mm_reference(deinterleave(dz_MN), w_ENH.mT, offs_E)
-    return _qi().gemm(dz_MN, w_ENH, cu_seqlens_m=cu_seqlens(offs_E), concat_layout=("B",), tuned=QUACK_TUNED)
+    cu = cu_seqlens(offs_E)
+    return _first_working(
+        "up_dx",
+        lambda: _qi().gemm(dz_MN, w_ENH, cu_seqlens_m=cu, concat_layout=("B",), tuned=QUACK_TUNED),
+        lambda: _qi().gemm(deinterleave(dz_MN), w_ENH, cu_seqlens_m=cu, tuned=QUACK_TUNED),
+    )
 
 
 def up_wgrad(dz_MN: Tensor, x_TH: Tensor, src_M: Tensor, offs_E: Tensor, impl: str) -> Tensor:
@@ -195,8 +225,16 @@ def up_wgrad(dz_MN: Tensor, x_TH: Tensor, src_M: Tensor, offs_E: Tensor, impl: s
         return gmm.grouped_mm_wgrad_reference(deinterleave(dz_MN), gather_rows(x_TH, src_M), offs_E)
     E, N, H = offs_E.shape[0], dz_MN.shape[1], x_TH.shape[1]
     out = x_TH.new_empty(E, N, H)
-    _qi().gemm(x_TH.t(), dz_MN, out=out.mT, cu_seqlens_k=cu_seqlens(offs_E), A_idx=src_M.clamp_min(0),
-               concat_layout=("out",), tuned=QUACK_TUNED)
+    cu, idx = cu_seqlens(offs_E), src_M.clamp_min(0)
+    _first_working(
+        "up_wgrad",
+        lambda: _qi().gemm(x_TH.t(), dz_MN, out=out.mT, cu_seqlens_k=cu, A_idx=idx, concat_layout=("out",),
+                           tuned=QUACK_TUNED),
+        lambda: _qi().gemm(dz_MN.t(), x_TH.index_select(0, idx), out=out, cu_seqlens_k=cu, concat_layout=("out",),
+                           tuned=QUACK_TUNED),
+        lambda: _qi().gemm(deinterleave(dz_MN).t(), x_TH.index_select(0, idx), out=out, cu_seqlens_k=cu,
+                           tuned=QUACK_TUNED),
+    )
     return gmm.zero_empty_groups(out, offs_E)
 
 
