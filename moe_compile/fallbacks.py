@@ -146,7 +146,12 @@ def _warn(module: nn.Module | None, routes: bool, reason: str, stack: Sequence[t
     else:
         what = (f"Dynamo broke the graph of {owner}{layers} at {read}{where}: the code after it runs eagerly or in "
                 "other graphs, and moe_compile's passes do not see the expert dispatch whole")
-    warnings.warn(f"moe_compile: {what}; {FIX}", FallbackWarning, stacklevel=2)
+    message = f"moe_compile: {what}; {FIX}"
+    if site is not None and site.filename and site.lineno:
+        # shown at the host read, as Python shows a warning raised there (its file, line and code), not at this line
+        warnings.warn_explicit(message, FallbackWarning, site.filename, site.lineno)
+    else:
+        warnings.warn(message, FallbackWarning, stacklevel=2)
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

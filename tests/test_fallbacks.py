@@ -5,6 +5,7 @@ layer and models without experts do not warn."""
 
 from __future__ import annotations
 
+import linecache
 import warnings
 
 import pytest
@@ -98,6 +99,14 @@ def test_skipped_loop_layer_warns_once_with_the_fix():
     assert "LoopLayer" in message and "nonzero" in message and "skipped" in message, message
     assert "idx = torch.nonzero(top_ids == e)" in message and "test_fallbacks.py" in message, message
     assert "moe_compile.compile(model)" in message and "fullgraph=True" in message, message
+    _at_the_host_read(found[0])
+
+
+def _at_the_host_read(found: warnings.WarningMessage) -> None:
+    """The warning's location is the user's line with the host read (Python prints that line's code under it), not
+    moe_compile's own code."""
+    assert found.filename == __file__, found.filename
+    assert "torch.nonzero(top_ids == e)" in linecache.getline(found.filename, found.lineno), found.lineno
 
 
 def test_layer_compiled_in_pieces_warns_once():
@@ -107,6 +116,7 @@ def test_layer_compiled_in_pieces_warns_once():
     found = _calls(torch.compile(block, backend="moe_compile"), block, _tokens())
     assert len(found) == 1, [str(w.message) for w in found]
     assert "moe.experts" in str(found[0].message) and "nonzero" in str(found[0].message)
+    _at_the_host_read(found[0])
 
 
 def test_no_warning_under_moe_compile_compile():
@@ -141,3 +151,5 @@ def test_fresh_process_warns_without_any_setup():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("FallbackWarning") == 1, proc.stderr[-3000:]
     assert "Dynamo skipped the frame of LoopLayer" in proc.stderr
+    assert "moe_compile/fallbacks.py" not in proc.stderr, proc.stderr  # shown at the user's line, with its code
+    assert "test_fallbacks.py" in proc.stderr.split("FallbackWarning")[0], proc.stderr
