@@ -77,6 +77,10 @@ PASSES: tuple[PassEntry, ...] = (
     PassEntry("capacity_dispatch", "pre_grad", "moe_compile.passes.capacity_dispatch:run", default=True,
               doc="capacity-factor dispatch: einsums over a one-hot [T, E, C] dispatch tensor -> gathers of the "
                   "routed rows (linear in tokens)"),
+    PassEntry("sparse_contraction", "pre_grad", "moe_compile.passes.sparse_contraction:run", default=True,
+              doc="a contraction with a routing tensor of at most R non-zeros per token (any spelling: one-hots, "
+                  "scatters into zeros, masks and their products) -> topk of the non-zeros + gathers and fixed-order "
+                  "sums (linear in tokens)"),
     PassEntry("drop_and_pad", "pre_grad", "moe_compile.passes.drop_and_pad:run", default=True,
               doc="Megatron's drop-and-pad dispatch: gathers and a scatter_add_ combine at argsort slots -> "
                   "moe.gather_segment_sum gathers and a moe.segment_sum combine (fixed order, no atomics)"),
