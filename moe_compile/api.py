@@ -185,6 +185,11 @@ def prepare_expert_loops(model: torch.nn.Module, ep_capacity_factor: float | Non
     found += [("swap_expert_loops", *r) for r in swap_loops(model, ep_capacity_factor)]
     records = [report.PassRecord(name, "module", kind, layer, what, detail)
                for name, layer, kind, what, detail in found]
+    for r in records:  # as the graph passes log theirs (TORCH_LOGS="moe_compile"): what was swapped, what was declined
+        if r.kind == "rewrite":
+            log.info("[%s] %s: swapped (%s) %s", r.pass_name, r.layer, r.what, r.detail)
+        else:
+            log.info("[%s] %s: declined (%s) %s", r.pass_name, r.layer, r.what, r.detail)
     report.add_module_records(model, records)
     return records
 

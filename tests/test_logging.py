@@ -161,3 +161,19 @@ def test_torch_logs_naming_moe_compile_imports_it_quietly():
         assert _internal.log_registry.is_artifact("moe_graphs")
     """, {"TORCH_LOGS": "+moe_compile,moe_graphs"})
     assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == "", proc.stdout + proc.stderr
+
+
+def test_swap_logs_what_it_swapped_and_what_it_declined(caplog):
+    """``moe_compile.compile``'s module-level swap logs each block at INFO, as the graph passes log theirs: a swapped
+    loop, and a declined one with the swap's reason tag and what it found (a sigmoid router its probe does not
+    reproduce)."""
+    from tests.models.loop_models import SigmoidRoutedLoopMoE, make_loop_moe
+
+    model = nn.ModuleDict({"good": make_loop_moe(hidden=32), "odd": SigmoidRoutedLoopMoE(hidden=32)})
+    with caplog.at_level(logging.INFO, logger="moe_compile"):
+        records = moe_compile.api.prepare_expert_loops(model)
+    declined = next(r for r in records if r.kind == "skip")
+    lines = [r.getMessage() for r in caplog.records if r.name == "moe_compile.api"]
+    assert any(line.startswith("[swap_expert_loops] good: swapped (expert_loop_swapped)") for line in lines), lines
+    assert f"[swap_expert_loops] odd: declined ({declined.what}) {declined.detail}" in lines, lines
+    assert declined.what == "probe_mismatch" and declined.detail, declined
