@@ -1,5 +1,6 @@
 """The README and ``docs/`` against the code: generated tables as their functions give them, links and repository
-paths that exist, ``python -m`` commands whose modules import, and the README's usage example.
+paths that exist, ``python -m`` commands whose modules import, scripts they name that exist, and (``-m slow``) the
+README's usage example and the examples, run as a new user's install would run them.
 
 Where each check lives: the performance tables in ``tests/test_benchmarks.py``, the notes' pointers in
 ``tests/test_notes.py``, the README's test command against ``.ci/run`` and the options' rows against
@@ -119,6 +120,34 @@ def test_python_m_modules_exist(path):
     modules = set(re.findall(r"python3? -m ((?:tests|benchmarks|moe_compile)(?:\.\w+)+)", path.read_text()))
     missing = [m for m in sorted(modules) if importlib.util.find_spec(m) is None]
     assert not missing, f"{path.name}: python -m of modules that do not exist: {missing}"
+
+
+def _cited_scripts() -> list[str]:
+    """The scripts the README and docs tell a reader to run (``python3 examples/compile_moe_model.py``)."""
+    text = "".join(p.read_text() for p in DOCS)
+    return sorted(set(re.findall(r"python3? ((?:examples|benchmarks|tests)/[\w/.-]+\.py)", text)))
+
+
+def test_cited_scripts_exist():
+    scripts = _cited_scripts()
+    assert "examples/compile_moe_model.py" in scripts, scripts
+    missing = [s for s in scripts if not (ROOT / s).is_file()]
+    assert not missing, f"the docs tell readers to run scripts that do not exist: {missing}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+def test_examples_run_quietly(script):
+    """Each example runs as the docs say (``python3 examples/<script>``, CPU, ~40 s each) in what the README's install
+    gives (no torchao), succeeds (``compile_moe_model.py`` checks itself against eager), and prints nothing to
+    stderr."""
+    pytest.importorskip("transformers")
+    path = f"examples/{script}"
+    assert path in _cited_scripts(), f"{path} is not in the README or docs"
+    code = WITHOUT_TORCHAO + f"import runpy; sys.argv = [{path!r}]; runpy.run_path({path!r}, run_name='__main__')\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == "", proc.stderr[-3000:]
 
 
 def _readme_example() -> str:
