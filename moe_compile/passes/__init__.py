@@ -109,6 +109,10 @@ PASSES: tuple[PassEntry, ...] = (
     PassEntry("deterministic_accumulate", "joint", "moe_compile.passes.deterministic_accumulate:run", default=True,
               doc="scatter-adds into zeros: plain scatters for distinct (top-k/sort) indices, one-hot GEMMs "
                   "for per-expert gathers' backward (no atomics)"),
+    PassEntry("routed_accumulate", "joint", "moe_compile.passes.deterministic_scatter:run_routed", default=True,
+              doc="accumulating scatters at indices a routing choice made (topk / sort / argmax / nonzero among "
+                  "their producers: combines, capacity buffers, gathers' backward) -> moe.segment_sum (fixed order, "
+                  "no atomics), without deterministic=True"),
     PassEntry("deterministic_scatter", "joint", "moe_compile.passes.deterministic_scatter:run", default=True,
               requires=("deterministic",),
               doc="with deterministic=True: every accumulating scatter left (embedding backward included) -> "

@@ -84,6 +84,60 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             ctx.rewrite(layer, f"{op_name(node)} ({name})", detail, moe=False)  # deterministic=True: anywhere
 
 
+# NOTE [routed accumulations]: an accumulation at indices a routing decision chose (a ``topk`` / ``sort`` /
+# ``argmax`` / ``nonzero`` among the index's producers: a MoE combine ``index_add_``, a capacity buffer's
+# ``index_add_`` at expert slots, the backward of a gather of routed rows) is the dispatch moe_compile promises
+# without atomics, whatever its spelling: ``run_routed`` (pass ``routed_accumulate``, on by default) gives it the
+# same fixed-order ``moe.segment_sum`` that ``deterministic=True`` gives every accumulation. An index that comes
+# from the inputs alone (token ids: the embedding's backward) or from positions is no routing, and left to
+# ``deterministic=True``.
+ROUTING_CHOICES = frozenset({"aten.topk", "aten.sort", "aten.argsort", "aten.argmax", "aten.argmin", "aten.max",
+                             "aten.min", "aten.nonzero", "aten.kthvalue", "aten.multinomial"})
+_ROUTED_SEARCH = 4000  # producers looked at per index
+
+
+def routed(index: Any) -> bool:
+    """True when a routing choice (:data:`ROUTING_CHOICES`) is among the producers of ``index`` (a node or a list
+    of them)."""
+    seen, todo = set(), list(index) if isinstance(index, (list, tuple)) else [index]
+    while todo and len(seen) < _ROUTED_SEARCH:
+        node = todo.pop()
+        if not isinstance(node, fx.Node) or node in seen:
+            continue
+        seen.add(node)
+        if op_name(node) in ROUTING_CHOICES:
+            return True
+        todo.extend(a for a in node.all_input_nodes)
+    return False
+
+
+def _index_of(node: fx.Node) -> Any:
+    if node.target == aten._unsafe_masked_index_put_accumulate.default:
+        indices = arg(node, 2, "indices")
+    elif node.target in (aten.index_put.default, aten._unsafe_index_put.default):
+        indices = arg(node, 1, "indices")
+    elif node.target in (aten.index_add.default, aten.scatter_add.default):
+        return arg(node, 2, "index")
+    else:
+        return None
+    return list(indices) if isinstance(indices, (list, tuple)) else indices
+
+
+def run_routed(graph: fx.Graph, ctx: PassContext) -> None:
+    """Pass ``routed_accumulate``: the accumulations at routed indices (NOTE [routed accumulations]) ->
+    ``moe.segment_sum``, with or without ``deterministic=True``."""
+    for node in list(graph.nodes):
+        if not acc.order_dependent(node) or not routed(_index_of(node)):
+            continue
+        layer = layer_name(node)
+        try:
+            detail = rewrite_accumulation(graph, node)
+        except NoMatch as skip:
+            ctx.skip(layer, skip.reason, skip.detail)
+            continue
+        ctx.rewrite(layer, f"{op_name(node)} (routed accumulate)", detail)
+
+
 # ===== accumulating scatters -> moe.segment_sum =====
 
 
@@ -279,4 +333,5 @@ REWRITES: tuple[tuple[str, Callable[[fx.Node], bool], Callable[[fx.Graph, fx.Nod
     ("accumulate", acc.order_dependent, rewrite_accumulation),
 )
 
-__all__ = ["REPLACED_BY", "REWRITES", "Lowering", "rewrite_accumulation", "run"]
+__all__ = ["REPLACED_BY", "REWRITES", "ROUTING_CHOICES", "Lowering", "rewrite_accumulation", "routed", "run",
+           "run_routed"]

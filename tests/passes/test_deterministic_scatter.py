@@ -143,7 +143,7 @@ def test_option_off_leaves_the_graph_unchanged():
     gm = _traced(lambda g, i: torch.ops.aten.embedding_dense_backward(g, i, 12, -1, False), grad, ids)
     before = str(gm.graph)
     stage = StagePass("joint", make_config(passes={"deterministic_scatter": True, "deterministic_accumulate": False,
-                                                   "expert_choice": False}))
+                                                   "expert_choice": False, "routed_accumulate": False}))
     assert not stage.entries
     with report.collecting() as rep:
         stage(gm.graph)
@@ -189,3 +189,46 @@ def test_report_deterministic_and_explain_with_the_option():
     assert on.to_dict()["summary"]["deterministic"] is True
     on_text, off_text = (" ".join(r.table().split()) for r in (on, off))
     assert "; deterministic" in on_text and "1 non-deterministic source(s) left" in off_text
+
+
+class SlotBufferMoE(nn.Module):
+    """Tutel's fast dispatch written with ``index_add_``: each (token, choice) row added into a ``[E*C + 1, H]`` buffer
+    at slot ``e*C + position`` (the spare last row takes the choices past capacity), experts on the slots, the
+    tokens gathered back from them and summed: no pass reads this dispatch, but every index is a routing choice."""
+
+    def __init__(self, hidden=8, experts=4, capacity=5, seed=0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.E, self.C = experts, capacity
+        self.router = nn.Parameter(torch.randn(hidden, experts, generator=gen))
+        self.w = nn.Parameter(torch.randn(experts, hidden, hidden, generator=gen) / hidden ** 0.5)
+
+    def forward(self, x):
+        E, C = self.E, self.C
+        probs, ids = (x @ self.router).softmax(-1).topk(2, -1)
+        one_hot = torch.zeros(x.shape[0], 2, E).scatter_(2, ids.unsqueeze(-1), 1.0).reshape(-1, E)
+        position = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1).long()
+        slot = torch.where(position < C, ids.reshape(-1) * C + position, E * C)
+        rows = x.repeat_interleave(2, 0)
+        buffer = torch.zeros(E * C + 1, x.shape[1]).index_add_(0, slot, rows)
+        expert_out = torch.bmm(buffer[:-1].view(E, C, -1), self.w).reshape(E * C, -1)
+        expert_out = torch.cat([expert_out, expert_out.new_zeros(1, expert_out.shape[1])])
+        return (expert_out[slot].view(-1, 2, x.shape[1]) * probs.unsqueeze(-1)).sum(1)
+
+
+def test_routed_accumulations_lose_their_atomics_by_default():
+    """Pass ``routed_accumulate``, without ``deterministic=True``: the slot buffer's ``index_add_`` and the backward of
+    the gather from it become ``moe.segment_sum`` (MoE rewrites), the code keeps no accumulation, and the step matches
+    eager; an embedding's backward is no routing and stays
+    (NOTE [routed accumulations] (moe_compile/passes/deterministic_scatter.py))."""
+    seed = torch.seed() % 2**16
+    torch.manual_seed(seed)
+    x = torch.randn(12, 8, requires_grad=True)
+    run = check_rewrite(SlotBufferMoE(seed=seed), (x,), {}, backend=ConfiguredBackend(make_config()),
+                        code_checks=[no_accumulation])
+    routed = [r for r in run.report.rewrites if r.pass_name == "routed_accumulate"]
+    assert len(routed) >= 2 and all(r.moe for r in routed), run.report.table()
+    assert run.report.clean and run.report.deterministic, run.report.table()
+    ids = torch.randint(0, 40, (3, 7))
+    plain = compile_and_run(Embed(), (ids,), backend=ConfiguredBackend(make_config()), train=True)
+    assert not [r for r in plain.report.rewrites if r.pass_name == "routed_accumulate"]
