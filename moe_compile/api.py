@@ -155,14 +155,16 @@ def last_report() -> report.Report:
 
     Unlike ``explain``, the caches stay on: a graph that Inductor's caches served ran no pass, and the report says it
     is incomplete (:attr:`Report.cached_graphs`). Each call returns a new :class:`Report` (a copy); before any
-    ``moe_compile.compile`` call, or before the compiled model's first call, it has no records and 0 graphs.
+    ``moe_compile.compile`` call, or before the compiled model's first call, it has no records and 0 graphs (and
+    prints as such, with the hint to call the model first: torch.compile compiles at the first call), not a
+    ``not_in_graph`` skip for each experts layer, which would send the reader after a graph break.
     """
     if _LATEST is None:
         return report.Report()
     ref, compiled_report = _LATEST
     rep = compiled_report.copy()
     model = ref() if ref is not None else None
-    if isinstance(model, torch.nn.Module):
+    if isinstance(model, torch.nn.Module) and (rep.graphs or rep.cached_graphs):
         account_expert_layers(model, rep)
     return rep
 

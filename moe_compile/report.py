@@ -256,6 +256,10 @@ class Report:
         is in :meth:`to_dict` (``what``).
         """
         if not self.records:
+            if not self.graphs and not self.cached_graphs:
+                return ("moe_compile: no graph compiled (yet): torch.compile compiles at the compiled model's first "
+                        "call (the backward graph at the first backward); call it, then print the report. Called "
+                        "already? Then Dynamo ran it all eagerly: TORCH_LOGS=graph_breaks says why")
             found = self._cache_note() if self.cached_graphs else ", no MoE dispatch found"
             return f"moe_compile: {self.graphs} graph(s) compiled{found}"
         headers = ("layer", "pass", "result", "what")

@@ -13,6 +13,7 @@ from torch import nn
 import moe_compile
 from moe_compile import report
 from moe_compile.backend import ConfiguredBackend
+from moe_compile.experts.discovery import find_expert_layers
 from tests.models.expert_loops import SelectionLoopMoE
 
 
@@ -116,6 +117,21 @@ def test_explain_leaves_the_model_untouched():
     assert all(p.grad is None for n, p in model.named_parameters() if n != "embed.weight")
 
 
+def _before_the_first_call(rep: report.Report) -> None:
+    """Nothing compiled yet: no records (no ``not_in_graph`` skip per experts layer, which would point at a graph
+    break), and the table says to call the model first."""
+    assert rep.graphs == 0 and rep.records == [], rep.table()
+    assert "no graph compiled (yet)" in rep.table() and "first call" in rep.table(), rep.table()
+
+
+def test_last_report_before_the_first_call_says_to_call_the_model():
+    """``last_report()`` between ``moe_compile.compile(model)`` and the model's first call (no compile: cheap)."""
+    model = Model(_seed() % 1000)
+    moe_compile.compile(model, swap_expert_loops=False)
+    assert len(find_expert_layers(model)) == 2  # experts layers that an accounting would call not_in_graph
+    _before_the_first_call(moe_compile.last_report())
+
+
 @pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")  # the caches are off on purpose: every pass runs
 def test_last_report_gives_one_compile_without_a_second(monkeypatch):
     """``moe_compile.last_report()`` after one compiled step: the rewrites of both MoE layers, with no second compile
@@ -135,7 +151,7 @@ def test_last_report_gives_one_compile_without_a_second(monkeypatch):
     try:
         with torch._inductor.config.patch(force_disable_caches=True):
             compiled = moe_compile.compile(model, swap_expert_loops=False)
-            assert moe_compile.last_report().graphs == 0
+            _before_the_first_call(moe_compile.last_report())
             compiled(torch.randint(0, 50, (int(torch.randint(6, 20, ())),))).square().mean().backward()
         rep = moe_compile.last_report()
     finally:
