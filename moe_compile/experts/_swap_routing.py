@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from moe_compile.experts._probe import NotSwappable
+from moe_compile.experts._probe import NotSwappable, probe_input
 from moe_compile.experts.discovery import ExpertGroup
 
 
@@ -107,7 +107,40 @@ def _top_k_candidates(block: nn.Module, router: nn.Module | None, num_experts: i
         for value in vars(owner).values() if owner is not None else ():
             if isinstance(value, int) and not isinstance(value, bool) and 0 < value < num_experts:
                 found.append(value)
-    return tuple(dict.fromkeys(found))
+    return tuple(dict.fromkeys(found)) or observed_top_ks(block, router, num_experts)
+
+
+class _TopKSeen(torch.overrides.TorchFunctionMode):
+    """Records the ``k`` of every ``topk`` over ``E`` entries that runs under it."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts, self.ks = num_experts, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.topk, Tensor.topk) and args and isinstance(args[0], Tensor) and args[0].dim():
+            k = args[1] if len(args) > 1 else kwargs.get("k")
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            if isinstance(k, int) and isinstance(dim, int) and args[0].shape[dim] == self.num_experts:
+                self.ks.append(k)
+        return func(*args, **kwargs)
+
+
+def observed_top_ks(block: nn.Module, router: nn.Module | None, num_experts: int) -> tuple[int, ...]:
+    """The ``k`` of each ``topk`` over the ``E`` experts that the block's own forward runs on a probe, wherever it
+    runs it (the experts module of vLLM's ``FusedMoE`` takes the router's logits and picks the top-k itself): what
+    the block computes, not an attribute's name. The probe then checks the candidate like any other."""
+    weight = getattr(router, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        return ()
+    seen = _TopKSeen(num_experts)
+    try:
+        with torch.no_grad(), seen:
+            probe_input(block, weight.shape[1], weight.dtype, weight.device)
+    except NotSwappable:
+        return ()
+    return tuple(dict.fromkeys(k for k in seen.ks if 0 < k < num_experts))
 
 
 def _routing_ancestor(modules: dict[str, nn.Module], group: ExpertGroup) -> str:

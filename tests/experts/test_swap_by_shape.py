@@ -90,8 +90,39 @@ class StackedBlock(nn.Module):
         return out.reshape(hidden.shape)
 
 
-@pytest.mark.parametrize("make", [lambda: LoopBlock(_PlainExpert), lambda: LoopBlock(_GatedExpert), StackedBlock],
-                         ids=["plain_unnamed", "gated_unnamed", "stacked_transposed"])
+class _DenseExperts(nn.Module):
+    """vLLM's ``FusedMoE`` on its torch fallback: stacked ``w13`` / ``w2``, takes the router's logits and picks the
+    top-k itself; every expert runs on every token, weighted by ``(weights * (ids == e)).sum(-1)``."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.choose = k  # no top_k attribute, and none on the block: only the forward's topk says what K is
+        self.w13 = nn.Parameter(torch.randn(E, 2 * F_, H) * H**-0.5)
+        self.w2 = nn.Parameter(torch.randn(E, H, F_) * F_**-0.5)
+
+    def forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        w, ids = logits.softmax(-1).topk(self.choose, -1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            h = F.linear(x, self.w13[e])
+            out = out + F.linear(F.silu(h[:, :F_]) * h[:, F_:], self.w2[e]) * (w * (ids == e)).sum(-1, keepdim=True)
+        return out
+
+
+class DenseBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = _DenseExperts(k=3)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, H)
+        return self.experts(x, self.gate(x)).reshape(hidden.shape)
+
+
+@pytest.mark.parametrize("make", [lambda: LoopBlock(_PlainExpert), lambda: LoopBlock(_GatedExpert), StackedBlock,
+                                  DenseBlock],
+                         ids=["plain_unnamed", "gated_unnamed", "stacked_transposed", "top_k_seen_in_forward"])
 def test_block_with_unknown_names_is_swapped_within_eager_bound(make):
     torch.manual_seed(torch.seed() % 2**31)
     block = make()
