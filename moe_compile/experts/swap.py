@@ -26,8 +26,9 @@ What is recognised (``E`` experts, ``H`` hidden, ``I`` intermediate):
   + ``top_k`` / ``num_experts_per_tok``, or the block's one ``nn.Linear(H, E)`` child of any name (``wg``,
   ``router``, ``classifier``) with that top-k or, where the block names none, each int attribute of the block or
   that Linear in ``[1, E)`` as a probe candidate, else the ``k`` of each ``topk`` over ``E`` that the block's forward
-  runs on a probe, wherever it runs it (``_swap_routing.observed_top_ks``): ``softmax`` in fp32 -> ``topk`` (renormalised or not), ``topk`` of the
-  logits -> ``softmax``, or ``softmax`` in the logits' dtype -> ``topk`` (``GATE_WEIGHTS``), else a ``gate`` or
+  runs on a probe, wherever it runs it (``_swap_routing.observed_top_ks``): ``softmax`` in fp32 -> ``topk``
+  (renormalised or not), ``topk`` of the logits -> ``softmax``, or ``softmax`` in the logits' dtype -> ``topk``
+  (``GATE_WEIGHTS``), else a ``gate`` or
   ``router`` module that routes itself, returning ``(weights_TK, ids_TK)`` in either order (DeepSeek-V3's reference
   ``Gate``), ``(logits_TE, weights_TK, ids_TK)`` (transformers' top-k routers: Step3p7) or dense ``(scores_TE,
   logits_TE)`` (Llama4Router, below), else ``block.route_tokens_to_experts(block.router(x))`` (DBRX's softmax,
