@@ -23,7 +23,7 @@ from moe_compile.experts.expert_parallel import use_hf_expert_parallel
 from moe_compile.experts.hub_kernels import unwrap_idle_kernel_wrappers
 from moe_compile.experts.interface import is_hf_experts, use_fused_hf_experts
 from moe_compile.experts.swap import swap_expert_loops as swap_loops
-from moe_compile.options import check_compile_call
+from moe_compile.options import check_compile_call, torch_compile_keywords
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +268,24 @@ def _guard_on_data(exc: BaseException) -> GuardOnDataDependentSymNode | None:
     return None
 
 
+def _check_inputs_are_no_options(model: Any, kwargs: dict[str, Any]) -> None:
+    """``explain(model, x, deterministic=True)``: a compile option given as an input of the model (which its forward
+    does not take) raises TypeError saying to pass it in ``compile_options``, before anything is copied or compiled."""
+    options = [name for name in kwargs if name in _keywords() or name in torch_compile_keywords()]
+    if not options:
+        return
+    try:
+        params = inspect.signature(model.forward if isinstance(model, torch.nn.Module) else model).parameters
+    except (TypeError, ValueError):  # no signature to read: the call will say
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for name in options:
+        if name not in params:
+            raise TypeError(f"explain(): {name!r} is a compile option, not an input of the model: pass it as "
+                            f"compile_options={{{name!r}: ...}}")
+
+
 def explain(model: Any, *args: Any, backward: bool | None = None, compile_options: dict[str, Any] | None = None,
             **kwargs: Any) -> report.Report:
     """Compile a copy of ``model`` with moe_compile, run it on ``args``/``kwargs``, and report what each pass did.
@@ -290,6 +308,7 @@ def explain(model: Any, *args: Any, backward: bool | None = None, compile_option
     """
     global _LATEST
     check_compile_call(compile_options or {}, _keywords(), where="explain(compile_options=...)")
+    _check_inputs_are_no_options(model, kwargs)
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
     saved_grads = [p.grad for p in params]
     latest = _LATEST

@@ -134,6 +134,10 @@ def test_compile_refuses_bad_options_eagerly():
 
 
 def test_explain_names_compile_options():
+    with pytest.raises(TypeError, match=r"explain\(\): 'deterministic' is a compile option.*compile_options="):
+        moe_compile.explain(_scale, torch.randn(3), deterministic=True)  # not an input of _scale
+    with pytest.raises(TypeError, match=r"explain\(\): 'mode' is a compile option"):
+        moe_compile.explain(torch.nn.Linear(3, 3), torch.randn(3), mode="reduce-overhead")
     with pytest.raises(TypeError, match=r"explain\(compile_options=...\): unknown keyword 'metric'.*'metrics'"):
         moe_compile.explain(_scale, torch.randn(3), compile_options={"metric": True})
     with pytest.raises(TypeError, match=r"explain\(compile_options=...\): metrics must be a bool"):
