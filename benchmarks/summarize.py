@@ -316,6 +316,19 @@ def ep_transport(rows: list[Row]) -> tuple[str, str]:
             "uniform destinations)", "; ".join(parts))
 
 
+def quack_gemm(rows: list[Row]) -> tuple[str, str]:
+    parts = []
+    for model, T in dict.fromkeys((r["model"], r["T"]) for r in rows):
+        gemms = [r for r in rows if r["part"] == "gemm" and r["model"] == model and r["T"] == T]
+        cells = ", ".join(f"{r['kind']} {_num(r['quack_ms'], 3)}/{_num(r['grouped_mm_ms'], 3)}" for r in gemms)
+        block = [_get(rows, "fwd_bwd_kernel_ms", part="block", model=model, T=T, variant=v)
+                 for v in ("quack", "moe", "inductor", "eager")]
+        text = f"{MODELS.get(model, model)} T{T}: " + (f"GEMMs QuACK/`_grouped_mm` {cells}; " if cells else "")
+        parts.append(text + "block " + " / ".join(_num(v) for v in block))
+    return ("QuACK expert MLP (`ops/quack_gemm.py`): GPU kernel ms per GEMM kind, QuACK / `_grouped_mm`; the HF block "
+            "fwd+bwd kernel ms, QuACK / today's moe_compile / plain Inductor / eager", "; ".join(parts))
+
+
 EP_VARIANTS = ("eager", "inductor", "moe_compile", "moe_compile_cf1.25", "moe_compile_graphs",
                "moe_compile_graphs_cf1.25")
 
@@ -325,6 +338,7 @@ FORMATTERS: dict[str, Callable[[list[Row]], tuple[str, str]]] = {
     "grouped_gemm": grouped_gemm, "grouped_gemm_sweep": grouped_gemm_sweep, "grouped_weight": grouped_weight,
     "quant_block": quant_block, "attention": attention, "train_determinism": train_determinism,
     "validation_cost": validation_cost, "capacity": capacity, "ep": ep, "ep_transport": ep_transport,
+    "quack_gemm": quack_gemm,
 }
 
 
