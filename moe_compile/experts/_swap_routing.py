@@ -21,7 +21,9 @@ def _routing_form(out: Any, num_experts: int, top_k: int | None) -> str:
     * ``triple``: ``(logits_TE, weights_TK, ids_TK)`` (transformers' top-k routers: Step3p7TopKRouter);
     * ``dense``: ``(scores_TE, logits_TE)``, every expert's score, zero outside the top-k (Llama4Router: a sigmoid
       of the top-k logits scattered into ``-inf``), with ``K`` the block's ``top_k``;
-    * ``map``: ``(probs_TE, routing_map_TE)``, a bool map of each token's ``K`` experts (Megatron's ``TopKRouter``).
+    * ``map``: ``(probs_TE, routing_map_TE)``, a bool map of each token's ``K`` experts (Megatron's ``TopKRouter``);
+    * ``table``: ``(scores_TE, ids_TK)`` in either order, the weights each token's scores at its ids (GPT-OSS's
+      ``zeros_like(logits).scatter_(1, ids, softmax(top))``, or dense scores: the probe tells).
 
     ``None`` entries and tensors of fewer than 2 dims (DeepSeek-V2's ``aux_loss=None``, torchtitan's per-expert
     counts) are not read (:func:`_core`), and ``[B, S, N]`` outputs are read as ``[T, N]``.
@@ -34,6 +36,9 @@ def _routing_form(out: Any, num_experts: int, top_k: int | None) -> str:
         floats = [t for t in out if t.is_floating_point()]
         if len(ints) == 1 and len(floats) == 1 and ints[0].shape == floats[0].shape:
             return "pair"
+        if len(ints) == 1 and len(floats) == 1 and floats[0].shape[1] == num_experts \
+                and ints[0].shape[0] == floats[0].shape[0]:
+            return "table"
         if len(floats) == 2 and out[0].shape == out[1].shape and out[0].shape[1] == num_experts \
                 and isinstance(top_k, int) and 0 < top_k <= num_experts:
             return "dense"
@@ -48,7 +53,7 @@ def _routing_form(out: Any, num_experts: int, top_k: int | None) -> str:
             return "triple"
     raise NotSwappable("no_router", "the routing module returns neither (weights [T, K], expert ids [T, K]), nor "
                                     "(logits [T, E], weights [T, K], ids [T, K]), nor (scores [T, E], logits [T, E]), "
-                                    "nor (probs [T, E], routing map [T, E] bool)")
+                                    "nor (probs [T, E], routing map [T, E] bool), nor (scores [T, E], ids [T, K])")
 
 
 def _core(out: Any) -> Any:
@@ -70,6 +75,10 @@ def _routing_of(out: Any, plan: Any) -> tuple[Tensor, Tensor, Tensor | None]:
         ints = [t for t in out if not t.is_floating_point() and t.dtype != torch.bool]
         floats = [t for t in out if t.is_floating_point()]
         return ints[0], floats[0], None
+    if plan.routing_form == "table":
+        ids_TK = next(t for t in out if not t.is_floating_point())
+        scores_TE = next(t for t in out if t.is_floating_point())
+        return ids_TK, scores_TE.gather(1, ids_TK), None
     if plan.routing_form == "triple":
         logits_TE, weights_TK, ids_TK = out
         return ids_TK, weights_TK, logits_TE

@@ -120,9 +120,42 @@ class DenseBlock(nn.Module):
         return self.experts(x, self.gate(x)).reshape(hidden.shape)
 
 
+class _TableRouter(nn.Module):
+    """GPT-OSS's router (transformers 4.5x): a bias-carrying projection, softmax over the top-k logits, the weights
+    scattered into a zero ``[T, E]`` table, returned with the ids: ``(scores_TE, ids_TK)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k = 2
+        self.weight = nn.Parameter(torch.randn(E, H) * H**-0.5)
+        self.bias = nn.Parameter(torch.randn(E) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.reshape(-1, H), self.weight, self.bias)
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        return torch.zeros_like(logits).scatter_(1, ids, top.softmax(-1)), ids
+
+
+class TableRoutedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = _TableRouter()
+        self.experts = nn.ModuleList(_GatedExpert() for _ in range(E))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, H)
+        scores, ids = self.router(x)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, _ = torch.where(ids == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * scores[tok, e, None])
+        return out.reshape(hidden.shape)
+
+
 @pytest.mark.parametrize("make", [lambda: LoopBlock(_PlainExpert), lambda: LoopBlock(_GatedExpert), StackedBlock,
-                                  DenseBlock],
-                         ids=["plain_unnamed", "gated_unnamed", "stacked_transposed", "top_k_seen_in_forward"])
+                                  DenseBlock, TableRoutedBlock],
+                         ids=["plain_unnamed", "gated_unnamed", "stacked_transposed", "top_k_seen_in_forward",
+                              "scores_table_router"])
 def test_block_with_unknown_names_is_swapped_within_eager_bound(make):
     torch.manual_seed(torch.seed() % 2**31)
     block = make()
