@@ -30,6 +30,7 @@ it against eager's own distance from a wider reference (the family matrix, the f
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Collection, Sequence
 
 import torch
@@ -293,6 +294,8 @@ def eager_bound_errors(compiled: Step, eager: Step, ref: Step, inductor: Step | 
         err = (got - want).abs().max().item() if want.numel() else 0.0
         eager_err = (low - want).abs().max().item() if want.numel() else 0.0
         ind_err = (ind - want).abs().max().item() if ind is not None and want.numel() else None
+        if ind_err is not None and not math.isfinite(ind_err):
+            ind_err = None  # plain Inductor's inf or NaN (FINDINGS B3) is no noise level: it adds nothing to the bound
         counted = max(eager_err, noise * scale) if name in few_samples else eager_err
         bound = 4 * counted + unit_roundoff(dtype) * scale + (ind_err or 0.0)
         note, ratio = "", err / max(bound, 1e-300) if err else 0.0

@@ -202,6 +202,26 @@ def test_bound_leaves_out_only_noise_it_cannot_judge():
     assert ok and unjudged == [] and worst[0] == "w"
 
 
+def test_non_finite_inductor_distance_adds_nothing():
+    """FINDINGS B3: plain Inductor's NaN (or inf) on a tensor neither widens the bound nor makes it NaN: a compiled
+    step within eager's bound passes, one past it fails, as without an Inductor run."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ref = torch.randn(64, 32, generator=gen)
+    scale = ref.abs().max().item()
+    eager = ref + 1e-3 * scale * torch.randn(64, 32, generator=gen).clamp(-1, 1)
+    bound = 4 * (eager - ref).abs().max().item() + 2**-8 * scale
+    for bad in (float("nan"), float("inf")):
+        inductor = ref.clone()
+        inductor[3, 5] = bad
+        step = lambda w: {"loss": torch.tensor(1.0), "w": w}  # noqa: E731
+        ok, _, unjudged = tol.within_eager_bound(step(ref + 0.5 * bound / scale * ref), step(eager), step(ref),
+                                                 step(inductor))
+        assert ok and unjudged == []
+        ok, worst, _ = tol.within_eager_bound(step(ref + 2 * bound / scale * ref), step(eager), step(ref),
+                                              step(inductor))
+        assert not ok and worst[0] == "w" and 1.5 < worst[1] < 2.5
+
+
 def test_bound_keeps_exact_zeros():
     """``within_eager_bound`` where eager or the float32 reference is exactly zero: no relative bound can judge those,
     so a compiled value off zero fails (PhiMoE's router gradient once passed as unjudged noise)."""
