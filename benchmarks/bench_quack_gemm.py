@@ -95,6 +95,7 @@ def gemm_rows(s: Shape) -> list[dict]:
         except Exception as err:  # noqa: BLE001 - a kind QuACK refuses is a result too
             rows.append(dict(part="gemm", model=s.name, T=s.T, kind=kind, quack_ms=None, grouped_mm_ms=None,
                              bitwise=False, note=f"{type(err).__name__}: {str(err)[:200]}"))
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -192,8 +193,6 @@ def main() -> None:
     for s in SHAPES:
         if "gemm" in parts and time.perf_counter() < deadline:
             rows.extend(gemm_rows(s))
-            for r in rows[-6:]:
-                print(r, flush=True)
     for s in SHAPES:
         if "block" in parts:
             # most wanted first (the budget skips the rest): QuACK and today's path, then the others at Qwen3 T4096
