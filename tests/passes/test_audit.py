@@ -39,8 +39,11 @@ def test_rewritten_layer_is_clean_and_embedding_backward_is_reported_not_counted
 
 
 def test_layer_left_alone_keeps_its_accumulate_with_the_source_line():
+    """A layer no pass rewrites (routed_accumulate, which would take its routed combine, turned off) keeps its
+    accumulation, reported with the user's source line."""
     model = EmbedThenMoE(hw.WeightsBeforeGather(hidden=32))
-    rep = moe_compile.explain(model, torch.randint(0, 40, (12,)))
+    rep = moe_compile.explain(model, torch.randint(0, 40, (12,)),
+                              compile_options={"passes": {"routed_accumulate": False}})
     left = [r for r in rep.left if r.layer == "moe"]
     assert left and all(r.what.startswith("accumulate: ") for r in left), rep.table()
     assert any("handwritten.py" in r.detail for r in left), [r.detail for r in left]

@@ -17,9 +17,11 @@ import unittest
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from moe_compile import report
 from moe_compile.config import MoECompileConfig
+from moe_compile.ops import static_row_bound
 from moe_compile.passes import PASSES, StagePass
 from moe_compile.passes._graph import op_name
 from tests.models import handwritten as hw
@@ -323,3 +325,51 @@ def test_bincount_counts_with_capture_flags():
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
         run = check_rewrite(bincount_moe, small_inputs(requires_grad=True), {"fuse_dispatch": 1})
     assert "counts(bincount)" in run.report.rewrites[0].what
+
+
+
+class _SharedBiasPadded(hw.PaddedIndexPut):
+    """``PaddedIndexPut`` with a trained bias shared by all rows between the grouped GEMMs (the weight NOTE [tail rows]
+    (moe_compile/passes/forms/rowwise.py) is about); with ``empty``, the padded buffer is ``new_empty`` (its pad
+    rows uninitialised) instead of ``new_zeros``."""
+
+    def __init__(self, *args, empty: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        inter = self.w_down.shape[-1]
+        self.shared_bias = nn.Parameter(0.5 * torch.randn(inter, generator=torch.Generator().manual_seed(7))
+                                        .to(self.w_down.dtype))
+        self.empty = empty
+
+    def mlp(self, rows, offs):
+        h = torch._grouped_mm(rows, self.w_gate_up.transpose(-2, -1), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate + self.shared_bias) * up, self.w_down.transpose(-2, -1), offs=offs)
+
+    def forward(self, x_TH):
+        T, H = x_TH.shape
+        S = T * self.top_k
+        M = static_row_bound(S, self.num_experts, self.align)
+        weights_TK, ids_TK = self.route(x_TH)
+        perm_S, dest_S, offs_E = self.padded_layout(ids_TK.reshape(-1), S)
+        token_S = perm_S // self.top_k
+        rows_MH = x_TH.new_empty(M, H) if self.empty else x_TH.new_zeros(M, H)
+        rows_MH[dest_S] = x_TH[token_S]
+        y_S = self.mlp(rows_MH, offs_E)[dest_S].float() * weights_TK.reshape(-1)[perm_S].unsqueeze(-1)
+        return torch.zeros(T, H, device=x_TH.device).index_add_(0, token_S, y_S).to(x_TH.dtype)
+
+
+def test_shared_trained_weight_between_the_gemms_and_tail_rows():
+    """The tail-rows question (issue 52), settled: a weight shared by all rows between the grouped GEMMs is refused in
+    training (``shared_param_in_expert_region``, as strip_host_padding does). The static row bound's tail, past
+    the last offset, is left unwritten by the grouped GEMM; its gradient is 0, and a shared weight sums 0 * whatever
+    is there: a NaN in it made translation validation refuse this rewrite. Without gradients the rewrite stands and
+    matches eager; an uninitialised buffer (``new_empty``) is not rewritten at all."""
+    seed = torch.seed() % 2**16
+    x = torch.randn(10, 32, generator=torch.Generator().manual_seed(seed + 1)).bfloat16().requires_grad_()
+    run = check_rewrite(_SharedBiasPadded(hidden=32, seed=seed), (x,), {"fuse_dispatch": 0},
+                        expected_skips={"fuse_dispatch": ["shared_param_in_expert_region"]})
+    assert not [r for r in run.report.records if r.what == "validation_failed"]
+    check_rewrite(_SharedBiasPadded(hidden=32, seed=seed), (x.detach(),), {"fuse_dispatch": 1},
+                  expected_skips={"fuse_dispatch": []}, train=False)
+    run = compile_and_run(_SharedBiasPadded(hidden=32, seed=seed, empty=True), (x.detach(),))
+    assert run.report.count("fuse_dispatch") == 0 and [r for r in run.report.skips if r.pass_name == "fuse_dispatch"]

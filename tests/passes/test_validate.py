@@ -369,6 +369,18 @@ def _embedding():
     return Embed(), (ids,), {}
 
 
+def _matmul_capacity_layer():
+    from tests.passes.test_sparse_contraction import MatmulCapacityMoE
+
+    return MatmulCapacityMoE(capacity_factor=0.75), (torch.randn(24, 16),), {}
+
+
+def _slot_buffer_layer():
+    from tests.passes.test_deterministic_scatter import SlotBufferMoE
+
+    return SlotBufferMoE(), (torch.randn(12, 8, requires_grad=True),), {}
+
+
 def _hand_written_grouped_mm():
     from tests.passes.test_normalize import H, HandWrittenGroupedMM, T
 
@@ -382,6 +394,7 @@ CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str, tuple[Callable[..
     "strip_host_padding": (_host_padded, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "fuse_dispatch": (_sort_dispatch, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "capacity_dispatch": (_capacity_layer, {}, "passes+aot_eager", (scale_forward, break_backward)),
+    "sparse_contraction": (_matmul_capacity_layer, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "drop_and_pad": (_drop_and_pad_layer, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "replace_grouped_mm_fallback": (_grouped_mm_fallback, {}, "passes+aot_eager", (scale_forward, break_backward)),
     "fuse_expert_mlp": (_glu_inference, {}, "passes+aot_eager", (scale_forward,)),
@@ -393,6 +406,7 @@ CASES: dict[str, tuple[Callable[[], Any], dict[str, Any], str, tuple[Callable[..
                          (scale_forward, break_backward)),
     "expert_choice": (_expert_choice, {}, "moe_compile", (scale_forward,)),
     "deterministic_accumulate": (_group_limited_router, {}, "moe_compile", (scale_forward,)),
+    "routed_accumulate": (_slot_buffer_layer, {}, "moe_compile", (scale_forward,)),
     "deterministic_scatter": (_embedding, {"deterministic": True}, "moe_compile", (scale_forward,)),
 }
 

@@ -12,7 +12,7 @@ test_rowwise.py`` feeds every op to every policy and keeps the table of differen
                           ``__matmul__``                  __matmul__, elementwise,           splits, getitem (GEMMs:
                                                           last-dim splits, getitem           planned by the loop)
     tag                   region_not_rowwise              region_not_rowwise                 per_expert_op_unsupported
-    tail_rows             no                              yes (NOTE [tail rows])             no
+    tail_rows             yes (NOTE [tail rows])          yes                                no
     host_inputs           no                              yes                                no
     operands              aligned                         broadcast                          unchecked
     grouped_mm_offsets    no                              yes                                -
@@ -94,7 +94,11 @@ class RowwisePolicy:
     # reason tag of a refusal (the host-input checks have their own tags)
     tag: str = "region_not_rowwise"
     # NOTE [tail rows]: in training, refuse a trained tensor from outside the region (a weight shared by all
-    # rows) anywhere but a grouped GEMM (``shared_param_in_expert_region``)
+    # rows) anywhere but a grouped GEMM (``shared_param_in_expert_region``). A grouped GEMM leaves the rows past
+    # its last offset (the tail of a static row bound) unwritten; nothing reads them back, so their gradient is 0,
+    # but a shared weight's gradient sums over every row, and 0 * a NaN left there is NaN (tests/passes/
+    # test_fuse_dispatch.py::test_shared_trained_weight_between_the_gemms_and_tail_rows: translation validation
+    # refused such a rewrite for a "non-finite pattern" before fuse_dispatch refused it here)
     tail_rows: bool = False
     # refuse host sizes (``host_size_in_expert_region``) and host-sized tensors from outside the region
     host_inputs: bool = False
@@ -120,7 +124,8 @@ class RowwisePolicy:
 _HOST_SYNC_OPS = GROUPED_MM | {"linear", "matmul", "__matmul__"} | LAST_DIM_SPLITS | {"getitem"} \
     | UNARY_ROWWISE | BINARY_ROWWISE
 DISPATCH = RowwisePolicy(
-    "fuse_dispatch", frozenset(RULES) - {"narrow", "__matmul__"}, operands="aligned", matmul_vector_weight=True,
+    "fuse_dispatch", frozenset(RULES) - {"narrow", "__matmul__"}, tail_rows=True, operands="aligned",
+    matmul_vector_weight=True,
     split_dims={"chunk": 2, "split": 2, "tensor_split": 2, "split_with_sizes": 2, "unbind": 1}, getitem="rows_kept",
     spaces=True,
 )

@@ -38,6 +38,8 @@ Skips when (reason tags, reported through ``explain``):
     ``weights_before_gather`` (rows weighted before the gather), ``multiple_gather_sources``,
     ``token_index_mismatch``, ``offsets_not_matched``, ``no_grouped_gemm``, ``padding_not_proven``,
     ``unsupported_alignment``, ``region_not_rowwise`` (an op between gather and combine mixes rows),
+    ``shared_param_in_expert_region`` (training with a weight shared by all rows between the grouped GEMMs:
+    NOTE [tail rows] (moe_compile/passes/forms/rowwise.py)),
     ``rows_escape_region`` (permuted rows are a graph output), ``combine_not_matched``,
     ``ops_unavailable``, ``internal_error`` (the matcher raised; the layer is left alone, other layers
     still rewrite; ``strict`` re-raises).

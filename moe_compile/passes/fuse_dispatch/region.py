@@ -237,7 +237,9 @@ class RegionProof:
     def _rowwise(self, u: fx.Node, region: dict[fx.Node, str]) -> str:
         """The row space of ``u`` if it is row-wise in its region inputs, else raise NoMatch (the one prover,
         :class:`~moe_compile.passes.forms.rowwise.RowwiseProof`, under fuse_dispatch's policy)."""
-        return RowwiseProof(DISPATCH, region, row_independent=self._is_sorted_ids_function).check(u).space
+        training = bool(getattr(tensor_val(u), "requires_grad", False))
+        return RowwiseProof(DISPATCH, region, training=training,
+                            row_independent=self._is_sorted_ids_function).check(u).space
 
     # -- combine ------------------------------------------------------------------------------------
     def _combine(self, y: fx.Node, u: fx.Node) -> Combine | None:

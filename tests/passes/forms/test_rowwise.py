@@ -16,9 +16,9 @@ view, cat(dim=1), mm
 narrow                                 refused      ok           ok           ops
 linear/matmul in the loop body         -            -            refused      ops (the loop plans its GEMMs
                                                                               itself, before asking the prover)
-trained shared weight, training        ok           shared_      refused      tail_rows
+trained shared weight, training        shared_      shared_      refused      tail_rows
 (NOTE [tail rows] (moe_compile/passes/forms/rowwise.py))
-                                                    param_...
+                                       param_...    param_...
 type_as / mul by a per-row tensor      refused      refused      ok           operands
 [6] + [1, 6] (rows become 1)           refused      ok           ok           operands ("aligned" counts rows)
 table[sorted ids]                      ok           refused      refused      getitem + row_independent
@@ -85,7 +85,7 @@ CASES: dict[str, tuple[Callable[..., Any], Callable[[], Any], Callable[[], tuple
     "layer_norm": (lambda x, w, b: F.layer_norm(x, (H,), w, b), _rows, lambda: (torch.randn(H), torch.randn(H)),
                    (OK, R, P), {}),
     "layer_norm_trained": (lambda x, w, b: F.layer_norm(x, (H,), w, b), _rows,
-                           lambda: (torch.randn(H), torch.randn(H)), (OK, T, P), {"trained": True}),
+                           lambda: (torch.randn(H), torch.randn(H)), (T, T, P), {"trained": True}),
     "dropout_random": (lambda x: F.dropout(x, 0.1, True), _rows, tuple, (R, R, P), {}),
     "dropout_off": (lambda x: F.dropout(x, 0.0, True), _rows, tuple, (OK, R, P), {}),
     "view_keeps_rows": (lambda x: x.view(M, 2, H // 2), _rows, tuple, (OK, R, P), {}),
@@ -107,7 +107,7 @@ CASES: dict[str, tuple[Callable[..., Any], Callable[[], Any], Callable[[], tuple
     "table_lookup": (lambda ids, table: table[ids], lambda: torch.randint(0, E, (M,)),
                      lambda: (torch.randn(E, H),), (OK, R, P), {"row_independent": True}),
     "linear_shared": (lambda x, w: F.linear(x, w), _rows, lambda: (torch.randn(4, H),), (OK, OK, P), {}),
-    "linear_trained": (lambda x, w: F.linear(x, w), _rows, lambda: (torch.randn(4, H),), (OK, T, P),
+    "linear_trained": (lambda x, w: F.linear(x, w), _rows, lambda: (torch.randn(4, H),), (T, T, P),
                        {"trained": True}),
     "matmul": (lambda x, w: x @ w, _rows, lambda: (torch.randn(H, 4),), (OK, OK, P), {}),
     "matmul_vector": (lambda x, v: torch.matmul(x, v), _rows, lambda: (torch.randn(H),), (OK, R, P), {}),
