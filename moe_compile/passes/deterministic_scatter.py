@@ -16,6 +16,8 @@ Matches (one node each; which ops accumulate is :func:`moe_compile.passes.forms.
     (c) embedding_dense_backward(grad_SD, idx_S, R, padding_idx, scale_grad_by_freq)
     (d) index_add(base, dim, idx_N, src, alpha=a)
     (e) scatter_add(base, dim, index, src)                                       (elementwise indices)
+    (f) scatter_reduce(base, dim, index, src, "sum", include_self)                 (as (e): the base included, or
+                                                                                  zeros)
 
 Rewrites to::
 
@@ -24,7 +26,7 @@ Rewrites to::
     (c)    s = segment_sum(grad / count[idx] if scale_grad_by_freq else grad, idx, R, idx != padding_idx)
            (count = segment_sum(ones, idx, R): exact int64)
     (d)    base.movedim(dim, 0) rows: segment_sum(a * src.movedim(dim, 0).reshape(N, D), idx, R)
-    (e)    a [numel, 1] view: row of element p = its linear offset in base (index[p] along dim)
+    (e, f) a [numel, 1] view: row of element p = its linear offset in base (index[p] along dim)
     out = s if base is fresh zeros else base + s
 
 Fires when:
@@ -37,7 +39,8 @@ Skips when (reason tags): ``inplace`` (an in-place form: the joint graph is func
 ``multi_index`` (``index_put`` with several index tensors or ``None`` holes), ``bool_index``,
 ``mask_not_rowwise`` (a masked put whose mask varies along ``D``), ``symbolic_rows`` (the target's row
 count is not a compile-time int: it sizes the op's output), ``dtype`` (bool / 8- and 16-bit integer
-targets), ``unsupported_form`` (``scatter_reduce``, ``index_reduce``, ``put``: the audit lists them).
+targets), ``unsupported_form`` (``scatter_reduce`` other than a sum, ``index_reduce``, ``put``: the audit lists
+them).
 
 Stage:
     joint (ATen, functional), after ``deterministic_accumulate``: the only stage that sees backward
@@ -116,7 +119,7 @@ def _index_of(node: fx.Node) -> Any:
         indices = arg(node, 2, "indices")
     elif node.target in (aten.index_put.default, aten._unsafe_index_put.default):
         indices = arg(node, 1, "indices")
-    elif node.target in (aten.index_add.default, aten.scatter_add.default):
+    elif node.target in (aten.index_add.default, aten.scatter_add.default, aten.scatter_reduce.two):
         return arg(node, 2, "index")
     else:
         return None
@@ -293,6 +296,16 @@ def _rewrite_scatter_add(graph: fx.Graph, node: fx.Node) -> str:
     return REPLACED_BY + " (elementwise: a [numel, 1] view)"
 
 
+def _rewrite_scatter_reduce(graph: fx.Graph, node: fx.Node) -> str:
+    """``scatter_reduce(base, dim, index, src, "sum")``: ``scatter_add`` where the sum includes the base or the base is
+    zeros (a written element is then the sum of its sources either way); other reductions are not rewritten."""
+    reduce, include_self = arg(node, 4, "reduce"), arg(node, 5, "include_self", True)
+    if reduce != "sum" or not (include_self or acc.is_zeros(node.args[0])):
+        raise NoMatch("unsupported_form", f"scatter_reduce({reduce!r}, include_self={include_self}) has no "
+                                          "deterministic lowering here")
+    return _rewrite_scatter_add(graph, node) + f" (scatter_reduce 'sum'{'' if include_self else ', into zeros'})"
+
+
 _FORMS: dict[Any, Callable[[fx.Graph, fx.Node], str]] = {
     aten.index_put.default: _rewrite_index_put,
     aten._unsafe_index_put.default: _rewrite_index_put,
@@ -300,6 +313,7 @@ _FORMS: dict[Any, Callable[[fx.Graph, fx.Node], str]] = {
     aten.embedding_dense_backward.default: _rewrite_embedding_backward,
     aten.index_add.default: _rewrite_index_add,
     aten.scatter_add.default: _rewrite_scatter_add,
+    aten.scatter_reduce.two: _rewrite_scatter_reduce,
 }
 
 

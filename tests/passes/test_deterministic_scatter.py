@@ -57,6 +57,9 @@ class _Forms(nn.Module):
         if self.form == "scatter_add_dim1":  # elementwise indices along dim 1, into a live tensor
             index = ids_T.remainder(3).unsqueeze(0).expand(x_TH.shape[0], -1)[:, :4]
             return (x_TH[:, :3] + 1).scatter_add(1, index, x_TH[:, :4])
+        if self.form == "scatter_reduce_sum":  # a sum that leaves the zero base out (DeepSpeed FastGen's combine)
+            index = ids_T.remainder(R).unsqueeze(1).expand_as(x_TH)
+            return torch.zeros(R, x_TH.shape[1]).scatter_reduce(0, index, x_TH * 2, "sum", include_self=False)
         if self.form == "index_add_alpha":  # live base, alpha
             return (x_TH[:R] * 3).index_add(0, ids_T.remainder(R), x_TH, alpha=0.5)
         raise ValueError(self.form)
@@ -80,7 +83,8 @@ def test_embedding_backward_becomes_segment_sum(padding_idx, scale):
     assert any("segment_reduce" in c for c in run.code) and not any("ops.moe.segment_sum" in c for c in run.code)
 
 
-@pytest.mark.parametrize("form", ["gather_2d", "scatter_add", "scatter_add_dim1", "index_add_alpha"])
+@pytest.mark.parametrize("form", ["gather_2d", "scatter_add", "scatter_add_dim1", "index_add_alpha",
+                                  "scatter_reduce_sum"])
 def test_accumulations_left_by_deterministic_accumulate(form):
     torch.manual_seed(1)
     x = torch.randn(8, 6, requires_grad=True)
@@ -152,10 +156,11 @@ def test_option_off_leaves_the_graph_unchanged():
 
 def test_unsupported_forms_are_skipped_with_a_reason():
     base, ids, src = torch.randn(6, 3), torch.randint(0, 6, (5,)), torch.randn(5, 3)
-    gm = _traced(lambda b, i, s: b.index_reduce(0, i, s, "mean"), base, ids, src)
+    gm = _traced(lambda b, i, s: b.index_reduce(0, i, s, "mean").scatter_reduce(0, i.unsqueeze(1).expand(-1, 3), s,
+                                                                                 "amax"), base, ids, src)
     with report.collecting() as rep:
         deterministic_scatter.run(gm.graph, _ctx(DETERMINISTIC))
-    assert [r.what for r in rep.skips] == ["unsupported_form"]
+    assert [r.what for r in rep.skips] == ["unsupported_form", "unsupported_form"]
 
 
 def _graph_with(target, value: torch.Tensor) -> fx.Graph:
