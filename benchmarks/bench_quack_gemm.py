@@ -184,6 +184,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("bench_quack_gemm: no CUDA device, nothing to measure (this benchmark needs a GPU)")
         return
+    from moe_compile.ops.quack_gemm import quack_importable
+
+    if not quack_importable() or torch.cuda.get_device_capability()[0] not in (9, 10):
+        print("bench_quack_gemm: needs quack-kernels (pip install moe_compile[quack]) on sm90/sm100; nothing measured")
+        return
     import quack
 
     start = time.perf_counter()

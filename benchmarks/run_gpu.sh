@@ -19,6 +19,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
+# QuACK (the optional expert MLP, docs/quack.md) installed with --target /tmp/quack: its .pth is not read from there
+[ -d /tmp/quack/quack ] && export PYTHONPATH=/tmp/quack:/tmp/quack/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 export PYTHONUNBUFFERED=1
 OUT_DIR=${OUT:-benchmarks/results}
 mkdir -p benchmarks/results "$OUT_DIR"
@@ -44,6 +46,8 @@ if [ "$what" != tests ]; then
     [ "$stem" = validation_cost ] && { extra=(--causal-lm --families qwen3_moe,mixtral,deepseek_v3); limit=420; }
     # training steps of up to four CausalLMs x four variants (compiles and 20 AdamW steps each): --models picks them
     [ "$stem" = train_determinism ] && limit=${TRAIN_LIMIT_S:-560}
+    # the QuACK expert MLP (needs quack-kernels; per-GEMM rows, then the blocks: their compiles are the long part)
+    [ "$stem" = quack_gemm ] && { extra=(--budget-s 330); limit=420; }
     # capacity layers at T 16384: eager's one-hot [T, E, C] einsums and 9 compiles per shape
     [ "$stem" = capacity ] && limit=420
     # expert parallelism: launches one process per GPU itself (NCCL, NVLink multicast off) and writes ep_w<W>.json;
