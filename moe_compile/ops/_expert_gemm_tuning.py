@@ -51,10 +51,16 @@ QUANT_FAMILY_ROWS_FROM: dict[str, int] = {"gated": 256}
 # QuACK's CuTe-DSL kernels run rather than ``torch._grouped_mm`` (CUTLASS): ``gated`` decides the whole QuACK MLP
 # (the gather-fused gate_up + SwiGLU has no CUTLASS twin in that layout, nor have ``up_dx`` / ``up_wgrad``);
 # ``down``, ``down_dx`` (with dSwiGLU fused) and ``down_wgrad`` pick per shape. Rows per expert (M / E) where QuACK
-# runs, keyed by the weight's size per expert (N * K), as TRITON_ROWS_PER_EXPERT; read from
-# ``bench_grouped_gemm.py --quack`` (benchmarks/results/quack_gemm.json).
+# runs, keyed by the weight's size per expert (N * K), as TRITON_ROWS_PER_EXPERT. What stands behind each row:
+# * gated: no range by default (``MOE_COMPILE_GROUPED_GEMM=quack`` turns the MLP on): this path has not yet run on a
+#   GPU here (``bench_quack_gemm.py`` writes benchmarks/results/quack_gemm.json; set the row from it). Issue 53's
+#   measurements (H100, autotuned configs, GEMMs alone) had the gather-fused gate_up ahead at Qwen3-like E128
+#   (0.542 vs 0.556 ms at T4096, 1.47 vs 1.67 at T16384) and behind at Mixtral-like E8 I14336 (3.48 vs 3.16);
+# * down: ahead or tied at all three (0.244 vs 0.294, 0.75 vs 0.84, 1.54 vs 1.55; issue 53, H100);
+# * down_dx: dSwiGLU in the epilogue, where CUTLASS needs a pass of its own over dh and pre (not measured alone);
+# * down_wgrad: not measured alone; the gate_up wgrad over varlen K was ahead at all three (issue 53).
 QUACK_ROWS_PER_EXPERT: dict[str, tuple[tuple[float, int, int], ...]] = {
-    "gated": ((float("inf"), 0, 1 << 30),),
+    "gated": ((float("inf"), 1, 0),),
     "down": ((float("inf"), 0, 1 << 30),),
     "down_dx": ((float("inf"), 0, 1 << 30),),
     "down_wgrad": ((float("inf"), 0, 1 << 30),),
