@@ -129,6 +129,23 @@ def test_compiled_fullgraph_matches_eager():
         assert torch.equal(got, want)
 
 
+def test_choice_table(monkeypatch):
+    """NOTE [QuACK GEMM choice]: the whole MLP is opt-in (``gated`` has no range), the environment forces either way,
+    unknown kinds raise, and nothing is usable off CUDA."""
+    from moe_compile.ops._expert_gemm_tuning import use_quack
+
+    monkeypatch.delenv("MOE_COMPILE_GROUPED_GEMM", raising=False)
+    assert not use_quack("gated", 32768, 1536, 2048, 128)
+    assert use_quack("down", 32768, 2048, 768, 128)
+    monkeypatch.setenv("MOE_COMPILE_GROUPED_GEMM", "quack")
+    assert use_quack("gated", 32768, 1536, 2048, 128)
+    monkeypatch.setenv("MOE_COMPILE_GROUPED_GEMM", "cutlass")
+    assert not use_quack("down", 32768, 2048, 768, 128)
+    with pytest.raises(ValueError, match="up_dx"):
+        use_quack("up_dx", 1, 1, 1, 1)
+    assert not qg.quack_usable(32768, 2048, 768, 128, torch.bfloat16, torch.device("cpu"))
+
+
 def test_cpu_fused_forward_never_takes_quack(monkeypatch):
     """Off CUDA ``fused_experts_forward`` keeps its path and never imports ``quack``."""
     import sys
