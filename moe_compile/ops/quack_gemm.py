@@ -147,9 +147,9 @@ def _first_working(kind: str, *attempts):
         except Exception as err:  # noqa: BLE001 - the DSL raises its own error types at compile time
             log.warning("QuACK %s: attempt %d failed (%s: %s)", kind, i, type(err).__name__, str(err)[:300])
             continue
-        if _WORKING.get(kind) != i:
-            _WORKING[kind] = i
+        if _WORKING.get(kind, 0) != i:  # a fallback: say so once (the first spelling is silent)
             log.warning("QuACK %s runs attempt %d", kind, i)
+        _WORKING[kind] = i
         return out
     raise RuntimeError(f"QuACK {kind}: no attempt ran")
 
