@@ -1,9 +1,10 @@
 """The QuACK expert MLP (``moe_compile/ops/quack_gemm.py``): each GEMM kind against ``torch._grouped_mm``, and the HF
 MoE block forward+backward with it against today's paths.
 
-Part ``gemm``: per shape and GEMM kind of NOTE [QuACK expert MLP], GPU kernel time (``torch.profiler``, summed) of
-QuACK and of the ``torch._grouped_mm`` equivalent (the gather it needs included; the GLU / dGLU passes it needs
-not: the CUTLASS side is timed short of the whole job), and whether the two outputs are bitwise equal.
+Part ``gemm``: per shape and GEMM kind (NOTE [QuACK expert MLP] (moe_compile/ops/quack_gemm.py)), GPU kernel time
+(``torch.profiler``, summed) of QuACK and of the ``torch._grouped_mm`` equivalent (the gather it needs included;
+the GLU / dGLU passes it needs not: the CUTLASS side is timed short of the whole job), and whether the two outputs
+are bitwise equal.
 
 Part ``block``: transformers' ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock`` (bf16), forward + backward GPU
 kernel time, variants: ``eager`` (transformers' ``grouped_mm`` experts), ``inductor`` (plain ``torch.compile``),

@@ -224,7 +224,8 @@ def _quack_mlp(rows: int, hidden: int, inter: int, experts: int, dtype: torch.dt
 def _quack_expert_mlp(x_TH: Tensor, ids_TK: Tensor, weights_TK: Tensor, gate_up: Projection, down: Projection,
                       num_experts: int) -> Tensor:
     """The SwiGLU MLP on QuACK: the routing index from ``permute_pad`` (over a narrow dummy row: the GEMM
-    gathers the tokens itself), then NOTE [QuACK expert MLP] and the weighted combine."""
+    gathers the tokens itself), then the MLP and the weighted combine
+    (NOTE [QuACK expert MLP] (moe_compile/ops/quack_gemm.py))."""
     from moe_compile.ops.quack_gemm import glu_expert_mlp
 
     index = permute_pad(x_TH.new_zeros(x_TH.shape[0], 8), ids_TK, None, num_experts=num_experts, align=1)

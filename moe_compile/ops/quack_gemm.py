@@ -5,8 +5,9 @@ Shape suffixes: ``T`` tokens, ``H`` hidden, ``I`` expert intermediate, ``E`` exp
 
 NOTE [QuACK expert MLP]: optional (``pip install moe_compile[quack]``); taken by ``fused_experts_forward`` only
 where :func:`quack_usable` holds (``quack`` imports, CUDA sm90/sm100, bf16, SwiGLU over one gate-first ``gate_up``
-weight, no biases, ``align=1``) and the measured table says so (NOTE [QuACK GEMM choice]
-(moe_compile/ops/_expert_gemm_tuning.py)). Per GEMM (``cu`` = ``[0, offs_E]``, QuACK's ``cu_seqlens``):
+weight, no biases, ``align=1``) and the measured table says so
+(NOTE [QuACK GEMM choice] (moe_compile/ops/_expert_gemm_tuning.py)).
+Per GEMM (``cu`` = ``[0, offs_E]``, QuACK's ``cu_seqlens``):
 
     forward   pre_MN, h_MI = gemm_gated(x_TH, gate_up, cu_seqlens_m, A_idx=src_M)   "gated": the token gather in
                                                                                   the load, SwiGLU in the epilogue

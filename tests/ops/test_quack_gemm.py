@@ -130,8 +130,8 @@ def test_compiled_fullgraph_matches_eager():
 
 
 def test_choice_table(monkeypatch):
-    """NOTE [QuACK GEMM choice]: the whole MLP is opt-in (``gated`` has no range), the environment forces either way,
-    unknown kinds raise, and nothing is usable off CUDA."""
+    """NOTE [QuACK GEMM choice] (moe_compile/ops/_expert_gemm_tuning.py). The whole MLP is opt-in (``gated`` has no
+    range), the environment forces either way, unknown kinds raise, and nothing is usable off CUDA."""
     from moe_compile.ops._expert_gemm_tuning import use_quack
 
     monkeypatch.delenv("MOE_COMPILE_GROUPED_GEMM", raising=False)
