@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from benchmarks._bench_env import add_results_args, device_env, results_path, write_results
+from benchmarks._bench_env import add_results_args, device_env, results_path, sync, write_results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,36 +100,41 @@ def gemm_rows(s: Shape) -> list[dict]:
     return rows
 
 
-def _hf_block(s: Shape):
+def _hf_block(s: Shape, device: str):
     from benchmarks.bench_moe_block import Config, build_block
 
-    return build_block(Config(s.name, T=s.T, H=s.H, I=s.I, E=s.E, K=s.K))
+    return build_block(Config(s.name, T=s.T, H=s.H, I=s.I, E=s.E, K=s.K), device)
 
 
-def _use_interface(block) -> None:
+def _use_experts(block, impl: str) -> None:
+    """transformers' experts implementation of every experts module: ``grouped_mm`` (today's path, the FX passes) or
+    ``moe_compile`` (the experts interface, where the QuACK MLP sits)."""
     from moe_compile.experts.interface import is_hf_experts, use_fused_hf_experts
 
     for m in block.modules():
         if is_hf_experts(m):
-            m.config._experts_implementation = "eager"
-    use_fused_hf_experts(block)
+            m.config._experts_implementation = "eager" if impl == "moe_compile" else impl
+    if impl == "moe_compile":
+        use_fused_hf_experts(block)
 
 
-def block_rows(s: Shape, variants: tuple[str, ...], deadline: float) -> list[dict]:
+def block_rows(s: Shape, variants: tuple[str, ...], deadline: float, device: str = "cuda",
+               timer=None) -> list[dict]:
+    """The block rows of one shape; ``device`` / ``timer`` (``step -> ms``) exist so the flow can be dry-run on CPU."""
     import moe_compile  # noqa: F401 - registers the backend
 
-    block = _hf_block(s)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(1, s.T, s.H, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_(True)
-    g = torch.randn(1, s.T, s.H, generator=gen, device="cuda").to(torch.bfloat16)
+    timer = timer or _kernel_ms
+    block = _hf_block(s, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(1, s.T, s.H, generator=gen, device=device).to(torch.bfloat16).requires_grad_(True)
+    g = torch.randn(1, s.T, s.H, generator=gen, device=device).to(torch.bfloat16)
     rows = []
     ref = None
     for variant in variants:
         if time.perf_counter() > deadline:
             rows.append(dict(part="block", model=s.name, T=s.T, variant=variant, note="skipped: time budget"))
             continue
-        if variant in ("iface_cutlass", "quack"):
-            _use_interface(block)
+        _use_experts(block, "moe_compile" if variant in ("iface_cutlass", "quack") else "grouped_mm")
         os.environ["MOE_COMPILE_GROUPED_GEMM"] = "quack" if variant == "quack" else "cutlass"
         if variant in ("eager", "inductor", "moe"):
             os.environ.pop("MOE_COMPILE_GROUPED_GEMM")
@@ -149,18 +154,20 @@ def block_rows(s: Shape, variants: tuple[str, ...], deadline: float) -> list[dic
         start = time.perf_counter()
         try:
             step()
-            torch.cuda.synchronize()
+            sync(device)
         except Exception as err:  # noqa: BLE001 - a variant that fails is a result too
             rows.append(dict(part="block", model=s.name, T=s.T, variant=variant,
                              note=f"{type(err).__name__}: {str(err)[:300]}"))
             print(rows[-1], flush=True)
             continue
         compile_s = time.perf_counter() - start
-        ms = _kernel_ms(step)
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        ms = timer(step)
+        cuda = device == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else 0
         first = [t.clone() for t in step()]
-        mem_gb = (torch.cuda.max_memory_allocated() - base) / 2**30
+        mem_gb = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float("nan")
         det = all(torch.equal(a, b) for a, b in zip(first, step()))
         if ref is None:  # the errors are against the first variant measured (``ref`` in each row)
             ref, ref_variant = first, variant
