@@ -11,12 +11,14 @@ Matches (``S = T*K`` rows, ``p`` a permutation: the indices of a ``sort`` / ``ar
     1. the token of each row:   arange(T).unsqueeze(1).expand(-1, K).reshape(-1),  arange(T).repeat_interleave(K)
     2. composed gathers:        x[a][b], ``a`` the token of each row
     3. a combine through the inverse order:   zeros.index_add_(0, idx, y[argsort(p)])
+    4. an einsum of three or more operands
 
 Rewrites to::
 
     0.    p // K (p is non-negative: truncation is the floor)
     1, 2. x[a[b]], where (token of each row)[b] is b // K: x[token_idx][perm] -> x[perm // K]
     3.    zeros.index_add_(0, idx[p], y):   index_add_(0, token_idx, y[argsort(perm)]) -> index_add_(0, perm // K, y)
+    4.    two-operand einsums, left to right (the expert-choice paper's ``"geks,gek,gekm->gsm"`` combine)
 
 so transformers' ``grouped_mm`` spelling written out by hand (``x[token_idx][perm]`` ... ``index_add_(0, token_idx,
 y[inv_perm])``) reads ``x[perm // K]`` ... ``index_add_(0, perm // K, y)``, the form ``fuse_dispatch`` proves.
@@ -48,12 +50,43 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         if node.op not in ("call_function", "call_method") or getattr(node, "_erased", False):
             continue
         rule = _trunc_of_order(graph, node) or _compose_gathers(graph, node) or \
-            _token_of_gathered_rows(graph, node) or _combine_through_inverse(graph, node)
+            _token_of_gathered_rows(graph, node) or _combine_through_inverse(graph, node) or \
+            _einsum_in_pairs(graph, node)
         if rule:
             key = (layer_name(node), rule)
             done[key] = done.get(key, 0) + 1
     for (layer, rule), n in done.items():
         ctx.rewrite(layer, rule + (f" x{n}" if n > 1 else ""), "normal form (passes/normalize.py)", moe=False)
+
+
+def _einsum_in_pairs(graph: fx.Graph, node: fx.Node) -> str | None:
+    """Rule 4: ``einsum("ab,bc,cd->ad", x, y, z)`` -> ``einsum("ac,cd->ad", einsum("ab,bc->ac", x, y), z)``, left to
+    right (torch.einsum's own order without opt_einsum), each step keeping the indices a later operand or the output
+    needs, so that every product is one of two operands."""
+    if op_name(node) != "einsum" or node.kwargs or len(node.args) < 4 or not isinstance(node.args[0], str):
+        return None
+    eq = node.args[0].replace(" ", "")
+    operands = node.args[1:]
+    if "->" not in eq or "." in eq or not all(isinstance(o, fx.Node) for o in operands):
+        return None
+    lhs, out = eq.split("->")
+    terms = lhs.split(",")
+    if len(terms) != len(operands):
+        return None
+    acc, acc_term = operands[0], terms[0]
+    with graph.inserting_before(node):
+        for i in range(1, len(terms)):
+            if i == len(terms) - 1:
+                step_out = out
+            else:
+                later = set("".join(terms[i + 1:])) | set(out)
+                step_out = "".join(dict.fromkeys(ch for ch in acc_term + terms[i] if ch in later))
+            acc = graph_call(graph, torch.einsum, f"{acc_term},{terms[i]}->{step_out}", acc, operands[i],
+                             meta_from=node)
+            acc_term = step_out
+    node.replace_all_uses_with(acc)
+    graph.erase_node(node)
+    return "einsum of 3+ operands -> pairwise einsums"
 
 
 def _int_vector(node: object) -> bool:

@@ -7,9 +7,11 @@ Whatever its spelling, such a routing tensor has at most ``M`` non-zeros per tok
 proves the bound from the ops that build it (one-hots, comparisons with an arange, scatters into zeros, their
 products, sums and views), never from values.
 
-Matches (Dynamo's Torch IR; ``mm``, ``matmul`` of 2-D operands, ``einsum`` of two operands with no batch index)::
+Matches (Dynamo's Torch IR; ``mm``, ``bmm``, ``matmul`` of two 2-D or 3-D operands, ``einsum`` of two operands, batch
+indices included: GShard's ``"gsec,gsm->egcm"``; ``normalize`` splits an einsum of more operands into pairs)::
 
     out_MN = A_MK @ B_KN           where A (or B) has at most R non-zeros in every row or every column, R <= size / 4
+                                   (per batch: [Bt, M, K] @ [Bt, K, N])
 
 Rewrites to (``A`` row-sparse; the column-sparse and ``B`` cases are the same with the roles turned)::
 
@@ -54,13 +56,14 @@ MAX_FILL = 0.25
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """``out = A @ B`` as 2-D matrices: each operand's permute and ``[rows, cols]`` shape, the output's shape before
-    its permute, which operand is sparse, and along which of its axes it holds at most ``nnz`` per slice."""
+    """``out = A @ B`` as batched matrices ``[Bt, M, K] @ [Bt, K, N]``: each operand's permute (batch axes first) and
+    3-D shape, the output's shape before its permute, which operand is sparse, and along which of its axes it holds
+    at most ``nnz`` per slice."""
 
     a_perm: tuple[int, ...]
-    a_2d: tuple[int, int]
+    a_3d: tuple[int, int, int]
     b_perm: tuple[int, ...]
-    b_2d: tuple[int, int]
+    b_3d: tuple[int, int, int]
     out_shape: tuple[int, ...]
     out_perm: tuple[int, ...]
     sparse: str  # "a" | "b"
@@ -72,7 +75,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
     memo: dict = {}
     for node in list(graph.nodes):
         name = op_name(node)
-        if name not in ("mm", "matmul", "einsum", "__matmul__"):
+        if name not in ("mm", "matmul", "einsum", "__matmul__", "bmm"):
             continue
         found = _contraction(node, name)
         plan = None if found is None else _plan(*found, memo)
@@ -84,18 +87,20 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         erase_dead(graph, [a, b])
-        M, K = plan.a_2d
-        N = plan.b_2d[1]
+        batch, M, K = plan.a_3d
+        N = plan.b_3d[2]
         side = "rows" if (plan.sparse, plan.along) in (("a", "k"), ("b", "mn")) else "columns"
-        ctx.rewrite(layer_name(new), f"{name} [{M}, {K}] @ [{K}, {N}] with at most {plan.nnz} non-zeros in each of "
+        shapes = f"[{M}, {K}] @ [{K}, {N}]" + (f" x{batch}" if batch > 1 else "")
+        ctx.rewrite(layer_name(new), f"{name} {shapes} with at most {plan.nnz} non-zeros in each of "
                                      f"{'A' if plan.sparse == 'a' else 'B'}'s {side}",
                     "moe_compile.passes.sparse_contraction.sparse_contraction: topk of the non-zeros, "
                     "moe.gather_segment_sum (linear in tokens)")
 
 
 def _contraction(node: fx.Node, name: str) -> tuple[Any, ...] | None:
-    """``(A, B, A's contracted axes, A's kept axes, B's contracted axes, B's kept axes, output order)`` with the
-    output order a list of ``("a" | "b", axis)``; None when this is no two-operand contraction we read."""
+    """``(A, B, batch axes of A, of B, A's contracted axes, A's kept axes, B's contracted axes, B's kept axes,
+    output order)`` with the output order a list of ``("a" | "b", axis)`` (batch axes as A's); None when this is no
+    two-operand contraction we read."""
     if name == "einsum":
         if len(node.args) != 3 or not isinstance(node.args[0], str) or node.kwargs:
             return None
@@ -111,11 +116,13 @@ def _contraction(node: fx.Node, name: str) -> tuple[Any, ...] | None:
         if any(len(set(t)) != len(t) for t in (ta, tb, out)):
             return None
         shared = set(ta) & set(tb)
-        if shared & set(out) or not shared or any(ch not in out and ch not in shared for ch in ta + tb):
-            return None  # a batch index, an outer product, or an index summed within one operand
-        contracted = [ch for ch in ta if ch in shared]
+        batch = [ch for ch in ta if ch in shared and ch in out]
+        contracted = [ch for ch in ta if ch in shared and ch not in out]
+        if not contracted or any(ch not in out and ch not in shared for ch in ta + tb):
+            return None  # an outer product, or an index summed within one operand
         out_letters = [("a", ta.index(ch)) if ch in ta else ("b", tb.index(ch)) for ch in out]
-        return (a, b, [ta.index(ch) for ch in contracted], [i for i, ch in enumerate(ta) if ch not in shared],
+        return (a, b, [ta.index(ch) for ch in batch], [tb.index(ch) for ch in batch],
+                [ta.index(ch) for ch in contracted], [i for i, ch in enumerate(ta) if ch not in shared],
                 [tb.index(ch) for ch in contracted], [i for i, ch in enumerate(tb) if ch not in shared], out_letters)
     if len(node.args) != 2 or node.kwargs or not all(isinstance(x, fx.Node) for x in node.args):
         return None
@@ -123,20 +130,22 @@ def _contraction(node: fx.Node, name: str) -> tuple[Any, ...] | None:
     sa, sb = shape_of(a), shape_of(b)
     if sa is None or sb is None:
         return None
-    if len(sa) != 2 or len(sb) != 2:
-        return None
-    return a, b, [1], [0], [0], [1], [("a", 0), ("b", 1)]
+    if len(sa) == len(sb) == 2:
+        return a, b, [], [], [1], [0], [0], [1], [("a", 0), ("b", 1)]
+    if len(sa) == len(sb) == 3 and name in ("bmm", "matmul", "__matmul__"):
+        return a, b, [0], [0], [2], [1], [1], [2], [("a", 0), ("a", 1), ("b", 2)]
+    return None
 
 
-def _plan(a: fx.Node, b: fx.Node, a_k: list[int], a_m: list[int], b_k: list[int], b_n: list[int],
-          out_letters: list[tuple[str, int]], memo: dict) -> Plan | None:
+def _plan(a: fx.Node, b: fx.Node, a_bt: list[int], b_bt: list[int], a_k: list[int], a_m: list[int],
+          b_k: list[int], b_n: list[int], out_letters: list[tuple[str, int]], memo: dict) -> Plan | None:
     sa, sb = shape_of(a), shape_of(b)
     if sa is None or sb is None or not all(v is not None and v.is_floating_point()
                                            for v in (tensor_val(a), tensor_val(b))):
         return None  # a symbolic size (a dynamic-shape compile), or integer operands
-    K = math.prod(sa[i] for i in a_k)
-    if K != math.prod(sb[i] for i in b_k) or any(sa[i] != sb[j] for i, j in zip(a_k, b_k)):
-        return None
+    if any(sa[i] != sb[j] for i, j in zip(a_k + a_bt, b_k + b_bt)):
+        return None  # broadcasting along a contracted or batch index
+    Bt, K = math.prod(sa[i] for i in a_bt), math.prod(sa[i] for i in a_k)
     M, N = math.prod(sa[i] for i in a_m), math.prod(sb[i] for i in b_n)
     choices = []
     for side, node, k_axes, kept, kept_size in (("a", a, a_k, a_m, M), ("b", b, b_k, b_n, N)):
@@ -149,9 +158,9 @@ def _plan(a: fx.Node, b: fx.Node, a_k: list[int], a_m: list[int], b_k: list[int]
     if not choices:
         return None
     _, side, along, bound = min(choices)
-    order = [("a", i) for i in a_m] + [("b", j) for j in b_n]
-    out_shape = tuple(sa[i] for i in a_m) + tuple(sb[j] for j in b_n)
-    return Plan(tuple(a_m + a_k), (M, K), tuple(b_k + b_n), (K, N), out_shape,
+    order = [("a", i) for i in a_bt] + [("a", i) for i in a_m] + [("b", j) for j in b_n]
+    out_shape = tuple(sa[i] for i in a_bt) + tuple(sa[i] for i in a_m) + tuple(sb[j] for j in b_n)
+    return Plan(tuple(a_bt + a_m + a_k), (Bt, M, K), tuple(b_bt + b_k + b_n), (Bt, K, N), out_shape,
                 tuple(order.index(x) for x in out_letters), side, along, bound)
 
 
@@ -160,32 +169,39 @@ def sparse_contraction(a: torch.Tensor, b: torch.Tensor, fields: tuple[Any, ...]
     non-zeros per slice: a ``topk`` picks them (in index order, no ties), ``moe.gather_segment_sum`` sums the rows
     they weigh in a fixed order."""
     plan = Plan(*fields)
-    A = a.permute(plan.a_perm).reshape(plan.a_2d)
-    B = b.permute(plan.b_perm).reshape(plan.b_2d)
+    A = a.permute(plan.a_perm).reshape(plan.a_3d)
+    B = b.permute(plan.b_perm).reshape(plan.b_3d)
     if plan.sparse == "b":  # out^T = B^T A^T: B^T the sparse left operand, its rows B's columns
-        out = _sparse_left(B.t(), A.t(), plan.nnz, plan.along).t()
+        out = _sparse_left(B.transpose(1, 2), A.transpose(1, 2), plan.nnz, plan.along).transpose(1, 2)
     else:
         out = _sparse_left(A, B, plan.nnz, plan.along)
-    return out.reshape(plan.out_shape).permute(plan.out_perm)
+    # contiguous, as a product's result is: the user may .view() it
+    return out.reshape(plan.out_shape).permute(plan.out_perm).contiguous()
 
 
 def _sparse_left(S: torch.Tensor, X: torch.Tensor, nnz: int, along: str) -> torch.Tensor:
-    """``S @ X`` for ``S [M, K]`` with at most ``nnz`` non-zeros per row (``along="k"``) or per column (``"mn"``)."""
-    M, K = S.shape
-    dim = 1 if along == "k" else 0
+    """``S @ X`` for ``S [Bt, M, K]`` with at most ``nnz`` non-zeros per row (``along="k"``) or per column
+    (``"mn"``), ``X [Bt, K, N]``: one fixed-order gather-sum over every batch, its rows offset by batch."""
+    Bt, M, K = S.shape
+    dim = 2 if along == "k" else 1
     n = S.shape[dim]
     pos = torch.arange(n, device=S.device)
-    pos = pos if dim == 1 else pos.unsqueeze(1)
+    pos = pos if dim == 2 else pos.unsqueeze(1)
     key = torch.where(S != 0, 2 * n - pos, n - pos)  # distinct: non-zeros first, each in index order
-    picked = key.topk(nnz, dim=dim).indices  # [M, nnz] or [nnz, K]
+    picked = key.topk(nnz, dim=dim).indices  # [Bt, M, nnz] or [Bt, nnz, K]
     weight = S.gather(dim, picked)
     acc = torch.float64 if X.dtype == torch.float64 else torch.float32
-    if dim == 1:  # entries row-major: the output rows are sorted
-        rows = torch.arange(M, device=S.device).repeat_interleave(nnz)
-        return gather_segment_sum(X, picked.reshape(-1), rows, M, weight.reshape(-1).to(acc), idx_sorted=True)
-    cols = torch.arange(K, device=S.device).repeat_interleave(nnz)  # entries column-major: the source rows sorted
-    return gather_segment_sum(X, cols, picked.t().reshape(-1), M, weight.t().reshape(-1).to(acc),
-                              src_idx_sorted=True)
+    X_flat = X.reshape(Bt * K, X.shape[2])
+    batch = torch.arange(Bt, device=S.device).view(Bt, 1, 1)
+    if dim == 2:  # entries (b, m, r): the output rows b*M + m are sorted
+        rows = (batch * M + torch.arange(M, device=S.device).view(1, M, 1)).expand(Bt, M, nnz)
+        return gather_segment_sum(X_flat, (batch * K + picked).reshape(-1), rows.reshape(-1), Bt * M,
+                                  weight.reshape(-1).to(acc), idx_sorted=True).reshape(Bt, M, -1)
+    # entries (b, k, r): the source rows b*K + k are sorted
+    cols = (batch * K + torch.arange(K, device=S.device).view(1, 1, K)).expand(Bt, nnz, K)
+    dest = batch * M + picked
+    return gather_segment_sum(X_flat, cols.transpose(1, 2).reshape(-1), dest.transpose(1, 2).reshape(-1), Bt * M,
+                              weight.transpose(1, 2).reshape(-1).to(acc), src_idx_sorted=True).reshape(Bt, M, -1)
 
 
 __all__ = ["Plan", "run", "sparse_contraction"]

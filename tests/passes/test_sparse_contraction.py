@@ -108,7 +108,7 @@ def test_function_equals_the_product_exactly(sparse, along):
         dim = 0 if along == "k" else 1
         a = torch.randint(-3, 4, (M, K), generator=gen).float()
         b = _sparse(gen, (K, N), dim, R)
-    plan = Plan((0, 1), (M, K), (0, 1), (K, N), (M, N), (0, 1), sparse, along, R)
+    plan = Plan((0, 1), (1, M, K), (0, 1), (1, K, N), (M, N), (0, 1), sparse, along, R)
     a.requires_grad_(), b.requires_grad_()
     got = sparse_contraction(a, b, tuple(vars(plan).values()))
     want = a @ b
@@ -122,6 +122,39 @@ def test_function_equals_the_product_exactly(sparse, along):
     assert torch.equal(g[s != 0], w[s != 0])
     assert bool(((g == 0) | (g == w)).all())
     assert int(((g != 0) | (s != 0)).sum(dim).max()) <= R
+
+
+class GroupedExpertChoice(nn.Module):
+    """The expert-choice paper's layer with GShard's group dim ``g``: each expert takes its top-``k`` tokens of a
+    group, dispatch and combine as einsums over the one-hot ``[G, E, k, S]`` permutation (the combine a
+    three-operand einsum, split into pairs by ``normalize``)."""
+
+    def __init__(self, hidden=16, ffn=24, experts=4, capacity=3, seed=0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.k = capacity
+        self.W_g = nn.Parameter(torch.randn(hidden, experts, generator=gen))
+        self.W_1 = nn.Parameter(torch.randn(experts, hidden, ffn, generator=gen) / hidden ** 0.5)
+        self.W_2 = nn.Parameter(torch.randn(experts, ffn, hidden, generator=gen) / ffn ** 0.5)
+
+    def forward(self, X):
+        S = torch.einsum("gsm,me->gse", X, self.W_g).softmax(dim=-1)
+        G, I = torch.topk(S.transpose(1, 2), self.k, dim=-1)  # noqa: E741 - [G, E, k]
+        P = F.one_hot(I, X.shape[1]).to(X.dtype)  # [G, E, k, S]
+        X_in = torch.einsum("gsm,geks->gekm", X, P)
+        H = F.gelu(torch.einsum("gekm,emh->gekh", X_in, self.W_1))
+        X_e = torch.einsum("gekh,ehm->gekm", H, self.W_2)
+        return torch.einsum("geks,gek,gekm->gsm", P, G, X_e)
+
+
+def test_batched_and_three_operand_einsums():
+    """Group dims (a batch index in both operands and the output) and a three-operand combine: the dispatch and the
+    combine are both rewritten, the step within eager's bound, no scatter-add left."""
+    seed = torch.seed() % 2**16
+    model = GroupedExpertChoice(seed=seed)
+    x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(seed + 1), requires_grad=True)
+    run = check_rewrite(model, [x], {"sparse_contraction": 2}, backend="moe_compile", code_checks=[no_scatter_add])
+    assert run.report.count("normalize") >= 1
 
 
 def test_dense_products_left_alone():
