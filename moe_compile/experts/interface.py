@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_compile.ops import grouped_mm as gmm
+from moe_compile.ops import quack_gemm
 from moe_compile.ops.expert_gemm import GLU_ACTIVATIONS, expert_gemm, runs_on_weight
 from moe_compile.ops.permute_pad import permute_pad
 from moe_compile.ops.unpad_unpermute import unpad_unpermute
@@ -216,8 +217,6 @@ def _quack_mlp(rows: int, hidden: int, inter: int, experts: int, dtype: torch.dt
     Dynamo); ``quack`` is not imported unless installed."""
     if device_type != "cuda":
         return False
-    from moe_compile.ops import quack_gemm
-
     return quack_gemm.quack_usable(rows, hidden, inter, experts, dtype, torch.device(device_type, device_index))
 
 
@@ -226,10 +225,8 @@ def _quack_expert_mlp(x_TH: Tensor, ids_TK: Tensor, weights_TK: Tensor, gate_up:
     """The SwiGLU MLP on QuACK: the routing index from ``permute_pad`` (over a narrow dummy row: the GEMM
     gathers the tokens itself), then the MLP and the weighted combine
     (NOTE [QuACK expert MLP] (moe_compile/ops/quack_gemm.py))."""
-    from moe_compile.ops.quack_gemm import glu_expert_mlp
-
     index = permute_pad(x_TH.new_zeros(x_TH.shape[0], 8), ids_TK, None, num_experts=num_experts, align=1)
-    y_MH = glu_expert_mlp(x_TH.contiguous(), index.row_map, index.offs_E, gate_up.w_ENK, down.w_ENK,
+    y_MH = quack_gemm.glu_expert_mlp(x_TH.contiguous(), index.row_map, index.offs_E, gate_up.w_ENK, down.w_ENK,
                           index.rows_MH.shape[0])
     return unpad_unpermute(y_MH, index.row_map, weights_TK).to(x_TH.dtype)
 

@@ -329,9 +329,9 @@ def test_bincount_counts_with_capture_flags():
 
 
 class _SharedBiasPadded(hw.PaddedIndexPut):
-    """``PaddedIndexPut`` with a trained bias shared by all rows between the grouped GEMMs (the weight NOTE [tail rows]
-    (moe_compile/passes/forms/rowwise.py) is about); with ``empty``, the padded buffer is ``new_empty`` (its pad
-    rows uninitialised) instead of ``new_zeros``."""
+    """``PaddedIndexPut`` with a trained bias shared by all rows between the grouped GEMMs (the weight of
+    NOTE [tail rows] (moe_compile/passes/forms/rowwise.py)); with ``empty``, the padded buffer is ``new_empty`` (its
+    pad rows uninitialised) instead of ``new_zeros``."""
 
     def __init__(self, *args, empty: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
