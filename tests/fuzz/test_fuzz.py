@@ -121,12 +121,19 @@ def test_never_worse_table_on_corpus_layers(capsys):
 
 
 _FINDINGS = sorted((Path(__file__).parent / "findings").rglob("*.py"))
+# the finding scripts that run in about 10 s on 2 cores: in the default suite (the others with -m slow)
+FAST_FINDINGS = frozenset({"fuse_dispatch_validation_refused_bf16_eval_grad",
+                           "grouped_mm_fallback_fp16_nonfinite_pattern", "inductor_zero_residue"})
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script_path", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="an open finding (FINDINGS.md)"))
-    if p.parent.name == "open" else p for p in _FINDINGS], ids=lambda p: p.stem)
+def _finding_param(p: Path) -> object:
+    marks = [] if p.stem in FAST_FINDINGS else [pytest.mark.slow]
+    if p.parent.name == "open":
+        marks.append(pytest.mark.xfail(strict=True, reason="an open finding (FINDINGS.md)"))
+    return pytest.param(p, marks=marks, id=p.stem)
+
+
+@pytest.mark.parametrize("script_path", [_finding_param(p) for p in _FINDINGS])
 def test_finding_scripts(script_path: Path):
     """Every finding's standalone script (FINDINGS.md) still passes, or fails only with a class of ``known.py``
     (the script prints ``(known: <tag>)``): a fixed finding that comes back fails here. Scripts under ``open/`` are
