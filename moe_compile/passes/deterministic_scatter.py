@@ -10,7 +10,8 @@ Shapes: ``N`` entries, ``D`` columns per entry, ``R`` rows of the target.
 
 Matches (one node each; which ops accumulate is :func:`moe_compile.passes.forms.accumulate.is_accumulating`)::
 
-    (a) index_put(base_RD, [idx_S], values, True) / _unsafe_index_put(..., True)   (idx of any shape S)
+    (a) index_put(base_RD, [idx_S], values, True) / _unsafe_index_put(..., True)   (idx of any shape S; k index
+        tensors for the k leading dims: one flat index)
     (b) _unsafe_masked_index_put_accumulate(base_RD, mask, [idx_S], values)       (Inductor's embedding
         backward: mask = 0 <= idx < R & idx != padding_idx, constant along D)
     (c) embedding_dense_backward(grad_SD, idx_S, R, padding_idx, scale_grad_by_freq)
@@ -36,7 +37,7 @@ Fires when:
     (NOTE [one add into a live tensor] (moe_compile/passes/forms/accumulate.py)).
 
 Skips when (reason tags): ``inplace`` (an in-place form: the joint graph is functional, so not expected),
-``multi_index`` (``index_put`` with several index tensors or ``None`` holes), ``bool_index``,
+``multi_index`` (``index_put`` with ``None`` holes, or a masked put with several index tensors), ``bool_index``,
 ``mask_not_rowwise`` (a masked put whose mask varies along ``D``), ``symbolic_rows`` (the target's row
 count is not a compile-time int: it sizes the op's output), ``dtype`` (bool / 8- and 16-bit integer
 targets), ``unsupported_form`` (``scatter_reduce`` other than a sum, ``index_reduce``, ``put``: the audit lists
@@ -175,47 +176,62 @@ def _check_dtype(node: fx.Node) -> None:
         raise NoMatch("dtype", f"{op_name(node)} into {None if out is None else out.dtype}")
 
 
-def _index_put_form(node: fx.Node) -> tuple[Any, Any, Any, Any]:
-    """``(base, idx, values, mask or None)`` of forms (a) and (b)."""
+def _index_put_form(node: fx.Node) -> tuple[Any, list[fx.Node], Any, Any]:
+    """``(base, index nodes, values, mask or None)`` of forms (a) and (b): one index tensor per leading dim of
+    ``base`` (a masked put: one)."""
     masked = node.target == aten._unsafe_masked_index_put_accumulate.default
     base = node.args[0]
     indices = arg(node, 2, "indices") if masked else arg(node, 1, "indices")
     values = arg(node, 3, "values") if masked else arg(node, 2, "values")
-    if not isinstance(indices, (list, tuple)) or len(indices) != 1 or not isinstance(indices[0], fx.Node):
+    if not isinstance(indices, (list, tuple)) or not indices or not all(isinstance(i, fx.Node) for i in indices) \
+            or (masked and len(indices) != 1):
         raise NoMatch("multi_index", f"{op_name(node)} with indices {indices}")
-    idx = tensor_val(indices[0])
-    if idx is None or idx.dtype == torch.bool or idx.is_floating_point():
-        raise NoMatch("bool_index", f"{op_name(node)} with a {None if idx is None else idx.dtype} index")
-    return base, indices[0], values, (arg(node, 1, "mask") if masked else None)
+    for i in indices:
+        idx = tensor_val(i)
+        if idx is None or idx.dtype == torch.bool or idx.is_floating_point():
+            raise NoMatch("bool_index", f"{op_name(node)} with a {None if idx is None else idx.dtype} index")
+    return base, list(indices), values, (arg(node, 1, "mask") if masked else None)
 
 
 def _rewrite_index_put(graph: fx.Graph, node: fx.Node, lowering: Lowering = SORTED) -> str:
-    base, idx, values, mask = _index_put_form(node)
-    rows, zeros = _rows(base), acc.is_zeros(base)
+    """Forms (a) and (b); ``k`` index tensors (Flaxformer's ``(group, expert, slot)``) index the ``[prod of the k
+    leading dims]`` rows of ``base`` by one flat index, ``sum_i idx_i * stride_i``, each wrapped where negative."""
+    base, indices, values, mask = _index_put_form(node)
+    k = len(indices)
     base_v = tensor_val(base)
-    rest = tuple(base_v.shape[1:])
-    lead = 0
+    lead = [known_int(d) for d in base_v.shape[:k]] if base_v is not None and base_v.dim() >= k else [None]
+    if None in lead:
+        raise NoMatch("symbolic_rows", f"target rows {None if base_v is None else tuple(base_v.shape)} not static")
+    rows, zeros = math.prod(lead), acc.is_zeros(base)
+    strides = [math.prod(lead[i + 1:]) for i in range(k)]
+    rest = tuple(base_v.shape[k:])
+    lead_dims = 0
     if mask is not None:
         mask_v, values_v = tensor_val(mask), tensor_val(values)
-        lead = mask_v.dim() - len(rest)
-        if mask_v.dim() != values_v.dim() or any(known_int(s) != 1 for s in mask_v.shape[max(lead, 0):]):
+        lead_dims = mask_v.dim() - len(rest)
+        if mask_v.dim() != values_v.dim() or any(known_int(s) != 1 for s in mask_v.shape[max(lead_dims, 0):]):
             raise NoMatch("mask_not_rowwise", f"mask {tuple(mask_v.shape)} varies along the rows' trailing dims")
 
-    masks = 0 if mask is None else 1  # leading args after values: the mask, then the lowering's own
+    masks = 0 if mask is None else 1  # args after the indices: the mask, then the lowering's own
 
-    def fn(base, idx, values, *rest_args):
-        maybe_mask, extra = rest_args[:masks], rest_args[masks:]
+    def fn(base, values, *more):
+        idxs, more = more[:k], more[k:]
+        maybe_mask, extra = more[:masks], more[masks:]
+        idxs = torch.broadcast_tensors(*idxs) if k > 1 else idxs
+        idx = sum(torch.where(i < 0, i + size, i) * stride  # index_put wraps negative indices
+                  for i, size, stride in zip(idxs, lead, strides))
         n = idx.numel()
         idx_N = idx.reshape(n)
-        idx_N = torch.where(idx_N < 0, idx_N + rows, idx_N)  # index_put wraps negative indices
         src_ND = values.expand(*idx.shape, *rest).reshape(n, math.prod(rest))
-        mask_N = maybe_mask[0].reshape(maybe_mask[0].shape[:lead]).expand(idx.shape).reshape(n) if maybe_mask else None
+        mask_N = maybe_mask[0].reshape(maybe_mask[0].shape[:lead_dims]).expand(idx.shape).reshape(n) \
+            if maybe_mask else None
         summed = lowering.sum_fn(src_ND, idx_N, rows, mask_N, *extra).reshape(base.shape)
         return summed if zeros else base + summed
 
-    args = (base, idx, values) + ((mask,) if mask is not None else ()) + lowering.args
+    args = (base, values, *indices) + ((mask,) if mask is not None else ()) + lowering.args
     _replace(graph, node, fn, args)
-    return lowering.replaced_by + ("" if mask is None else ", masked entries skipped")
+    return lowering.replaced_by + ("" if mask is None else ", masked entries skipped") + \
+        (f" ({k} index tensors as one flat index)" if k > 1 else "")
 
 
 def _rewrite_embedding_backward(graph: fx.Graph, node: fx.Node) -> str:

@@ -57,6 +57,9 @@ class _Forms(nn.Module):
         if self.form == "scatter_add_dim1":  # elementwise indices along dim 1, into a live tensor
             index = ids_T.remainder(3).unsqueeze(0).expand(x_TH.shape[0], -1)[:, :4]
             return (x_TH[:, :3] + 1).scatter_add(1, index, x_TH[:, :4])
+        if self.form == "index_put_two_indices":  # (row, slot) into a [R, 3, H] buffer (Flaxformer's scatter router)
+            buf = torch.zeros(R, 3, x_TH.shape[1])
+            return buf.index_put((ids_T.remainder(R), ids_T.remainder(3) - 3), x_TH * 2, accumulate=True)
         if self.form == "scatter_reduce_sum":  # a sum that leaves the zero base out (DeepSpeed FastGen's combine)
             index = ids_T.remainder(R).unsqueeze(1).expand_as(x_TH)
             return torch.zeros(R, x_TH.shape[1]).scatter_reduce(0, index, x_TH * 2, "sum", include_self=False)
@@ -84,7 +87,7 @@ def test_embedding_backward_becomes_segment_sum(padding_idx, scale):
 
 
 @pytest.mark.parametrize("form", ["gather_2d", "scatter_add", "scatter_add_dim1", "index_add_alpha",
-                                  "scatter_reduce_sum"])
+                                  "scatter_reduce_sum", "index_put_two_indices"])
 def test_accumulations_left_by_deterministic_accumulate(form):
     torch.manual_seed(1)
     x = torch.randn(8, 6, requires_grad=True)
