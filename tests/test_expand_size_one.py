@@ -71,6 +71,7 @@ def test_guarded_size_one_layer_is_right_under_moe_compile():
     assert [PASS_NAME, "rewrite", w.NAME] in result["records"], result["records"]
 
 
+@pytest.mark.slow  # a negative control (~37 s): the default suite's time budget
 def test_guarded_size_one_layer_control_plain_inductor_is_off():
     status, result, output = _run("inductor")
     if status == 0 and result is not None and all(s["ok"] for s in result["steps"]):

@@ -70,6 +70,7 @@ def test_deterministic_training_step(family):
         tol.assert_layer_close(g, grads_eager[name], k_dims, torch.bfloat16, backward=True, rows=rows, what=name)
 
 
+@pytest.mark.slow  # ~75 s on 2 cores: the default suite's time budget
 def test_activation_checkpointing_keeps_every_rewrite():
     """Under activation checkpointing Dynamo breaks the graph per layer and the layers get the causal mask as an input
     (as under FSDP2): the MoE layer is still rewritten, attention runs ``moe.masked_attention`` instead of flash,

@@ -71,7 +71,7 @@ class MatmulCapacityMoE(nn.Module):
         return combine.view(T, E * C).mm(ys.view(E * C, -1)).reshape(shape)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16])
 @pytest.mark.parametrize("spelling", ["mm", "einsum"])
 def test_capacity_products_rewritten_within_eager_bound(spelling, dtype):
     """Both products of a capacity layer (tokens dropped at capacity 0.75) are rewritten, whichever spelling built
