@@ -6,8 +6,8 @@
   (file, device, versions, commit, date of the run).
 * The README's headline table (:func:`headline`): the training step of each ``train_determinism_*.json`` model and
   the MoE blocks of ``moe_block.json``, each number with its device.
-* Plots (:func:`plot`, when matplotlib imports): the training step per model, one figure per device, in
-  ``docs/img/train_step_<device>.png``.
+* Plots (:func:`plot`, when matplotlib imports), one figure per device and kind in ``docs/img/``: the training step
+  per model (``train_step_<device>.png``) and the dispatch ops against the copy floor (``dispatch_<device>.png``).
 
 Usage, from the repository root:
 
@@ -466,20 +466,48 @@ def headline(paths: list[pathlib.Path]) -> list[str]:
 
 
 def plot(paths: list[pathlib.Path], out_dir: pathlib.Path = IMG_DIR) -> list[pathlib.Path]:
-    """Bar charts of the ``train_determinism`` files' step times, one figure per device (the device in its title
-    and name: ``train_step_<device>.png``); each model a group of bars, one per variant it ran. Needs matplotlib
-    (an optional dependency): without it, raises ImportError."""
+    """The plots of ``docs/benchmarks.md``, one figure per device and kind (the device in its title and file name):
+
+    * ``train_step_<device>.png``: the ``train_determinism`` files' step times, each model a group of bars, one per
+      variant of :data:`TRAIN_VARIANTS` any file of that device ran (eager where a file has it);
+    * ``dispatch_<device>.png``: ``dispatch.json``'s ops (``permute_pad`` / ``unpad_unpermute``, forward and
+      backward), each implementation's time over the copy floor per shape, on a log scale (1 = the floor).
+
+    Needs matplotlib (an optional dependency): without it, raises ImportError."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_device: dict[str, list[tuple[pathlib.Path, dict[str, Any]]]] = {}
-    for path, data in _load(paths, "train_determinism"):
-        by_device.setdefault(_device(data["env"].get("device")), []).append((path, data))
-    written = []
     out_dir.mkdir(parents=True, exist_ok=True)
-    for device, files in sorted(by_device.items()):
+    return _plot_train_step(plt, paths, out_dir) + _plot_dispatch(plt, paths, out_dir)
+
+
+Loaded = list[tuple[pathlib.Path, dict[str, Any]]]
+
+
+def _by_device(found: Loaded) -> dict[str, Loaded]:
+    """``found`` (:func:`_load`'s files) by device, devices in name order."""
+    by_device: dict[str, Loaded] = {}
+    for path, data in found:
+        by_device.setdefault(_device(data["env"].get("device")), []).append((path, data))
+    return dict(sorted(by_device.items()))
+
+
+def _when(files: Loaded) -> str:
+    dates = sorted({(d["env"].get("date") or "?")[:10] for _, d in files})
+    return dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+
+
+def _save(plt: Any, fig: Any, path: pathlib.Path) -> pathlib.Path:
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
+def _plot_train_step(plt: Any, paths: list[pathlib.Path], out_dir: pathlib.Path) -> list[pathlib.Path]:
+    written = []
+    for device, files in _by_device(_load(paths, "train_determinism")).items():
         files.sort(key=lambda item: (item[1]["rows"][0].get("world_size", 1), item[0].name))
         variants = [v for v in TRAIN_VARIANTS if any(_find(d["rows"], variant=v) for _, d in files)]
         fig, ax = plt.subplots(figsize=(1.9 * len(files) + 2, 3.6))
@@ -491,17 +519,62 @@ def plot(paths: list[pathlib.Path], out_dir: pathlib.Path = IMG_DIR) -> list[pat
             ax.bar_label(bars, labels=[_num(y, 1) if y else "" for y in ys], fontsize=6, padding=1)
         ax.set_xticks(range(len(files)), [_train_label(d["rows"]).replace(", ", "\n") for _, d in files], fontsize=8)
         ax.set_ylabel("training step, ms (lower is better)")
-        dates = sorted({(d["env"].get("date") or "?")[:10] for _, d in files})
-        when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+        missing = [TRAIN_VARIANTS[v].strip("`") for v in TRAIN_VARIANTS if v not in variants]
         ax.set_title(f"2-layer CausalLMs, bf16, 2 x 2048 tokens, one step = forward + backward: {device}\n"
-                     f"(benchmarks/results/train_determinism_*.json, {when})", fontsize=9)
+                     f"(benchmarks/results/train_determinism_*.json, {_when(files)}"
+                     + (f"; not run: {', '.join(missing)}" if missing else "") + ")", fontsize=9)
         ax.legend(fontsize=7, ncols=len(variants), loc="upper left")
         ax.margins(y=0.15)
         fig.tight_layout()
-        path = out_dir / f"train_step_{device}.png"
-        fig.savefig(path, dpi=110, metadata={"Software": None})
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(plt, fig, out_dir / f"train_step_{device}.png"))
+    return written
+
+
+# bench_dispatch's implementations, in the order the dispatch plot shows them ("floor" is the line at 1)
+DISPATCH_IMPLS = {"ours_graph": "moe_compile ops, CUDA graph", "ours_eager": "moe_compile ops, eager",
+                  "inductor": "plain Inductor", "torch_eager": "PyTorch eager (argsort, index_add)"}
+
+
+def _plot_dispatch(plt: Any, paths: list[pathlib.Path], out_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Only ``dispatch.json`` itself: its configurations (``dispatch_ours_*``) time our ops alone, at other commits."""
+    written = []
+    for device, files in _by_device([(p, d) for p, d in _load(paths, "dispatch") if p.stem == "dispatch"]).items():
+        rows = [r for _, d in files for r in d["rows"]]
+        configs = _ordered(rows, "config")
+        impls = [i for i in DISPATCH_IMPLS if any(r["impl"] == i for r in rows)]
+        panels = [(op, direction) for op in _ordered(rows, "op")
+                  for direction in _ordered([r for r in rows if r["op"] == op], "direction")]
+        ncols = 2
+        nrows = math.ceil(len(panels) / ncols)
+        fig, axes = plt.subplots(nrows, ncols, figsize=(10, 2.7 * nrows + 1.0), sharey=True, squeeze=False)
+        width = 0.8 / len(impls)
+        for ax, (op, direction) in zip(axes.flat, panels, strict=False):
+            mine = [r for r in rows if r["op"] == op and r["direction"] == direction]
+            for i, impl in enumerate(impls):
+                xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(configs))]
+                ys = [_get(mine, "x_floor", config=c, impl=impl) or float("nan") for c in configs]
+                bars = ax.bar(xs, ys, width, label=DISPATCH_IMPLS[impl], color=f"C{i}")
+                ax.bar_label(bars, labels=[_num(y, 2 if y < 2 else 1) for y in ys], fontsize=6, padding=1)
+            ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+            floors = [_get(mine, "time_us", config=c, impl="floor") for c in configs]
+            ax.set_xticks(range(len(configs)), [f"{c.replace('_', ' ')}\nfloor {_num(f, 0)} us"
+                                                for c, f in zip(configs, floors, strict=True)], fontsize=7)
+            ax.set_yscale("log")
+            ax.set_title(f"{op} {direction}", fontsize=9)
+            ax.margins(y=0.2)
+        for ax in axes.flat[len(panels):]:
+            ax.set_visible(False)
+        for ax in axes[:, 0]:
+            ax.set_ylabel("time / copy floor (log)", fontsize=8)
+        bandwidth = files[0][1]["env"].get("copy_bandwidth_GBps")
+        floor = f"{_num(bandwidth, 0)} GB/s" if bandwidth else "the measured copy bandwidth"
+        fig.suptitle(f"Dispatch ops, bf16, time over the copy floor (bytes read + written at {floor}; "
+                     f"dashed line = the floor, lower is better): {device}\n"
+                     f"(benchmarks/results/dispatch.json, {_when(files)})", fontsize=9)
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, fontsize=7, ncols=len(impls), loc="lower center")
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
+        written.append(_save(plt, fig, out_dir / f"dispatch_{device}.png"))
     return written
 
 

@@ -106,14 +106,24 @@ def test_headline_names_the_device_of_every_number():
 
 
 def test_plot_draws_one_figure_per_device(tmp_path):
-    """The training-step plots (matplotlib is optional: skipped without it), one PNG per device, named after it."""
+    """The plots (matplotlib is optional: skipped without it), one PNG per device and kind, named after both: the
+    training step of the ``train_determinism`` files, the dispatch ops of ``dispatch.json``; and the ones in docs/img
+    are those, each linked from docs/benchmarks.md."""
     pytest.importorskip("matplotlib")
     from benchmarks import summarize
 
     written = summarize.plot(RESULTS, tmp_path)
-    devices = {summarize._device(json.loads(p.read_text())["env"]["device"]) for p in RESULTS
-               if p.stem.startswith("train_determinism")}
-    assert sorted(p.name for p in written) == sorted(f"train_step_{d}.png" for d in devices)
+
+    def devices(match):
+        return {summarize._device(json.loads(p.read_text())["env"]["device"]) for p in RESULTS if match(p.stem)}
+
+    expected = sorted([f"train_step_{d}.png" for d in devices(lambda s: s.startswith("train_determinism"))]
+                      + [f"dispatch_{d}.png" for d in devices(lambda s: s == "dispatch")])
+    assert sorted(p.name for p in written) == expected
+    assert any(name.startswith("dispatch_") for name in expected)
+    assert sorted(p.name for p in (ROOT / "docs" / "img").glob("*.png")) == expected
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert [name for name in expected if f"(img/{name})" not in docs] == []
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
 
 
