@@ -7,8 +7,10 @@ Whatever its spelling, such a routing tensor has at most ``M`` non-zeros per tok
 proves the bound from the ops that build it (one-hots, comparisons with an arange, scatters into zeros, their
 products, sums and views), never from values.
 
-Matches (Dynamo's Torch IR; ``mm``, ``bmm``, ``matmul`` of two 2-D or 3-D operands, ``einsum`` of two operands, batch
-indices included: GShard's ``"gsec,gsm->egcm"``; ``normalize`` splits an einsum of more operands into pairs)::
+The products read: ``mm``, ``bmm``, ``matmul`` of two 2-D or 3-D operands, ``einsum`` of two operands, batch indices
+included (GShard's ``"gsec,gsm->egcm"``; ``normalize`` splits an einsum of more operands into pairs).
+
+Matches (Dynamo's Torch IR)::
 
     out_MN = A_MK @ B_KN           where A (or B) has at most R non-zeros in every row or every column, R <= size / 4
                                    (per batch: [Bt, M, K] @ [Bt, K, N])
