@@ -16,11 +16,16 @@ from tests.models.blind_corpus_check import check
 
 # rewritten and clean at the last run recorded in BLIND_CORPUS.md
 REWRITTEN = frozenset({
-    "mistral_reference_where_loop", "hf_mixtral_sparse_moe_block", "hf_mixtral_v5_experts_hit",
-    "gptfast_conditional_feedforward", "hf_batched_mm_experts", "deepseek_v3_inference_bincount",
-    "hf_deepseek_v3_noaux_tc", "dbrx_experts_glu_views", "olmoe_sparse_moe_block", "qwen2_moe_shared_expert_gate",
-    "hf_grouped_mm_experts", "vllm_pallas_gmm", "megatron_permute_masked_select",
-    "deepseek_v2_train_repeat_interleave", "deepseek_v2_moe_infer_argsort", "torchtitan_for_loop_experts",
+    "dbrx_experts_glu_views", "deepseek_v2_moe_infer_argsort", "deepseek_v2_train_repeat_interleave",
+    "deepseek_v3_inference_bincount", "deepspeed_fastgen_ragged_multigemm", "expert_choice_paper_onehot",
+    "fairseq_top1gate_moe_layer", "fairseq_top2gate_moe_layer", "gptfast_conditional_feedforward",
+    "grok1_moe_slow_matmul", "hf_batched_mm_experts", "hf_deepseek_v3_noaux_tc", "hf_grouped_mm_experts",
+    "hf_mixtral_sparse_moe_block", "hf_mixtral_v5_experts_hit", "jetmoe_parallel_experts",
+    "megablocks_dmoe_grouped_gmm", "megablocks_moe_binned_capacity", "megatron_permute_argsort_grouped",
+    "megatron_permute_masked_select", "mistral_reference_where_loop", "olmoe_sparse_moe_block",
+    "qwen2_moe_shared_expert_gate", "torchtitan_expert_choice", "torchtitan_for_loop_experts",
+    "torchtitan_grouped_mm_padded", "tutel_batch_prioritized_top1", "tutel_fast_dispatch_top2",
+    "vllm_moe_align_block_size", "vllm_pallas_gmm", "vllm_torch_iterative_dense",
 })
 
 
