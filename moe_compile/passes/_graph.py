@@ -223,6 +223,31 @@ def known_int(x: Any) -> int | None:
     return None
 
 
+def static_shape(node: Any) -> tuple[int, ...] | None:
+    """The shape of a node's tensor value as plain ints, or None (no tensor, or a symbolic size)."""
+    t = tensor_val(node)
+    if t is None:
+        return None
+    dims = tuple(known_int(s) for s in t.shape)
+    return None if any(d is None for d in dims) else dims  # type: ignore[return-value]
+
+
+def einsum_terms(node: fx.Node) -> tuple[list[str], str, list[fx.Node]] | None:
+    """``(input terms, output term, operands)`` of ``einsum("ab,bc->ac", x, y)`` as Dynamo records it (an explicit
+    output, no ellipsis, no repeated index within a term, every operand a node), else None."""
+    if op_name(node) != "einsum" or node.kwargs or len(node.args) < 2 or not isinstance(node.args[0], str):
+        return None
+    eq = node.args[0].replace(" ", "")
+    operands = list(node.args[1:])
+    if "->" not in eq or "." in eq or not all(isinstance(o, fx.Node) for o in operands):
+        return None
+    lhs, out = eq.split("->")
+    terms = lhs.split(",")
+    if len(terms) != len(operands) or any(len(set(t)) != len(t) for t in (*terms, out)):
+        return None
+    return terms, out, operands
+
+
 def fake_mode_of(values: Iterable[Any]) -> Any:
     """The fake mode to run on ``values`` (pytrees of example values), or None when they hold no tensor.
 

@@ -59,10 +59,17 @@ import torch.fx as fx
 
 from moe_compile.ops.segment_sum import gather_segment_sum
 from moe_compile.passes import NoMatch, PassContext
-from moe_compile.passes._graph import erase_dead, graph_call, known_int, layer_name, op_name, tensor_val
+from moe_compile.passes._graph import (
+    einsum_terms,
+    erase_dead,
+    graph_call,
+    layer_name,
+    op_name,
+    static_shape,
+    tensor_val,
+)
 from moe_compile.passes.forms.counts import mark_capacity
 
-_EINSUM = ("einsum",)
 _CASTS = ("to", "float", "double", "half", "bfloat16", "type_as", "type", "long", "int")
 _MULS = ("mul", "mul_", operator.mul.__name__)
 
@@ -76,8 +83,8 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             continue
         kind, d, other = form
         try:
-            shape = _shape(d)
-            if shape is None or _shape(other) is None:
+            shape = static_shape(d)
+            if shape is None or static_shape(other) is None:
                 raise NoMatch("symbolic_shape", f"{d.name}: {getattr(tensor_val(d), 'shape', None)}")
             T, E, C = shape
             terms = [_with_ids(t, E) for t in _terms(d, E, C)]
@@ -121,14 +128,6 @@ class _Term:
     boolean: bool = False  # under a bool() of the whole sum: each slot 1 where its entries' weights sum to non-zero
 
 
-def _shape(node: Any) -> tuple[int, ...] | None:
-    t = tensor_val(node)
-    if t is None:
-        return None
-    dims = tuple(known_int(s) for s in t.shape)
-    return None if any(d is None for d in dims) else dims  # type: ignore[return-value]
-
-
 def _exact_cast(node: fx.Node, src: fx.Node) -> bool:
     """A cast that keeps every value: from bool / integer values (0/1 products and small sums), or to a float of at
     least the source's precision."""
@@ -168,7 +167,7 @@ def _flat_factors(node: fx.Node, squeeze: bool) -> list[tuple[fx.Node, bool]]:
 def _plain_factor(node: fx.Node, rank: int) -> list[tuple[fx.Node, bool]]:
     """A factor of a one-hot term with no ``c`` dim of its own: ``f.unsqueeze(-1)`` or any ``[..., 1]`` tensor of
     the term's rank; its leaves, each flagged when its trailing size-1 dim must be squeezed."""
-    shape = _shape(node)
+    shape = static_shape(node)
     if shape is None or len(shape) != rank or shape[-1] != 1:
         raise NoMatch("not_one_hot", f"{node.name}: a factor with a c dim of its own ({shape})")
     if op_name(node) == "unsqueeze" and node.args[1:2] in ((-1,), (rank - 1,)):
@@ -203,20 +202,20 @@ def _terms(node: fx.Node, E: int, C: int) -> list[_Term]:
         if found is None:  # a dynamic-shape compile: C = ceil(factor * T * K / E) is a symbol
             raise NoMatch("symbolic_shape", f"{node.name}: one_hot's num_classes is not a static int")
         pos, n = found
-        shape = _shape(node)
+        shape = static_shape(node)
         if n != C or shape is None or len(shape) < 3 or shape[-2] != E:
             raise NoMatch("not_one_hot", f"{node.name}: one_hot over {n} classes, shape {shape}")
         lead = shape[:-2]
         return [_Term(ids=None, pos=pos, factors=[], lead=lead, visible=tuple(range(len(lead))))]  # type: ignore
     if name == "unsqueeze" and (_one_hot(node.args[0]) or (None, None))[1] == C:
-        shape = _shape(node)
+        shape = static_shape(node)
         if shape is None or len(shape) < 3 or shape[-2] != 1 or node.args[1] not in (-2, len(shape) - 2):
             raise NoMatch("not_one_hot", f"{node.name}: one_hot(P, C) unsqueezed elsewhere than before c")
         lead = shape[:-2]
         return [_Term(ids=None, pos=node.args[0].args[0], factors=[], lead=lead,  # type: ignore[arg-type]
                       visible=tuple(range(len(lead))))]
     if name in _MULS and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args):
-        rank = len(_shape(node) or ())
+        rank = len(static_shape(node) or ())
         for c_side, other in (node.args, node.args[::-1]):
             try:
                 terms = _terms(c_side, E, C)
@@ -250,7 +249,7 @@ def _with_ids(term: _Term, E: int) -> _Term:
     """The term with its ``one_hot(I, E)`` factor taken out as ``ids``."""
     for i, (f, squeeze) in enumerate(term.factors):
         oh = _one_hot(f if not squeeze else None)
-        if oh is not None and oh[1] == E and _shape(oh[0]) == term.lead:
+        if oh is not None and oh[1] == E and static_shape(oh[0]) == term.lead:
             return dataclasses.replace(term, ids=oh[0], factors=term.factors[:i] + term.factors[i + 1:])
     raise NoMatch("not_one_hot", "an entry with no one_hot(ids, E) factor (its expert is not one per entry)")
 
@@ -323,15 +322,10 @@ def _entry_weight(w_N: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def _equation(node: fx.Node) -> tuple[str, fx.Node, fx.Node] | None:
     """``("dispatch" | "combine", D, other)`` for an einsum of those shapes, else None."""
-    if op_name(node) not in _EINSUM or len(node.args) != 3 or not isinstance(node.args[0], str) or node.kwargs:
+    spec = einsum_terms(node)
+    if spec is None or len(spec[0]) != 2:
         return None
-    eq = node.args[0].replace(" ", "")
-    if "->" not in eq or "." in eq:
-        return None
-    lhs, out = eq.split("->")
-    ins = lhs.split(",")
-    if len(ins) != 2 or not all(isinstance(a, fx.Node) for a in node.args[1:]):
-        return None
+    ins, out, _ = spec
     for i in (0, 1):
         d, o = ins[i], ins[1 - i]
         if len(d) != 3 or len(set(d)) != 3:

@@ -39,7 +39,16 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes import PassContext
-from moe_compile.passes._graph import arg, erase_dead, graph_call, known_int, layer_name, op_name, tensor_val
+from moe_compile.passes._graph import (
+    arg,
+    einsum_terms,
+    erase_dead,
+    graph_call,
+    known_int,
+    layer_name,
+    op_name,
+    tensor_val,
+)
 
 _ARGSORTS = ("argsort",)
 
@@ -63,16 +72,10 @@ def _einsum_in_pairs(graph: fx.Graph, node: fx.Node) -> str | None:
     """Rule 4: ``einsum("ab,bc,cd->ad", x, y, z)`` -> ``einsum("ac,cd->ad", einsum("ab,bc->ac", x, y), z)``, left to
     right (torch.einsum's own order without opt_einsum), each step keeping the indices a later operand or the output
     needs, so that every product is one of two operands."""
-    if op_name(node) != "einsum" or node.kwargs or len(node.args) < 4 or not isinstance(node.args[0], str):
+    spec = einsum_terms(node)
+    if spec is None or len(spec[0]) < 3:
         return None
-    eq = node.args[0].replace(" ", "")
-    operands = node.args[1:]
-    if "->" not in eq or "." in eq or not all(isinstance(o, fx.Node) for o in operands):
-        return None
-    lhs, out = eq.split("->")
-    terms = lhs.split(",")
-    if len(terms) != len(operands):
-        return None
+    terms, out, operands = spec
     acc, acc_term = operands[0], terms[0]
     with graph.inserting_before(node):
         for i in range(1, len(terms)):

@@ -49,8 +49,9 @@ import torch.fx as fx
 
 from moe_compile.ops.segment_sum import gather_segment_sum
 from moe_compile.passes import PassContext
-from moe_compile.passes._graph import erase_dead, graph_call, layer_name, op_name, tensor_val
-from moe_compile.passes.forms.sparsity import nonzeros, shape_of
+from moe_compile.passes._graph import einsum_terms, erase_dead, graph_call, layer_name, op_name, tensor_val
+from moe_compile.passes._graph import static_shape as shape_of
+from moe_compile.passes.forms.sparsity import nonzeros
 
 # the largest share of a slice its non-zeros may fill for the rewrite to pay
 MAX_FILL = 0.25
@@ -104,19 +105,10 @@ def _contraction(node: fx.Node, name: str) -> tuple[Any, ...] | None:
     output order)`` with the output order a list of ``("a" | "b", axis)`` (batch axes as A's); None when this is no
     two-operand contraction we read."""
     if name == "einsum":
-        if len(node.args) != 3 or not isinstance(node.args[0], str) or node.kwargs:
+        spec = einsum_terms(node)
+        if spec is None or len(spec[0]) != 2:
             return None
-        eq = node.args[0].replace(" ", "")
-        if "->" not in eq or "." in eq:
-            return None
-        lhs, out = eq.split("->")
-        ins = lhs.split(",")
-        a, b = node.args[1:]
-        if len(ins) != 2 or not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
-            return None
-        ta, tb = ins
-        if any(len(set(t)) != len(t) for t in (ta, tb, out)):
-            return None
+        (ta, tb), out, (a, b) = spec
         shared = set(ta) & set(tb)
         batch = [ch for ch in ta if ch in shared and ch in out]
         contracted = [ch for ch in ta if ch in shared and ch not in out]

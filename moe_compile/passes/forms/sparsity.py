@@ -24,7 +24,8 @@ from typing import Any
 
 import torch.fx as fx
 
-from moe_compile.passes._graph import arg, is_inplace, known_int, op_name, tensor_val
+from moe_compile.passes._graph import arg, einsum_terms, is_inplace, op_name
+from moe_compile.passes._graph import static_shape as shape_of
 from moe_compile.passes.forms.ops import CASTS, is_zeros
 
 Axes = frozenset[int]
@@ -36,15 +37,6 @@ _VIEWS = frozenset({"view", "reshape", "flatten", "unflatten", "view_as", "resha
 _PERMUTES = frozenset({"permute", "transpose", "t", "movedim", "swapaxes", "swapdims"})
 _MULS = frozenset({"mul", "mul_", "logical_and", "and", "bitwise_and"})
 _ADDS = frozenset({"add", "add_", "sub", "sub_", "logical_or", "or", "bitwise_or"})
-
-
-def shape_of(node: Any) -> tuple[int, ...] | None:
-    """The static shape of a node's tensor value, or None (no tensor, or a symbolic size)."""
-    t = tensor_val(node)
-    if t is None:
-        return None
-    dims = tuple(known_int(s) for s in t.shape)
-    return None if any(d is None for d in dims) else dims  # type: ignore[return-value]
 
 
 def nonzeros(node: Any, axes: Iterable[int], memo: dict | None = None, at: fx.Node | None = None) -> int | None:
@@ -236,16 +228,11 @@ def _outer_operands(node: fx.Node, shape: tuple[int, ...]) -> list[tuple[Any, li
     of its operands broadcast to the output: ``[(operand, alignment)]``; None for a real contraction."""
     name = op_name(node)
     if name == "einsum":
-        if not isinstance(node.args[0], str) or len(node.args) != 3:
+        spec = einsum_terms(node)
+        if spec is None or len(spec[0]) != 2 or any(ch not in spec[1] for term in spec[0] for ch in term):
             return None
-        eq = node.args[0].replace(" ", "")
-        if "->" not in eq or "." in eq:
-            return None
-        lhs, out = eq.split("->")
-        ins = lhs.split(",")
-        if len(ins) != 2 or any(ch not in out for term in ins for ch in term) or len(set(out)) != len(out):
-            return None
-        return [(a, [term.index(ch) if ch in term else None for ch in out]) for a, term in zip(node.args[1:], ins)]
+        ins, out, operands = spec
+        return [(a, [term.index(ch) if ch in term else None for ch in out]) for a, term in zip(operands, ins)]
     a, b = node.args[:2]
     sa, sb = shape_of(a), shape_of(b)
     if sa is None or sb is None or len(sa) != 3 or len(sb) != 3 or sa[2] != 1 or sb[1] != 1 or len(shape) != 3:
