@@ -106,7 +106,8 @@ def test_explain_reports_rewrites_and_skips_per_layer():
     for p in model.parameters():
         p.requires_grad_(False)
     x = torch.randn(6, 32).bfloat16()
-    rep = moe_compile.explain(model, x, backward=False)
+    rep = moe_compile.explain(model, x, backward=False,  # the bad layer's combine left as it is
+                              compile_options={"passes": {"routed_accumulate": False}})
     table = rep.table()
     assert "good" in table and "bad" in table
     assert "combine not matched: weights applied before gather" in table
@@ -255,7 +256,8 @@ class DenseExperts(nn.Module):
 def test_explain_tags_an_expert_layer_in_a_graph_that_no_pass_recognises():
     model = nn.Sequential(nn.Linear(16, 16), DenseExperts())
     rep = moe_compile.explain(model, torch.randn(3, 16), backward=False, compile_options={"swap_expert_loops": False})
-    [rec] = [r for r in rep.records if r.layer == "1"]
+    # besides normalize's non-MoE split of its three-operand einsum, one record: explain's skip
+    [rec] = [r for r in rep.records if r.layer == "1" and r.moe and r.pass_name != "normalize"]
     assert (rec.kind, rec.what) == ("skip", "dispatch_form_unknown"), rep.table()
     assert rec.detail.startswith("DenseExperts (stacked: w [4, 16, 16])"), rec.detail
 

@@ -135,6 +135,10 @@ def run_routed(graph: fx.Graph, ctx: PassContext) -> None:
             continue
         layer = layer_name(node)
         try:
+            symbolic = [n.name for n in (node, *node.all_input_nodes) if (v := tensor_val(n)) is not None
+                        and any(known_int(d) is None for d in v.shape)]
+            if symbolic:  # on by default: a dynamic-shape graph is left as it is (its sizes' nodes stay outputs)
+                raise NoMatch("symbolic_rows", f"{op_name(node)}: symbolic sizes in {', '.join(symbolic)}")
             detail = rewrite_accumulation(graph, node)
         except NoMatch as skip:
             ctx.skip(layer, skip.reason, skip.detail)

@@ -23,7 +23,8 @@ def _ctx(on: bool) -> PassContext:
 
 def _run_stage(graph: fx.Graph, on: bool) -> None:
     """The joint stage with only this pass on: without ``deterministic=True`` it does not run (its ``requires``)."""
-    others = {"deterministic_accumulate": False, "deterministic_scatter": False, "expert_choice": False}
+    others = {"deterministic_accumulate": False, "deterministic_scatter": False, "expert_choice": False,
+              "routed_accumulate": False}
     stage = StagePass("joint", make_config(deterministic=on, strict=True, passes=others))
     assert [e.name for e in stage.entries] == (["deterministic_attention"] if on else [])
     stage(graph)

@@ -366,8 +366,11 @@ def test_shared_trained_weight_between_the_gemms_and_tail_rows():
     matches eager; an uninitialised buffer (``new_empty``) is not rewritten at all."""
     seed = torch.seed() % 2**16
     x = torch.randn(10, 32, generator=torch.Generator().manual_seed(seed + 1)).bfloat16().requires_grad_()
-    run = check_rewrite(_SharedBiasPadded(hidden=32, seed=seed), (x,), {"fuse_dispatch": 0},
-                        expected_skips={"fuse_dispatch": ["shared_param_in_expert_region"]})
+    # the layer itself reads the unwritten tail into its bias gradient (eager's and plain Inductor's values there
+    # are whatever memory held): the refusal is checked by its record, not against eager
+    run = compile_and_run(_SharedBiasPadded(hidden=32, seed=seed), (x,), train=True)
+    assert run.report.count("fuse_dispatch") == 0
+    assert [r.what for r in run.report.skips if r.pass_name == "fuse_dispatch"] == ["shared_param_in_expert_region"]
     assert not [r for r in run.report.records if r.what == "validation_failed"]
     check_rewrite(_SharedBiasPadded(hidden=32, seed=seed), (x.detach(),), {"fuse_dispatch": 1},
                   expected_skips={"fuse_dispatch": []}, train=False)

@@ -39,6 +39,7 @@ from moe_compile.passes import NoMatch
 from moe_compile.passes._graph import (
     arg,
     has_unbacked_shape,
+    known_int,
     op_name,
     outside_users,
     same_int,
@@ -82,6 +83,11 @@ RULES: dict[str, str] = {
     **dict.fromkeys(UNARY, "unary"),
     **dict.fromkeys(CASTS, "cast"),
 }
+
+
+# a table gathered by each row's index (a per-expert bias ``bias_EN[ids]``): each row reads its own entry, and a tail
+# row's gradient (exactly 0) reaches the entry it read, not a weight every row shares
+_ROW_GATHERS = frozenset({"getitem", "index_select", "embedding", "take"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,10 +200,13 @@ class RowwiseProof:
 
     def _check_inputs(self, node: fx.Node, name: str | None) -> None:
         outside = [a for a in node.all_input_nodes if a not in self.region]
-        if self.policy.tail_rows and self.training and name not in GROUPED_MM:
+        if self.policy.tail_rows and self.training and name not in GROUPED_MM and name not in _ROW_GATHERS:
+            out = tensor_val(node)
             for a in outside:
                 av = tensor_val(a)
-                if av is not None and av.requires_grad:
+                per_row = av is not None and out is not None and av.dim() == out.dim() >= 1 \
+                    and known_int(av.shape[0]) not in (None, 1) and same_int(av.shape[0], out.shape[0])
+                if av is not None and av.requires_grad and not per_row:  # a per-row tensor is no shared weight
                     raise NoMatch("shared_param_in_expert_region",
                                   f"{node.name}: {a.name} is shared by all rows and trained (see NOTE [tail rows])")
         if self.policy.host_inputs:
