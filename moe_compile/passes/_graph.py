@@ -419,6 +419,47 @@ def is_inplace(node: fx.Node) -> bool:
     return name == "setitem" or (name.endswith("_") and not name.endswith("__"))
 
 
+# methods and functions whose result may share its first argument's storage (Torch IR)
+VIEW_METHODS = frozenset({
+    "view", "reshape", "view_as", "reshape_as", "expand", "expand_as", "unsqueeze", "squeeze", "flatten",
+    "unflatten", "transpose", "permute", "t", "narrow", "select", "split", "chunk", "unbind", "movedim",
+    "swapaxes", "as_strided", "contiguous", "to", "type_as", "detach", "alias", "__getitem__", "diagonal",
+})
+
+
+def aliased_inputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose storage ``node``'s output may share (a view's base), for walking a mutation back (ATen ops by
+    their schema's alias annotations, Torch IR by :data:`VIEW_METHODS`)."""
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return [a for a, s in zip(node.args, schema.arguments) if isinstance(a, fx.Node)
+                and s.alias_info is not None]
+    name = target if node.op == "call_method" else getattr(target, "__name__", "")
+    if name in VIEW_METHODS or target is operator.getitem:
+        return [a for a in node.args[:1] if isinstance(a, fx.Node)]
+    return []
+
+
+def written_args(node: fx.Node) -> list[Any]:
+    """The arguments ``node`` writes to (ATen ops by their schema, Torch IR: ``x.op_(...)``, ``setitem``, ``out=``)."""
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        written = []
+        for i, s in enumerate(schema.arguments):
+            if s.alias_info is not None and s.alias_info.is_write:
+                written.append(node.args[i] if i < len(node.args) else node.kwargs.get(s.name))
+        return written
+    if target is operator.setitem:
+        return [node.args[0]]
+    name = target if node.op == "call_method" else getattr(target, "__name__", "")
+    written = [node.kwargs["out"]] if "out" in node.kwargs else []
+    if isinstance(name, str) and name.endswith("_") and not name.startswith("_") and node.args:
+        written.append(node.args[0])
+    return written
+
+
 def erase_dead(graph: fx.Graph, candidates: Iterable[fx.Node]) -> int:
     """Erase ``candidates`` (and their producers, transitively) once nothing uses them.
 

@@ -51,7 +51,6 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -60,7 +59,7 @@ import torch.fx as fx
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
-from moe_compile.passes._graph import op_name, val
+from moe_compile.passes._graph import aliased_inputs, op_name, val, written_args
 from moe_compile.passes._judge import LOW_PRECISION, Compared, Outputs, Verdict, judge
 
 # A float input whose magnitude passes this is an additive mask (finfo.min), not an activation: kept as it is.
@@ -107,52 +106,13 @@ def _is_collective(node: fx.Node) -> bool:
         "torch.distributed")
 
 
-_VIEW_METHODS = frozenset({
-    "view", "reshape", "view_as", "reshape_as", "expand", "expand_as", "unsqueeze", "squeeze", "flatten",
-    "unflatten", "transpose", "permute", "t", "narrow", "select", "split", "chunk", "unbind", "movedim",
-    "swapaxes", "as_strided", "contiguous", "to", "type_as", "detach", "alias", "__getitem__", "diagonal",
-})
-
-
-def _aliases_input(node: fx.Node) -> list[fx.Node]:
-    """The nodes whose storage ``node``'s output may share (a view's base), for walking a mutation back."""
-    target = node.target
-    schema = getattr(target, "_schema", None)
-    if schema is not None:
-        return [a for a, s in zip(node.args, schema.arguments) if isinstance(a, fx.Node)
-                and s.alias_info is not None]
-    name = target if node.op == "call_method" else getattr(target, "__name__", "")
-    if name in _VIEW_METHODS or target is operator.getitem:
-        return [a for a in node.args[:1] if isinstance(a, fx.Node)]
-    return []
-
-
-def _mutated_by(node: fx.Node) -> list[Any]:
-    """The arguments ``node`` writes to."""
-    target = node.target
-    schema = getattr(target, "_schema", None)
-    if schema is not None:
-        written = []
-        for i, s in enumerate(schema.arguments):
-            if s.alias_info is not None and s.alias_info.is_write:
-                written.append(node.args[i] if i < len(node.args) else node.kwargs.get(s.name))
-        return written
-    if target is operator.setitem:
-        return [node.args[0]]
-    name = target if node.op == "call_method" else getattr(target, "__name__", "")
-    written = [node.kwargs["out"]] if "out" in node.kwargs else []
-    if isinstance(name, str) and name.endswith("_") and not name.startswith("_") and node.args:
-        written.append(node.args[0])
-    return written
-
-
 def mutated_sources(graph: fx.Graph) -> set[fx.Node]:
     """Placeholders and ``get_attr`` nodes whose tensors ``graph`` writes to (through views too)."""
     found: set[fx.Node] = set()
     for node in graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
-        todo = [a for a in _mutated_by(node) if isinstance(a, fx.Node)]
+        todo = [a for a in written_args(node) if isinstance(a, fx.Node)]
         seen: set[fx.Node] = set()
         while todo:
             n = todo.pop()
@@ -162,7 +122,7 @@ def mutated_sources(graph: fx.Graph) -> set[fx.Node]:
             if n.op in ("placeholder", "get_attr"):
                 found.add(n)
             elif n.op in ("call_function", "call_method"):
-                todo += _aliases_input(n)
+                todo += aliased_inputs(n)
     return found
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from moe_compile.passes._graph import arg, einsum_terms, is_inplace, op_name
+from moe_compile.passes._graph import aliased_inputs, arg, einsum_terms, op_name, written_args
 from moe_compile.passes._graph import static_shape as shape_of
 from moe_compile.passes.forms.ops import CASTS, is_zeros
 
@@ -96,7 +96,8 @@ def _only_writers(node: fx.Node, memo: dict) -> bool:
 
 def _alias_classes(graph: fx.Graph) -> tuple[dict, dict, dict, dict]:
     """``(position, class of each node, in-place writers of each class, members of each class)``: nodes joined
-    through views and in-place ops (their first argument)."""
+    through views (:func:`~moe_compile.passes._graph.aliased_inputs`) and the arguments in-place ops write
+    (:func:`~moe_compile.passes._graph.written_args`)."""
     parent: dict[fx.Node, fx.Node] = {}
 
     def find(n: fx.Node) -> fx.Node:
@@ -105,18 +106,18 @@ def _alias_classes(graph: fx.Graph) -> tuple[dict, dict, dict, dict]:
         return n
 
     order = {n: i for i, n in enumerate(graph.nodes)}
+    written = {n: [a for a in written_args(n) if isinstance(a, fx.Node)] for n in graph.nodes
+               if n.op in ("call_function", "call_method")}
     for n in graph.nodes:
-        name = op_name(n)
-        if (is_inplace(n) or name in _VIEWS | _PERMUTES | {"unsqueeze", "squeeze", "expand", "expand_as",
-                                                           "getitem", "narrow", "select", "as_strided"}) \
-                and n.args and isinstance(n.args[0], fx.Node):
-            parent[find(n)] = find(n.args[0])
+        if n.op in ("call_function", "call_method"):
+            for a in aliased_inputs(n) + written[n]:
+                parent[find(n)] = find(a)
     cls_of = {n: find(n) for n in graph.nodes}
     writers: dict[fx.Node, list[fx.Node]] = {}
     members: dict[fx.Node, list[fx.Node]] = {}
     for n in graph.nodes:
         members.setdefault(cls_of[n], []).append(n)
-        if is_inplace(n):
+        if written.get(n):
             writers.setdefault(cls_of[n], []).append(n)
     return order, cls_of, writers, members
 
