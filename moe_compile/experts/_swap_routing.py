@@ -155,10 +155,11 @@ def observed_top_ks(block: nn.Module, router: nn.Module | None, num_experts: int
 def _routing_ancestor(modules: dict[str, nn.Module], group: ExpertGroup) -> str:
     """The name of the block that routes ``group``'s experts: their container's parent, or, where that holds no router
     (Megatron's ``SequentialMLP`` holds only ``local_experts`` and takes tokens already permuted), the nearest
-    ancestor that does (a ``route`` method, a ``gate`` / ``router`` module, or a ``Linear(H, E)`` child)."""
+    ancestor that does (a ``route`` method, a ``gate`` / ``router`` module, or a ``Linear(H, E)`` child); the
+    container itself where it is the block (experts as parameters of the block that routes them)."""
     parent = group.name.rpartition(".")[0]
-    name = parent
     E = group.linears[0].num_experts
+    name = group.name if group.kind == "stacked" and _router_linear(group.module, group, E) is not None else parent
     while True:
         block = modules.get(name)
         if block is not None and (callable(getattr(block, "route", None)) or any(

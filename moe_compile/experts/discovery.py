@@ -166,7 +166,9 @@ def _shapes(module: nn.Module, limit: int = 3) -> str:
     return (shown + (f", ... ({len(params)} parameters)" if len(params) > limit else "")) or "no parameters"
 
 
-def _as_stacked(name: str, attr: str, module: nn.Module) -> ExpertGroup | None:
+def _as_stacked(name: str, attr: str, module: nn.Module, by_shape: bool = False) -> ExpertGroup | None:
+    """``by_shape``: without the experts-like name or count, two or more rank-3 parameters of one ``E >= 2``
+    (:func:`unnamed_stacked_groups`)."""
     if isinstance(module, _NOT_EXPERT_CONTAINERS):
         return None
     # (a ModuleList only has rank-3 parameters once quantize_experts regrouped it: GroupedExpertList)
@@ -179,6 +181,8 @@ def _as_stacked(name: str, attr: str, module: nn.Module) -> ExpertGroup | None:
     (E,) = num_experts
     declared = getattr(module, "num_experts", None) or getattr(module, "num_local_experts", None)
     looks_like_experts = _EXPERT_NAME.search(type(module).__name__) or _EXPERT_NAME.search(attr) or declared == E
+    if by_shape:
+        looks_like_experts = len(params) >= 2 and E >= 2
     if not looks_like_experts or E < 1:
         return None
     is_transposed = bool(getattr(module, "is_transposed", False))
@@ -188,6 +192,23 @@ def _as_stacked(name: str, attr: str, module: nn.Module) -> ExpertGroup | None:
         bias = getattr(module, pname + "_bias", None)
         linears.append(ExpertLinear(pname, E, n, k, is_transposed, isinstance(bias, torch.Tensor)))
     return ExpertGroup(name, module, "stacked", tuple(linears))
+
+
+def unnamed_stacked_groups(model: nn.Module, claimed: list[ExpertGroup]) -> list[ExpertGroup]:
+    """Stacked experts that no name announces: a module (the MoE block itself included) holding two or more rank-3
+    parameters of one leading size ``E >= 2`` (vLLM's reference ``torch_moe``: ``w1 [E, 2I, H]``, ``w2 [E, H, I]`` on
+    the block), outside the ``claimed`` groups. Only the expert-loop swap reads them: its probe, which runs the
+    block's own forward against the fused path, decides whether they are experts at all."""
+    taken = [g.name for g in claimed]
+    groups: list[ExpertGroup] = []
+    for name, module in model.named_modules():
+        if any(name == t or not t or name.startswith(t + ".") for t in taken):  # inside a group found already
+            continue
+        group = _as_stacked(name, name.rpartition(".")[2], module, by_shape=True)
+        if group is not None:
+            groups.append(group)
+            taken.append(name)
+    return groups
 
 
 def _linears_of(expert: nn.Module) -> dict[str, nn.Linear]:

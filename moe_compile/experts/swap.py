@@ -121,7 +121,7 @@ from moe_compile.experts._swap_routing import (
     _routing_of,
     _top_k_candidates,
 )
-from moe_compile.experts.discovery import ExpertGroup, ExpertLinear, find_expert_weights
+from moe_compile.experts.discovery import ExpertGroup, ExpertLinear, find_expert_weights, unnamed_stacked_groups
 from moe_compile.experts.expert_parallel import swap_ep_blocks
 from moe_compile.experts.interface import SUPPORTED_DTYPES, Projection, fused_experts_forward, glu_of, is_hf_experts
 
@@ -553,6 +553,8 @@ def swap_expert_loops(model: nn.Module, ep_capacity_factor: float | None = None)
     groups = [g for g in (*find_expert_weights(model), *_single_expert_lists(model))
               if id(g.module) not in zero_compute]
     groups += _flat_expert_groups(model, [*groups, *identity])
+    unnamed = unnamed_stacked_groups(model, [*groups, *identity])
+    groups += unnamed
     for group in [*groups, *identity, *module_dict_groups(model, [*groups, *identity])]:
         if is_hf_experts(group.module) or getattr(group.module, "_moe_compile_swapped", False):
             continue
@@ -564,6 +566,8 @@ def swap_expert_loops(model: nn.Module, ep_capacity_factor: float | None = None)
         try:
             detail = swap_capacity_block(block, group) if group.kind == "module_dict" else swap_block(block, group, Z)
         except NotSwappable as why:
+            if why.tag == "no_router" and any(group is u for u in unnamed):
+                continue  # rank-3 parameters no name calls experts, and nothing routes them: not a MoE layer
             if Z:  # the form the fused path cannot match keeps the family's tag, the probe's reason in its detail
                 records.append(_zero_compute_skip(group.name, group.module, f"{why.tag}: {why.detail}"))
             else:

@@ -152,10 +152,43 @@ class TableRoutedBlock(nn.Module):
         return out.reshape(hidden.shape)
 
 
+class _HalvedGLU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+class MaskAssignBlock(nn.Module):
+    """vLLM's torch reference for ``fused_moe``: weights ``wa [E, 2F, H]`` / ``wb [E, H, F]`` on the block under no
+    experts-like name or count, every token repeated K times, ``out[ids == e] = mlp_e(x[ids == e])`` with a host
+    read of the mask's sum, then the weighted sum over the K copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_pick = 2
+        self.scorer = nn.Linear(H, E, bias=False)
+        self.wa = nn.Parameter(torch.randn(E, 2 * F_, H) * H**-0.5)
+        self.wb = nn.Parameter(torch.randn(E, H, F_) * F_**-0.5)
+        self.glu = _HalvedGLU()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, H)
+        probs = torch.softmax(self.scorer(x), dim=-1, dtype=torch.float32)
+        w, ids = torch.topk(probs, self.n_pick)
+        x_rep = x.repeat_interleave(self.n_pick, dim=0)
+        out = x.new_zeros(x_rep.shape)
+        ids = ids.reshape(-1)
+        for e in range(E):
+            mask = ids == e
+            if mask.sum():
+                out[mask] = self.glu(x_rep[mask] @ self.wa[e].t()) @ self.wb[e].t()
+        return (out.view(-1, self.n_pick, H) * w.unsqueeze(-1).to(out.dtype)).sum(1).reshape(hidden.shape)
+
+
 @pytest.mark.parametrize("make", [lambda: LoopBlock(_PlainExpert), lambda: LoopBlock(_GatedExpert), StackedBlock,
-                                  DenseBlock, TableRoutedBlock],
+                                  DenseBlock, TableRoutedBlock, MaskAssignBlock],
                          ids=["plain_unnamed", "gated_unnamed", "stacked_transposed", "top_k_seen_in_forward",
-                              "scores_table_router"])
+                              "scores_table_router", "unnamed_stacked_on_block"])
 def test_block_with_unknown_names_is_swapped_within_eager_bound(make):
     torch.manual_seed(torch.seed() % 2**31)
     block = make()
@@ -260,3 +293,24 @@ def test_routing_map_router_one_level_up_is_swapped_within_eager_bound():
             step.setdefault(f"grad:{name}", torch.zeros_like(p, dtype=step["out"].dtype))
     ok, worst, unjudged = tol.within_eager_bound(got, eager, ref, dtype=torch.float32, always_judged=tuple(ref))
     assert ok and not unjudged, (worst, unjudged)
+
+
+class _StackedHeads(nn.Module):
+    """Rank-3 parameters of one leading size that are not experts (per-head projections, no router)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(4, H, 8) * H**-0.5)
+        self.o = nn.Parameter(torch.randn(4, 8, H) * 8**-0.5)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bsh,nhd,ndk->bsk", hidden, self.q, self.o)
+
+
+def test_rank3_parameters_without_a_router_are_left_alone_silently():
+    """By-shape discovery proposes any module with two rank-3 parameters of one leading size; where nothing routes
+    them, the swap leaves the module as written and says nothing (it is no MoE layer)."""
+    module = _StackedHeads()
+    forward = module.forward
+    assert swap_expert_loops(module) == []
+    assert module.forward == forward
