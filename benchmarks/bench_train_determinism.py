@@ -10,10 +10,10 @@ where the family has it), at the widths of issue 37:
 * ``gpt_oss``: H 2880, intermediate 2880, E 32, top-4, 64 heads / 8 kv, head dim 64, sinks, a sliding and a full
   attention layer (eager attention: the family has no SDPA path).
 
-Variants, side by side in one run: ``inductor`` (``torch.compile(model)``), ``inductor_det`` (the same under
-``torch.use_deterministic_algorithms(True)``), ``moe`` (``backend="moe_compile"``), ``moe_deterministic``
-(``moe_compile.compile(model, deterministic=True)``); ``moe_det_algos`` (moe_compile under the global flag) on
-request.
+Variants, side by side in one run: ``eager`` (the model as written), ``inductor`` (``torch.compile(model)``),
+``inductor_det`` (the same under ``torch.use_deterministic_algorithms(True)``), ``moe`` (``backend="moe_compile"``),
+``moe_deterministic`` (``moe_compile.compile(model, deterministic=True)``); ``moe_det_algos`` (moe_compile under the
+global flag) on request.
 
 Columns: ``step_ms`` (median forward + backward over ``--steps`` timed steps), ``atomic_kernels`` (generated Triton
 kernels with ``tl.atomic_add``), ``grads_differ`` (parameters whose gradient is not bitwise equal over
@@ -42,7 +42,7 @@ import torch
 
 from benchmarks._bench_env import add_results_args, device_env, results_path, write_results
 
-VARIANTS = ("inductor", "inductor_det", "moe", "moe_deterministic")
+VARIANTS = ("eager", "inductor", "inductor_det", "moe", "moe_deterministic")
 VOCAB = 32000
 
 
@@ -127,6 +127,8 @@ def build_model(layers: int, seed: int = 0, attn: str | None = None, model: str 
 def _compiled(model: torch.nn.Module, variant: str):
     import moe_compile
 
+    if variant == "eager":
+        return model
     if variant.startswith("inductor"):
         return torch.compile(model)
     if variant == "moe_deterministic":
