@@ -12,6 +12,7 @@ Matches (``S = T*K`` rows, ``p`` a permutation: the indices of a ``sort`` / ``ar
     2. composed gathers:        x[a][b], ``a`` the token of each row
     3. a combine through the inverse order:   zeros.index_add_(0, idx, y[argsort(p)])
     4. an einsum of three or more operands
+    5. counts sized by their values:   bincount(ids, minlength=E), ids a router's top-k over E scores
 
 Rewrites to::
 
@@ -19,6 +20,8 @@ Rewrites to::
     1, 2. x[a[b]], where (token of each row)[b] is b // K: x[token_idx][perm] -> x[perm // K]
     3.    zeros.index_add_(0, idx[p], y):   index_add_(0, token_idx, y[argsort(perm)]) -> index_add_(0, perm // K, y)
     4.    two-operand einsums, left to right (the expert-choice paper's ``"geks,gek,gekm->gsm"`` combine)
+    5.    (ids.unsqueeze(-1) == arange(E)).sum(0): the same ``[E]`` counts with a size known at trace time (under
+          the capture flags ``bincount``'s length is an unbacked size, a host sync: MaxText's ``sparse_matmul``)
 
 so transformers' ``grouped_mm`` spelling written out by hand (``x[token_idx][perm]`` ... ``index_add_(0, token_idx,
 y[inv_perm])``) reads ``x[perm // K]`` ... ``index_add_(0, perm // K, y)``, the form ``fuse_dispatch`` proves.
@@ -43,12 +46,14 @@ from moe_compile.passes._graph import (
     arg,
     einsum_terms,
     erase_dead,
+    fake_mode_of,
     graph_call,
     known_int,
     layer_name,
     op_name,
     tensor_val,
 )
+from moe_compile.passes.forms.ops import ids_below
 
 _ARGSORTS = ("argsort",)
 
@@ -60,7 +65,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             continue
         rule = _trunc_of_order(graph, node) or _compose_gathers(graph, node) or \
             _token_of_gathered_rows(graph, node) or _combine_through_inverse(graph, node) or \
-            _einsum_in_pairs(graph, node)
+            _einsum_in_pairs(graph, node) or _counts_of_known_size(graph, node)
         if rule:
             key = (layer_name(node), rule)
             done[key] = done.get(key, 0) + 1
@@ -90,6 +95,24 @@ def _einsum_in_pairs(graph: fx.Graph, node: fx.Node) -> str | None:
     node.replace_all_uses_with(acc)
     graph.erase_node(node)
     return "einsum of 3+ operands -> pairwise einsums"
+
+
+def _counts_of_known_size(graph: fx.Graph, node: fx.Node) -> str | None:
+    """Rule 5: ``bincount(ids, minlength=E)`` with ``ids`` in ``[0, E)`` (:func:`ids_below`) -> the ``eq_arange_sum``
+    count (``forms/counts.py``'s table reads both spellings)."""
+    if op_name(node) != "bincount" or arg(node, 1, "weights") is not None:
+        return None
+    E, ids = known_int(arg(node, 2, "minlength", 0)), node.args[0]
+    if not E or not _int_vector(ids) or not ids_below(ids, E):
+        return None
+    with graph.inserting_before(node), fake_mode_of([tensor_val(ids)]):  # arange's example value: a fake tensor
+        experts = graph_call(graph, torch.arange, E, device=tensor_val(ids).device, meta_from=node)
+        column = graph_call(graph, torch.unsqueeze, ids, -1, meta_from=node)
+        hits = graph_call(graph, torch.eq, column, experts, meta_from=node)
+        counts = graph_call(graph, torch.sum, hits, 0, meta_from=node)
+    node.replace_all_uses_with(counts)
+    graph.erase_node(node)
+    return "bincount(ids, minlength=E) -> (ids[:, None] == arange(E)).sum(0)"
 
 
 def _int_vector(node: object) -> bool:

@@ -131,6 +131,25 @@ def test_argsort_of_no_permutation_is_left_alone():
     assert not records and _ops(after)["argsort"] == 2
 
 
+def test_bincount_of_top_k_ids_gets_a_size_known_at_trace_time():
+    """MaxText's ``bincount(flat_ids, minlength=E)``: under the capture flags its length is an unbacked size (a host
+    sync); ids a router's top-k over ``E`` scores are below ``E``, so the counts are ``(ids[:, None] ==
+    arange(E)).sum(0)``, equal on fresh routings. Ids with no such bound (``% (E + 1)``) keep their ``bincount``."""
+
+    def counts(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = scores.topk(K, dim=-1).indices.reshape(-1)
+        return torch.bincount(ids, minlength=E), torch.bincount((ids * 3) % (E + 1), minlength=E)
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    before, after, records = _normalized(counts, torch.randn(T, E, generator=gen))
+    assert [r.what for r in records] == ["bincount(ids, minlength=E) -> (ids[:, None] == arange(E)).sum(0)"]
+    assert _ops(after)["bincount"] == 1 and _ops(after)["eq"] == 1, after.code
+    for _ in range(3):
+        scores = torch.randn(T, E, generator=gen)
+        got, want = after(scores), before(scores)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), (got, want)
+
+
 class HandWrittenGroupedMM(nn.Module):
     """transformers' ``grouped_mm`` experts implementation written out by hand (the blind corpus's
     ``hf_grouped_mm_experts``): ``x[token_idx][perm]``, counts by ``histc`` of the sorted ids, the weight on the sorted

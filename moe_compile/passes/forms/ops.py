@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from moe_compile.passes._graph import arg, op_name
+from moe_compile.passes._graph import arg, known_int, op_name, tensor_val
 
 GROUPED_MM = frozenset({"_grouped_mm", "grouped_mm", "aten._grouped_mm", "transformers.grouped_mm_fallback",
                         "moe.grouped_mm"})
@@ -81,3 +81,41 @@ def is_zeros(node: Any) -> bool:
     if name == "tensor":
         return arg(node, 0, "data") in ([0], (0,), [0.0])
     return False
+
+
+def flat_source(node: fx.Node) -> fx.Node:
+    """Walk back through flatten-like views (``reshape(-1)``, ``view(-1)``, ``flatten()``)."""
+    while isinstance(node, fx.Node) and op_name(node) in FLAT_VIEWS:
+        src = node.args[0]
+        sv = tensor_val(src)
+        if sv is None or sv.numel() != tensor_val(node).numel():
+            break
+        node = src
+    return node
+
+
+# casts that keep every expert id (a router has far fewer than 2**15 experts)
+_ID_DTYPES = (torch.int16, torch.int32, torch.int64)
+
+
+def ids_below(ids_flat: fx.Node, num_experts: int) -> bool:
+    """Whether ``ids_flat`` is provably in ``[0, E)``: through flatten views and integer casts, the indices
+    of a ``topk`` along the last dim of a tensor whose last dim is ``E`` (every router's top-k)."""
+    node = flat_source(ids_flat)
+    while isinstance(node, fx.Node) and op_name(node) in ("to", "long", "int", "type"):
+        v = tensor_val(node)
+        if v is None or v.dtype not in _ID_DTYPES:
+            return False
+        node = node.args[0]
+    if not isinstance(node, fx.Node):
+        return False
+    is_indices = (op_name(node) == "getitem" and node.args[1] == 1) or (
+        node.op == "call_function" and node.target is getattr and node.args[1] == "indices")
+    topk = node.args[0] if is_indices else None
+    if not isinstance(topk, fx.Node) or op_name(topk) != "topk":
+        return False
+    scores = tensor_val(topk.args[0])
+    if scores is None or scores.dim() == 0 or known_int(scores.shape[-1]) != num_experts:
+        return False
+    dim = known_int(arg(topk, 2, "dim", -1))
+    return dim is not None and dim % scores.dim() == scores.dim() - 1

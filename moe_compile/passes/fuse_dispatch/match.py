@@ -57,14 +57,13 @@ from moe_compile.passes import NoMatch
 from moe_compile.passes._graph import (
     arg,
     is_inplace,
-    known_int,
     layer_name,
     op_name,
     same_int,
     tensor_val,
     val,
 )
-from moe_compile.passes.forms.ops import CASTS, FLAT_VIEWS
+from moe_compile.passes.forms.ops import CASTS, FLAT_VIEWS, flat_source, ids_below
 from moe_compile.passes.fuse_dispatch.device_padding import (
     check_destination,
     find_padding,
@@ -117,33 +116,6 @@ def _is_sentinel_test(cmp: fx.Node, ids: fx.Node, num_experts: int) -> bool:
     return bound >= num_experts if name == "ge" else bound >= num_experts - 1
 
 
-# casts that keep every expert id (a router has far fewer than 2**15 experts)
-_ID_DTYPES = (torch.int16, torch.int32, torch.int64)
-
-
-def ids_below(ids_flat: fx.Node, num_experts: int) -> bool:
-    """Whether ``ids_flat`` is provably in ``[0, E)``: through flatten views and integer casts, the indices
-    of a ``topk`` along the last dim of a tensor whose last dim is ``E`` (every router's top-k)."""
-    node = _flat_source(ids_flat)
-    while isinstance(node, fx.Node) and op_name(node) in ("to", "long", "int", "type"):
-        v = tensor_val(node)
-        if v is None or v.dtype not in _ID_DTYPES:
-            return False
-        node = node.args[0]
-    if not isinstance(node, fx.Node):
-        return False
-    is_indices = (op_name(node) == "getitem" and node.args[1] == 1) or (
-        node.op == "call_function" and node.target is getattr and node.args[1] == "indices")
-    topk = node.args[0] if is_indices else None
-    if not isinstance(topk, fx.Node) or op_name(topk) != "topk":
-        return False
-    scores = tensor_val(topk.args[0])
-    if scores is None or scores.dim() == 0 or known_int(scores.shape[-1]) != num_experts:
-        return False
-    dim = known_int(arg(topk, 2, "dim", -1))
-    return dim is not None and dim % scores.dim() == scores.dim() - 1
-
-
 # ----------------------------------------------------------------------------------------------
 # small structural helpers
 
@@ -151,17 +123,6 @@ def ids_below(ids_flat: fx.Node, num_experts: int) -> bool:
 def _is_float_tensor(node: Any, ndim: int | None = None) -> bool:
     v = tensor_val(node)
     return v is not None and v.is_floating_point() and (ndim is None or v.dim() == ndim)
-
-
-def _flat_source(node: fx.Node) -> fx.Node:
-    """Walk back through flatten-like views (``reshape(-1)``, ``view(-1)``, ``flatten()``)."""
-    while isinstance(node, fx.Node) and op_name(node) in FLAT_VIEWS:
-        src = node.args[0]
-        sv = tensor_val(src)
-        if sv is None or sv.numel() != tensor_val(node).numel():
-            break
-        node = src
-    return node
 
 
 def _index_consumers(idx: fx.Node, direct: fx.Node | None = None) -> list[fx.Node]:
@@ -257,7 +218,7 @@ def _sentinel_source(perm: fx.Node) -> tuple[Any, Any]:
 
 def _is_weighted_rows(node: Any) -> bool:
     """``(x.unsqueeze(1) * w.unsqueeze(-1)).reshape(T*K, H)``-like: a product with routing weights."""
-    node = _flat_source(node)
+    node = flat_source(node)
     seen = 0
     while isinstance(node, fx.Node) and seen < 8:
         seen += 1
@@ -275,7 +236,7 @@ def _source_TK(flat: fx.Node | None, top_k: Any, is_kind: Any) -> fx.Node | None
     """The 2-D ``[T, K]`` tensor ``flat`` flattens, if ``is_kind(source, 2)`` holds for it."""
     if flat is None:
         return None
-    src = _flat_source(flat)
+    src = flat_source(flat)
     return src if is_kind(src, 2) and same_int(tensor_val(src).shape[1], top_k) else None
 
 
@@ -318,7 +279,7 @@ def prove_gathers(sorted_ids: SortedIds, order: dict[fx.Node, int]) -> Gathers:
             probs_flat = src
             weight_gathers.append(g)
         elif k is None and sv.dim() == 1 and not sv.is_floating_point() and (
-            src is sorted_ids.ids_flat or _flat_source(src) is _flat_source(sorted_ids.ids_flat)
+            src is sorted_ids.ids_flat or flat_source(src) is flat_source(sorted_ids.ids_flat)
         ):
             more_sorted_ids.append(g)  # ids_flat[perm] == sorted ids
         elif k is None and sv.dim() == 2 and sv.is_floating_point():
@@ -337,7 +298,7 @@ def prove_gathers(sorted_ids: SortedIds, order: dict[fx.Node, int]) -> Gathers:
     if token_gathers and not same_int(tensor_val(token_gathers[0]).shape[0], S):
         raise NoMatch("token_gather_not_matched", "token gather does not produce one row per routed pair")
     # K must be the width of the ids: flat index t*K + k
-    iv = tensor_val(_flat_source(sorted_ids.ids_flat))
+    iv = tensor_val(flat_source(sorted_ids.ids_flat))
     if iv.dim() == 2 and not same_int(iv.shape[1], top_k):
         raise NoMatch("token_index_mismatch",
                       lambda: f"token index is perm // {top_k} but ids have {iv.shape[1]} columns")
