@@ -13,6 +13,7 @@ Matches (``S = T*K`` rows, ``p`` a permutation: the indices of a ``sort`` / ``ar
     3. a combine through the inverse order:   zeros.index_add_(0, idx, y[argsort(p)])
     4. an einsum of three or more operands
     5. counts sized by their values:   bincount(ids, minlength=E), ids a router's top-k over E scores
+    6. a selection by a routing map:   X.masked_select(M), M = zeros(T, E).scatter(1, topk_ids, True) or its ``.T``
 
 Rewrites to::
 
@@ -22,6 +23,10 @@ Rewrites to::
     4.    two-operand einsums, left to right (the expert-choice paper's ``"geks,gek,gekm->gsm"`` combine)
     5.    (ids.unsqueeze(-1) == arange(E)).sum(0): the same ``[E]`` counts with a size known at trace time (under
           the capture flags ``bincount``'s length is an unbacked size, a host sync: MaxText's ``sparse_matmul``)
+    6.    X[rows, cols] at the ``T*K`` pairs the map selects, in its row-major order: for ``M.T`` (Megatron's
+          ``permute``) ``(ids[p], p // K)`` with ``p`` the stable sort of the flat ids, for ``M`` ``(s // K,
+          sort(ids, 1)[s])``; ``p // K`` itself where ``X`` is ``arange(T)`` broadcast (the token of each row).
+          ``masked_select``'s length is data-dependent to the compiler; a top-k map selects exactly ``K`` per token
 
 so transformers' ``grouped_mm`` spelling written out by hand (``x[token_idx][perm]`` ... ``index_add_(0, token_idx,
 y[inv_perm])``) reads ``x[perm // K]`` ... ``index_add_(0, perm // K, y)``, the form ``fuse_dispatch`` proves.
@@ -37,6 +42,7 @@ Stage: pre-grad (Dynamo's Torch IR), first. Records: one non-MoE rewrite per lay
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -53,6 +59,7 @@ from moe_compile.passes._graph import (
     op_name,
     tensor_val,
 )
+from moe_compile.passes.forms.counts import routing_map_ids
 from moe_compile.passes.forms.ops import ids_below
 
 _ARGSORTS = ("argsort",)
@@ -65,7 +72,7 @@ def run(graph: fx.Graph, ctx: PassContext) -> None:
             continue
         rule = _trunc_of_order(graph, node) or _compose_gathers(graph, node) or \
             _token_of_gathered_rows(graph, node) or _combine_through_inverse(graph, node) or \
-            _einsum_in_pairs(graph, node) or _counts_of_known_size(graph, node)
+            _einsum_in_pairs(graph, node) or _counts_of_known_size(graph, node) or _routing_map_select(graph, node)
         if rule:
             key = (layer_name(node), rule)
             done[key] = done.get(key, 0) + 1
@@ -113,6 +120,80 @@ def _counts_of_known_size(graph: fx.Graph, node: fx.Node) -> str | None:
     node.replace_all_uses_with(counts)
     graph.erase_node(node)
     return "bincount(ids, minlength=E) -> (ids[:, None] == arange(E)).sum(0)"
+
+
+_TRANSPOSES = ("t", "T", "transpose", "permute", "mT")
+
+
+def _transposed_2d(node: Any) -> tuple[bool, Any]:
+    """``(transposed, base)``: ``node`` through ``contiguous`` / ``bool`` and 2-D transposes."""
+    flipped = False
+    while isinstance(node, fx.Node):
+        name = op_name(node)
+        if name in ("contiguous", "bool", "clone"):
+            node = node.args[0]
+        elif name in _TRANSPOSES or (node.op == "call_function" and node.target is getattr
+                                     and node.args[1] in ("T", "mT")):
+            v = tensor_val(node)
+            if v is None or v.dim() != 2:
+                break
+            flipped, node = not flipped, node.args[0]
+        else:
+            break
+    return flipped, node
+
+
+def _token_column(x: Any, transposed: bool, T: int) -> bool:
+    """``x`` is ``arange(T)`` broadcast along the map's expert axis (Megatron's ``token_indices``)."""
+    while isinstance(x, fx.Node) and op_name(x) in ("expand", "contiguous"):
+        x = x.args[0]
+    if not isinstance(x, fx.Node) or op_name(x) != "unsqueeze":
+        return False
+    return _is_arange(x.args[0]) and known_int(tensor_val(x.args[0]).shape[0]) == T and \
+        known_int(arg(x, 1, "dim")) in ((0, -2) if transposed else (1, -1))
+
+
+def _routing_map_select(graph: fx.Graph, node: fx.Node) -> str | None:
+    """Rule 6: ``X.masked_select(M)``, ``M`` (or ``M.T``) a routing map of a top-k over ``E`` (``K`` distinct ids per
+    token: ``T*K`` selected, :func:`~moe_compile.passes.forms.counts.routing_map_ids`) -> ``X`` at those pairs."""
+    if op_name(node) != "masked_select" or len(node.args) < 2 and "mask" not in node.kwargs:
+        return None
+    x, mask = node.args[0], arg(node, 1, "mask")
+    transposed, routing_map = _transposed_2d(mask)
+    idx_TK = routing_map_ids(routing_map)
+    mv, iv, xv = tensor_val(routing_map), tensor_val(idx_TK), tensor_val(x)
+    if idx_TK is None or mv is None or iv is None or xv is None or mv.dim() != 2 or iv.dim() != 2:
+        return None
+    T, E, K = known_int(mv.shape[0]), known_int(mv.shape[1]), known_int(iv.shape[1])
+    shape = (E, T) if transposed else (T, E)
+    if None in (T, E, K) or not ids_below(idx_TK, E) or xv.dim() > 2 or \
+            tuple(torch.broadcast_shapes(tuple(xv.shape), shape)) != shape:
+        return None
+    with graph.inserting_before(node):
+        if transposed:
+            flat = graph_call(graph, torch.reshape, idx_TK, (-1,), meta_from=node)
+            order = graph_call(graph, torch.sort, flat, stable=True, meta_from=node)
+            experts = graph_call(graph, operator.getitem, order, 0, meta_from=node)
+            perm = graph_call(graph, operator.getitem, order, 1, meta_from=node)
+            tokens = graph_call(graph, operator.floordiv, perm, K, meta_from=node)
+            index = (experts, tokens)
+        else:
+            row_ids = graph_call(graph, operator.getitem, graph_call(graph, torch.sort, idx_TK, 1, meta_from=node), 0,
+                                 meta_from=node)
+            experts = graph_call(graph, torch.reshape, row_ids, (-1,), meta_from=node)
+            with fake_mode_of([iv]):
+                rows = graph_call(graph, torch.arange, T * K, device=iv.device, meta_from=node)
+            tokens = graph_call(graph, operator.floordiv, rows, K, meta_from=node)
+            index = (tokens, experts)
+        if _token_column(x, transposed, T):
+            picked = tokens
+        else:
+            if tuple(xv.shape) != shape:
+                x = graph_call(graph, torch.Tensor.expand, x, shape, meta_from=node)
+            picked = graph_call(graph, operator.getitem, x, index, meta_from=node)
+    node.replace_all_uses_with(picked)
+    erase_dead(graph, [node])
+    return "X.masked_select(routing map) -> X[rows, cols] of the top-k pairs"
 
 
 def _int_vector(node: object) -> bool:

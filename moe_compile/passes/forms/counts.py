@@ -139,7 +139,7 @@ def routing_map_ids(map_TE: Any) -> fx.Node | None:
     if name in ("scatter", "scatter_") and arg(map_TE, 1, "dim") in (1, -1):
         src = map_TE.args[3] if len(map_TE.args) > 3 else map_TE.kwargs.get("value", map_TE.kwargs.get("src"))
         base = map_TE.args[0]
-        if src in (True, 1) and is_zeros(base):
+        if src in (True, 1) and is_zeros(strip_casts(base)):
             return map_TE.args[2]
     if name == "sum" and op_name(map_TE.args[0]) == "one_hot" and arg(map_TE, 1, "dim") in (1, -2):
         return map_TE.args[0].args[0]
