@@ -12,7 +12,7 @@ Matches (``S = T*K`` rows, ``p`` a permutation: the indices of a ``sort`` / ``ar
     2. composed gathers:        x[a][b], ``a`` the token of each row
     3. a combine through the inverse order:   zeros.index_add_(0, idx, y[argsort(p)])
     4. an einsum of three or more operands
-    5. counts sized by their values:   bincount(ids, minlength=E), ids a router's top-k over E scores
+    5. counts sized by their values:   bincount(ids, minlength=E), ids a router's top-k over E scores (sorted or not)
     6. a selection by a routing map:   X.masked_select(M), M = zeros(T, E).scatter(1, topk_ids, True) or its ``.T``
 
 Rewrites to::
@@ -59,7 +59,7 @@ from moe_compile.passes._graph import (
     op_name,
     tensor_val,
 )
-from moe_compile.passes.forms.counts import routing_map_ids
+from moe_compile.passes.forms.counts import ids_base, routing_map_ids
 from moe_compile.passes.forms.ops import ids_below
 
 _ARGSORTS = ("argsort",)
@@ -110,7 +110,7 @@ def _counts_of_known_size(graph: fx.Graph, node: fx.Node) -> str | None:
     if op_name(node) != "bincount" or arg(node, 1, "weights") is not None:
         return None
     E, ids = known_int(arg(node, 2, "minlength", 0)), node.args[0]
-    if not E or not _int_vector(ids) or not ids_below(ids, E):
+    if not E or not _int_vector(ids) or not ids_below(ids_base(ids), E):  # through sorts, casts, flattening
         return None
     with graph.inserting_before(node), fake_mode_of([tensor_val(ids)]):  # arange's example value: a fake tensor
         experts = graph_call(graph, torch.arange, E, device=tensor_val(ids).device, meta_from=node)

@@ -132,18 +132,20 @@ def test_argsort_of_no_permutation_is_left_alone():
 
 
 def test_bincount_of_top_k_ids_gets_a_size_known_at_trace_time():
-    """MaxText's ``bincount(flat_ids, minlength=E)``: under the capture flags its length is an unbacked size (a host
-    sync); ids a router's top-k over ``E`` scores are below ``E``, so the counts are ``(ids[:, None] ==
-    arange(E)).sum(0)``, equal on fresh routings. Ids with no such bound (``% (E + 1)``) keep their ``bincount``."""
+    """MaxText's ``bincount(flat_ids, minlength=E)`` (ScatterMoE's of the sorted ids): under the capture flags its
+    length is an unbacked size (a host sync); ids a router's top-k over ``E`` scores are below ``E``, so the counts
+    are ``(ids[:, None] == arange(E)).sum(0)``, equal on fresh routings. Ids with no such bound (``% (E + 1)``) keep
+    their ``bincount``."""
 
     def counts(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ids = scores.topk(K, dim=-1).indices.reshape(-1)
-        return torch.bincount(ids, minlength=E), torch.bincount((ids * 3) % (E + 1), minlength=E)
+        return (torch.bincount(ids, minlength=E), torch.bincount(ids.sort().values.int(), minlength=E),
+                torch.bincount((ids * 3) % (E + 1), minlength=E))
 
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     before, after, records = _normalized(counts, torch.randn(T, E, generator=gen))
-    assert [r.what for r in records] == ["bincount(ids, minlength=E) -> (ids[:, None] == arange(E)).sum(0)"]
-    assert _ops(after)["bincount"] == 1 and _ops(after)["eq"] == 1, after.code
+    assert [r.what for r in records] == ["bincount(ids, minlength=E) -> (ids[:, None] == arange(E)).sum(0) x2"]
+    assert _ops(after)["bincount"] == 1 and _ops(after)["eq"] == 2, after.code
     for _ in range(3):
         scores = torch.randn(T, E, generator=gen)
         got, want = after(scores), before(scores)
