@@ -60,7 +60,7 @@ from moe_compile.passes._graph import (
     tensor_val,
 )
 from moe_compile.passes.forms.counts import ids_base, routing_map_ids
-from moe_compile.passes.forms.ops import ids_below
+from moe_compile.passes.forms.ops import ids_below, is_zeros, strip_casts
 
 _ARGSORTS = ("argsort",)
 
@@ -153,6 +153,36 @@ def _token_column(x: Any, transposed: bool, T: int) -> bool:
         known_int(arg(x, 1, "dim")) in ((0, -2) if transposed else (1, -1))
 
 
+def _sorted_pairs(graph: fx.Graph, idx_TK: fx.Node, K: int, at: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """``(ids[p], p, p // K)``, ``p`` the stable sort of ``idx_TK``'s flat ids: the ones an earlier selection by the
+    same map made (one order: the recognisers prove a permute and its probs by the same ``p``), else new ones."""
+    for flat in idx_TK.users:
+        if flat.target is torch.reshape and flat.args[1:] == ((-1,),):
+            for order in flat.users:
+                if order.target is torch.sort and order.kwargs.get("stable"):
+                    parts = {u.args[1]: u for u in order.users if u.target is operator.getitem}
+                    perm = parts.get(1)
+                    tokens = None if perm is None else next(
+                        (u for u in perm.users if u.target is operator.floordiv and u.args[1] == K), None)
+                    if 0 in parts and tokens is not None:
+                        return parts[0], perm, tokens
+    flat = graph_call(graph, torch.reshape, idx_TK, (-1,), meta_from=at)
+    order = graph_call(graph, torch.sort, flat, stable=True, meta_from=at)
+    experts = graph_call(graph, operator.getitem, order, 0, meta_from=at)
+    perm = graph_call(graph, operator.getitem, order, 1, meta_from=at)
+    return experts, perm, graph_call(graph, operator.floordiv, perm, K, meta_from=at)
+
+
+def _scattered_values(x_TE: Any, idx_TK: fx.Node) -> fx.Node | None:
+    """``v_TK`` where ``x_TE`` is ``zeros(T, E).scatter(1, idx_TK, v_TK)`` (a routing-probs table)."""
+    if not isinstance(x_TE, fx.Node) or op_name(x_TE) not in ("scatter", "scatter_") or \
+            arg(x_TE, 1, "dim") not in (1, -1) or x_TE.args[2] is not idx_TK or not is_zeros(strip_casts(x_TE.args[0])):
+        return None
+    src = x_TE.args[3] if len(x_TE.args) > 3 else x_TE.kwargs.get("src")
+    return src if isinstance(src, fx.Node) and tensor_val(src) is not None and \
+        tuple(tensor_val(src).shape) == tuple(tensor_val(idx_TK).shape) else None
+
+
 def _routing_map_select(graph: fx.Graph, node: fx.Node) -> str | None:
     """Rule 6: ``X.masked_select(M)``, ``M`` (or ``M.T``) a routing map of a top-k over ``E`` (``K`` distinct ids per
     token: ``T*K`` selected, :func:`~moe_compile.passes.forms.counts.routing_map_ids`) -> ``X`` at those pairs."""
@@ -171,11 +201,7 @@ def _routing_map_select(graph: fx.Graph, node: fx.Node) -> str | None:
         return None
     with graph.inserting_before(node):
         if transposed:
-            flat = graph_call(graph, torch.reshape, idx_TK, (-1,), meta_from=node)
-            order = graph_call(graph, torch.sort, flat, stable=True, meta_from=node)
-            experts = graph_call(graph, operator.getitem, order, 0, meta_from=node)
-            perm = graph_call(graph, operator.getitem, order, 1, meta_from=node)
-            tokens = graph_call(graph, operator.floordiv, perm, K, meta_from=node)
+            experts, perm, tokens = _sorted_pairs(graph, idx_TK, K, node)
             index = (experts, tokens)
         else:
             row_ids = graph_call(graph, operator.getitem, graph_call(graph, torch.sort, idx_TK, 1, meta_from=node), 0,
@@ -185,8 +211,16 @@ def _routing_map_select(graph: fx.Graph, node: fx.Node) -> str | None:
                 rows = graph_call(graph, torch.arange, T * K, device=iv.device, meta_from=node)
             tokens = graph_call(graph, operator.floordiv, rows, K, meta_from=node)
             index = (tokens, experts)
+        x_flipped, x_TE = _transposed_2d(x)
+        values_TK = _scattered_values(x_TE, idx_TK) if transposed and x_flipped else None
         if _token_column(x, transposed, T):
             picked = tokens
+        elif values_TK is not None:  # zeros(T, E).scatter(1, ids, v_TK): the pairs' values in sorted order
+            flat_values = graph_call(graph, torch.reshape, values_TK, (-1,), meta_from=node)
+            picked = graph_call(graph, operator.getitem, flat_values, perm, meta_from=node)
+        elif x_flipped == transposed and (v := tensor_val(x_TE)) is not None and tuple(v.shape) == (T, E):
+            # index the [T, E] tensor itself
+            picked = graph_call(graph, operator.getitem, x_TE, (tokens, experts), meta_from=node)
         else:
             if tuple(xv.shape) != shape:
                 x = graph_call(graph, torch.Tensor.expand, x, shape, meta_from=node)

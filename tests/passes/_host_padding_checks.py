@@ -21,6 +21,7 @@ from torch._inductor.utils import get_first_incompatible_cudagraph_node
 
 import moe_compile
 from moe_compile import report
+from moe_compile.passes import normalize
 from tests import _tolerance as tol
 
 T, H = 10, 16  # default tokens and hidden size of the test layers' inputs
@@ -216,6 +217,8 @@ def run_pass(pass_run: Any, gm: fx.GraphModule) -> RecordingContext:
 def run_pass_on_layer(
     pass_run: Any, model: Any, x: torch.Tensor
 ) -> tuple[fx.GraphModule, list[Any], RecordingContext]:
-    """Dynamo's inference graph of ``model(x)`` with one pass run on it: (graph, its inputs, the records)."""
+    """Dynamo's inference graph of ``model(x)`` in normal form (``normalize``, the first pre-grad pass, as the
+    backend runs it) with one pass run on it: (graph, its inputs, that pass's records)."""
     gm, inputs = dynamo_graph(model, x)
+    run_pass(normalize.run, gm)
     return gm, inputs, run_pass(pass_run, gm)

@@ -5,8 +5,8 @@ host-sized padded rows, ``M = static_row_bound(N, E, a)`` (static).
 
 Matches (Dynamo Torch IR, one region per combine)::
 
-    permute   x_NH = x_TH[argsort(idx_TK.flatten()) // K]                         (or index_select)
-              | x_NH = x_TH.index_select(0, arange(T).expand(E, T).masked_select(map_ET))
+    permute   x_NH = x_TH[argsort(idx_TK.flatten()) // K]                         (or index_select; a
+              masked_select over a top-k routing map arrives in this form: normalize's rule 6)
     counts    s_0..s_{E-1} = C.tolist()  (getitem + item per element), C a histogram of idx_TK
               (one_hot(...).sum(0), (idx == arange(E)).sum(0), routing_map.sum(0), histc)
     pad       x_PH = cat([F.pad(c_e, (0, 0, 0, q_e)) | cat([c_e, zeros(q_e, H)]) for c_e in split(x_NH, s)])
@@ -16,7 +16,7 @@ Matches (Dynamo Torch IR, one region per combine)::
     unpad     y_NH = cat([narrow(y_e, 0, 0, s_e) | y_e[:s_e] for y_e in split(y_PH, padded sizes)])  (optional)
     combine   zeros(T, H).index_add_(0, token_N, (y_NH * probs_N[:, None]).to(dtype))
               | zeros(T, H).scatter_add_(0, token_N[:, None].expand(-1, H), ...)
-              with probs_N = probs_TK.flatten()[order] | probs_TE.T.masked_select(map_ET)  (optional)
+              with probs_N = probs_TK.flatten()[order] | probs_TE[order // K, ids[order]]  (optional)
 
 Rewrites to::
 
@@ -30,15 +30,13 @@ checks (side-effecting: DCE would keep them). A model that pads on the host righ
 already aligned and are not padded twice. The permute forms are ``_permute_forms``'s.
 
 Fires when: every step above is proven. The permutation is proven from the graph (ascending argsort of
-the same ids whose histogram gives the split sizes, or ``masked_select`` over a routing map scattered
-from top-k ids), the pad lengths, padded sizes and offsets are proven by evaluating their symbolic
+the same ids whose histogram gives the split sizes), the pad lengths, padded sizes and offsets are proven by evaluating their symbolic
 expressions on sample counts (:func:`moe_compile.passes._host_sync.same_on_samples`), and every op between
 pad and unpad is row-wise, so the row order inside an expert and the static buffer change no output.
 
 Skips when (reason tags):
     ``combine_buffer_reused`` (the zeros buffer is read before the combine), ``combine_index_not_matched``,
-    ``permute_not_matched`` (no argsort / masked_select permute behind the combine index),
-    ``routing_map_not_topk`` (a routing map not scattered from top-k ids), ``counts_not_histogram``
+    ``permute_not_matched`` (no argsort permute behind the combine index), ``counts_not_histogram``
     (split sizes not proven to be the per-expert counts of the permuted ids), ``pad_not_matched``,
     ``alignment_unsupported``, ``unpad_not_matched``, ``offsets_not_matched``, ``probs_not_matched``
     (the combine weight is not the routing prob permuted alongside), ``region_not_rowwise`` (an op

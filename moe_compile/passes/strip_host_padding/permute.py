@@ -5,13 +5,13 @@ One place for the permute forms a pass proves before it replaces them with ``moe
     argsort        x_NH = x_TH[order // K]  (or index_select(0, order // K)),
                    order = argsort(idx_TK.flatten()) | sort(idx_TK.flatten())[1], ascending
                    (:func:`~moe_compile.passes.forms.counts.permutation_of` knows the sort)
-    masked_select  x_NH = x_TH.index_select(0, arange(T).expand(E, T).masked_select(map_ET)),
-                   map_ET = map_TE.T, a routing map scattered from top-k ids (``_count_forms.routing_map_ids``)
 
 and the routing probs permuted alongside the rows (:func:`probs_source`)::
 
-    argsort        probs_N = probs_TK.flatten()[order]
-    masked_select  probs_N = probs_TE.T.masked_select(map_ET), probs_TE dense or zeros.scatter(1, idx_TK, probs_TK)
+    argsort        probs_N = probs_TK.flatten()[order]  |  probs_TE[order // K, ids[order]]
+
+A selection by a routing map (Megatron's ``arange(T).expand(E, T).masked_select(map_TE.T)``, ``probs_TE.T
+.masked_select(map_TE.T)``) reaches these forms through ``normalize``'s rule 6.
 
 Add a form here (with a ``kind`` of :class:`Permute`) to teach every pass that reads permutes through it.
 """
@@ -25,8 +25,8 @@ import torch.fx as fx
 
 from moe_compile.passes import NoMatch
 from moe_compile.passes._graph import arg, is_call, op_name, tensor_val
-from moe_compile.passes.forms.counts import permutation_of, routing_map_ids
-from moe_compile.passes.forms.ops import is_zeros, strip_casts
+from moe_compile.passes.forms.counts import permutation_of
+from moe_compile.passes.forms.ops import strip_casts
 
 
 @dataclasses.dataclass
@@ -35,9 +35,8 @@ class Permute:
     idx_TK: fx.Node
     num_experts: int
     x_NH: fx.Node
-    kind: str  # "argsort" | "masked_select"
+    kind: str  # "argsort"
     order: fx.Node | None = None  # argsort result (for probs_N = probs.flatten()[order])
-    map_ET: fx.Node | None = None  # routing map (for probs_N = probs_ET.masked_select(map_ET))
 
 
 
@@ -91,6 +90,17 @@ def floordiv_by(node: Any) -> tuple[fx.Node, int] | None:
     return None
 
 
+def _pair_of_sorted_rows(index: tuple[Any, Any], order: fx.Node) -> bool:
+    """``(order // K, ids[order])``: the token and the expert of each sorted row, as ``order`` sorts ``ids``."""
+    tokens, experts = index
+    split = floordiv_by(tokens)
+    if split is None or split[0] is not order or not isinstance(experts, fx.Node):
+        return False
+    sort = order.args[0] if op_name(order) == "getitem" else None
+    return (op_name(experts) == "getitem" and experts.args[0] is sort and experts.args[1] == 0) or \
+        (op_name(experts) == "getitem" and experts.args[1] is order and experts.args[0] is argsort_of(order))
+
+
 def match_permute(token_N: fx.Node) -> Permute:
     """Prove how ``token_N`` (source token of each permuted row) and the gathered rows were built."""
     gathers = [
@@ -113,23 +123,7 @@ def match_permute(token_N: fx.Node) -> Permute:
         if idx_TK is None or value is None or value.dim() != 2 or value.shape[1] != K:
             raise NoMatch("permute_not_matched", f"{token_N.name} is not argsort(ids.flatten()) // K")
         return Permute(x_TH, idx_TK, -1, x_NH, "argsort", order=order)
-    if is_call(token_N, "masked_select"):
-        tokens, map_ET = token_N.args[0], token_N.args[1]
-        base = tokens
-        while is_call(base, "expand", "unsqueeze", "expand_as", "repeat", "contiguous"):
-            base = base.args[0]
-        T = tensor_val(x_TH).shape[0]
-        if not (is_call(base, "arange") and tuple(base.args) in ((T,), (0, T))):
-            raise NoMatch("permute_not_matched", "masked_select source is not arange(T) expanded over experts")
-        map_TE = transposed_base(map_ET)
-        idx_TK = routing_map_ids(map_TE) if map_TE is not None else None
-        if idx_TK is None:
-            raise NoMatch("routing_map_not_topk", "routing map not proven to hold exactly K distinct experts per token")
-        if not topk_indices(idx_TK):
-            raise NoMatch("routing_map_not_topk", f"{idx_TK.name} is not the indices of a topk")
-        E = tensor_val(map_ET).shape[0]
-        return Permute(x_TH, idx_TK, E, x_NH, "masked_select", map_ET=map_ET)
-    raise NoMatch("permute_not_matched", f"{token_N.name} is neither argsort // K nor masked_select(arange)")
+    raise NoMatch("permute_not_matched", f"{token_N.name} is not argsort(ids.flatten()) // K")
 
 
 def token_index(order: fx.Node) -> fx.Node:
@@ -177,16 +171,9 @@ def probs_source(probs_col: fx.Node, perm: Permute) -> tuple[fx.Node | None, fx.
         value, ids = tensor_val(probs_TK), tensor_val(perm.idx_TK)
         if value is not None and value.dim() == 2 and tuple(value.shape) == tuple(ids.shape):
             return probs_TK, None
-    if perm.kind == "masked_select" and is_call(node, "masked_select") and node.args[1] is perm.map_ET:
-        probs_TE = transposed_base(node.args[0])
-        if probs_TE is not None:
-            if is_call(probs_TE, "scatter", "scatter_") and is_zeros(probs_TE.args[0]) \
-                    and probs_TE.args[2] is perm.idx_TK and arg(probs_TE, 1, "dim") in (1, -1):
-                src = probs_TE.args[3] if len(probs_TE.args) > 3 else probs_TE.kwargs.get("src")
-                if isinstance(src, fx.Node) and tensor_val(src) is not None \
-                        and tuple(tensor_val(src).shape) == tuple(tensor_val(perm.idx_TK).shape):
-                    return src, None
-            value = tensor_val(probs_TE)
-            if value is not None and value.dim() == 2 and value.dtype.is_floating_point:
-                return None, probs_TE
+    if perm.kind == "argsort" and is_call(node, "getitem") and isinstance(node.args[1], tuple) \
+            and len(node.args[1]) == 2 and _pair_of_sorted_rows(node.args[1], perm.order):
+        value = tensor_val(node.args[0])  # probs_TE[order // K, ids[order]] (normalize's rule 6)
+        if value is not None and value.dim() == 2 and value.dtype.is_floating_point:
+            return None, node.args[0]
     raise NoMatch("probs_not_matched", f"{probs_col.name} is not the routing probs permuted alongside the rows")
