@@ -179,10 +179,14 @@ def _stacked_projections(group: ExpertGroup, down: str | None = None,
         return out
     flip = _gate_up_transposed(group) if transposed is None else transposed
     for lin in group.linears:
-        w = getattr(module, lin.path)
+        owner, name = module, lin.path
+        if "." in name:  # a path into a child (sibling_stacked_groups' merged groups)
+            child, _, name = name.rpartition(".")
+            owner = module.get_submodule(child)
+        w = getattr(owner, name)
         if w.shape[0] != lin.num_experts:  # rows of identity experts that no id reads (identity_expert_groups)
             w = w[:lin.num_experts]
-        bias = getattr(module, lin.path + "_bias", None)
+        bias = getattr(owner, name + "_bias", None)
         out[lin.path] = Projection(w.transpose(1, 2) if lin.is_transposed or flip else w, bias)
     return out
 
@@ -217,6 +221,30 @@ def _flat_expert_groups(model: nn.Module, claimed: list[ExpertGroup]) -> list[Ex
         groups.append(ExpertGroup(name, module, "flat", linears))
         taken.append(name)
     return groups
+
+
+def sibling_stacked_groups(model: nn.Module, groups: list[ExpertGroup]) -> list[ExpertGroup]:
+    """``groups`` with stacked groups of one projection each that are children of one module merged into one group
+    there, its projections by their paths from it (Aria's ``experts.fc1.weight`` / ``experts.fc2.weight``, each a
+    module of one rank-3 weight ``[E, K, N]``): one projection is no MLP, two siblings of one ``E`` may be one."""
+    singles: dict[str, list[ExpertGroup]] = {}
+    for g in groups:
+        if g.kind == "stacked" and len(g.linears) == 1 and "." in g.name \
+                and not isinstance(g.module, GroupedExpertList):
+            singles.setdefault(g.name.rpartition(".")[0], []).append(g)
+    merged, out = set(), []
+    for g in groups:
+        parent = g.name.rpartition(".")[0]
+        siblings = singles.get(parent, [])
+        if len(siblings) < 2 or len({s.linears[0].num_experts for s in siblings}) != 1:
+            out.append(g)
+            continue
+        if parent not in merged:
+            merged.add(parent)
+            linears = tuple(dataclasses.replace(s.linears[0], path=f"{s.name.rpartition('.')[2]}.{s.linears[0].path}")
+                            for s in siblings)
+            out.append(ExpertGroup(parent, model.get_submodule(parent), "stacked", linears))
+    return out
 
 
 def identity_expert_groups(model: nn.Module) -> tuple[list[ExpertGroup], list[tuple[str, nn.Module]]]:

@@ -167,7 +167,7 @@ def _shapes(module: nn.Module, limit: int = 3) -> str:
 
 
 def _as_stacked(name: str, attr: str, module: nn.Module, by_shape: bool = False) -> ExpertGroup | None:
-    """``by_shape``: without the experts-like name or count, two or more rank-3 parameters of one ``E >= 2``
+    """``by_shape``: without the experts-like name or count, rank-3 parameters of one ``E >= 2``
     (:func:`unnamed_stacked_groups`)."""
     if isinstance(module, _NOT_EXPERT_CONTAINERS):
         return None
@@ -182,7 +182,7 @@ def _as_stacked(name: str, attr: str, module: nn.Module, by_shape: bool = False)
     declared = getattr(module, "num_experts", None) or getattr(module, "num_local_experts", None)
     looks_like_experts = _EXPERT_NAME.search(type(module).__name__) or _EXPERT_NAME.search(attr) or declared == E
     if by_shape:
-        looks_like_experts = len(params) >= 2 and E >= 2
+        looks_like_experts = E >= 2
     if not looks_like_experts or E < 1:
         return None
     is_transposed = bool(getattr(module, "is_transposed", False))
@@ -195,10 +195,11 @@ def _as_stacked(name: str, attr: str, module: nn.Module, by_shape: bool = False)
 
 
 def unnamed_stacked_groups(model: nn.Module, claimed: list[ExpertGroup]) -> list[ExpertGroup]:
-    """Stacked experts that no name announces: a module (the MoE block itself included) holding two or more rank-3
-    parameters of one leading size ``E >= 2`` (vLLM's reference ``torch_moe``: ``w1 [E, 2I, H]``, ``w2 [E, H, I]`` on
-    the block), outside the ``claimed`` groups. Only the expert-loop swap reads them: its probe, which runs the
-    block's own forward against the fused path, decides whether they are experts at all."""
+    """Stacked experts that no name announces: a module (the MoE block itself included) holding rank-3 parameters of
+    one leading size ``E >= 2`` (vLLM's reference ``torch_moe``: ``w1 [E, 2I, H]``, ``w2 [E, H, I]`` on the block; a
+    module of one such weight counts only merged with its siblings, ``sibling_stacked_groups``), outside the
+    ``claimed`` groups. Only the expert-loop swap reads them: its probe, which runs the block's own forward against
+    the fused path, decides whether they are experts at all."""
     taken = [g.name for g in claimed]
     groups: list[ExpertGroup] = []
     for name, module in model.named_modules():

@@ -111,6 +111,7 @@ from moe_compile.experts._swap_layout import (
     identity_expert_groups,
     mlp_readings,
     per_expert_projections,
+    sibling_stacked_groups,
     top_k_of_logits,
 )
 from moe_compile.experts._swap_router_call import RouterCall, call_router, kept_buffers, record_router_call
@@ -553,8 +554,11 @@ def swap_expert_loops(model: nn.Module, ep_capacity_factor: float | None = None)
     groups = [g for g in (*find_expert_weights(model), *_single_expert_lists(model))
               if id(g.module) not in zero_compute]
     groups += _flat_expert_groups(model, [*groups, *identity])
-    unnamed = unnamed_stacked_groups(model, [*groups, *identity])
-    groups += unnamed
+    named = list(groups)
+    merged = sibling_stacked_groups(model, named + unnamed_stacked_groups(model, [*named, *identity]))
+    # by shape alone: a module of two or more projections, or one-projection siblings merged (one alone is no MLP)
+    unnamed = [g for g in merged if not any(g is n for n in named) and len(g.linears) >= 2]
+    groups = [g for g in merged if any(g is n for n in named) or len(g.linears) >= 2]
     for group in [*groups, *identity, *module_dict_groups(model, [*groups, *identity])]:
         if is_hf_experts(group.module) or getattr(group.module, "_moe_compile_swapped", False):
             continue

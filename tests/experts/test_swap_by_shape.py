@@ -185,10 +185,50 @@ class MaskAssignBlock(nn.Module):
         return (out.view(-1, self.n_pick, H) * w.unsqueeze(-1).to(out.dtype)).sum(1).reshape(hidden.shape)
 
 
+class _StackedGemm(nn.Module):
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(E, k, n) * k**-0.5)
+
+
+class _SplitExperts(nn.Module):
+    """Aria's grouped experts: each projection a module of one ``[E, K, N]`` weight, applied as ``x @ w[e]`` over
+    contiguous runs of sorted rows (``fc_in`` gate-then-up, ``fc_out`` down)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc_in = _StackedGemm(H, 2 * F_)
+        self.fc_out = _StackedGemm(F_, H)
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs = []
+        for e, chunk in enumerate(torch.split(rows, counts)):
+            gate, up = (chunk @ self.fc_in.weight[e]).chunk(2, dim=-1)
+            outs.append((F.silu(gate) * up) @ self.fc_out.weight[e])
+        return torch.cat(outs)
+
+
+class SplitExpertsBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pick = 2
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = _SplitExperts()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, H)
+        top, ids = torch.topk(self.router(x), self.pick, dim=-1)
+        order = ids.reshape(-1).argsort(stable=True)
+        counts = torch.bincount(ids.reshape(-1), minlength=E).tolist()
+        y = self.experts(x[order // self.pick], counts)
+        out = torch.zeros_like(y).index_copy_(0, order, y).view(-1, self.pick, H)
+        return (out * top.softmax(-1).unsqueeze(-1)).sum(1).reshape(hidden.shape)
+
+
 @pytest.mark.parametrize("make", [lambda: LoopBlock(_PlainExpert), lambda: LoopBlock(_GatedExpert), StackedBlock,
-                                  DenseBlock, TableRoutedBlock, MaskAssignBlock],
+                                  DenseBlock, TableRoutedBlock, MaskAssignBlock, SplitExpertsBlock],
                          ids=["plain_unnamed", "gated_unnamed", "stacked_transposed", "top_k_seen_in_forward",
-                              "scores_table_router", "unnamed_stacked_on_block"])
+                              "scores_table_router", "unnamed_stacked_on_block", "one_weight_per_child_module"])
 def test_block_with_unknown_names_is_swapped_within_eager_bound(make):
     torch.manual_seed(torch.seed() % 2**31)
     block = make()
