@@ -31,9 +31,9 @@ REWRITTEN = frozenset({
 })
 # the second batch (BLIND_CORPUS2.md), rewritten and clean at its last run there
 REWRITTEN2 = frozenset({
-    "flaxformer_scatter_router", "maxtext_dense_capacity_einsum", "maxtext_sparse_argsort_gmm",
-    "megatron_sigmoid_group_limited_grouped_mlp", "nanomoe_matmul_capacity", "vllm_torch_moe_reference_masks",
-    "xmoe_cosine_top2_index_put",
+    "aria_histc_sequential_gemm", "flaxformer_scatter_router", "maxtext_dense_capacity_einsum",
+    "maxtext_sparse_argsort_gmm", "megatron_sigmoid_group_limited_grouped_mlp", "nanomoe_matmul_capacity",
+    "vllm_torch_moe_reference_masks", "xmoe_cosine_top2_index_put",
 })
 
 
