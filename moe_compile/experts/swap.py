@@ -568,7 +568,14 @@ def swap_expert_loops(model: nn.Module, ep_capacity_factor: float | None = None)
             continue
         Z = group.module.zero_expert_num if id(group.module) in zero_compute else 0
         try:
-            detail = swap_capacity_block(block, group) if group.kind == "module_dict" else swap_block(block, group, Z)
+            try:
+                detail = swap_capacity_block(block, group) if group.kind == "module_dict" else \
+                    swap_block(block, group, Z)
+            except NotSwappable:
+                extra = _ids_past_experts(block, group) if group.kind == "stacked" and not Z else 0
+                if not extra:
+                    raise
+                detail = swap_block(block, group, extra)  # the probe decides whether they are identity experts
         except NotSwappable as why:
             if why.tag == "no_router" and any(group is u for u in unnamed):
                 continue  # rank-3 parameters no name calls experts, and nothing routes them: not a MoE layer
@@ -586,6 +593,18 @@ def swap_expert_loops(model: nn.Module, ep_capacity_factor: float | None = None)
     return records
 
 
+
+
+def _ids_past_experts(block: nn.Module, group: ExpertGroup) -> int:
+    """``Z > 0`` where the block routes over ``E + Z`` ids for ``E`` stacked experts: its one router-shaped
+    ``Linear(H, E + Z)`` outside the experts (LongCat-Flash's ``classifier`` over 8 MLP experts and 4 more ids, whatever
+    the experts module calls them), else 0. Whether the ids past ``E`` are identity experts is the probe's to say."""
+    E = group.linears[0].num_experts
+    hidden = {lin.in_features for lin in group.linears} | {lin.out_features for lin in group.linears}
+    experts = {id(m) for m in group.module.modules()}
+    widths = {m.out_features - E for m in block.modules() if isinstance(m, nn.Linear) and id(m) not in experts
+              and m.in_features in hidden and E < m.out_features <= 2 * E}
+    return widths.pop() if len(widths) == 1 else 0
 
 
 def _zero_compute_skip(name: str, module: nn.Module, why: str) -> tuple[str, str, str, str]:

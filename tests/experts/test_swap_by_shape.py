@@ -225,10 +225,48 @@ class SplitExpertsBlock(nn.Module):
         return (out * top.softmax(-1).unsqueeze(-1)).sum(1).reshape(hidden.shape)
 
 
+class _IdsPastExperts(nn.Module):
+    """Stacked experts over ``E`` ids of ``E + 3`` routed (no count of the others on any attribute): ids past ``E``
+    return the token itself (LongCat-Flash's identity experts), or nothing (``drop``: zero experts)."""
+
+    def __init__(self, drop: bool = False) -> None:
+        super().__init__()
+        self.drop = drop
+        self.gate_up = nn.Parameter(torch.randn(E, 2 * F_, H) * H**-0.5)
+        self.down = nn.Parameter(torch.randn(E, H, F_) * F_**-0.5)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(E + 3):
+            tok, slot = torch.where(ids == e)
+            if e >= E:
+                y = x[tok] * (0.0 if self.drop else 1.0)
+            else:
+                gate, up = F.linear(x[tok], self.gate_up[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.down[e])
+            out.index_add_(0, tok, y * w[tok, slot, None])
+        return out
+
+
+class IdsPastExpertsBlock(nn.Module):
+    def __init__(self, drop: bool = False) -> None:
+        super().__init__()
+        self.top_k = 2
+        self.scorer = nn.Linear(H, E + 3, bias=False)
+        self.experts = _IdsPastExperts(drop)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, H)
+        w, ids = torch.topk(self.scorer(x).softmax(-1), self.top_k, dim=-1)
+        return self.experts(x, ids, w).reshape(hidden.shape)
+
+
 @pytest.mark.parametrize("make", [lambda: LoopBlock(_PlainExpert), lambda: LoopBlock(_GatedExpert), StackedBlock,
-                                  DenseBlock, TableRoutedBlock, MaskAssignBlock, SplitExpertsBlock],
+                                  DenseBlock, TableRoutedBlock, MaskAssignBlock, SplitExpertsBlock,
+                                  IdsPastExpertsBlock],
                          ids=["plain_unnamed", "gated_unnamed", "stacked_transposed", "top_k_seen_in_forward",
-                              "scores_table_router", "unnamed_stacked_on_block", "one_weight_per_child_module"])
+                              "scores_table_router", "unnamed_stacked_on_block", "one_weight_per_child_module",
+                              "identity_ids_past_the_experts"])
 def test_block_with_unknown_names_is_swapped_within_eager_bound(make):
     torch.manual_seed(torch.seed() % 2**31)
     block = make()
@@ -354,3 +392,13 @@ def test_rank3_parameters_without_a_router_are_left_alone_silently():
     forward = module.forward
     assert swap_expert_loops(module) == []
     assert module.forward == forward
+
+
+def test_ids_past_the_experts_that_drop_the_token_are_not_swapped():
+    """The probe, not the router's width, says what ids past ``E`` compute: where they drop the token (zero experts)
+    the fused path's identity experts do not match and the block stays as written."""
+    block = IdsPastExpertsBlock(drop=True)
+    forward = block.forward
+    records = swap_expert_loops(block)
+    assert [r[1] for r in records] == ["skip"], records
+    assert block.forward == forward
