@@ -30,9 +30,9 @@ checks (side-effecting: DCE would keep them). A model that pads on the host righ
 already aligned and are not padded twice. The permute forms are ``_permute_forms``'s.
 
 Fires when: every step above is proven. The permutation is proven from the graph (ascending argsort of
-the same ids whose histogram gives the split sizes), the pad lengths, padded sizes and offsets are proven by evaluating their symbolic
-expressions on sample counts (:func:`moe_compile.passes._host_sync.same_on_samples`), and every op between
-pad and unpad is row-wise, so the row order inside an expert and the static buffer change no output.
+the same ids whose histogram gives the split sizes), the pad lengths, padded sizes and offsets are proven by
+evaluating their symbolic expressions on sample counts (:func:`moe_compile.passes._host_sync.same_on_samples`), and
+every op between pad and unpad is row-wise, so the row order inside an expert and the static buffer change no output.
 
 Skips when (reason tags):
     ``combine_buffer_reused`` (the zeros buffer is read before the combine), ``combine_index_not_matched``,
