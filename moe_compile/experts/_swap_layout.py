@@ -34,9 +34,18 @@ ACT_CANDIDATES: dict[str, Callable[[Tensor], Tensor]] = {
 GATE_WEIGHTS = ("softmax_topk_renorm", "topk_softmax", "softmax_topk", "softmax_topk_in_dtype")
 
 
-def top_k_of_logits(logits_TE: Tensor, top_k: int, gate_weights: str) -> tuple[Tensor, Tensor]:
+def top_k_of_logits(logits_TE: Tensor, top_k: int, gate_weights: str,
+                    bias_E: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(ids_TK, fp32 weights_TK)`` of a linear router's logits, by ``gate_weights`` (one of
-    :data:`GATE_WEIGHTS`, ``_Plan.gate_weights``)."""
+    :data:`GATE_WEIGHTS`, ``_Plan.gate_weights``); ``bias_E``: a selection bias added to the probabilities for the
+    choice only (the weights stay the unbiased probabilities: ERNIE 4.5's ``moe_statics``)."""
+    if bias_E is not None:
+        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        ids_TK = torch.topk(probs_TE + bias_E.reshape(-1).float(), top_k, dim=-1).indices
+        weights_TK = probs_TE.gather(1, ids_TK)
+        if gate_weights == "softmax_topk_renorm":
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        return ids_TK, weights_TK
     if gate_weights == "topk_softmax":
         top_TK, ids_TK = torch.topk(logits_TE.float(), top_k, dim=-1)
         return ids_TK, top_TK.softmax(dim=-1)

@@ -57,10 +57,13 @@ router or on the expert outputs shows only there), each in ulps of the lowest pr
 says why (``probe_mismatch``, ``probe_grad_mismatch``, ``probe_failed``, ``no_router``, ``dense_experts_biased``,
 ``dense_scores_not_topk``, ...). A probe cannot prove that a block computes what the fused path computes; it
 finds the differences the fuzzer found (``tests/fuzz``): a custom backward, an output only in training, a selection
-bias that changes some tokens' experts. A block routed by ``gate`` that holds any other tensor (a selection bias, a
-counter) is not probed at all (``block_state_unused``): a probe can miss the few tokens such a tensor moves; a
-routing module the block passes such a tensor to (torchtitan's expert bias), or whose counts the block adds to it, is
-called as the block calls it (NOTE [recorded router call] (moe_compile/experts/_swap_router_call.py)).
+bias that changes some tokens' experts. A block routed by ``gate`` that holds any other tensor (a counter, two
+biases) is not probed at all (``block_state_unused``): a probe can miss the few tokens such a tensor moves. One other
+``[E]`` float tensor is read as a selection bias on the probabilities (ERNIE 4.5's ``moe_statics``), and the probe
+runs with it set to random values of the probabilities' scale (then put back), so that a zero bias, as initialised,
+cannot pass a reading that is not the block's. A routing module the block passes such a tensor to (torchtitan's
+expert bias), or whose counts the block adds to it, is called as the block calls it (NOTE [recorded router call]
+(moe_compile/experts/_swap_router_call.py)).
 
 NOTE [grouped views]: ``nn.ModuleList`` experts keep their per-expert ``nn.Parameter`` objects (same identity, so
 optimizers and their state stay valid; same ``state_dict`` keys and values). Each projection's weights are copied
@@ -79,10 +82,11 @@ place breaks the aliasing: ``module.to()`` / ``.half()`` are handled (the block 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -163,6 +167,9 @@ class _Plan:
     # the readings and top-k values the probe tries (beyond the plan's own)
     readings: tuple[MLPReading, ...] = ()
     top_ks: tuple[int, ...] = ()
+    # a gate_linear router's selection bias: the block's one other ``[E]`` float tensor (a path from the block),
+    # added to the probabilities for the choice only; the probe runs with it perturbed (swap_block)
+    selection_bias: str | None = None
 
     @property
     def router_module(self) -> str:
@@ -191,8 +198,10 @@ def _route(block: nn.Module, plan: _Plan, x_TH: Tensor, hidden: Tensor) -> tuple
         logits_TE = block.router(x_TH)
         ids_TK, weights_TK, _ = _routing_of(block.route_tokens_to_experts(logits_TE), plan)
         return ids_TK, weights_TK, logits_TE
-    logits_TE = getattr(block, plan.gate_name)(x_TH)
-    ids_TK, weights_TK = top_k_of_logits(logits_TE, plan.top_k, plan.gate_weights)
+    gate = getattr(block, plan.gate_name)
+    logits_TE = gate(x_TH.to(gate.weight.dtype))  # a router kept in float32 routes in float32
+    bias_E = _tensor_at(block, plan.selection_bias) if plan.selection_bias else None
+    ids_TK, weights_TK = top_k_of_logits(logits_TE, plan.top_k, plan.gate_weights, bias_E)
     return ids_TK, weights_TK.to(x_TH.dtype), logits_TE
 
 
@@ -293,7 +302,13 @@ def _plan_block(block: nn.Module, group: ExpertGroup, identity_experts: int) -> 
                  transposed=readings[0].transposed, gate_name=gate_name, top_ks=top_ks)
     plan.readings = tuple(r for r in readings[1:] if hidden_of[r] == hidden_of[readings[0]])
     if router not in ("route", "gate_call", "router_call"):  # those two: once their call is read (swap_block)
-        _check_no_other_state(block, group, plan.router_module)
+        other = _other_state(block, group, plan.router_module)
+        if router == "gate_linear" and len(other) == 1 and \
+                _tensor_at(block, other[0]).numel() == E + identity_experts and \
+                _tensor_at(block, other[0]).is_floating_point():
+            plan.selection_bias = other[0]  # read for the choice; the perturbed probe says whether it is that
+        else:
+            _check_no_other_state(block, group, plan.router_module)
     return plan
 
 
@@ -302,6 +317,23 @@ def _shared_modules(block: nn.Module) -> tuple[str | None, str | None]:
     shared = next((n for n in _SHARED_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
     gate = next((n for n in _SHARED_GATE_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
     return shared, gate if shared is not None else None
+
+
+def _other_state(block: nn.Module, group: ExpertGroup, router: str, read: tuple[str, ...] = ()) -> list[str]:
+    """The block's tensors outside its router, shared experts and experts, and not in ``read``
+    (:func:`_check_no_other_state`)."""
+    experts = next((name for name, m in block.named_modules() if m is group.module), None)
+    owners = (router + ".", *(n + "." for n in _shared_modules(block) if n)) + ((experts + ".",) if experts else ())
+    # stacked weights on the block itself (its own rank-3 parameters) are the experts'
+    own = {lin.path for lin in group.linears} if group.module is block else set()
+    return [n for n, _ in (*block.named_parameters(), *block.named_buffers())
+            if not n.startswith(owners) and n not in own and n not in read]
+
+
+def _tensor_at(block: nn.Module, path: str) -> Tensor:
+    """The block's parameter or buffer at ``path`` (``moe_statics.e_score_correction_bias``)."""
+    owner, _, name = path.rpartition(".")
+    return getattr(block.get_submodule(owner) if owner else block, name)
 
 
 def _check_no_other_state(block: nn.Module, group: ExpertGroup, router: str, read: tuple[str, ...] = ()) -> None:
@@ -313,12 +345,7 @@ def _check_no_other_state(block: nn.Module, group: ExpertGroup, router: str, rea
     is the routing module's name (``gate`` or ``router``); ``read``: the block's tensors the fused path reads or
     writes as the block does (passed to its routing module, counters:
     NOTE [recorded router call] (moe_compile/experts/_swap_router_call.py))."""
-    experts = next((name for name, m in block.named_modules() if m is group.module), None)
-    owners = (router + ".", *(n + "." for n in _shared_modules(block) if n)) + ((experts + ".",) if experts else ())
-    # stacked weights on the block itself (its own rank-3 parameters) are the experts'
-    own = {lin.path for lin in group.linears} if group.module is block else set()
-    other = [n for n, _ in (*block.named_parameters(), *block.named_buffers())
-             if not n.startswith(owners) and n not in own and n not in read]
+    other = _other_state(block, group, router, read)
     if other:
         raise NotSwappable("block_state_unused", f"the block holds {', '.join(other[:4])}"
                                                  f"{' ...' if len(other) > 4 else ''}, which the fused path (gate, "
@@ -347,6 +374,8 @@ def _candidates(block: nn.Module, plan: _Plan) -> list[dict[str, Any]]:
     shared, shared_gate = _shared_modules(block)
     shareds = [(None, None)] + ([(shared, None)] if shared else []) + ([(shared, shared_gate)] if shared_gate else [])
     gate_weights = GATE_WEIGHTS if plan.router == "gate_linear" else ("softmax_topk",)
+    if plan.selection_bias:  # the bias moves the choice among probabilities: softmax first
+        gate_weights = ("softmax_topk_renorm", "softmax_topk")
     factor = getattr(block, "routed_scaling_factor", None)
     scales = (1.0,) + ((float(factor),) if isinstance(factor, (int, float)) and not isinstance(factor, bool)
                        and math.isfinite(factor) and factor != 1 else ())
@@ -429,7 +458,7 @@ def swap_block(block: nn.Module, group: ExpertGroup, identity_experts: int = 0) 
         NotSwappable: the block is left unchanged; ``tag`` says why.
     """
     plan = _plan_block(block, group, identity_experts)
-    weight = next(block.parameters())
+    weight = next(group.module.parameters())  # the tokens meet the experts in their dtype (a router may be fp32)
     if weight.dtype not in SUPPORTED_DTYPES:
         raise NotSwappable("dtype", f"{weight.dtype} (supported: bf16, fp16, fp32)")
     if group.kind == "module_list":
@@ -441,7 +470,7 @@ def swap_block(block: nn.Module, group: ExpertGroup, identity_experts: int = 0) 
             return tuple(projs[p] for p in plan.paths[:-1]), projs[plan.paths[-1]]
     hidden = _hidden_size(group, plan)
     was_training = [m.training for m in block.modules()]
-    with kept_buffers(block):  # the probe's forwards update counters: each buffer is put back after it
+    with kept_buffers(block), _perturbed(block, plan.selection_bias):  # counters put back; a bias made to matter
         block.eval()
         try:
             x = probe_input(block, hidden, weight.dtype, weight.device)
@@ -479,6 +508,25 @@ def swap_block(block: nn.Module, group: ExpertGroup, identity_experts: int = 0) 
     return (f"{group.kind} experts ({plan.num_experts}, {'gated' if plan.gated else 'plain'} "
             f"{'/'.join(plan.paths)}), weights {'before' if plan.weights_before else 'after'} the MLP{extras}: "
             "permute_pad -> grouped GEMMs -> unpad_unpermute")
+
+
+@contextlib.contextmanager
+def _perturbed(block: nn.Module, path: str | None) -> Iterator[None]:
+    """While the probe runs, the selection bias at ``path`` holds random values of the probabilities' scale (a bias
+    of zeros, as initialised, would let any reading of it pass); its own values are put back after."""
+    if path is None:
+        yield
+        return
+    bias = _tensor_at(block, path)
+    saved = bias.detach().clone()
+    gen = torch.Generator(device=bias.device).manual_seed(0)
+    with torch.no_grad():
+        bias.copy_((torch.rand(bias.shape, generator=gen, device=bias.device) - 0.5) * (2.0 / bias.numel()))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            bias.copy_(saved)
 
 
 def _verify_first(block: nn.Module, plan: _Plan, projections: Callable[[], list[Projection]], x: Tensor,

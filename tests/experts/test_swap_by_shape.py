@@ -402,3 +402,74 @@ def test_ids_past_the_experts_that_drop_the_token_are_not_swapped():
     records = swap_expert_loops(block)
     assert [r[1] for r in records] == ["skip"], records
     assert block.forward == forward
+
+
+class _Statics(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.correction = nn.Parameter(torch.zeros(1, E), requires_grad=False)  # zeros, as a model initialises it
+
+    def forward(self, probs: torch.Tensor) -> torch.Tensor:
+        return probs + self.correction.squeeze()
+
+
+class SelectionBiasBlock(nn.Module):
+    """ERNIE 4.5's routing: the choice on the probabilities plus a bias held by a child module, the weights the
+    unbiased probabilities renormalised; ``logits_bias``: the same tensor added to the logits instead (it then moves
+    the weights too, which the fused path's reading does not do)."""
+
+    def __init__(self, logits_bias: bool = False) -> None:
+        super().__init__()
+        self.logits_bias = logits_bias
+        self.k = 2
+        self.gate = nn.Linear(H, E, bias=False)
+        self.stats = _Statics()
+        self.experts = nn.ModuleList(_GatedExpert() for _ in range(E))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, H)
+        logits = self.gate(x)
+        if self.logits_bias:
+            probs = self.stats(logits).softmax(-1)
+            w, ids = probs.topk(self.k, dim=-1)
+        else:
+            probs = logits.softmax(-1)
+            ids = self.stats(probs).topk(self.k, dim=-1).indices
+            w = probs.gather(1, ids)
+        w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+        return out.reshape(hidden.shape)
+
+
+def test_selection_bias_in_a_child_module_is_read_and_probed_perturbed():
+    """A zero selection bias, as initialised, is swapped as what it is: the probe ran with it perturbed (and put it
+    back). Trained to other values afterwards, the swapped block follows it (within eager's bound); the same tensor
+    added to the logits instead is refused, though at zero it changes nothing the probe would see."""
+    torch.manual_seed(torch.seed() % 2**31)
+    block = SelectionBiasBlock()
+    records = swap_expert_loops(block)
+    assert [r[1:3] for r in records] == [("rewrite", "expert_loop_swapped")], records
+    assert torch.equal(block.stats.correction, torch.zeros(1, E))
+    with torch.no_grad():
+        block.stats.correction.uniform_(-0.2, 0.2)  # large enough to move the choice of some tokens
+    eager = SelectionBiasBlock()
+    eager.load_state_dict(block.state_dict())
+    x, cot = torch.randn(2, 7, H), torch.randn(2, 7, H)
+    ref_block = copy.deepcopy(eager).double()
+    want = tol.layer_step(eager, eager, x, cot)
+    ref = tol.layer_step(ref_block, ref_block, x, cot, torch.float64)
+    got = tol.layer_step(block, block, x, cot)
+    for step in (got, want, ref):
+        for name, p in eager.named_parameters():
+            if p.requires_grad:
+                step.setdefault(f"grad:{name}", torch.zeros_like(p, dtype=step["out"].dtype))
+    ok, worst, unjudged = tol.within_eager_bound(got, want, ref, dtype=torch.float32, always_judged=tuple(ref))
+    assert ok and not unjudged, (worst, unjudged)
+
+    other = SelectionBiasBlock(logits_bias=True)
+    forward = other.forward
+    assert [r[1] for r in swap_expert_loops(other)] == ["skip"]
+    assert other.forward == forward and torch.equal(other.stats.correction, torch.zeros(1, E))

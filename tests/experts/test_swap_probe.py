@@ -34,8 +34,12 @@ CASES = {
     # a load-balancing loss returned in training only: the eval probe never saw it
     "aux_loss_in_training": ({"aux_loss": True}, "probe_mismatch"),
     # DeepSeek-V3's selection bias (0.1 * randn per expert): changes some tokens' experts, at times none of a
-    # 256-token probe's (fuzzer run of 2026-11-27, layer 396): a tensor the fused path does not read is refused first
-    "selection_bias": ({"expert_bias": True, "top_k": 1}, "block_state_unused"),
+    # 256-token probe's (fuzzer run of 2026-11-27, layer 396). On softmax scores the fused path reads it (the choice
+    # on scores + bias, the weights the scores), probed with the bias perturbed so that it moves the choice
+    "selection_bias": ({"expert_bias": True, "top_k": 1, "score": "softmax"}, None),
+    # on sigmoid scores (DeepSeek-V3's own) that reading is not the block's: the perturbed probe refuses it
+    "selection_bias_sigmoid": ({"expert_bias": True, "top_k": 1, "score": "sigmoid"},
+                               ("probe_mismatch", "probe_grad_mismatch")),
 }
 
 

@@ -33,7 +33,8 @@ REWRITTEN = frozenset({
 REWRITTEN2 = frozenset({
     "aria_histc_sequential_gemm", "flaxformer_scatter_router", "maxtext_dense_capacity_einsum",
     "maxtext_sparse_argsort_gmm", "megatron_sigmoid_group_limited_grouped_mlp", "nanomoe_matmul_capacity",
-    "longcat_flash_zero_experts", "vllm_torch_moe_reference_masks", "xmoe_cosine_top2_index_put",
+    "ernie45_moe_statics_bias", "longcat_flash_zero_experts", "vllm_torch_moe_reference_masks",
+    "xmoe_cosine_top2_index_put",
 })
 
 
