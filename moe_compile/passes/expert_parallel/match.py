@@ -72,6 +72,7 @@ class Exchange:
     bound_why: str
     bincount: fx.Node | None  # bincount(ids, minlength=E) of the counts exchange, ids proven in [0, E)
     matched: str
+    topk_ids: fx.Node | None = None  # the router top-k's ids the exchanged counts count (any count form)
 
 
 def split_reads(sizes: Any, reads: dict[Any, HostRead]) -> fx.Node | None:
@@ -183,7 +184,7 @@ def match_exchange(send: fx.Node, order: dict[fx.Node, int], reads: dict[Any, Ho
     if E is None or E % W:
         raise NoMatch("counts_not_exchanged", f"{counts.name} has {E} counts, not W={W} blocks of L")
     _check_on_samples(counts, W, E // W, recv_sizes, perm, offs)
-    bound, why, bincount = _send_bound(send_counts, counts, N, W, E // W)
+    bound, why, bincount, topk_ids = _send_bound(send_counts, counts, N, W, E // W)
     matched = (f"all_to_all_single x2 at host-read splits (W={W}, L={E // W}, N={N}) + gather by a device "
                f"permutation + row-wise region ({len(region)} ops, {len(grouped_mms)}x grouped_mm) + "
                f"{op_name(inverse_nodes[0])} by the same permutation")
@@ -191,7 +192,7 @@ def match_exchange(send: fx.Node, order: dict[fx.Node, int], reads: dict[Any, Ho
                     num_rows=N, world=W, local=E // W, send_counts=send_counts, counts=counts, gather=gather,
                     perm=perm, grouped_mms=grouped_mms, offs=offs, region=region, inverse=inverse,
                     inverse_nodes=inverse_nodes, source=source, back=back, bound=bound, bound_why=why,
-                    bincount=bincount, matched=matched)
+                    bincount=bincount, matched=matched, topk_ids=topk_ids)
 
 
 # -- step 3: the region ---------------------------------------------------------------------------------------------
@@ -420,12 +421,14 @@ def _check_on_samples(counts: fx.Node, W: int, L: int, recv_sizes: fx.Node, perm
 
 
 # -- step 6: the bound ----------------------------------------------------------------------------------------------
-def _send_bound(send_counts: fx.Node, counts: fx.Node, N: int, W: int, L: int) -> tuple[int, str, fx.Node | None]:
-    """``(bound, why, bincount)``: rows one rank sends one rank, at most: ``T * min(K, L)`` when ``send_counts`` are
-    the per-rank sums of a top-k's histogram (each token picks an expert once), else ``N``; and the histogram when it
-    is a ``bincount(ids, minlength=E)`` of ids proven in ``[0, E)`` (a top-k over ``E`` scores), whose data-dependent
-    length the rewrite makes static."""
-    worst = (N, f"N={N}", None)
+def _send_bound(send_counts: fx.Node, counts: fx.Node, N: int, W: int,
+                L: int) -> tuple[int, str, fx.Node | None, fx.Node | None]:
+    """``(bound, why, bincount, topk_ids)``: rows one rank sends one rank, at most: ``T * min(K, L)`` when
+    ``send_counts`` are the per-rank sums of a top-k's histogram (each token picks an expert once), else ``N``; the
+    histogram when it is a ``bincount(ids, minlength=E)`` of ids proven in ``[0, E)`` (a top-k over ``E`` scores),
+    whose data-dependent length the rewrite makes static; and those top-k ids (whatever form counts them: the rewrite
+    marks its capacity on their router)."""
+    worst = (N, f"N={N}", None, None)
     base = counts
     while op_name(base) == WAIT:
         base = base.args[0]
@@ -461,4 +464,4 @@ def _send_bound(send_counts: fx.Node, counts: fx.Node, N: int, W: int, L: int) -
         return worst
     flat = tensor_val(hist.args[0])
     bincount = hist if op_name(hist) == "bincount" and flat is not None and flat.dim() == 1 else None
-    return min(N, T * min(K, L)), f"top-{K} of {T} tokens: T*min(K, L)={T * min(K, L)}", bincount
+    return min(N, T * min(K, L)), f"top-{K} of {T} tokens: T*min(K, L)={T * min(K, L)}", bincount, ids[-1]

@@ -142,7 +142,7 @@ def rewrite(graph: fx.Graph, ex: Exchange, S: int) -> str:
     stale = transitive_users(returned)
     refresh_example_values(sorted(stale, key=order.__getitem__))
     # router_metrics (metrics=True) then counts each destination's rows past S: moe/dropped_fraction (0 at the bound)
-    reported = ex.bincount is not None and mark_capacity(ex.bincount.args[0], S, group=L)
+    reported = ex.topk_ids is not None and mark_capacity(ex.topk_ids, S, group=L)
     static_counts = ex.bincount is not None and _static_histogram(graph, ex.bincount, W * L)
     row_bytes = _row_bytes(ex.rows)
     buffer = f"[{W * S}, {', '.join(str(d) for d in tensor_val(ex.rows).shape[1:])}]"
