@@ -62,8 +62,8 @@ biases) is not probed at all (``block_state_unused``): a probe can miss the few 
 ``[E]`` float tensor is read as a selection bias on the probabilities (ERNIE 4.5's ``moe_statics``), and the probe
 runs with it set to random values of the probabilities' scale (then put back), so that a zero bias, as initialised,
 cannot pass a reading that is not the block's. A routing module the block passes such a tensor to (torchtitan's
-expert bias), or whose counts the block adds to it, is called as the block calls it (NOTE [recorded router call]
-(moe_compile/experts/_swap_router_call.py)).
+expert bias), or whose counts the block adds to it, is called as the block calls it
+(NOTE [recorded router call] (moe_compile/experts/_swap_router_call.py)).
 
 NOTE [grouped views]: ``nn.ModuleList`` experts keep their per-expert ``nn.Parameter`` objects (same identity, so
 optimizers and their state stay valid; same ``state_dict`` keys and values). Each projection's weights are copied
