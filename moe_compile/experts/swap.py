@@ -303,9 +303,8 @@ def _plan_block(block: nn.Module, group: ExpertGroup, identity_experts: int) -> 
     plan.readings = tuple(r for r in readings[1:] if hidden_of[r] == hidden_of[readings[0]])
     if router not in ("route", "gate_call", "router_call"):  # those two: once their call is read (swap_block)
         other = _other_state(block, group, plan.router_module)
-        if router == "gate_linear" and len(other) == 1 and \
-                _tensor_at(block, other[0]).numel() == E + identity_experts and \
-                _tensor_at(block, other[0]).is_floating_point():
+        bias = _tensor_at(block, other[0]) if router == "gate_linear" and len(other) == 1 else None
+        if bias is not None and bias.numel() == E + identity_experts and bias.is_floating_point():
             plan.selection_bias = other[0]  # read for the choice; the perturbed probe says whether it is that
         else:
             _check_no_other_state(block, group, plan.router_module)

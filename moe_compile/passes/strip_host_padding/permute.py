@@ -51,27 +51,6 @@ def flat_base(node: Any) -> Any:
     return node
 
 
-def transposed_base(node: Any) -> Any:
-    """``m_TE`` for ``m_TE.T`` / ``.t()`` / ``.transpose(0, 1)`` / ``.permute(1, 0)`` [``.contiguous()``]."""
-    node = strip_casts(node, frozenset({"contiguous"}))
-    if not isinstance(node, fx.Node):
-        return None
-    name = op_name(node)
-    if name == "getattr" and node.args[1] in ("T", "mT"):
-        return node.args[0]
-    if name == "t":
-        return node.args[0]
-    if name == "transpose" and set(node.args[1:3]) in ({0, 1}, {-1, -2}, {0, -1}, {1, -2}):
-        return node.args[0]
-    if name == "permute" and tuple(node.args[1:]) in ((1, 0), ((1, 0),)):
-        return node.args[0]
-    return None
-
-
-def topk_indices(node: Any) -> bool:
-    return is_call(node, "getitem") and node.args[1] == 1 and is_call(node.args[0], "topk")
-
-
 def argsort_of(order: Any) -> fx.Node | None:
     """The 1-D ids sorted by ``order`` (an ascending ``argsort`` / ``sort(...)[1]`` along the last dim), or None."""
     ids = permutation_of(order)
