@@ -122,7 +122,24 @@ def _counts_of_known_size(graph: fx.Graph, node: fx.Node) -> str | None:
     return "bincount(ids, minlength=E) -> (ids[:, None] == arange(E)).sum(0)"
 
 
-_TRANSPOSES = ("t", "T", "transpose", "permute", "mT")
+def _swaps_two_dims(node: fx.Node) -> bool:
+    """``node`` is a 2-D tensor's transpose: ``.t()``, ``.T``, ``.mT``, ``transpose(0, 1)``, ``permute(1, 0)`` (a
+    ``transpose(0, 0)`` or ``permute(0, 1)`` is no transpose)."""
+    v = tensor_val(node)
+    if v is None or v.dim() != 2:
+        return False
+    name = op_name(node)
+    if name in ("t", "T", "mT") or (node.op == "call_function" and node.target is getattr
+                                    and node.args[1] in ("T", "mT")):
+        return True
+    dims = node.args[1:]
+    if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+        dims = tuple(dims[0])
+    if not all(isinstance(d, int) for d in dims):
+        return False
+    if name == "transpose":
+        return len(dims) == 2 and dims[0] % 2 != dims[1] % 2
+    return name == "permute" and tuple(d % 2 for d in dims) == (1, 0)
 
 
 def _transposed_2d(node: Any) -> tuple[bool, Any]:
@@ -132,11 +149,7 @@ def _transposed_2d(node: Any) -> tuple[bool, Any]:
         name = op_name(node)
         if name in ("contiguous", "bool", "clone"):
             node = node.args[0]
-        elif name in _TRANSPOSES or (node.op == "call_function" and node.target is getattr
-                                     and node.args[1] in ("T", "mT")):
-            v = tensor_val(node)
-            if v is None or v.dim() != 2:
-                break
+        elif _swaps_two_dims(node):
             flipped, node = not flipped, node.args[0]
         else:
             break
@@ -183,6 +196,13 @@ def _scattered_values(x_TE: Any, idx_TK: fx.Node) -> fx.Node | None:
         tuple(tensor_val(src).shape) == tuple(tensor_val(idx_TK).shape) else None
 
 
+def _broadcasts_to(shape: Any, target: tuple[int, ...]) -> bool:
+    try:
+        return tuple(torch.broadcast_shapes(tuple(shape), target)) == target
+    except RuntimeError:  # not broadcastable at all
+        return False
+
+
 def _routing_map_select(graph: fx.Graph, node: fx.Node) -> str | None:
     """Rule 6: ``X.masked_select(M)``, ``M`` (or ``M.T``) a routing map of a top-k over ``E`` (``K`` distinct ids per
     token: ``T*K`` selected, :func:`~moe_compile.passes.forms.counts.routing_map_ids`) -> ``X`` at those pairs."""
@@ -196,8 +216,7 @@ def _routing_map_select(graph: fx.Graph, node: fx.Node) -> str | None:
         return None
     T, E, K = known_int(mv.shape[0]), known_int(mv.shape[1]), known_int(iv.shape[1])
     shape = (E, T) if transposed else (T, E)
-    if None in (T, E, K) or not ids_below(idx_TK, E) or xv.dim() > 2 or \
-            tuple(torch.broadcast_shapes(tuple(xv.shape), shape)) != shape:
+    if None in (T, E, K) or not ids_below(idx_TK, E) or xv.dim() > 2 or not _broadcasts_to(xv.shape, shape):
         return None
     with graph.inserting_before(node):
         if transposed:

@@ -161,19 +161,21 @@ def test_masked_select_by_a_top_k_routing_map_gets_a_static_length():
     """Megatron's ``permute``: ``token_indices.masked_select(map.T)`` and ``probs.T.masked_select(map.T)``, and the
     untransposed ``x.masked_select(map)``: a top-k map selects exactly ``K`` per token, so the selections become
     gathers at the ``T*K`` pairs (``perm // K`` for the token indices), bitwise equal on fresh routings. A map that is
-    no top-k (``scores > 0``) keeps its ``masked_select``."""
+    no top-k (``scores > 0``) keeps its ``masked_select``, and so does a map through ``permute(0, 1)``, which is not
+    read as a transpose."""
 
     def select(scores: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         _, routing_map = _routing_map(scores)
         by_expert = routing_map.T.contiguous()
         tokens = torch.arange(scores.shape[0]).unsqueeze(0).expand(scores.shape[1], -1)
         return (tokens.masked_select(by_expert), probs.T.contiguous().masked_select(by_expert),
-                probs.masked_select(routing_map), probs.masked_select(scores > 0))
+                probs.masked_select(routing_map), probs.masked_select(routing_map.permute(0, 1)),
+                probs.masked_select(scores > 0))
 
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     before, after, records = _normalized(select, torch.randn(T, E, generator=gen), torch.rand(T, E, generator=gen))
     assert [r.what for r in records] == ["X.masked_select(routing map) -> X[rows, cols] of the top-k pairs x3"]
-    assert _ops(after)["masked_select"] == 1 and _ops(after)["floordiv"] >= 2, after.code
+    assert _ops(after)["masked_select"] == 2 and _ops(after)["floordiv"] >= 2, after.code
     for _ in range(3):
         scores, probs = torch.randn(T, E, generator=gen), torch.rand(T, E, generator=gen)
         got, want = after(scores, probs), before(scores, probs)
