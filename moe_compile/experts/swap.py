@@ -601,11 +601,11 @@ def swap_expert_loops(model: nn.Module, ep_capacity_factor: float | None = None)
     groups = [g for g in (*find_expert_weights(model), *_single_expert_lists(model))
               if id(g.module) not in zero_compute]
     groups += _flat_expert_groups(model, [*groups, *identity])
-    named = list(groups)
-    merged = sibling_stacked_groups(model, named + unnamed_stacked_groups(model, [*named, *identity]))
+    named = {id(g) for g in groups}
+    merged = sibling_stacked_groups(model, groups + unnamed_stacked_groups(model, [*groups, *identity]))
     # by shape alone: a module of two or more projections, or one-projection siblings merged (one alone is no MLP)
-    unnamed = [g for g in merged if not any(g is n for n in named) and len(g.linears) >= 2]
-    groups = [g for g in merged if any(g is n for n in named) or len(g.linears) >= 2]
+    unnamed = {id(g) for g in merged if id(g) not in named and len(g.linears) >= 2}
+    groups = [g for g in merged if id(g) in named or id(g) in unnamed]
     for group in [*groups, *identity, *module_dict_groups(model, [*groups, *identity])]:
         if is_hf_experts(group.module) or getattr(group.module, "_moe_compile_swapped", False):
             continue
@@ -624,7 +624,7 @@ def swap_expert_loops(model: nn.Module, ep_capacity_factor: float | None = None)
                     raise
                 detail = swap_block(block, group, extra)  # the probe decides whether they are identity experts
         except NotSwappable as why:
-            if why.tag == "no_router" and any(group is u for u in unnamed):
+            if why.tag == "no_router" and id(group) in unnamed:
                 continue  # rank-3 parameters no name calls experts, and nothing routes them: not a MoE layer
             if Z:  # the form the fused path cannot match keeps the family's tag, the probe's reason in its detail
                 records.append(_zero_compute_skip(group.name, group.module, f"{why.tag}: {why.detail}"))
